@@ -1,0 +1,216 @@
+"""The engine: requests in, tokens and text out, one round per step().
+
+    step(): propose drafts -> schedule -> run the model and draw -> accept, append, finish.
+
+Acceptance is the exactness rule of ARCHITECTURE.md: a drafted token is kept iff it equals the
+keyed draw at its position; the first mismatch is replaced by that draw, and a fully accepted
+run earns the bonus draw. So a drafted reply equals its serial one, token for token.
+"""
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tensorfold.engine.block_pool import BlockPool
+from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
+from tensorfold.engine.reply_text import ReplyText
+from tensorfold.engine.request import Request, Status
+from tensorfold.engine.runner import ModelRunner
+from tensorfold.engine.scheduler import Scheduler, SchedulerConfig
+from tensorfold.models.forward_batch import KVCache
+from tensorfold.models.loader import build_model, load_checkpoint
+from tensorfold.models.tokenizer import Tokenizer
+from tensorfold.sampling.keyed import request_seed
+from tensorfold.sampling.params import SamplingParams
+
+log = logging.getLogger("tensorfold.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    context: int | None = None       # served window; None = the model's max_position_embeddings
+    max_num_seqs: int = 8
+    max_tokens_per_step: int = 512
+    kv_cache_gib: float = 1.0
+    block_size: int = 32             # also the attention split: blocks align to absolute positions
+    drafting: bool = True
+    max_draft: int = 7
+    default_max_tokens: int = 4096
+    num_threads: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    request: Request
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    request: Request = field(repr=False)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, config: EngineConfig = EngineConfig()):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        started = time.perf_counter()
+        self.config = config
+        self.checkpoint = load_checkpoint(model_path)
+        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
+        self.model = build_model(self.checkpoint, DTYPES[config.dtype])
+        self.checkpoint.tensors = {}  # the model holds its own (converted) copies
+        args = self.model.args
+        self.context_length = min(config.context or args.max_position, args.max_position)
+        num_blocks = self._num_blocks(config, args)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.cache = KVCache.allocate(args.num_layers, num_blocks, config.block_size,
+                                      args.num_kv_heads, args.head_dim, DTYPES[config.dtype])
+        self.runner = ModelRunner(self.model, self.cache)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step), self.pool)
+        self.drafter = PromptLookupDrafter(max_depth=config.max_draft)
+        self.requests: dict[str, Request] = {}
+        self._texts: dict[str, ReplyText] = {}
+        self._drafts: dict[str, DraftState] = {}
+        self._ids = itertools.count()
+        self.load_seconds = time.perf_counter() - started
+        log.info("loaded %s (%s, %d layers, %s) in %.2fs; window %d tokens, KV pool %d blocks x %d",
+                 self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
+                 self.load_seconds, self.context_length, num_blocks, config.block_size)
+
+    def _num_blocks(self, config: EngineConfig, args) -> int:
+        per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
+                                            DTYPES[config.dtype])
+        budget = int(config.kv_cache_gib * 2**30) // (per_token * config.block_size)
+        one_window = -(-self.context_length // config.block_size)
+        return max(budget, one_window)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, req_id: str | None = None,
+                    priority: int = 0) -> str:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
+                             f"{self.context_length}-token window")
+        max_tokens = params.max_tokens if params.max_tokens is not None else \
+            min(self.config.default_max_tokens, room)
+        if max_tokens > room:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds the "
+                             f"{self.context_length}-token window")
+        req_id = req_id or f"req-{next(self._ids)}"
+        params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
+        req = Request(req_id, list(prompt_ids), params, request_seed(params.seed, prompt_ids),
+                      frozenset(self.tokenizer.eos_token_ids), priority)
+        self.scheduler.add(req)
+        self.requests[req_id] = req
+        self._texts[req_id] = ReplyText(self.tokenizer.detokenizer(prompt_ids), params.stop)
+        self._drafts[req_id] = DraftState()
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        req = self.requests.get(req_id)
+        if req is not None and req.status is not Status.FINISHED:
+            self._finish(req, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the round --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self._propose_drafts()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        started = time.perf_counter()
+        drawn = self.runner.execute(plan)
+        elapsed = time.perf_counter() - started
+        outputs = []
+        for scheduled, draws in zip(plan.requests, drawn):
+            req = self.requests[scheduled.req_id]
+            if req.output_ids or scheduled.num_drafts:
+                req.stats.decode_s += elapsed
+            else:
+                req.stats.prefill_s += elapsed
+            if not draws:  # a prefill chunk short of the prompt's end
+                req.num_computed_tokens += len(scheduled.token_ids)
+                continue
+            outputs.append(self._accept(req, scheduled, draws))
+        return outputs
+
+    def _propose_drafts(self) -> None:
+        for req in self.scheduler.running:
+            req.draft_ids = []
+            if not (self.config.drafting and req.params.draft and req.output_ids):
+                continue
+            # Leave room for the correction/bonus draw inside max_tokens.
+            limit = req.max_tokens - len(req.output_ids) - 1
+            tokens = req.prompt_ids + req.output_ids
+            req.draft_ids = self.drafter.propose(tokens, self._drafts[req.req_id], limit)
+
+    def _accept(self, req: Request, scheduled, draws: list[int]) -> RequestOutput:
+        drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_drafts:]
+        accepted = 0
+        while accepted < len(drafts) and draws[accepted] == drafts[accepted]:
+            accepted += 1
+        new_tokens = draws[:accepted + 1]
+        req.num_computed_tokens += len(scheduled.token_ids) - len(drafts) + accepted
+        req.stats.drafted += len(drafts)
+        req.stats.accepted += accepted
+        self.drafter.update(self._drafts[req.req_id], len(drafts), accepted)
+        if req.stats.first_token_s is None:
+            req.stats.first_token_s = time.perf_counter()
+
+        text, appended, reason = self._texts[req.req_id], [], None
+        pieces = []
+        for token in new_tokens:
+            req.output_ids.append(token)
+            appended.append(token)
+            is_eos = token in req.eos_ids and not req.params.ignore_eos
+            if not is_eos:
+                pieces.append(text.push(token))
+            if text.stopped or is_eos:
+                reason = "stop"
+            elif len(req.output_ids) >= req.max_tokens:
+                reason = "length"
+            if reason:
+                break
+        if reason:
+            pieces.append(text.finish())
+            self._finish(req, reason)
+        return RequestOutput(req.req_id, appended, "".join(pieces), reason is not None, reason, req)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.scheduler.finish(req)
+        self._texts.pop(req.req_id, None)
+        self._drafts.pop(req.req_id, None)
+        self.requests.pop(req.req_id, None)
+
+    # -- convenience ------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> Completion:
+        """Run one request to the end (other queued requests advance too)."""
+        req_id = self.add_request(prompt_ids, params)
+        req = self.requests[req_id]
+        pieces = []
+        while req.status is not Status.FINISHED:
+            for out in self.step():
+                if out.req_id == req_id:
+                    pieces.append(out.new_text)
+        return Completion(list(req.output_ids), "".join(pieces), req.finish_reason, req)

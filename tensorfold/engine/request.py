@@ -1,0 +1,68 @@
+"""One request's state as the engine sees it: tokens, how many are in the cache, its blocks.
+
+The scheduling rule (as in vLLM v1): `num_computed_tokens` chases `num_tokens` (+ drafts).
+A prefill chunk, a decode row, a prefix-cache hit and a drafted run are all just counts.
+Invariant: num_computed_tokens <= num_tokens - 1 while running (the newest token is always fed
+again as the input of the next row), and the cache holds valid K/V for positions
+[0, num_computed_tokens).
+"""
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tensorfold.sampling.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestStats:
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams        # max_tokens is concrete here
+    seed: int
+    eos_ids: frozenset[int]
+    priority: int = 0             # 0 foreground, 1 background: lower runs first
+    output_ids: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold in the cache (prompt + reply)."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]

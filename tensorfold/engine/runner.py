@@ -1,0 +1,46 @@
+"""Executes a StepPlan: builds the flattened batch, runs the model, draws each row's token.
+
+It decides nothing: which rows run and which draws are kept is the scheduler's and the
+engine's business. The draws are keyed (seed, position, token), so they do not depend on what
+else shares the round.
+"""
+import torch
+
+from tensorfold.engine.step_plan import StepPlan
+from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
+from tensorfold.sampling.sampler import sample
+
+
+class ModelRunner:
+    def __init__(self, model, cache: KVCache):
+        self.model = model
+        self.cache = cache
+
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        """One forward; returns, per scheduled request, the tokens drawn for its rows."""
+        batch = self._batch(plan)
+        logits = self.model.forward(batch, self.cache)  # [num_draw_rows, vocab]
+        rows = [row for req in plan.requests for row in req.rows]
+        drawn = sample(logits, rows) if rows else []
+        out, i = [], 0
+        for req in plan.requests:
+            out.append(drawn[i:i + len(req.rows)])
+            i += len(req.rows)
+        return out
+
+    def _batch(self, plan: StepPlan) -> ForwardBatch:
+        block_size = self.cache.block_size
+        input_ids, positions, slots, sequences, logits_rows = [], [], [], [], []
+        for req in plan.requests:
+            start_row = len(input_ids)
+            num = len(req.token_ids)
+            pos = range(req.start_position, req.start_position + num)
+            input_ids += req.token_ids
+            positions += pos
+            slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in pos]
+            sequences.append(SequenceRows(start_row, start_row + num,
+                                          torch.tensor(req.block_ids, dtype=torch.int64)))
+            logits_rows += range(start_row + num - len(req.rows), start_row + num)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        return ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slots),
+                            sequences, as_tensor(logits_rows))

@@ -1,0 +1,31 @@
+"""What one engine round runs: the scheduler writes it, the runner executes it, nothing else.
+
+For each scheduled request: the tokens fed this round (from position `start_position`), the
+cache blocks they read and write, and the sampling settings of each row that needs a draw
+(the last `len(rows)` fed tokens: the end of a prompt, a decode row, and drafted rows).
+"""
+from dataclasses import dataclass, field
+
+from tensorfold.sampling.sampler import RowSampling
+
+
+@dataclass
+class ScheduledRequest:
+    req_id: str
+    token_ids: list[int]          # fed tokens, positions start_position ...
+    start_position: int
+    block_ids: list[int]
+    rows: list[RowSampling]       # draws for the last len(rows) fed tokens, in order
+    num_drafts: int = 0           # how many of the fed tokens are drafted (the tail)
+
+
+@dataclass
+class StepPlan:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)

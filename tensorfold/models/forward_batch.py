@@ -1,0 +1,50 @@
+"""The tensors one forward reads: a flattened batch of rows from several sequences, and the cache.
+
+Rows of one sequence are contiguous and in position order; a sequence may contribute a prefill
+chunk, one decode row, or a drafted run to verify: the model does not care which.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceRows:
+    start: int                 # first row of this sequence in the flattened batch
+    end: int                   # one past its last row
+    block_table: torch.Tensor  # [num_blocks] int64: cache blocks holding positions 0, 1, ...
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor     # [num_rows] int64
+    positions: torch.Tensor     # [num_rows] int64, absolute positions in their sequences
+    slot_mapping: torch.Tensor  # [num_rows] int64, flat cache slot each row's K/V is written to
+    sequences: list[SequenceRows]
+    logits_rows: torch.Tensor   # [num_logits] int64, rows whose logits are returned
+
+
+@dataclass
+class KVCache:
+    """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> "KVCache":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return cls([torch.zeros(shape, dtype=dtype) for _ in range(num_layers)],
+                   [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)])
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

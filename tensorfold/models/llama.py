@@ -1,0 +1,105 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3): GQA, RMSNorm, SwiGLU, rope, optional tied head.
+
+Weights arrive as a dict of Hugging Face parameter names; Q/K/V and gate/up are fused into one
+GEMM each. Every op comes from `ops` (the backend's batch-invariant set), so the same file runs
+the cpu reference and the cuda kernels.
+"""
+import torch
+
+from tensorfold.kernels import reference
+from tensorfold.kernels.paged_attention import paged_attention_ref, write_kv_ref
+from tensorfold.models.checkpoint import CheckpointError
+from tensorfold.models.config import ModelArgs, rope_inv_freq
+from tensorfold.models.forward_batch import ForwardBatch, KVCache
+
+
+class Layer:
+    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, dtype: torch.dtype, window: int | None):
+        def get(name):
+            return _take(tensors, prefix + name, dtype)
+
+        def maybe(name):
+            return get(name) if prefix + name in tensors else None
+
+        attn, mlp = "self_attn.", "mlp."
+        self.input_norm = get("input_layernorm.weight")
+        self.post_attn_norm = get("post_attention_layernorm.weight")
+        self.qkv = torch.cat([get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")])
+        biases = [maybe(attn + f"{p}_proj.bias") for p in "qkv"]
+        self.qkv_bias = torch.cat(biases) if biases[0] is not None else None
+        self.o = get(attn + "o_proj.weight")
+        self.o_bias = maybe(attn + "o_proj.bias")
+        self.gate_up = torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
+        self.down = get(mlp + "down_proj.weight")
+        self.q_norm = maybe(attn + "q_norm.weight")  # qwen3
+        self.k_norm = maybe(attn + "k_norm.weight")
+        self.window = window
+
+
+class Model:
+    """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows."""
+
+    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=reference):
+        self.args = args
+        self.dtype = dtype
+        self.ops = ops
+        self.embed = _take(tensors, "model.embed_tokens.weight", dtype)
+        if self.embed.shape != (args.vocab_size, args.hidden_size):
+            raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
+                                  f"config says ({args.vocab_size}, {args.hidden_size})")
+        self.layers = [Layer(tensors, f"model.layers.{i}.", args, dtype, args.layer_windows[i])
+                       for i in range(args.num_layers)]
+        self.norm = _take(tensors, "model.norm.weight", dtype)
+        if "lm_head.weight" in tensors:
+            self.lm_head = _take(tensors, "lm_head.weight", dtype)
+        elif args.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
+        inv_freq, rope_scale = rope_inv_freq(args.rope, args.head_dim)
+        self.cos, self.sin = reference.rope_table(inv_freq, rope_scale, args.max_position)
+        self.scale = args.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        a = self.args
+        h = self.embed[batch.input_ids]  # [num_rows, hidden]
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [num_rows, head_dim]
+        residual = h
+        for i, layer in enumerate(self.layers):
+            x = self.ops.rms_norm(residual, layer.input_norm, a.rms_norm_eps)
+            x = self._attention(layer, x, batch, cos, sin, cache.k[i], cache.v[i])
+            residual = residual + x
+            x = self.ops.rms_norm(residual, layer.post_attn_norm, a.rms_norm_eps)
+            gate_up = self.ops.linear(x, layer.gate_up)  # [num_rows, 2 * intermediate]
+            gate, up = gate_up.split(a.intermediate_size, dim=-1)
+            residual = residual + self.ops.linear(self.ops.silu_and_mul(gate, up), layer.down)
+        last = self.ops.rms_norm(residual[batch.logits_rows], self.norm, a.rms_norm_eps)
+        return self.ops.linear(last, self.lm_head).float()  # [num_logits, vocab]
+
+    def _attention(self, layer: Layer, x, batch: ForwardBatch, cos, sin, k_cache, v_cache):
+        a = self.args
+        num_rows = x.shape[0]
+        qkv = self.ops.linear(x, layer.qkv, layer.qkv_bias)
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        q = qkv[:, :q_size].reshape(num_rows, a.num_heads, a.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(num_rows, a.num_kv_heads, a.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(num_rows, a.num_kv_heads, a.head_dim)
+        if layer.q_norm is not None:
+            q = self.ops.rms_norm(q, layer.q_norm, a.rms_norm_eps)
+            k = self.ops.rms_norm(k, layer.k_norm, a.rms_norm_eps)
+        q = self.ops.apply_rope(q, cos, sin)
+        k = self.ops.apply_rope(k, cos, sin)
+        write_kv_ref(k_cache, v_cache, k, v, batch.slot_mapping)
+        out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
+        for seq in batch.sequences:
+            rows = slice(seq.start, seq.end)
+            out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, batch.positions[rows],
+                                            seq.block_table, self.scale, layer.window)
+        return self.ops.linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
+
+
+def _take(tensors: dict, name: str, dtype: torch.dtype) -> torch.Tensor:
+    if name not in tensors:
+        raise CheckpointError(f"missing tensor '{name}'")
+    return tensors[name].to(dtype).contiguous()

@@ -1,0 +1,30 @@
+"""One entry point for every checkpoint format: a HF directory, a .gguf file, or the default model."""
+import os
+
+import torch
+
+from tensorfold.models.checkpoint import Checkpoint, CheckpointError
+from tensorfold.models.config import ModelArgs
+from tensorfold.models.registry import model_class
+
+
+def load_checkpoint(path: str | None = None) -> Checkpoint:
+    from tensorfold.models import gguf_file
+    from tensorfold.models.hf_dir import load_hf_dir
+
+    if path is None:
+        path = gguf_file.default_model_path()
+    if os.path.isdir(path):
+        return load_hf_dir(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.endswith(".gguf"):
+        return gguf_file.load_gguf(path)
+    raise CheckpointError(f"{path}: expected a Hugging Face directory or a .gguf file")
+
+
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops=None):
+    args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
+    cls = model_class(ckpt.architecture, ckpt.path)
+    kwargs = {} if ops is None else {"ops": ops}
+    return cls(args, ckpt.tensors, dtype, **kwargs)
