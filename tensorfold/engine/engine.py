@@ -9,12 +9,13 @@ run earns the bonus draw. So a drafted reply equals its serial one, token for to
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from tensorfold.engine.block_pool import BlockPool
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
+from tensorfold.engine.probes import probe_ops
 from tensorfold.engine.reply_text import ReplyText
 from tensorfold.engine.request import Request, Status
 from tensorfold.engine.runner import ModelRunner
@@ -42,6 +43,7 @@ class EngineConfig:
     max_draft: int = 7
     default_max_tokens: int = 4096
     num_threads: int | None = None
+    probe: bool = True               # check batch invariance on the model's shapes at startup
 
 
 @dataclass
@@ -72,6 +74,14 @@ class Engine:
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.model = build_model(self.checkpoint, DTYPES[config.dtype])
         self.checkpoint.tensors = {}  # the model holds its own (converted) copies
+        self.probe_failures = probe_ops(self.model, self.model.ops) if config.probe else []
+        if self.probe_failures:
+            # Without a batch-invariant forward, batching, chunking and drafting could change a
+            # reply: serve one request at a time, whole prompts, no drafts.
+            log.error("EXACT MODE REFUSED: batch-invariance probes failed on this machine: %s. "
+                      "Serving one request at a time without drafts.", "; ".join(self.probe_failures))
+            config = replace(config, max_num_seqs=1, drafting=False, max_tokens_per_step=1 << 30)
+            self.config = config
         args = self.model.args
         self.context_length = min(config.context or args.max_position, args.max_position)
         num_blocks = self._num_blocks(config, args)
@@ -129,6 +139,11 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def exact(self) -> bool:
+        """Whether the batch-invariance probes passed (replies equal solo, serial, fresh runs)."""
+        return not self.probe_failures
 
     # -- the round --------------------------------------------------------------------------
 

@@ -1,0 +1,86 @@
+"""Startup probes: does every op on the model's path keep a row's bits whatever shares its call?
+
+The batch-invariant ops (kernels/reference.py) rest on observed behaviour of torch's CPU
+kernels, not on a documented contract, so the engine checks them on the loaded model's real
+shapes and dtype before promising exactness. For each op a few random rows are computed alone,
+then inside larger batches at several places; any bit that moves is a failure, and the server
+then refuses exact mode loudly (logged and reported by /health) instead of serving replies that
+could differ between solo and batched runs.
+"""
+import torch
+
+from tensorfold.kernels.paged_attention import paged_attention_ref
+
+BATCH_SIZES = (2, 3, 7, 8, 13, 64)
+
+
+def _rows_invariant(fn, make_rows, name: str, failures: list[str]) -> None:
+    probe = make_rows(1)
+    alone = fn(probe)
+    for m in BATCH_SIZES:
+        for place in sorted({0, m // 2, m - 1}):
+            batch = make_rows(m)
+            batch[place] = probe[0]
+            got = fn(batch)[place]
+            if not torch.equal(got, alone[0]):
+                failures.append(f"{name}: row differs at batch {m}, place {place}")
+                return
+
+
+def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
+    """Run every probe; returns the failures (empty when the path is batch-invariant)."""
+    a = model.args
+    dtype = model.dtype
+    gen = torch.Generator().manual_seed(1234)
+    failures: list[str] = []
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    layer = model.layers[0]
+    gemms = {"qkv": layer.qkv, "o_proj": layer.o, "gate_up": layer.gate_up, "down": layer.down,
+             "lm_head": model.lm_head}
+    for name, weight in gemms.items():
+        _rows_invariant(lambda x, w=weight: ops.linear(x, w), lambda m, k=weight.shape[1]: randn(m, k),
+                        f"linear {name} {tuple(weight.shape)}", failures)
+    _rows_invariant(lambda x: ops.rms_norm(x, layer.input_norm, a.rms_norm_eps),
+                    lambda m: randn(m, a.hidden_size), "rms_norm", failures)
+    _rows_invariant(lambda x: ops.silu_and_mul(x, x), lambda m: randn(m, a.intermediate_size),
+                    "silu_and_mul", failures)
+    _probe_attention(model, randn, failures)
+    before = torch.get_num_threads()
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            x = torch.randn(5, layer.qkv.shape[1], generator=torch.Generator().manual_seed(7)).to(dtype)
+            if n == threads[0]:
+                reference = ops.linear(x, layer.gate_up)
+            elif not torch.equal(ops.linear(x, layer.gate_up), reference):
+                failures.append(f"linear gate_up: result depends on the thread count ({threads})")
+    finally:
+        torch.set_num_threads(before)
+    return failures
+
+
+def _probe_attention(model, randn, failures: list[str]) -> None:
+    """A query row alone vs inside a prefill chunk of other rows of the same sequence."""
+    a = model.args
+    block_size = 32
+    num_blocks = 6
+    k_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim)
+    v_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim)
+    table = torch.tensor([4, 1, 5, 0, 2, 3])
+    q = randn(150, a.num_heads, a.head_dim)
+    positions = torch.arange(150)
+    scale = a.head_dim ** -0.5
+    whole = paged_attention_ref(q, k_cache, v_cache, positions, table, scale)
+    for row in (0, 31, 32, 77, 149):
+        alone = paged_attention_ref(q[row:row + 1], k_cache, v_cache, positions[row:row + 1], table, scale)
+        if not torch.equal(alone[0], whole[row]):
+            failures.append(f"paged attention: row at position {row} differs alone vs in a 150-row chunk")
+            return
+    for start, end in ((13, 40), (100, 150), (64, 65)):
+        part = paged_attention_ref(q[start:end], k_cache, v_cache, positions[start:end], table, scale)
+        if not torch.equal(part, whole[start:end]):
+            failures.append(f"paged attention: chunk [{start}, {end}) differs from the whole prefill")
+            return
