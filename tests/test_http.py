@@ -13,14 +13,16 @@ import time
 import pytest
 
 from tensorfold.api.errors import ApiError
-from tensorfold.http.messages import EventStream, HttpRequest, HttpResponse, encode_event
+from tensorfold.http.messages import (DeferredResponse, EventStream, HttpRequest, HttpResponse,
+                                      encode_event)
 from tensorfold.http.router import Router
 from tensorfold.http.server import HttpServer, Limits
 
 
 class FakeApp:
     """An engine stand-in: each tick() writes one event into every running stream and ends a
-    stream after `num_events`; a disconnect cancels the stream's job, as the real app will."""
+    stream after `num_events` (a deferred reply is resolved then); a disconnect cancels the
+    job, as the real app will."""
 
     def __init__(self, num_events=3, event_bytes=0, tick_s=0.0):
         self.num_events, self.event_bytes, self.tick_s = num_events, event_bytes, tick_s
@@ -32,12 +34,17 @@ class FakeApp:
         self._next_id = 0
 
     def start_stream(self, request: HttpRequest) -> EventStream:
+        return self._start(EventStream())
+
+    def start_deferred(self, request: HttpRequest) -> DeferredResponse:
+        return self._start(DeferredResponse())
+
+    def _start(self, sink):
         job_id, self._next_id = self._next_id, self._next_id + 1
-        stream = EventStream()
-        stream.on_disconnect = lambda: self.cancel(job_id)
-        self.jobs[job_id] = [stream, 0]
-        self.streams.append(stream)
-        return stream
+        sink.on_disconnect = lambda: self.cancel(job_id)
+        self.jobs[job_id] = [sink, 0]
+        self.streams.append(sink)
+        return sink
 
     def cancel(self, job_id):
         self.cancelled.append(job_id)
@@ -47,12 +54,18 @@ class FakeApp:
         if self.tick_s:
             time.sleep(self.tick_s)
         for job_id, job in list(self.jobs.items()):
-            stream, n = job
-            stream.send({"job": job_id, "n": n, "pad": "x" * self.event_bytes})
+            sink, n = job
             job[1] = n + 1
-            if self.num_events is not None and job[1] == self.num_events:
-                stream.send("[DONE]")
-                stream.close()
+            done = self.num_events is not None and job[1] == self.num_events
+            if isinstance(sink, DeferredResponse):
+                if done:
+                    sink.resolve(HttpResponse.json_response({"job": job_id, "rounds": job[1]}))
+            else:
+                sink.send({"job": job_id, "n": n, "pad": "x" * self.event_bytes})
+                if done:
+                    sink.send("[DONE]")
+                    sink.close()
+            if done:
                 del self.jobs[job_id]
         self.num_ticks += 1
         return bool(self.jobs) or bool(self.tick_s)
@@ -86,6 +99,7 @@ def make_router(app: FakeApp | None = None) -> Router:
     router.add("GET", "/refuse", refuse)
     if app is not None:
         router.add("GET", "/stream", app.start_stream)
+        router.add("GET", "/deferred", app.start_deferred)
     return router
 
 
@@ -393,6 +407,34 @@ def test_sse_stream_headers_events_then_keep_alive():
         assert status == 200 and headers["content-type"] == "text/event-stream"
         assert reader.response()[0] == 200
         assert app.cancelled == [2] and app.streams[2].disconnected
+
+
+def test_deferred_response_resolved_in_a_later_round():
+    app = FakeApp(num_events=10, tick_s=0.02)
+    with serving(make_router(app), tick=app.tick) as server:
+        sock = connect(server)
+        reader = Reader(sock)
+        sock.sendall(get("/deferred") + get("/echo/after"))
+        time.sleep(0.05)
+        other = connect(server)              # served while the deferred reply waits
+        other.sendall(get("/health"))
+        assert Reader(other).response()[0] == 200
+        assert app.jobs
+        status, _, body = reader.response()
+        assert status == 200 and json.loads(body) == {"job": 0, "rounds": 10}
+        status, _, body = reader.response()
+        assert status == 200 and json.loads(body)["word"] == "after"
+        # the client leaves before its reply: the job is cancelled, nothing breaks
+        app.num_events = None
+        sock.sendall(get("/deferred"))
+        time.sleep(0.05)
+        reader.file.close()
+        sock.close()
+        deadline = time.monotonic() + 3
+        while not app.cancelled and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert app.cancelled == [1] and app.streams[1].disconnected and not app.jobs
+        app.streams[1].resolve(HttpResponse.json_response({}))    # late: dropped
 
 
 @pytest.mark.parametrize("how", ["close", "reset"])

@@ -1,14 +1,16 @@
-"""What handlers take and give back: HttpRequest, HttpResponse and EventStream.
+"""What handlers take and give back: HttpRequest, HttpResponse, EventStream, DeferredResponse.
 
 A handler gets an HttpRequest whose body is already read whole, and returns an HttpResponse
-(sent at once) or an EventStream (server-sent events written over time, from engine rounds).
-These types know nothing of sockets. An EventStream only queues encoded events and pokes
-whoever serves it; the server moves them to the socket when it can, in order.
+(sent at once), an EventStream (server-sent events written over time, from engine rounds) or a
+DeferredResponse (one whole response the app resolves in a later engine round). These types
+know nothing of sockets: the last two only hold what the app gave them and poke whoever
+serves them; the server moves it to the socket when it can.
 
-Invariants of an EventStream:
-- events reach the client in the order send() was called; close() ends the body after them;
-- on_disconnect is called at most once, and only if the client goes away before close();
-- after the client is gone send() drops its event (the app may learn of it a round late).
+Invariants of the two pending replies:
+- a stream's events reach the client in the order send() was called; close() ends the body;
+- on_disconnect is called at most once, and only if the client goes away before the app
+  finished (close() or resolve()); the app cancels its request there;
+- once the client is gone, send() and resolve() are dropped (the app may learn a round late).
 """
 from __future__ import annotations
 
@@ -86,18 +88,70 @@ def encode_event(data: dict | list | str, event: str | None = None) -> bytes:
     return ("\n".join(lines) + "\n\n").encode()
 
 
-class EventStream:
+class _PendingReply:
+    """What EventStream and DeferredResponse share: the disconnect callback and the server's poke."""
+
+    def __init__(self):
+        self.on_disconnect: Callable[[], None] | None = None
+        self.disconnected = False           # the client went away before the last byte went out
+        self._wake: Callable[[], None] | None = None  # set by the server while it serves us
+
+    @property
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake()
+
+    def _client_gone(self) -> None:
+        """Called by the server when the connection is lost before the reply was delivered."""
+        if self.disconnected:
+            return
+        self.disconnected = True
+        self._wake = None
+        if not self.finished and self.on_disconnect is not None:
+            try:
+                self.on_disconnect()
+            except Exception:
+                log.exception("on_disconnect callback failed")
+
+
+class DeferredResponse(_PendingReply):
+    """A whole response that takes engine rounds (a non-streamed reply). The handler returns it;
+    the app calls resolve() once, from a later round, on the server's thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.response: HttpResponse | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.response is not None
+
+    def resolve(self, response: HttpResponse) -> None:
+        if self.response is not None:
+            raise RuntimeError("DeferredResponse.resolve() called twice")
+        if self.disconnected:
+            return
+        self.response = response
+        self._poke()
+
+
+class EventStream(_PendingReply):
     """A server-sent-events response. The handler returns it; the app writes events into it
     from engine rounds (on the server's thread) and calls close() after the last one."""
 
     def __init__(self, headers: Sequence[tuple[str, str]] = ()):
+        super().__init__()
         self.headers = list(headers)        # extra response headers
-        self.on_disconnect: Callable[[], None] | None = None
         self.closed = False                 # close() was called
-        self.disconnected = False           # the client went away before the last byte went out
         self.buffered_bytes = 0             # written by the server: bytes not yet taken by the socket
         self._queue: list[bytes] = []       # encoded events the server has not picked up yet
-        self._wake: Callable[[], None] | None = None  # set by the server while it serves us
+
+    @property
+    def finished(self) -> bool:
+        return self.closed
 
     def send(self, data: dict | list | str, *, event: str | None = None) -> None:
         if self.closed:
@@ -114,23 +168,10 @@ class EventStream:
             self.closed = True
             self._poke()
 
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake()
-
     def _take(self) -> list[bytes]:
         queue, self._queue = self._queue, []
         return queue
 
     def _client_gone(self) -> None:
-        """Called by the server when the connection is lost before the stream was delivered."""
-        if self.disconnected:
-            return
-        self.disconnected = True
         self._queue.clear()
-        self._wake = None
-        if not self.closed and self.on_disconnect is not None:
-            try:
-                self.on_disconnect()
-            except Exception:
-                log.exception("on_disconnect callback failed")
+        super()._client_gone()

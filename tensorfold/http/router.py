@@ -15,11 +15,12 @@ from typing import Callable, Union
 from urllib.parse import unquote
 
 from tensorfold.api.errors import ApiError
-from tensorfold.http.messages import EventStream, HttpRequest, HttpResponse
+from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest, HttpResponse
 
 log = logging.getLogger("tensorfold.http")
 
-Handler = Callable[[HttpRequest], Union[HttpResponse, EventStream]]
+Reply = Union[HttpResponse, EventStream, DeferredResponse]
+Handler = Callable[[HttpRequest], Reply]
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Router:
             raise ValueError(f"route pattern must start with '/': {pattern!r}")
         self._routes.append(_Route(method.upper(), tuple(pattern.split("/")[1:]), handler))
 
-    def dispatch(self, request: HttpRequest) -> HttpResponse | EventStream:
+    def dispatch(self, request: HttpRequest) -> Reply:
         parts = [unquote(p) for p in request.path.split("/")[1:]] if request.path.startswith("/") else []
         method = "GET" if request.method == "HEAD" else request.method
         allowed = set()
@@ -74,7 +75,7 @@ class Router:
                                   headers=[("allow", allow)])
 
     @staticmethod
-    def _call(handler: Handler, request: HttpRequest) -> HttpResponse | EventStream:
+    def _call(handler: Handler, request: HttpRequest) -> Reply:
         try:
             result = handler(request)
         except ApiError as err:
@@ -82,8 +83,8 @@ class Router:
         except Exception:
             log.exception("handler for %s %s failed", request.method, request.path)
             return server_error()
-        if not isinstance(result, (HttpResponse, EventStream)):
-            log.error("handler for %s %s returned %r, not an HttpResponse or EventStream",
+        if not isinstance(result, (HttpResponse, EventStream, DeferredResponse)):
+            log.error("handler for %s %s returned %r, not a reply type",
                       request.method, request.path, type(result).__name__)
             return server_error()
         return result

@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl
 
 import h11
 
-from tensorfold.http.messages import EventStream, HttpRequest, HttpResponse
+from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest, HttpResponse
 from tensorfold.http.router import Router, server_error
 
 log = logging.getLogger("tensorfold.http")
@@ -48,14 +48,15 @@ class Limits:
 # - PAUSED: the client sent its next (pipelined) request while ours is in progress. We parse none
 #   of it until our response is fully written, so answers go out in order and a client that
 #   pipelines without reading makes us buffer nothing. We keep reading only to notice EOF or a
-#   reset while a stream runs, and stop once max_header_bytes wait unparsed (TCP back-pressure).
+#   reset while a reply is pending, and stop once max_header_bytes wait unparsed (TCP back-pressure).
 # - Write: responses and stream events go into `out`; we send what the socket takes and wait for
 #   EVENT_WRITE for the rest, so a slow reader only grows its own buffer and never blocks the loop.
 # - Cycle end: once our response is written, MUST_CLOSE (or a client EOF) closes (after a short
 #   linger that drains the client's unread bytes, so our last response is not lost to a reset);
 #   otherwise start_next_cycle and parse whatever was pipelined.
-# - The client going away (EOF or reset on read, an error on write, a write stall) while a stream
-#   is undelivered calls stream.on_disconnect once; the app cancels its request there.
+# - A pending reply (EventStream, DeferredResponse) is filled by the app between polls; it pokes
+#   the server, which pumps its connection. The client going away (EOF or reset on read, an error
+#   on write, a write stall) before the reply is delivered calls its on_disconnect once.
 class _Connection:
     def __init__(self, sock: socket.socket, peer, server: HttpServer):
         self.sock, self.peer = sock, peer
@@ -71,7 +72,7 @@ class _Connection:
         self.head: h11.Request | None = None
         self.body = bytearray()
         self.started = 0.0
-        self.stream: EventStream | None = None
+        self.reply: EventStream | DeferredResponse | None = None   # pending, filled by the app
         self.deadline_kind, self.deadline = "idle", time.monotonic() + self.limits.header_timeout_s
         self.write_deadline: float | None = None
         self.events = selectors.EVENT_READ
@@ -98,7 +99,7 @@ class _Connection:
             return
         if not data:
             self.eof = True
-            if self.stream is not None:      # an SSE client never half-closes: it has gone
+            if self.reply is not None:       # a client waiting on us never half-closes: it has gone
                 return self.close()
         elif self.h11.their_state not in _READING:
             self.paused_bytes += len(data)
@@ -121,7 +122,7 @@ class _Connection:
         """Move everything that can move without waiting on the network."""
         while not self.closed and not self.lingering:
             self._parse()
-            self._feed_stream()
+            self._feed_reply()
             if not self._write():
                 break
             if self.h11.our_state not in (h11.DONE, h11.MUST_CLOSE) or not self._end_cycle():
@@ -130,15 +131,15 @@ class _Connection:
         self._sync_interest()
 
     def close(self) -> None:
-        """Drop the connection now. An undelivered stream learns that its client is gone."""
+        """Drop the connection now. An undelivered reply learns that its client is gone."""
         if self.closed:
             return
         self.closed = True
-        if self.stream is not None:
-            if not self.stream.closed:
-                self._log(200, "(stream cut: connection lost)")
-            self.stream._client_gone()
-            self.stream = None
+        if self.reply is not None:
+            if not self.reply.finished:
+                self._log(499 if isinstance(self.reply, DeferredResponse) else 200, "(client gone)")
+            self.reply._client_gone()
+            self.reply = None
         if self.events:   # unregister before close(), while the fd is still ours
             try:
                 self.selector.unregister(self.sock)
@@ -206,6 +207,9 @@ class _Connection:
             result = server_error()
         if isinstance(result, EventStream):
             self._open_stream(result)
+        elif isinstance(result, DeferredResponse):
+            self.reply = result
+            result._wake = lambda: self._mark_dirty(self)
         else:
             self._respond(result)
 
@@ -241,18 +245,19 @@ class _Connection:
             self.out += self.h11.send(h11.EndOfMessage())
             self._log(200)
             return stream._client_gone()
-        self.stream = stream
+        self.reply = stream
         stream._wake = lambda: self._mark_dirty(self)
 
-    def _feed_stream(self) -> None:
-        stream = self.stream
-        if stream is None or self.h11.our_state is not h11.SEND_BODY:
-            return
-        for chunk in stream._take():
-            self.out += self.h11.send(h11.Data(data=chunk))
-        if stream.closed:
-            self.out += self.h11.send(h11.EndOfMessage())
-            self._log(200)
+    def _feed_reply(self) -> None:
+        reply, state = self.reply, self.h11.our_state
+        if isinstance(reply, DeferredResponse) and reply.finished and state is h11.SEND_RESPONSE:
+            self._respond(reply.response)
+        elif isinstance(reply, EventStream) and state is h11.SEND_BODY:
+            for chunk in reply._take():
+                self.out += self.h11.send(h11.Data(data=chunk))
+            if reply.closed:
+                self.out += self.h11.send(h11.EndOfMessage())
+                self._log(200)
 
     def _write(self) -> bool:
         """Send what the socket takes; True once `out` is empty."""
@@ -267,8 +272,8 @@ class _Connection:
                 return False
             del self.out[:n]
             sent += n
-        if self.stream is not None:
-            self.stream.buffered_bytes = len(self.out)
+        if isinstance(self.reply, EventStream):
+            self.reply.buffered_bytes = len(self.out)
         if not self.out:
             self.write_deadline = None
             return True
@@ -278,9 +283,9 @@ class _Connection:
 
     def _end_cycle(self) -> bool:
         """Our response is written: close, or start the next cycle (True)."""
-        if self.stream is not None:
-            self.stream._wake = None
-            self.stream = None
+        if self.reply is not None:
+            self.reply._wake = None
+            self.reply = None
         if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
             self.h11.start_next_cycle()
             self.head, self.paused_bytes, self.deadline_kind = None, 0, None
@@ -367,7 +372,7 @@ class HttpServer:
         self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
         self._selector.register(self._wakee, selectors.EVENT_READ, _WAKER)
         self._conns: set[_Connection] = set()
-        self._dirty: set[_Connection] = set()   # connections whose stream has new events
+        self._dirty: set[_Connection] = set()   # connections whose pending reply has news
         self._stopping = False
         self._closed = False
         self._state_lock = threading.Lock()   # serve_forever starting vs shutdown from another thread
@@ -398,7 +403,7 @@ class HttpServer:
         """Wait up to `timeout` for socket events (less if a deadline comes first) and serve them."""
         if self._closed:
             return
-        self._flush_streams()
+        self._flush_replies()
         now = time.monotonic()
         deadlines = [d for c in self._conns for d in (c.deadline, c.write_deadline) if d is not None]
         if deadlines:
@@ -410,7 +415,7 @@ class HttpServer:
                 self._drain_waker()
             elif not key.data.closed:
                 self._guarded(key.data, key.data.on_events, mask)
-        self._flush_streams()
+        self._flush_replies()
         now = time.monotonic()
         for conn in list(self._conns):
             if not conn.closed:
@@ -426,7 +431,7 @@ class HttpServer:
             pass
 
     def shutdown(self) -> None:
-        """Stop serving: close the listening socket and every connection. Open streams see a
+        """Stop serving: close the listening socket and every connection. Pending replies see a
         disconnect. Waits for serve_forever() to return when called from another thread."""
         with self._state_lock:
             self._stopping = True
@@ -446,7 +451,7 @@ class HttpServer:
             log.exception("engine tick failed")
             return False
 
-    def _flush_streams(self) -> None:
+    def _flush_replies(self) -> None:
         dirty = list(self._dirty)    # the set itself stays: connections hold its add()
         self._dirty.clear()
         for conn in dirty:
