@@ -36,8 +36,10 @@ class EngineConfig:
     dtype: str = "float32"
     context: int | None = None       # served window; None = the model's max_position_embeddings
     max_num_seqs: int = 8
-    max_tokens_per_step: int = 512
+    max_tokens_per_step: int = 512   # the prefill chunk
+    decode_share: float = 0.25       # decode-only time after each prefill chunk, as its fraction
     kv_cache_gib: float = 1.0
+    prompt_cache_gib: float | None = None  # cap on cached free blocks; None = all free blocks
     block_size: int = 32             # also the attention split: blocks align to absolute positions
     drafting: bool = True
     max_draft: int = 7
@@ -85,11 +87,14 @@ class Engine:
         args = self.model.args
         self.context_length = min(config.context or args.max_position, args.max_position)
         num_blocks = self._num_blocks(config, args)
-        self.pool = BlockPool(num_blocks, config.block_size)
+        cached = None if config.prompt_cache_gib is None else int(
+            config.prompt_cache_gib * 2**30 // (self._bytes_per_token(config, args) * config.block_size))
+        self.pool = BlockPool(num_blocks, config.block_size, max_cached_blocks=cached)
         self.cache = KVCache.allocate(args.num_layers, num_blocks, config.block_size,
                                       args.num_kv_heads, args.head_dim, DTYPES[config.dtype])
         self.runner = ModelRunner(self.model, self.cache)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step), self.pool)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,
+                                                   config.decode_share), self.pool)
         self.drafter = PromptLookupDrafter(max_depth=config.max_draft)
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, ReplyText] = {}
@@ -100,9 +105,12 @@ class Engine:
                  self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
                  self.load_seconds, self.context_length, num_blocks, config.block_size)
 
+    @staticmethod
+    def _bytes_per_token(config: EngineConfig, args) -> int:
+        return KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[config.dtype])
+
     def _num_blocks(self, config: EngineConfig, args) -> int:
-        per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
-                                            DTYPES[config.dtype])
+        per_token = self._bytes_per_token(config, args)
         budget = int(config.kv_cache_gib * 2**30) // (per_token * config.block_size)
         one_window = -(-self.context_length // config.block_size)
         return max(budget, one_window)
@@ -155,17 +163,19 @@ class Engine:
         started = time.perf_counter()
         drawn = self.runner.execute(plan)
         elapsed = time.perf_counter() - started
+        self.scheduler.round_done(plan, elapsed)
         outputs = []
         for scheduled, draws in zip(plan.requests, drawn):
             req = self.requests[scheduled.req_id]
-            if req.output_ids or scheduled.num_drafts:
-                req.stats.decode_s += elapsed
-            else:
+            if scheduled.rows_prefill:
                 req.stats.prefill_s += elapsed
-            if not draws:  # a prefill chunk short of the prompt's end
-                req.num_computed_tokens += len(scheduled.token_ids)
-                continue
-            outputs.append(self._accept(req, scheduled, draws))
+            else:
+                req.stats.decode_s += elapsed
+            out = self._accept(req, scheduled, draws)
+            if req.status is not Status.FINISHED:
+                self.scheduler.commit(req)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _propose_drafts(self) -> None:
@@ -178,13 +188,28 @@ class Engine:
             tokens = req.prompt_ids + req.output_ids
             req.draft_ids = self.drafter.propose(tokens, self._drafts[req.req_id], limit)
 
-    def _accept(self, req: Request, scheduled, draws: list[int]) -> RequestOutput:
-        drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_drafts:]
+    def _accept(self, req: Request, scheduled, draws: list[int]) -> RequestOutput | None:
+        fed = scheduled.token_ids
+        drafts = fed[len(fed) - scheduled.num_drafts:]
+        first_pos = scheduled.start_position + len(fed) - len(draws)  # the first row with a draw
+        # Rows drawing a token the request already holds (recomputing after a preemption): the
+        # fresh draw must equal what was sent, or the exactness promise is broken.
+        num_checks = max(0, min(len(draws), req.num_tokens - 1 - first_pos))
+        for j in range(num_checks):
+            if draws[j] != req.token_at(first_pos + 1 + j):
+                log.error("%s: replayed token at position %d differs (%d, sent %d): exactness violated",
+                          req.req_id, first_pos + 1 + j, draws[j], req.token_at(first_pos + 1 + j))
+                self._finish(req, "error")
+                return RequestOutput(req.req_id, [], "", True, "error", req)
+        live = draws[num_checks:]
+        if not live:  # a prompt (or replay) chunk short of the end
+            req.num_computed_tokens += len(fed)
+            return None
         accepted = 0
-        while accepted < len(drafts) and draws[accepted] == drafts[accepted]:
+        while accepted < len(drafts) and live[accepted] == drafts[accepted]:
             accepted += 1
-        new_tokens = draws[:accepted + 1]
-        req.num_computed_tokens += len(scheduled.token_ids) - len(drafts) + accepted
+        new_tokens = live[:accepted + 1]
+        req.num_computed_tokens += len(fed) - len(drafts) + accepted
         req.stats.drafted += len(drafts)
         req.stats.accepted += accepted
         self.drafter.update(self._drafts[req.req_id], len(drafts), accepted)

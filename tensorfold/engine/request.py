@@ -4,7 +4,10 @@ The scheduling rule (as in vLLM v1): `num_computed_tokens` chases `num_tokens` (
 A prefill chunk, a decode row, a prefix-cache hit and a drafted run are all just counts.
 Invariant: num_computed_tokens <= num_tokens - 1 while running (the newest token is always fed
 again as the input of the next row), and the cache holds valid K/V for positions
-[0, num_computed_tokens).
+[0, num_computed_tokens). A preempted request keeps its reply tokens and drops its cache: when
+it runs again it recomputes them like a prompt, and each recomputed reply token is checked
+against a fresh keyed draw (num_checked_tokens says how far), so nothing is sent twice and the
+reply stays equal to its uninterrupted run.
 """
 import enum
 import time
@@ -38,10 +41,13 @@ class Request:
     seed: int
     eos_ids: frozenset[int]
     priority: int = 0             # 0 foreground, 1 background: lower runs first
+    arrival: int = 0              # admission order among equal priorities
     output_ids: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain of full final blocks
+    num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -53,6 +59,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Scheduling order: foreground before background, then first come first served."""
+        return (self.priority, self.arrival)
 
     @property
     def max_tokens(self) -> int:

@@ -1,12 +1,19 @@
 """Decides what each round runs; never touches tensors.
 
 One rule: every running request's num_computed_tokens chases its token count (plus drafts).
-Each round, in order: decoding requests take 1 + len(drafts) rows each; prefilling requests take
-a chunk of their prompt from what is left of the round's token budget; then waiting requests are
-admitted while there is a free lane and the pool can reserve their whole window (prompt +
-max_tokens), so a running request can never run out of cache.
+A round is built in scheduling order (foreground before background, then arrival):
+- decoding requests take 1 + len(drafts) rows each;
+- prefilling requests (new prompts, and preempted requests recomputing their reply) take chunks
+  of what is left of the round's token budget;
+- decode share: after a round that prefilled for T seconds, decoding requests get decode-only
+  rounds for decode_share * T before the next chunk, so they keep streaming while a long prompt
+  arrives; decode_share 0 runs prompts' chunks back to back with no decode rows until they end.
+Cache blocks are allocated as rows need them. When the pool runs dry, the request last in
+scheduling order is preempted: its blocks go back (full ones stay in the prefix cache) and it
+waits to recompute. A waiting foreground request likewise takes a running background request's
+lane or memory. Admission reuses the longest cached prefix of the request's tokens.
 """
-from collections import deque
+import itertools
 from dataclasses import dataclass
 
 from tensorfold.engine.block_pool import BlockPool
@@ -17,75 +24,155 @@ from tensorfold.sampling.sampler import RowSampling
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 8          # lanes: requests sharing a round
-    max_tokens_per_step: int = 512  # the round's token budget, and so the prefill chunk size
+    max_num_seqs: int = 8            # lanes: requests sharing a round
+    max_tokens_per_step: int = 512   # the round's token budget, and so the prefill chunk size
+    decode_share: float = 0.25
+    admit_headroom: int = 16         # reply tokens a request must have room for to be admitted
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool):
         self.config = config
         self.pool = pool
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []   # kept in scheduling order
         self.running: list[Request] = []
+        self._arrivals = itertools.count()
+        self._decode_credit_s = 0.0
+        self.num_preemptions = 0
+
+    # -- queue ------------------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        if self.pool.blocks_for(req.max_total_tokens) > self.pool.num_blocks:
-            raise MemoryError(f"request needs {req.max_total_tokens} tokens of KV cache; "
-                              f"the pool holds {self.pool.num_blocks * self.pool.block_size}")
-        self.waiting.append(req)
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if req.max_total_tokens > capacity:
+            raise MemoryError(f"the request needs up to {req.max_total_tokens} tokens of KV cache "
+                              f"({req.num_prompt_tokens} prompt + {req.max_tokens} reply) but the whole "
+                              f"pool holds {capacity}; lower max_tokens or shorten the prompt")
+        req.arrival = next(self._arrivals)
+        self._enqueue(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def schedule(self) -> StepPlan:
-        self._admit()
-        plan = StepPlan()
-        budget = self.config.max_tokens_per_step
-        decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
-        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
-        for req in decoding:
-            if budget <= 0:
-                break
-            drafts = req.draft_ids[:max(0, budget - 1)]
-            plan.requests.append(self._rows(req, 1 + len(drafts), drafts))
-            budget -= 1 + len(drafts)
-        for req in prefilling:
-            if budget <= 0:
-                break
-            chunk = min(req.num_tokens - req.num_computed_tokens, budget)
-            plan.requests.append(self._rows(req, chunk, []))
-            budget -= chunk
-        return plan
 
     def finish(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.status = Status.FINISHED
+
+    def commit(self, req: Request) -> None:
+        """After a round: hash the request's newly completed blocks into the prefix cache."""
+        self.pool.register(req.block_ids, req.prompt_ids + req.output_ids, req.num_computed_tokens,
+                           req.block_hashes)
+
+    def round_done(self, plan: StepPlan, elapsed_s: float) -> None:
+        prefilled = any(r.rows_prefill for r in plan.requests)
+        if prefilled and self.config.decode_share > 0:
+            self._decode_credit_s = self.config.decode_share * elapsed_s
+        elif not prefilled:
+            self._decode_credit_s = max(0.0, self._decode_credit_s - elapsed_s)
+
+    # -- the round --------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        self._yield_lanes_to_foreground()
+        self._admit()
+        self.running.sort(key=lambda r: r.order)
+        decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
+        decode_only = bool(decoding) and self._decode_credit_s > 0
+        prefill_only = bool(prefilling) and self.config.decode_share == 0
+        budget = self.config.max_tokens_per_step
+        plan = StepPlan()
+        for req in list(self.running):
+            if budget <= 0 or req.status is not Status.RUNNING:
+                continue
+            if req in decoding and not prefill_only:
+                drafts = req.draft_ids[:max(0, budget - 1)]
+                num = 1 + len(drafts)
+            elif req in prefilling and not decode_only:
+                drafts, num = [], min(req.num_tokens - req.num_computed_tokens, budget)
+            else:
+                continue
+            if not self._grow(req, req.num_computed_tokens + num):
+                continue  # req itself was preempted
+            plan.requests.append(self._rows(req, num, drafts))
+            budget -= num
+        return plan
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give req blocks for num_tokens positions, preempting from the back of the line."""
+        needed = self.pool.blocks_for(num_tokens) - len(req.block_ids)
+        while needed > self.pool.num_free:
+            victim = max(self.running, key=lambda r: r.order)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        if needed > 0:
+            req.block_ids += self.pool.allocate(needed)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def _yield_lanes_to_foreground(self) -> None:
+        while (self.waiting and self.waiting[0].priority == 0 and len(self.running) >= self.config.max_num_seqs):
+            background = [r for r in self.running if r.priority > 0]
+            if not background:
+                return
+            self.preempt(max(background, key=lambda r: r.order))
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            needed = self.pool.blocks_for(req.max_total_tokens)
+            tokens = req.prompt_ids + req.output_ids
+            hits, hashes = self.pool.lookup(tokens, (len(tokens) - 1) // self.pool.block_size)
+            room = min(req.max_total_tokens, len(tokens) + self.config.admit_headroom)
+            needed = self.pool.blocks_for(room) - len(hits)
             if needed > self.pool.num_free:
-                break  # FIFO: later requests wait behind it rather than starve it
-            self.waiting.popleft()
-            req.block_ids = self.pool.allocate(needed)
+                background = [r for r in self.running if r.priority > req.priority]
+                self.pool.free(hits)
+                if not background:
+                    return  # first in line waits for memory; later ones wait behind it
+                self.preempt(max(background, key=lambda r: r.order))
+                continue
+            self.waiting.pop(0)
+            req.block_ids, req.block_hashes = hits, hashes
+            req.num_computed_tokens = len(hits) * self.pool.block_size
+            if req.num_preemptions == 0:
+                req.stats.cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
             req.status = Status.RUNNING
             self.running.append(req)
+
+    def _enqueue(self, req: Request) -> None:
+        req.status = Status.WAITING
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].order <= req.order:
+            i += 1
+        self.waiting.insert(i, req)
+
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids, req.block_hashes = [], []
 
     @staticmethod
     def _rows(req: Request, num_fed: int, drafts: list[int]) -> ScheduledRequest:
         start = req.num_computed_tokens
         fed = [req.token_at(i) for i in range(start, start + num_fed - len(drafts))] + drafts
         end = start + num_fed  # one past the last fed position
-        # Rows needing a draw: those at or after the newest real token (position num_tokens - 1).
-        first_draw = max(start, req.num_tokens - 1)
+        # Draws: from the newest token on (the next token, then drafts); a request recomputing
+        # its reply after a preemption also draws at each reply position, to check it.
+        first_draw = max(start, (req.num_prompt_tokens if req.num_preemptions else req.num_tokens) - 1)
         p = req.params
         rows = [RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                             seed=req.seed, position=pos + 1)
                 for pos in range(first_draw, end)]
-        return ScheduledRequest(req.req_id, fed, start, req.block_ids, rows, len(drafts))
+        return ScheduledRequest(req.req_id, fed, start, req.block_ids, rows, len(drafts),
+                                rows_prefill=num_fed - len(drafts) > 1)

@@ -17,6 +17,7 @@ class ScheduledRequest:
     block_ids: list[int]
     rows: list[RowSampling]       # draws for the last len(rows) fed tokens, in order
     num_drafts: int = 0           # how many of the fed tokens are drafted (the tail)
+    rows_prefill: bool = False    # a prompt (or replay) chunk rather than a decode row
 
 
 @dataclass
