@@ -1,0 +1,88 @@
+"""python -m tensorfold: serve a model at http://127.0.0.1:8080/v1 (the default model with no arguments)."""
+import argparse
+import logging
+import sys
+
+from tensorfold.backends import select_backend
+from tensorfold.engine.engine import EngineConfig
+from tensorfold.models.checkpoint import CheckpointError
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tensorfold", description=__doc__)
+    p.add_argument("--model", default=None, help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "mlx", "cpu"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--context", type=int, default=None, help="served window in tokens (default: the model's)")
+    p.add_argument("--parallel", default="auto", help="'auto' or N: requests sharing a round")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--alias", action="append", default=[], help="another accepted model name (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default reply limit (capped to the window)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per round")
+    p.add_argument("--decode-share", type=float, default=0.25,
+                   help="decode-only time after each prefill chunk, as a fraction of the chunk's time (0: prompts first)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget")
+    p.add_argument("--prompt-cache-gib", type=float, default=None,
+                   help="most memory the prefix cache keeps in idle blocks (default: all free blocks)")
+    p.add_argument("--no-drafts", action="store_true", help="turn speculative decoding off server-wide")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def settings_from(args):
+    from tensorfold.server import ServeSettings
+
+    if not 0 <= args.decode_share <= 1:
+        raise SystemExit("--decode-share must lie in [0, 1]")
+    if args.parallel == "auto":
+        parallel = 8
+    else:
+        try:
+            parallel = int(args.parallel)
+        except ValueError:
+            raise SystemExit(f"--parallel: expected 'auto' or a positive integer, got {args.parallel!r}")
+        if parallel < 1:
+            raise SystemExit("--parallel must be at least 1")
+    engine = EngineConfig(dtype=args.dtype, context=args.context, max_num_seqs=parallel,
+                          max_tokens_per_step=args.prefill_chunk, decode_share=args.decode_share,
+                          kv_cache_gib=args.kv_cache_gib, prompt_cache_gib=args.prompt_cache_gib,
+                          drafting=not args.no_drafts, num_threads=args.threads)
+    return ServeSettings(model=args.model, host=args.host, port=args.port,
+                         served_model_name=args.served_model_name, aliases=tuple(args.alias),
+                         max_tokens=args.max_tokens, engine=engine)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tensorfold")
+    try:
+        backend = select_backend(args.backend)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 2
+    from tensorfold.server import build_server
+
+    try:
+        server = build_server(settings_from(args))
+    except CheckpointError as e:
+        log.error("cannot load the model: %s", e)
+        return 2
+    host, port = server.address
+    names = server.service.model_names
+    log.info("backend %s; serving %s at http://%s:%d/v1 (window %d tokens)", backend, ", ".join(names),
+             host, port, server.service.engine.context_length)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        log.info("shutting down")
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The OpenAI routes on top of the engine: request in, reply (streamed or whole) out.
+
+All of it runs on the server's one thread. A handler validates the body, renders and tokenizes
+the prompt, checks it against the window and hands the request to the engine; everything that
+can be refused is refused here, before any token and before a stream opens. tick() runs one
+engine round and routes each request's new text to its stream or its pending response.
+"""
+import logging
+import time
+from dataclasses import dataclass, field
+
+from tensorfold.api import replies
+from tensorfold.api.errors import ApiError
+from tensorfold.api.request import (GenerationRequest, ServerDefaults, check_prompt_ids,
+                                    parse_chat_request, parse_completion_request)
+from tensorfold.chat.messages import render_chat
+from tensorfold.chat.template import ChatTemplate, TemplateError
+from tensorfold.engine.engine import Engine, RequestOutput
+from tensorfold.engine.request import Request
+from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest, HttpResponse
+from tensorfold.sampling.params import SamplingParams
+
+log = logging.getLogger("tensorfold.api")
+
+PRIORITY = {"foreground": 0, "background": 1}
+
+
+@dataclass
+class Reply:
+    """One live request: where its text goes, and what has gone."""
+    fmt: replies.ReplyFormat
+    sink: EventStream | DeferredResponse
+    pieces: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Counters:
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    completion_tokens_total: int = 0   # finished replies; running ones are added on read
+    cached_tokens_total: int = 0
+    prefill_seconds_total: float = 0.0
+    decode_seconds_total: float = 0.0
+    rounds_total: int = 0
+    drafted_total: int = 0
+    accepted_total: int = 0
+
+    def add_finished(self, req: Request) -> None:
+        s = req.stats
+        self.prompt_tokens_total += req.num_prompt_tokens
+        self.completion_tokens_total += len(req.output_ids)
+        self.cached_tokens_total += s.cached_tokens
+        self.prefill_seconds_total += s.prefill_s
+        self.decode_seconds_total += s.decode_s
+        self.drafted_total += s.drafted
+        self.accepted_total += s.accepted
+
+
+class Service:
+    def __init__(self, engine: Engine, model_names: tuple[str, ...], *, default_max_tokens: int | None = None):
+        self.engine = engine
+        self.model_names = model_names
+        ckpt = engine.checkpoint
+        self.template = ChatTemplate(ckpt.chat_template, bos_token=ckpt.tokenizer_config.get("bos_token") or "",
+                                     eos_token=ckpt.tokenizer_config.get("eos_token") or "") \
+            if ckpt.chat_template else None
+        gen = ckpt.generation_config
+        self.defaults = ServerDefaults(
+            temperature=float(gen.get("temperature", 1.0)) if gen.get("do_sample", True) else 0.0,
+            top_p=float(gen.get("top_p", 1.0)), top_k=int(gen.get("top_k", 0) or 0),
+            min_p=float(gen.get("min_p", 0.0) or 0.0),
+            max_tokens=default_max_tokens, model_names=model_names)
+        self.replies: dict[str, Reply] = {}
+        self.counters = Counters()
+        self.started = time.time()
+
+    # -- routes -----------------------------------------------------------------------------
+
+    def chat_completions(self, http: HttpRequest):
+        return self._generate(parse_chat_request(http.json(), self.defaults))
+
+    def completions(self, http: HttpRequest):
+        body = http.json()
+        return self._generate(parse_completion_request(body, self.defaults))
+
+    def models(self, http: HttpRequest) -> HttpResponse:
+        data = [{"id": name, "object": "model", "created": int(self.started), "owned_by": "tensorfold",
+                 "max_model_len": self.engine.context_length} for name in self.model_names]
+        return HttpResponse.json_response({"object": "list", "data": data})
+
+    def health(self, http: HttpRequest) -> HttpResponse:
+        c = self.counters
+        running = [r for r in self.engine.scheduler.running]
+        decoding = sum(1 for r in running if r.output_ids)
+        body = {
+            "status": "ok",
+            "exact": self.engine.exact,
+            "busy": self.engine.has_work(),
+            "requests_running": len(self.replies),
+            "requests_total": c.requests_total,
+            "completion_tokens_total": c.completion_tokens_total + sum(len(r.output_ids) for r in running),
+            "prompt_tokens_total": c.prompt_tokens_total,
+            "cached_tokens_total": c.cached_tokens_total,
+            "prefill_seconds_total": round(c.prefill_seconds_total, 6),
+            "decode_seconds_total": round(c.decode_seconds_total, 6),
+            "rounds_total": c.rounds_total,
+            "drafted_total": c.drafted_total,
+            "accepted_total": c.accepted_total,
+            "context_length": self.engine.context_length,
+            "streams": {"decoding": decoding, "prefilling": len(running) - decoding,
+                        "maximum": self.engine.config.max_num_seqs},
+        }
+        return HttpResponse.json_response(body)
+
+    # -- one request ------------------------------------------------------------------------
+
+    def _generate(self, greq: GenerationRequest):
+        prompt_ids = self._prompt_ids(greq)
+        params = self._fit_window(greq, len(prompt_ids))
+        fmt = replies.ReplyFormat(greq.kind, greq.model or self.model_names[0])
+        try:
+            req_id = self.engine.add_request(prompt_ids, params, req_id=fmt.id,
+                                             priority=PRIORITY[greq.priority])
+        except MemoryError as e:  # can never fit the KV pool, whatever else finishes
+            raise ApiError(str(e), param="max_tokens", code="context_length_exceeded") from None
+        self.counters.requests_total += 1
+        if greq.stream:
+            sink = EventStream()
+            first = fmt.first_chunk()
+            if first is not None:
+                sink.send(first)
+        else:
+            sink = DeferredResponse()
+        sink.on_disconnect = lambda: self._cancel(req_id)
+        self.replies[req_id] = Reply(fmt, sink)
+        return sink
+
+    def _prompt_ids(self, greq: GenerationRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        if greq.kind == "chat":
+            if self.template is None:
+                raise ApiError("this model has no chat template; use /v1/completions", param="messages")
+            try:
+                text = render_chat(self.template, list(greq.messages),
+                                   template_kwargs=_template_kwargs(greq))
+            except TemplateError as e:
+                raise ApiError(f"the chat template rejected the request: {e.message}", param="messages") from None
+            # The template writes its own special tokens (bos included), as transformers does.
+            return tok.encode(text, add_special_tokens=False)
+        if greq.prompt_ids is not None:
+            check_prompt_ids(greq.prompt_ids, tok.vocab_size)
+            return list(greq.prompt_ids)
+        return tok.encode(greq.prompt, add_special_tokens=True)
+
+    def _fit_window(self, greq: GenerationRequest, num_prompt: int) -> SamplingParams:
+        window = self.engine.context_length
+        room = window - num_prompt
+        prompt_param = "messages" if greq.kind == "chat" else "prompt"
+        if room < 1:
+            raise ApiError(f"the prompt is {num_prompt} tokens, which leaves no room for a reply in "
+                           f"this model's {window}-token context window; shorten the prompt",
+                           param=prompt_param, code="context_length_exceeded")
+        params = greq.sampling
+        if params.max_tokens is not None:
+            if num_prompt + params.max_tokens > window:
+                raise ApiError(
+                    f"this model's context window is {window} tokens, but the request asks for "
+                    f"{num_prompt + params.max_tokens} ({num_prompt} in the prompt + {params.max_tokens} "
+                    f"for the reply); lower max_tokens to at most {room} or shorten the prompt",
+                    param="max_tokens", code="context_length_exceeded")
+            return params
+        default = self.defaults.max_tokens or self.engine.config.default_max_tokens
+        return SamplingParams(**{**params.__dict__, "max_tokens": min(default, room)})
+
+    def _cancel(self, req_id: str) -> None:
+        reply = self.replies.pop(req_id, None)
+        req = self.engine.requests.get(req_id)
+        if req is not None:
+            self.counters.add_finished(req)
+        self.engine.abort(req_id)
+        if reply is not None:
+            log.info("%s: client went away; request cancelled", req_id)
+
+    # -- engine rounds ----------------------------------------------------------------------
+
+    def tick(self) -> bool:
+        """One engine round; True while work remains."""
+        if not self.engine.has_work():
+            return False
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a generation error: fail the running requests, keep serving
+            log.exception("engine round failed")
+            self._fail_running(e)
+            return self.engine.has_work()
+        self.counters.rounds_total += 1
+        for out in outputs:
+            self._deliver(out)
+        return self.engine.has_work()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        reply = self.replies.get(out.req_id)
+        if reply is None:
+            return
+        if isinstance(reply.sink, EventStream):
+            if out.new_text:
+                reply.sink.send(reply.fmt.chunk(out.new_text, None))
+            if out.finished:
+                reply.sink.send(reply.fmt.chunk("", out.finish_reason))
+                reply.sink.send(reply.fmt.usage_chunk(out.request))
+                reply.sink.send("[DONE]")
+                reply.sink.close()
+        else:
+            reply.pieces.append(out.new_text)
+            if out.finished:
+                body = reply.fmt.final("".join(reply.pieces), out.finish_reason, out.request)
+                reply.sink.resolve(HttpResponse.json_response(body))
+        if out.finished:
+            self.replies.pop(out.req_id, None)
+            self.counters.add_finished(out.request)
+
+    def _fail_running(self, error: Exception) -> None:
+        message = f"generation failed: {type(error).__name__}: {error}"
+        for req in list(self.engine.scheduler.running):
+            reply = self.replies.pop(req.req_id, None)
+            self.engine.abort(req.req_id)
+            if reply is None:
+                continue
+            if isinstance(reply.sink, EventStream):
+                reply.sink.send({"error": {"message": message, "type": "server_error", "param": None,
+                                           "code": None}})
+                reply.sink.send("[DONE]")
+                reply.sink.close()
+            else:
+                reply.sink.resolve(HttpResponse.error(500, message, type="server_error"))
+
+
+def _template_kwargs(greq: GenerationRequest) -> dict | None:
+    kwargs = dict(greq.chat_template_kwargs or {})
+    effort = greq.reasoning_effort
+    if effort is not None:
+        kwargs.setdefault("enable_thinking", effort != "none")
+        if effort != "none":
+            kwargs["reasoning_effort"] = effort
+    return kwargs or None
