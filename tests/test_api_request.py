@@ -80,7 +80,7 @@ def test_absent_and_null_fields_take_server_defaults():
         assert req.sampling == SamplingParams(temperature=0.6, top_p=0.95, top_k=20,
                                               min_p=0.05, seed=None, max_tokens=None)
         assert (req.kind, req.model, req.stream, req.include_usage, req.priority) == (
-            "chat", "qwen3-tiny", False, False, "foreground")
+            "chat", "qwen3-tiny", False, False, None)  # unset: title detection may apply
         assert req.prompt is None and req.prompt_ids is None and req.ignored_fields == ()
 
 
@@ -279,3 +279,27 @@ def test_any_json_value_in_one_field_is_accepted_or_refused_naming_that_field(
         assert all(isinstance(x, str) and x for x in s.stop)
         assert all(math.isfinite(x) for x in (s.temperature, s.top_p, s.min_p))
     assert json.dumps(body, sort_keys=True) == json.dumps(before, sort_keys=True)
+
+
+# ---- session-title requests run as background work ----
+
+from tensorfold.api.priority import BACKGROUND, FOREGROUND, request_priority  # noqa: E402
+
+TITLE_CASES = [
+    ([{"role": "system", "content": "You are a title generator. You output ONLY a thread title."},
+      {"role": "user", "content": "fix the bug in main.py"}], BACKGROUND),
+    ([{"role": "user", "content": "### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history."}],
+     BACKGROUND),
+    ([{"role": "system", "content": [{"type": "text", "text": "Please write a short title for this conversation"}]},
+      {"role": "user", "content": "hi"}], BACKGROUND),
+    ([{"role": "user", "content": "What is the title of the first Harry Potter book?"}], FOREGROUND),
+    ([{"role": "system", "content": "You are a helpful assistant."},
+      {"role": "user", "content": "Write a poem. Then explain it."}], FOREGROUND),
+]
+
+
+@pytest.mark.parametrize("messages,expected", TITLE_CASES)
+def test_session_title_requests_are_background(messages, expected):
+    assert request_priority(None, messages) == expected
+    assert request_priority("foreground", messages) == FOREGROUND  # an explicit priority wins
+    assert request_priority("background", messages) == BACKGROUND

@@ -166,7 +166,7 @@ class GenerationRequest:
     include_usage: bool                        # stream_options.include_usage; usage is always sent
     chat_template_kwargs: dict | None
     reasoning_effort: str | None               # the top-level field, else chat_template_kwargs'
-    priority: str                              # "foreground" | "background"
+    priority: str | None                       # "foreground" | "background" | None (unset)
     ignored_fields: tuple[str, ...] = ()       # unknown top-level fields, sorted, for a log line
 
 
@@ -325,8 +325,10 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
-def _priority(value: Any) -> str:
-    if value is None or fields.same_value(value, 0):
+def _priority(value: Any) -> str | None:
+    if value is None:
+        return None  # unset: the server may still treat a session-title request as background
+    if fields.same_value(value, 0):
         return "foreground"
     if isinstance(value, int) and not isinstance(value, bool):
         raise ApiError("integer priorities are not supported (only 0); send \"foreground\" or "

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tensorfold.api import replies
 from tensorfold.api.errors import ApiError
+from tensorfold.api.priority import request_priority
 from tensorfold.api.request import (GenerationRequest, ServerDefaults, check_prompt_ids,
                                     parse_chat_request, parse_completion_request)
 from tensorfold.chat.messages import render_chat
@@ -21,8 +22,6 @@ from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest,
 from tensorfold.sampling.params import SamplingParams
 
 log = logging.getLogger("tensorfold.api")
-
-PRIORITY = {"foreground": 0, "background": 1}
 
 
 @dataclass
@@ -115,12 +114,14 @@ class Service:
     # -- one request ------------------------------------------------------------------------
 
     def _generate(self, greq: GenerationRequest):
+        if greq.ignored_fields:
+            log.info("ignoring unknown request fields: %s", ", ".join(greq.ignored_fields))
         prompt_ids = self._prompt_ids(greq)
         params = self._fit_window(greq, len(prompt_ids))
         fmt = replies.ReplyFormat(greq.kind, greq.model or self.model_names[0])
         try:
             req_id = self.engine.add_request(prompt_ids, params, req_id=fmt.id,
-                                             priority=PRIORITY[greq.priority])
+                                             priority=request_priority(greq.priority, greq.messages))
         except MemoryError as e:  # can never fit the KV pool, whatever else finishes
             raise ApiError(str(e), param="max_tokens", code="context_length_exceeded") from None
         self.counters.requests_total += 1
