@@ -43,7 +43,9 @@ setup(
     ],
     extras_require={
         "grammar": ["xgrammar"],
-        "test": ["pytest", "hypothesis", "transformers", "accelerate", "openai", "jsonschema"],
+        # triton: kernels are tested on the CPU with TRITON_INTERPRET=1 (Linux wheels only).
+        "test": ["pytest", "hypothesis", "transformers", "accelerate", "openai", "jsonschema",
+                 "triton; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["tensorfold=tensorfold.__main__:main"]},
     **cuda_extensions(),
