@@ -118,7 +118,7 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, req_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, constraint=None) -> str:
         if not prompt_ids:
             raise ValueError("empty prompt")
         room = self.context_length - len(prompt_ids)
@@ -133,7 +133,7 @@ class Engine:
         req_id = req_id or f"req-{next(self._ids)}"
         params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         req = Request(req_id, list(prompt_ids), params, request_seed(params.seed, prompt_ids),
-                      frozenset(self.tokenizer.eos_token_ids), priority)
+                      frozenset(self.tokenizer.eos_token_ids), priority, constraint=constraint)
         self.scheduler.add(req)
         self.requests[req_id] = req
         self._texts[req_id] = ReplyText(self.tokenizer.detokenizer(prompt_ids), params.stop)
@@ -160,6 +160,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        self._attach_masks(plan)
         started = time.perf_counter()
         drawn = self.runner.execute(plan)
         elapsed = time.perf_counter() - started
@@ -188,6 +189,28 @@ class Engine:
             tokens = req.prompt_ids + req.output_ids
             req.draft_ids = self.drafter.propose(tokens, self._drafts[req.req_id], limit)
 
+    def _attach_masks(self, plan) -> None:
+        """Each drawing row of a constrained request gets the mask of its own path."""
+        for scheduled in plan.requests:
+            req = self.requests[scheduled.req_id]
+            if req.constraint is None or not scheduled.rows:
+                continue
+            drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_drafts:]
+            rows = []
+            for row in scheduled.rows:
+                # Row drawing position p sees the reply before p: real tokens, then drafts.
+                reply = (req.output_ids + drafts)[:row.position - req.num_prompt_tokens]
+                rows.append(replace(row, allowed=req.constraint.allowed(reply)))
+            scheduled.rows = rows
+
+    def _fixed(self, req: Request, drafts: list[int], draws: list[int]) -> list[int]:
+        """Apply the request's token fix along the drafted path."""
+        if req.constraint is None:
+            return draws
+        path = req.output_ids + drafts
+        base = len(req.output_ids)
+        return [req.constraint.fix(path[:base + j], d) for j, d in enumerate(draws)]
+
     def _accept(self, req: Request, scheduled, draws: list[int]) -> RequestOutput | None:
         fed = scheduled.token_ids
         drafts = fed[len(fed) - scheduled.num_drafts:]
@@ -196,12 +219,16 @@ class Engine:
         # fresh draw must equal what was sent, or the exactness promise is broken.
         num_checks = max(0, min(len(draws), req.num_tokens - 1 - first_pos))
         for j in range(num_checks):
-            if draws[j] != req.token_at(first_pos + 1 + j):
+            pos = first_pos + 1 + j
+            draw = draws[j]
+            if req.constraint is not None:
+                draw = req.constraint.fix(req.output_ids[:pos - req.num_prompt_tokens], draw)
+            if draw != req.token_at(pos):
                 log.error("%s: replayed token at position %d differs (%d, sent %d): exactness violated",
-                          req.req_id, first_pos + 1 + j, draws[j], req.token_at(first_pos + 1 + j))
+                          req.req_id, pos, draw, req.token_at(pos))
                 self._finish(req, "error")
                 return RequestOutput(req.req_id, [], "", True, "error", req)
-        live = draws[num_checks:]
+        live = self._fixed(req, drafts, draws[num_checks:])
         if not live:  # a prompt (or replay) chunk short of the end
             req.num_computed_tokens += len(fed)
             return None

@@ -13,6 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tensorfold.sampling.constraint import RowConstraint
 from tensorfold.sampling.params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain of full final blocks
     num_preemptions: int = 0
+    constraint: RowConstraint | None = None   # per-row mask and token fix (sampling/constraint.py)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
