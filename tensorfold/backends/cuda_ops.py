@@ -1,0 +1,24 @@
+"""The cuda backend's op set: reference.py's names, dispatching to the Triton launchers.
+
+A model takes an `ops` module (models/llama.py); the cpu backend passes kernels/reference.py and
+the cuda backend passes this one. Import it only when a GPU is present: it imports triton.
+
+What runs where, and why:
+- rms_norm, apply_rope: Triton (kernels/rms_norm_triton.py), plus the fused forms a model may call
+  (add_rms_norm: residual add + norm; rms_norm_rope: qwen3's per-head norm + rope).
+- paged_attention / paged_attention_varlen, write_kv: Triton attention with fixed absolute KV splits
+  (kernels/attention_triton.py); the cache write is a torch index_put (one row per slot, no
+  reduction, so it is invariant as it stands).
+- sample, verify, apply_token_bitmask: Triton keyed sampling and grammar-masked verification.
+- linear, silu_and_mul, pad_rows, rope_table: the torch reference ops on CUDA tensors. silu_and_mul
+  is elementwise (invariant on a GPU as it is). linear relies on cuBLAS after padding rows to 8,
+  which is not a documented batch-invariance guarantee on GPUs (cuBLAS may pick a split-K kernel
+  by shape): a fixed-tile Triton GEMM without split-K is the missing piece (docs/kernels.md), and
+  until it lands the engine's startup probes are what vouch for it on a given device.
+"""
+from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
+from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
+from tensorfold.kernels.reference import linear, pad_rows, rope_table, silu_and_mul  # noqa: F401
+from tensorfold.kernels.rms_norm_triton import add_rms_norm, apply_rope, rms_norm, rms_norm_rope  # noqa: F401
+from tensorfold.kernels.sampling_triton import sample  # noqa: F401
+from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa: F401

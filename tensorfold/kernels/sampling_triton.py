@@ -1,0 +1,322 @@
+"""Keyed sampling over a vocabulary shard in Triton: the same token as `sampler.sample`, bitwise.
+
+The reference is `tensorfold.sampling.sampler.sample` (the rule is in its docstring; `sample_ref`
+below is that function). The kernels do the per-token work of one shard; the launcher folds the
+per-chunk results and reuses the reference's `_decide`/`_draw` on the 1,024 candidates, so the
+rule itself lives in one place.
+
+Per row, per chunk of CHUNK tokens (one program, the chunk held whole in registers):
+- drawable: the token's bit is set in the row's allowed bitmask (xgrammar layout: bit j of int32
+  word w is token w * 32 + j, global ids) and its logit is not -inf;
+- greedy rows (T = 0): the largest logit, ties to the lowest id;
+- sampled rows: z = x / T and q = floor(exp(z - m) * 2^32) in float64 (m: the row's global max of
+  z, from `logit_max_kernel`), the order key q << 30 | (2^30 - 1 - id), and the noisy score
+  z + gumbel(hash(row key, id)) with keyed.py's splitmix64 counter hash in uint64;
+  rows without an order-dependent cut take the kept token with the best score (q >= min_q);
+  rows with top-k/top-p offer the chunk's best C keys (C = 1,024 candidates): keys are unique,
+  so the C-th largest is found bit by bit (63 counting passes over registers) and exactly C keys
+  reach it; they are compacted with a prefix sum, with their scores, the exact integer q-sum and
+  the drawable count. The launcher takes the global best C of the offers with torch.topk.
+Every per-token value is elementwise and every fold is exact (max, min id, integer sums, a
+selection of unique keys), so the result does not depend on CHUNK, the batch or the shard layout;
+`offset` gives a shard's first global id, so a rank runs the same kernel on its shard.
+
+Bitwise parity needs the same float64 division, exp and log as the reference's. Division is
+correctly rounded everywhere (libdevice `div_rn` on the GPU). exp/log are not correctly rounded
+functions: the kernel calls libdevice (`__nv_exp`, `__nv_log`, what torch's CUDA kernels use) on
+a GPU; the reference sampler builds CPU tensors, so on a GPU machine the reference runs on the
+CPU, whose libm may differ in the last bit, which moves q by one (and so the token) only when
+exp(z - m) * 2^32 lies within ~2^-21 of an integer at a cut edge. The CPU interpreter uses numpy's
+exp/log, so the tests route the interpreter's fp64 exp/log through torch's.
+A row whose nucleus may run past the candidates (the reference's "late" rows) is drawn by the
+reference on the CPU.
+"""
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from tensorfold.sampling import keyed, sampler
+from tensorfold.sampling.sampler import RowSampling
+
+NUM_CANDIDATES = sampler.NUM_CANDIDATES
+CHUNK = 4096                  # tokens per program, held in registers (8 warps: 16 per thread)
+GREEDY, FREE, ORDERED = 0, 1, 2
+
+sample_ref = sampler.sample
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [num_rows, vocab] -> int32 [num_rows, ceil(vocab / 32)], xgrammar's layout."""
+    num_rows, vocab = allowed.shape
+    words = -(-vocab // 32)
+    bits = torch.zeros((num_rows, words * 32), dtype=torch.int64, device=allowed.device)
+    bits[:, :vocab] = allowed.to(torch.int64)
+    weights = torch.ones(32, dtype=torch.int64, device=allowed.device) << torch.arange(32, device=allowed.device)
+    packed = (bits.view(num_rows, words, 32) * weights).sum(dim=2)  # [num_rows, words] in [0, 2^32)
+    return (packed - (packed >> 31 << 32)).to(torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [num_rows, words] -> bool [num_rows, vocab]."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [num_rows, words, 32]
+    return bits.flatten(1)[:, :vocab].bool()
+
+
+@triton.jit
+def exp64(x, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def div64(x, y, USE_LIBDEVICE: tl.constexpr):
+    """x / y in float64, correctly rounded (the GPU's `/` is not guaranteed to be)."""
+    if USE_LIBDEVICE:
+        return libdevice.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def log64(x, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _mix64(x):
+    """keyed.mix64 on uint64 (wrapping multiply, logical shifts)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def gumbel(row_key, ids, USE_LIBDEVICE: tl.constexpr):
+    """keyed.gumbel: -log(-log(u)) in float64, u from the top 52 bits of hash(row key, id)."""
+    h = _mix64(row_key.to(tl.uint64, bitcast=True) + (ids.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
+    u = ((h >> 12) * 2 + 1).to(tl.float64) * 1.1102230246251565e-16  # 2^-53
+    return -log64(-log64(u, USE_LIBDEVICE), USE_LIBDEVICE)
+
+
+@triton.jit
+def allowed_bits(bitmask_row_ptr, ids, ok):
+    """Whether each global token id is set in the row's bitmask (bit id % 32 of word id // 32)."""
+    words = tl.load(bitmask_row_ptr + (ids >> 5), mask=ok, other=0)
+    return ((words >> (ids & 31).to(tl.int32)) & 1) != 0
+
+
+@triton.jit
+def drawable_logits(logits_row_ptr, bitmask_row_ptr, cols, width, offset, HAS_MASK: tl.constexpr):
+    """The logits of columns `cols` with undrawable tokens at -inf, as fp32, and their global ids."""
+    ok = cols < width
+    x = tl.load(logits_row_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    ids = cols.to(tl.int64) + offset
+    if HAS_MASK:
+        x = tl.where(allowed_bits(bitmask_row_ptr, ids, ok), x, float("-inf"))
+    return x, ids
+
+
+@triton.jit
+def logit_max_kernel(logits_ptr, bitmask_ptr, row_ids_ptr, out_ptr,
+                     width, offset, stride_row, stride_mask, num_chunks,
+                     CHUNK: tl.constexpr, HAS_MASK: tl.constexpr):
+    i = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row = tl.load(row_ids_ptr + i).to(tl.int64)
+    x, _ = drawable_logits(logits_ptr + row * stride_row, bitmask_ptr + row * stride_mask,
+                           chunk * CHUNK + tl.arange(0, CHUNK), width, offset, HAS_MASK)
+    tl.store(out_ptr + i * num_chunks + chunk, tl.max(x, 0))
+
+
+@triton.jit
+def sample_shard_kernel(logits_ptr, bitmask_ptr, row_ids_ptr, temperature_ptr, max_z_ptr,
+                        min_q_ptr, row_key_ptr,
+                        best_score_ptr, best_id_ptr, q_sum_ptr, count_ptr, keys_ptr, scores_ptr,
+                        width, offset, stride_row, stride_mask, num_chunks, num_candidates,
+                        MODE: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
+                        USE_LIBDEVICE: tl.constexpr):
+    i = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row = tl.load(row_ids_ptr + i).to(tl.int64)
+    logits_row = logits_ptr + row * stride_row
+    out = i * num_chunks + chunk
+    x, ids = drawable_logits(logits_row, bitmask_ptr + row * stride_mask,
+                             chunk * CHUNK + tl.arange(0, CHUNK), width, offset, HAS_MASK)
+    drawable = x > float("-inf")
+    if MODE == 0:  # greedy: the largest logit, ties to the lowest id
+        best = tl.max(x, 0)
+        tl.store(best_score_ptr + out, best.to(tl.float64))
+        tl.store(best_id_ptr + out, tl.min(tl.where(drawable & (x == best), ids, 1 << 62), 0))
+    else:
+        temp = tl.load(temperature_ptr + i)
+        row_key = tl.load(row_key_ptr + i)
+        z = div64(x.to(tl.float64), temp, USE_LIBDEVICE)
+        q = tl.floor(exp64(z - tl.load(max_z_ptr + i), USE_LIBDEVICE) * 4294967296.0).to(tl.int64)
+        q = tl.where(drawable, q, 0)
+        if MODE == 1:  # no order-dependent cut: the kept token with the best noisy score
+            score = tl.where(drawable & (q >= tl.load(min_q_ptr + i)),
+                             z + gumbel(row_key, ids, USE_LIBDEVICE), float("-inf"))
+            best = tl.max(score, 0)
+            tl.store(best_score_ptr + out, best)
+            tl.store(best_id_ptr + out, tl.min(tl.where((score == best) & (score > float("-inf")),
+                                                        ids, 1 << 62), 0))
+        else:
+            # The chunk's best `num_candidates` keys: keys are unique, so the threshold (the
+            # C-th largest key) is found bit by bit and exactly C keys reach it.
+            keys = tl.where(drawable, (q << 30) | (1073741823 - ids), -1)
+            threshold = tl.zeros([], tl.int64)
+            if tl.sum(drawable.to(tl.int32), 0) > num_candidates:
+                for b in range(0, 63):
+                    trial = threshold | (tl.full([], 1, tl.int64) << (62 - b))
+                    if tl.sum((keys >= trial).to(tl.int32), 0) >= num_candidates:
+                        threshold = trial
+            chosen = keys >= threshold  # in id order; the launcher sorts the offers
+            slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+            score = z + gumbel(row_key, ids, USE_LIBDEVICE)
+            tl.store(keys_ptr + out * num_candidates + slot, keys, mask=chosen)
+            tl.store(scores_ptr + out * num_candidates + slot, score, mask=chosen)
+            tl.store(q_sum_ptr + out, tl.sum(q, 0))
+            tl.store(count_ptr + out, tl.sum(drawable.to(tl.int64), 0))
+
+
+class _Launch:
+    """One kernel launch over the rows `where` of the batch (a subset: greedy, free or ordered)."""
+
+    def __init__(self, logits, bitmask, rows, where, num_candidates, chunk):
+        self.logits, self.bitmask = logits, bitmask
+        self.device = logits.device
+        self.row_ids = torch.tensor(where, dtype=torch.int64, device=self.device)
+        self.rows = [rows[i] for i in where]
+        self.num_candidates, self.chunk = num_candidates, chunk
+        self.num_chunks = -(-logits.shape[1] // chunk)
+        self.grid = (len(where), self.num_chunks)
+
+    def _common(self):
+        has_mask = self.bitmask is not None
+        mask = self.bitmask if has_mask else self.row_ids  # a dummy pointer when unmasked
+        return (self.logits.shape[1], 0, self.logits.stride(0),
+                mask.stride(0) if has_mask else 0, self.num_chunks), has_mask, mask
+
+    def _params(self, sampled: bool):
+        """Per-row temperature, max z, min_q and row key (placeholders for greedy rows)."""
+        n, dev = len(self.rows), self.device
+        if not sampled:
+            zeros = torch.zeros(n, dtype=torch.float64, device=dev)
+            return zeros, zeros, zeros.long(), zeros.long()
+        temperature = torch.tensor([r.temperature for r in self.rows], dtype=torch.float64, device=dev)
+        max_logit = torch.empty(self.grid, dtype=torch.float32, device=dev)
+        args, has_mask, mask = self._common()
+        logit_max_kernel[self.grid](self.logits, mask, self.row_ids, max_logit, *args,
+                                    CHUNK=self.chunk, HAS_MASK=has_mask, num_warps=8)
+        max_z = max_logit.amax(dim=1).double() / temperature  # max fl(x / T) == fl(max x / T)
+        if torch.isneginf(max_z).any():
+            raise ValueError("a row has no drawable token")
+        if torch.isposinf(max_z).any():
+            raise ValueError("a logit divided by its temperature is +inf")
+        min_q = sampler._min_q(self.rows).reshape(-1).to(dev)
+        row_keys = keyed.row_keys([r.seed for r in self.rows], [r.position for r in self.rows])
+        return temperature, max_z, min_q, row_keys.reshape(-1).to(dev)
+
+    def run(self, mode: int):
+        num_rows, nc = self.grid
+        f64 = dict(dtype=torch.float64, device=self.device)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        best_score, best_id = torch.empty(self.grid, **f64), torch.empty(self.grid, **i64)
+        q_sum, count = torch.empty(self.grid, **i64), torch.empty(self.grid, **i64)
+        # A chunk fills as many offer slots as it has drawable tokens (up to num_candidates).
+        keys = torch.full((num_rows, nc * self.num_candidates), -1, **i64)
+        scores = torch.full((num_rows, nc * self.num_candidates), float("-inf"), **f64)
+        args, has_mask, mask = self._common()
+        sample_shard_kernel[self.grid](
+            self.logits, mask, self.row_ids, *self._params(mode != GREEDY),
+            best_score, best_id, q_sum, count, keys, scores, *args, self.num_candidates,
+            MODE=mode, CHUNK=self.chunk, HAS_MASK=has_mask,
+            USE_LIBDEVICE=self.device.type == "cuda", num_warps=8)
+        if mode != ORDERED:  # fold the chunks: best score, ties to the lowest id (sampler._pick)
+            top = best_score.amax(dim=1, keepdim=True)
+            return torch.where(best_score == top, best_id, sampler.NO_TOKEN).amin(dim=1)
+        ck, ci = keys.topk(min(self.num_candidates, self.logits.shape[1]), dim=1)  # the global head
+        return ck, scores.gather(1, ci), q_sum.sum(dim=1), count.sum(dim=1)
+
+
+def _prepare(logits: torch.Tensor, rows: list[RowSampling], bitmask: torch.Tensor | None,
+             chunk: int):
+    """Validated logits and the rows' masks as one int32 bitmask (None: nothing masked)."""
+    num_rows, vocab = logits.shape
+    if len(rows) != num_rows:
+        raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    if vocab > sampler.ID_MASK:
+        raise ValueError(f"vocabulary of {vocab} tokens exceeds 2^{sampler.ID_BITS} - 1")
+    if torch.isnan(logits).any():
+        raise ValueError("logits contain NaN")
+    device = logits.device
+    if bitmask is not None:
+        if bitmask.dtype != torch.int32 or bitmask.shape[0] != num_rows or bitmask.shape[1] * 32 < vocab:
+            raise ValueError(f"bitmask {bitmask.dtype} {tuple(bitmask.shape)} does not cover logits "
+                             f"{tuple(logits.shape)}")
+        bitmask = bitmask.to(device).contiguous()
+    elif any(r.allowed is not None for r in rows):
+        allowed = torch.stack([r.allowed if r.allowed is not None else torch.ones(vocab, dtype=torch.bool)
+                               for r in rows])
+        bitmask = pack_bitmask(allowed.to(device))
+    return (logits if logits.stride(1) == 1 else logits.contiguous()), bitmask
+
+
+def candidates(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = NUM_CANDIDATES,
+               *, chunk: int = CHUNK, bitmask: torch.Tensor | None = None):
+    """The head of each sampled row's key order, as the reference builds it before `_decide`:
+    (keys [R, C] descending (-1 pads), noisy scores [R, C], q-sum [R], drawable count [R])."""
+    if any(r.temperature == 0.0 for r in rows):
+        raise ValueError("candidates are drawn for sampled rows only")
+    logits, bitmask = _prepare(logits, rows, bitmask, chunk)
+    return _Launch(logits, bitmask, rows, range(len(rows)), num_candidates, chunk).run(ORDERED)
+
+
+def sample(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = NUM_CANDIDATES,
+           *, chunk: int = CHUNK, bitmask: torch.Tensor | None = None) -> list[int]:
+    """`sampler.sample` with the per-token work in Triton: one token per row of logits [R, vocab].
+    `chunk` (tokens per program, a power of two) changes the speed, never the token. `bitmask`
+    (int32 [R, >= vocab / 32], xgrammar's layout) replaces the rows' `allowed` masks."""
+    logits, bitmask = _prepare(logits, rows, bitmask, chunk)
+    vocab = logits.shape[1]
+    out = [0] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.temperature == 0.0]
+    free = [i for i, r in enumerate(rows) if r.temperature != 0.0 and not r.ordered(vocab)]
+    ordered = [i for i, r in enumerate(rows) if r.temperature != 0.0 and r.ordered(vocab)]
+    if greedy:
+        tokens = _Launch(logits, bitmask, rows, greedy, num_candidates, chunk).run(GREEDY)
+        _assign(out, greedy, sampler._greedy_check(tokens))
+    if free:
+        _assign(out, free, _Launch(logits, bitmask, rows, free, num_candidates, chunk).run(FREE))
+    if not ordered:
+        return out
+    orows = [rows[i] for i in ordered]
+    keys, scores, q_sum, count = _Launch(logits, bitmask, rows, ordered, num_candidates, chunk).run(ORDERED)
+    keys = keys.cpu()  # the decision on C candidates per row is the reference's own code
+    keep, decided = sampler._decide(keys, q_sum.cpu(), count.cpu(), orows)
+    _assign(out, ordered, sampler._draw(keys, scores.cpu(), keep))
+    late = [j for j in range(len(ordered)) if not decided[j]]
+    if late:  # the nucleus may run past the candidates: the reference sorts whole rows
+        lrows = [orows[j] for j in late]
+        if bitmask is not None:
+            allowed = unpack_bitmask(bitmask[[ordered[j] for j in late]], vocab).cpu()
+            lrows = [dataclasses.replace(r, allowed=a) for r, a in zip(lrows, allowed)]
+        _assign(out, [ordered[j] for j in late],
+                sample_ref(logits[[ordered[j] for j in late]].cpu(), lrows, num_candidates))
+    return out
+
+
+def _assign(out: list[int], where: list[int], tokens) -> None:
+    for i, t in zip(where, torch.as_tensor(tokens).tolist()):
+        out[i] = t
