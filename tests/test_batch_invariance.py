@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.engine.probes import probe_ops
-from tensorfold.kernels import reference
+from tensorfold.backends import cpu_ops
 from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
 from tensorfold.models.hf_dir import load_hf_dir
 from tensorfold.models.loader import build_model
@@ -23,7 +23,9 @@ STOCK_OPS = types.SimpleNamespace(
     linear=lambda x, w, b=None: F.linear(x, w, b),
     rms_norm=lambda x, w, eps: (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w,
     silu_and_mul=lambda g, u: F.silu(g) * u,
-    apply_rope=reference.apply_rope,
+    apply_rope=cpu_ops.apply_rope,
+    paged_attention=cpu_ops.paged_attention,
+    write_kv=cpu_ops.write_kv,
 )
 
 
@@ -108,7 +110,7 @@ def test_thread_count_does_not_change_bits(model):
 
 
 def test_startup_probes_pass_on_reference_ops(model):
-    assert probe_ops(model, reference) == []
+    assert probe_ops(model, cpu_ops) == []
 
 
 def test_negative_control_stock_ops_are_caught(tiny_llama):

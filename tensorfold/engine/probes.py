@@ -9,8 +9,6 @@ could differ between solo and batched runs.
 """
 import torch
 
-from tensorfold.kernels.paged_attention import paged_attention_ref
-
 BATCH_SIZES = (2, 3, 7, 8, 13, 64)
 
 
@@ -47,7 +45,7 @@ def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
                     lambda m: randn(m, a.hidden_size), "rms_norm", failures)
     _rows_invariant(lambda x: ops.silu_and_mul(x, x), lambda m: randn(m, a.intermediate_size),
                     "silu_and_mul", failures)
-    _probe_attention(model, randn, failures)
+    _probe_attention(model, ops, randn, failures)
     before = torch.get_num_threads()
     try:
         for n in threads:
@@ -62,7 +60,7 @@ def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
     return failures
 
 
-def _probe_attention(model, randn, failures: list[str]) -> None:
+def _probe_attention(model, ops, randn, failures: list[str]) -> None:
     """A query row alone vs inside a prefill chunk of other rows of the same sequence."""
     a = model.args
     block_size = 32
@@ -73,14 +71,14 @@ def _probe_attention(model, randn, failures: list[str]) -> None:
     q = randn(150, a.num_heads, a.head_dim)
     positions = torch.arange(150)
     scale = a.head_dim ** -0.5
-    whole = paged_attention_ref(q, k_cache, v_cache, positions, table, scale)
+    whole = ops.paged_attention(q, k_cache, v_cache, positions, table, scale)
     for row in (0, 31, 32, 77, 149):
-        alone = paged_attention_ref(q[row:row + 1], k_cache, v_cache, positions[row:row + 1], table, scale)
+        alone = ops.paged_attention(q[row:row + 1], k_cache, v_cache, positions[row:row + 1], table, scale)
         if not torch.equal(alone[0], whole[row]):
             failures.append(f"paged attention: row at position {row} differs alone vs in a 150-row chunk")
             return
     for start, end in ((13, 40), (100, 150), (64, 65)):
-        part = paged_attention_ref(q[start:end], k_cache, v_cache, positions[start:end], table, scale)
+        part = ops.paged_attention(q[start:end], k_cache, v_cache, positions[start:end], table, scale)
         if not torch.equal(part, whole[start:end]):
             failures.append(f"paged attention: chunk [{start}, {end}) differs from the whole prefill")
             return

@@ -6,8 +6,8 @@ the cpu reference and the cuda kernels.
 """
 import torch
 
+from tensorfold.backends import cpu_ops
 from tensorfold.kernels import reference
-from tensorfold.kernels.paged_attention import paged_attention_ref, write_kv_ref
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.forward_batch import ForwardBatch, KVCache
@@ -39,7 +39,7 @@ class Layer:
 class Model:
     """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows."""
 
-    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=reference):
+    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=cpu_ops):
         self.args = args
         self.dtype = dtype
         self.ops = ops
@@ -90,12 +90,12 @@ class Model:
             k = self.ops.rms_norm(k, layer.k_norm, a.rms_norm_eps)
         q = self.ops.apply_rope(q, cos, sin)
         k = self.ops.apply_rope(k, cos, sin)
-        write_kv_ref(k_cache, v_cache, k, v, batch.slot_mapping)
+        self.ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
         for seq in batch.sequences:
             rows = slice(seq.start, seq.end)
-            out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, batch.positions[rows],
-                                            seq.block_table, self.scale, layer.window)
+            out[rows] = self.ops.paged_attention(q[rows], k_cache, v_cache, batch.positions[rows],
+                                                 seq.block_table, self.scale, layer.window)
         return self.ops.linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
 
 
