@@ -666,9 +666,6 @@ def test_generation_error_is_500_or_an_error_event_and_serving_goes_on(served, m
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
 
 
-@pytest.mark.xfail(strict=True, reason="Service._fail_running (tensorfold/api/service.py) aborts the "
-                   "failed requests without Counters.add_finished: their tokens leave "
-                   "completion_tokens_total, which goes backwards")
 def test_health_counters_never_go_back_after_a_generation_error(served, monkeypatch):
     runner, original = served.engine.runner, served.engine.runner.execute
     fail = threading.Event()

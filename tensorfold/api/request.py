@@ -168,6 +168,7 @@ class GenerationRequest:
     reasoning_effort: str | None               # the top-level field, else chat_template_kwargs'
     priority: str | None                       # "foreground" | "background" | None (unset)
     ignored_fields: tuple[str, ...] = ()       # unknown top-level fields, sorted, for a log line
+    max_tokens_field: str = "max_tokens"       # the spelling the client used, for error messages
 
 
 def parse_chat_request(body: Any, defaults: ServerDefaults) -> GenerationRequest:
@@ -240,7 +241,9 @@ def _request(body: dict, defaults: ServerDefaults, *, kind: str, model: str,
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids,
         sampling=sampling, stream=stream, include_usage=include_usage,
         chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort,
-        priority=priority, ignored_fields=tuple(sorted(k for k in body if k not in KNOWN)))
+        priority=priority, ignored_fields=tuple(sorted(k for k in body if k not in KNOWN)),
+        max_tokens_field="max_completion_tokens" if body.get("max_completion_tokens") is not None
+        else "max_tokens")
 
 
 def _prompt(value: Any) -> tuple[str | None, tuple[int, ...] | None]:

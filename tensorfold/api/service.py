@@ -167,8 +167,8 @@ class Service:
                 raise ApiError(
                     f"this model's context window is {window} tokens, but the request asks for "
                     f"{num_prompt + params.max_tokens} ({num_prompt} in the prompt + {params.max_tokens} "
-                    f"for the reply); lower max_tokens to at most {room} or shorten the prompt",
-                    param="max_tokens", code="context_length_exceeded")
+                    f"for the reply); lower {greq.max_tokens_field} to at most {room} or shorten the prompt",
+                    param=greq.max_tokens_field, code="context_length_exceeded")
             return params
         default = self.defaults.max_tokens or self.engine.config.default_max_tokens
         return SamplingParams(**{**params.__dict__, "max_tokens": min(default, room)})
@@ -224,6 +224,7 @@ class Service:
         message = f"generation failed: {type(error).__name__}: {error}"
         for req in list(self.engine.scheduler.running):
             reply = self.replies.pop(req.req_id, None)
+            self.counters.add_finished(req)  # keeps completion_tokens_total from going back
             self.engine.abort(req.req_id)
             if reply is None:
                 continue

@@ -174,5 +174,6 @@ class Scheduler:
         rows = [RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                             seed=req.seed, position=pos + 1)
                 for pos in range(first_draw, end)]
-        return ScheduledRequest(req.req_id, fed, start, req.block_ids, rows, len(drafts),
-                                rows_prefill=num_fed - len(drafts) > 1)
+        # Prefill time: any round that computes prompt (or replayed) tokens, or draws the first token.
+        prefill = start < req.num_tokens - 1 or not req.output_ids
+        return ScheduledRequest(req.req_id, fed, start, req.block_ids, rows, len(drafts), rows_prefill=prefill)
