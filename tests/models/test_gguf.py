@@ -313,6 +313,9 @@ def test_default_model_path_names_the_install_command(monkeypatch):
 
 # --- the default model ------------------------------------------------------------------------
 
+HF_MODEL = {}  # the transformers model behind the `smollm` fixture
+
+
 @pytest.fixture(scope="module")
 def smollm():
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -321,6 +324,7 @@ def smollm():
     ours = load_gguf(path)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    HF_MODEL["smollm"] = hf_model.eval()
     return ours, hf_model.state_dict(), hf_tokenizer
 
 
@@ -360,3 +364,40 @@ def test_default_model_tokenizer_matches_transformers(smollm):
         ids = ours.tokenizer.encode(text).ids
         assert ids == hf(text)["input_ids"], text
         assert ours.tokenizer.decode(ids, skip_special_tokens=False) == hf.decode(ids) == text
+
+
+@pytest.mark.slow
+def test_default_model_logits_match_transformers(smollm):
+    """Our forward over the dequantized GGUF against transformers loading the same file."""
+    from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
+    from tensorfold.models.loader import build_model
+    ours, _, hf_tokenizer = smollm
+    model = build_model(ours, torch.float32)
+    ids = hf_tokenizer("The quick brown fox jumps over the lazy dog because it was")["input_ids"]
+    a = model.args
+    cache = KVCache.allocate(a.num_layers, 2, 32, a.num_kv_heads, a.head_dim, torch.float32)
+    n = len(ids)
+    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(n),
+                         [SequenceRows(0, n, torch.tensor([0, 1]))], torch.arange(n))
+    got = model.forward(batch, cache)
+    with torch.no_grad():
+        expected = HF_MODEL["smollm"](torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.slow
+def test_default_model_answers_in_coherent_english():
+    """Greedy chat through the real template: the 135M model knows its capitals."""
+    from tensorfold.chat.messages import render_chat
+    from tensorfold.chat.template import ChatTemplate
+    from tensorfold.engine.engine import Engine, EngineConfig
+    from tensorfold.sampling.params import SamplingParams
+    engine = Engine(None, EngineConfig(probe=False, drafting=False))
+    template = ChatTemplate(engine.checkpoint.chat_template)
+    prompt = render_chat(template, [{"role": "user", "content": "What is the capital of France?"}])
+    reply = engine.generate(engine.tokenizer.encode(prompt, add_special_tokens=False),
+                            SamplingParams(temperature=0.0, max_tokens=24))
+    assert "Paris" in reply.text, reply.text
+    words = reply.text.split()
+    assert len(words) >= 3 and all(w.isascii() for w in words), reply.text
