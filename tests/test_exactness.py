@@ -547,11 +547,6 @@ def test_cached_system_prompt_reply_equals_the_fresh_one(tiny_llama):
         assert_equal_solo(streamed, fresh)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine.py Engine.step commits a request's blocks to the prefix cache only while it is "
-    "unfinished, and Scheduler.finish releases them unhashed: the blocks completed in a "
-    "request's last round are never cached, so a prompt whose reply ends in the round that "
-    "completes it (max_tokens 1, a first-token EOS: a cache warm-up) leaves nothing behind"))
 def test_a_prompt_whose_reply_ends_in_its_first_round_is_cached(tiny_llama):
     engine = tiny_engine(tiny_llama)
     ids = engine.tokenizer.encode(SYSTEM, add_special_tokens=True)

@@ -502,11 +502,6 @@ def test_running_requests_share_a_prefix_computed_by_another():
     assert d.pool.num_free == 32
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "scheduler.py Scheduler._admit sets stats.cached_tokens only while num_preemptions == 0; a "
-    "request admitted with a prefix hit and preempted in the same round, before computing "
-    "anything (admission does not count blocks promised to requests admitted earlier in the "
-    "round), keeps the stale hit count when it is readmitted after its hit blocks were evicted"))
 def test_cached_tokens_report_what_the_admission_that_ran_found():
     d = Driver(num_blocks=8, block_size=4, max_tokens_per_step=64)
     prefix = [500 + i for i in range(8)]

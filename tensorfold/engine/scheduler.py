@@ -59,6 +59,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.finish_reason != "error":
+            # The last round's blocks too; accepted drafts past a stop are not reply tokens.
+            self.pool.register(req.block_ids, req.prompt_ids + req.output_ids,
+                               min(req.num_computed_tokens, req.num_tokens), req.block_hashes)
         self._release(req)
         req.status = Status.FINISHED
 
@@ -146,7 +150,7 @@ class Scheduler:
             self.waiting.pop(0)
             req.block_ids, req.block_hashes = hits, hashes
             req.num_computed_tokens = len(hits) * self.pool.block_size
-            if req.num_preemptions == 0:
+            if not req.output_ids:  # what this admission found is what the prompt reuses
                 req.stats.cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
             req.status = Status.RUNNING
             self.running.append(req)
