@@ -32,7 +32,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def settings_from(args):
+def settings_from(args, backend: str = "cpu"):
     from tensorfold.server import ServeSettings
 
     if not 0 <= args.decode_share <= 1:
@@ -49,7 +49,7 @@ def settings_from(args):
     engine = EngineConfig(dtype=args.dtype, context=args.context, max_num_seqs=parallel,
                           max_tokens_per_step=args.prefill_chunk, decode_share=args.decode_share,
                           kv_cache_gib=args.kv_cache_gib, prompt_cache_gib=args.prompt_cache_gib,
-                          drafting=not args.no_drafts, num_threads=args.threads)
+                          drafting=not args.no_drafts, num_threads=args.threads, backend=backend)
     return ServeSettings(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
                          max_tokens=args.max_tokens, engine=engine)
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from tensorfold.server import build_server
 
     try:
-        server = build_server(settings_from(args))
+        server = build_server(settings_from(args, backend))
     except CheckpointError as e:
         log.error("cannot load the model: %s", e)
         return 2

@@ -6,7 +6,7 @@ kernel module is imported) at tiny sizes; with one, the same tests run compiled,
 seed is in each failure message); outputs are NaN-filled before the launch.
 
 Three faults of the interpreter (triton 3.9) are patched for this module only, each to make it
-compute what the GPU computes (shared/research/exactness-on-cpu.md):
+compute what the GPU computes (tests/triton_interpreter.py; shared/research/exactness-on-cpu.md):
 - tl.dot goes through numpy, whose result for a row depends on its place in the tile, and
   multiplies bf16 as integers: replaced by a sequential-K fp32 loop (row-independent);
 - fp32 -> bf16 casts truncate: replaced by round-to-nearest-even, as on the GPU;
@@ -28,7 +28,6 @@ if not HAS_GPU:
 
 import dataclasses  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tensorfold.kernels import reference  # noqa: E402
@@ -39,6 +38,7 @@ from tensorfold.kernels import verify_triton as verify  # noqa: E402
 from tensorfold.kernels.paged_attention import paged_attention_ref  # noqa: E402
 from tensorfold.sampling import sampler  # noqa: E402
 from tensorfold.sampling.sampler import RowSampling  # noqa: E402
+from triton_interpreter import gpu_semantics  # noqa: E402
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 NAN = float("nan")
@@ -46,50 +46,14 @@ INF = float("inf")
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
 
-# ---- interpreter patches (this module only) ----
+# ---- interpreter patches (this module only; tests/triton_interpreter.py) ----
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreter_as_gpu():
     if HAS_GPU:
         yield
         return
-    import triton.language as tl
-    from triton.runtime import interpreter
-    from triton.runtime.interpreter import TensorHandle
-
-    def as_f32(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return (h.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return h.data.astype(np.float32)
-
-    def sequential_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        lhs, rhs = as_f32(a), as_f32(b)
-        out = d.data.astype(np.float32).copy()
-        for k in range(lhs.shape[-1]):  # one fp32 rounding per step, the same for every row
-            out = out + lhs[..., :, k:k + 1] * rhs[..., k:k + 1, :]
-        return TensorHandle(out, d.dtype.scalar)
-
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def rounding_cast(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    def torch_libm(np_fn, torch_fn):
-        def op(self, arg):
-            if arg.data.dtype == np.float64:
-                return TensorHandle(torch_fn(torch.from_numpy(np.ascontiguousarray(arg.data))).numpy(),
-                                    arg.dtype.scalar)
-            return TensorHandle(np_fn(arg.data), arg.dtype.scalar)
-        return op
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter.InterpreterBuilder, "create_dot", sequential_dot)
-        mp.setattr(interpreter.InterpreterBuilder, "cast_impl", rounding_cast)
-        mp.setattr(interpreter.InterpreterBuilder, "create_exp", torch_libm(np.exp, torch.exp))
-        mp.setattr(interpreter.InterpreterBuilder, "create_log", torch_libm(np.log, torch.log))
+    with gpu_semantics():
         yield
 
 

@@ -94,6 +94,7 @@ class Service:
         body = {
             "status": "ok",
             "exact": self.engine.exact,
+            "backend": self.engine.config.backend,
             "busy": self.engine.has_work(),
             "requests_running": len(self.replies),
             "requests_total": c.requests_total,

@@ -1,7 +1,8 @@
 """The cuda backend's op set: reference.py's names, dispatching to the Triton launchers.
 
-A model takes an `ops` module (models/llama.py); the cpu backend passes kernels/reference.py and
-the cuda backend passes this one. Import it only when a GPU is present: it imports triton.
+A model takes an `ops` module (models/llama.py); the cpu backend passes cpu_ops.py and the cuda
+backend this one (backends.backend_ops). It imports triton, so it is imported only when the cuda
+backend is chosen: on a GPU, or in tests on CPU tensors under TRITON_INTERPRET=1.
 
 What runs where, and why:
 - rms_norm, apply_rope: Triton (kernels/rms_norm_triton.py), plus the fused forms a model may call
@@ -9,7 +10,8 @@ What runs where, and why:
 - paged_attention / paged_attention_varlen, write_kv: Triton attention with fixed absolute KV splits
   (kernels/attention_triton.py); the cache write is a torch index_put (one row per slot, no
   reduction, so it is invariant as it stands).
-- sample, verify, apply_token_bitmask: Triton keyed sampling and grammar-masked verification.
+- sample (the engine's draw; Python ints back), verify, apply_token_bitmask: Triton keyed
+  sampling and grammar-masked verification.
 - linear, silu_and_mul, pad_rows, rope_table: the torch reference ops on CUDA tensors. silu_and_mul
   is elementwise (invariant on a GPU as it is). linear relies on cuBLAS after padding rows to 8,
   which is not a documented batch-invariance guarantee on GPUs (cuBLAS may pick a split-K kernel

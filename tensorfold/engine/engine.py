@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tensorfold.backends import backend_ops
 from tensorfold.engine.block_pool import BlockPool
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
 from tensorfold.engine.probes import probe_ops
@@ -46,6 +47,9 @@ class EngineConfig:
     default_max_tokens: int = 4096
     num_threads: int | None = None
     probe: bool = True               # check batch invariance on the model's shapes at startup
+    backend: str = "cpu"             # op set: "cpu" (torch references) or "cuda" (Triton kernels)
+    device: str | None = None        # torch device; None = the backend's. Tests set "cpu" to run
+                                     # the cuda op set on CPU tensors under TRITON_INTERPRET=1
 
 
 @dataclass
@@ -74,7 +78,9 @@ class Engine:
         self.config = config
         self.checkpoint = load_checkpoint(model_path)
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
-        self.model = build_model(self.checkpoint, DTYPES[config.dtype])
+        ops = backend_ops(config.backend)
+        device = torch.device(config.device or config.backend)
+        self.model = build_model(self.checkpoint, DTYPES[config.dtype], ops, device)
         self.checkpoint.tensors = {}  # the model holds its own (converted) copies
         self.probe_failures = probe_ops(self.model, self.model.ops) if config.probe else []
         if self.probe_failures:
@@ -91,7 +97,7 @@ class Engine:
             config.prompt_cache_gib * 2**30 // (self._bytes_per_token(config, args) * config.block_size))
         self.pool = BlockPool(num_blocks, config.block_size, max_cached_blocks=cached)
         self.cache = KVCache.allocate(args.num_layers, num_blocks, config.block_size,
-                                      args.num_kv_heads, args.head_dim, DTYPES[config.dtype])
+                                      args.num_kv_heads, args.head_dim, DTYPES[config.dtype], device)
         self.runner = ModelRunner(self.model, self.cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,
                                                    config.decode_share), self.pool)
@@ -101,9 +107,10 @@ class Engine:
         self._drafts: dict[str, DraftState] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
-        log.info("loaded %s (%s, %d layers, %s) in %.2fs; window %d tokens, KV pool %d blocks x %d",
+        log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, KV pool %d blocks x %d",
                  self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
-                 self.load_seconds, self.context_length, num_blocks, config.block_size)
+                 self.load_seconds, device, config.backend, self.context_length, num_blocks,
+                 config.block_size)
 
     @staticmethod
     def _bytes_per_token(config: EngineConfig, args) -> int:

@@ -28,12 +28,12 @@ def _rows_invariant(fn, make_rows, name: str, failures: list[str]) -> None:
 def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
     """Run every probe; returns the failures (empty when the path is batch-invariant)."""
     a = model.args
-    dtype = model.dtype
-    gen = torch.Generator().manual_seed(1234)
+    dtype, device = model.dtype, model.device
+    gen = torch.Generator().manual_seed(1234)  # drawn on the CPU, the same inputs on every device
     failures: list[str] = []
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     layer = model.layers[0]
     gemms = {"qkv": layer.qkv, "o_proj": layer.o, "gate_up": layer.gate_up, "down": layer.down,
@@ -50,7 +50,7 @@ def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
     try:
         for n in threads:
             torch.set_num_threads(n)
-            x = torch.randn(5, layer.qkv.shape[1], generator=torch.Generator().manual_seed(7)).to(dtype)
+            x = torch.randn(5, layer.qkv.shape[1], generator=torch.Generator().manual_seed(7)).to(device, dtype)
             if n == threads[0]:
                 reference = ops.linear(x, layer.gate_up)
             elif not torch.equal(ops.linear(x, layer.gate_up), reference):
@@ -67,9 +67,9 @@ def _probe_attention(model, ops, randn, failures: list[str]) -> None:
     num_blocks = 6
     k_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim)
     v_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim)
-    table = torch.tensor([4, 1, 5, 0, 2, 3])
+    table = torch.tensor([4, 1, 5, 0, 2, 3], device=model.device)
     q = randn(150, a.num_heads, a.head_dim)
-    positions = torch.arange(150)
+    positions = torch.arange(150, device=model.device)
     scale = a.head_dim ** -0.5
     whole = ops.paged_attention(q, k_cache, v_cache, positions, table, scale)
     for row in (0, 31, 32, 77, 149):

@@ -2,13 +2,13 @@
 
 It decides nothing: which rows run and which draws are kept is the scheduler's and the
 engine's business. The draws are keyed (seed, position, token), so they do not depend on what
-else shares the round.
+else shares the round. The batch tensors go to the model's device; the draw is the model's op
+set's `sample` (the torch sampler on cpu, the Triton one on cuda), which returns Python ints.
 """
 import torch
 
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
-from tensorfold.sampling.sampler import sample
 
 
 class ModelRunner:
@@ -21,7 +21,7 @@ class ModelRunner:
         batch = self._batch(plan)
         logits = self.model.forward(batch, self.cache)  # [num_draw_rows, vocab]
         rows = [row for req in plan.requests for row in req.rows]
-        drawn = sample(logits, rows) if rows else []
+        drawn = self.model.ops.sample(logits, rows) if rows else []
         out, i = [], 0
         for req in plan.requests:
             out.append(drawn[i:i + len(req.rows)])
@@ -29,7 +29,7 @@ class ModelRunner:
         return out
 
     def _batch(self, plan: StepPlan) -> ForwardBatch:
-        block_size = self.cache.block_size
+        block_size, device = self.cache.block_size, self.model.device
         input_ids, positions, slots, sequences, logits_rows = [], [], [], [], []
         for req in plan.requests:
             start_row = len(input_ids)
@@ -39,8 +39,8 @@ class ModelRunner:
             positions += pos
             slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in pos]
             sequences.append(SequenceRows(start_row, start_row + num,
-                                          torch.tensor(req.block_ids, dtype=torch.int64)))
+                                          torch.tensor(req.block_ids, dtype=torch.int64, device=device)))
             logits_rows += range(start_row + num - len(req.rows), start_row + num)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slots),
                             sequences, as_tensor(logits_rows))

@@ -67,7 +67,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     v = v_cache[blocks].float().permute(2, 0, 1, 3)  # [KVH, num_blocks, block_size, D]
 
     scores = torch.matmul(qg, k) * scale  # [KVH, num_blocks, M*G, block_size]
-    key_pos = torch.arange(num_blocks * block_size).view(1, num_blocks, 1, block_size)
+    key_pos = torch.arange(num_blocks * block_size, device=q.device).view(1, num_blocks, 1, block_size)
     query_pos = pos_pad.repeat(group).view(1, 1, group * rows, 1)
     masked = key_pos > query_pos
     if window is not None:

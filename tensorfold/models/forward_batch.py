@@ -32,10 +32,10 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> "KVCache":
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVCache":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return cls([torch.zeros(shape, dtype=dtype) for _ in range(num_layers)],
-                   [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)])
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
 
     @property
     def block_size(self) -> int:

@@ -2,7 +2,7 @@
 
 Weights arrive as a dict of Hugging Face parameter names; Q/K/V and gate/up are fused into one
 GEMM each. Every op comes from `ops` (the backend's batch-invariant set), so the same file runs
-the cpu reference and the cuda kernels.
+the cpu reference and the cuda kernels; weights and rope tables live on `device`.
 """
 import torch
 
@@ -14,9 +14,10 @@ from tensorfold.models.forward_batch import ForwardBatch, KVCache
 
 
 class Layer:
-    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, dtype: torch.dtype, window: int | None):
+    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, dtype: torch.dtype, window: int | None,
+                 device: torch.device):
         def get(name):
-            return _take(tensors, prefix + name, dtype)
+            return _take(tensors, prefix + name, dtype, device)
 
         def maybe(name):
             return get(name) if prefix + name in tensors else None
@@ -39,25 +40,28 @@ class Layer:
 class Model:
     """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows."""
 
-    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=cpu_ops):
+    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=cpu_ops,
+                 device: torch.device | str = "cpu"):
         self.args = args
         self.dtype = dtype
         self.ops = ops
-        self.embed = _take(tensors, "model.embed_tokens.weight", dtype)
+        self.device = device = torch.device(device)
+        self.embed = _take(tensors, "model.embed_tokens.weight", dtype, device)
         if self.embed.shape != (args.vocab_size, args.hidden_size):
             raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
                                   f"config says ({args.vocab_size}, {args.hidden_size})")
-        self.layers = [Layer(tensors, f"model.layers.{i}.", args, dtype, args.layer_windows[i])
+        self.layers = [Layer(tensors, f"model.layers.{i}.", args, dtype, args.layer_windows[i], device)
                        for i in range(args.num_layers)]
-        self.norm = _take(tensors, "model.norm.weight", dtype)
+        self.norm = _take(tensors, "model.norm.weight", dtype, device)
         if "lm_head.weight" in tensors:
-            self.lm_head = _take(tensors, "lm_head.weight", dtype)
+            self.lm_head = _take(tensors, "lm_head.weight", dtype, device)
         elif args.tie_word_embeddings:
             self.lm_head = self.embed
         else:
             raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
         inv_freq, rope_scale = rope_inv_freq(args.rope, args.head_dim)
-        self.cos, self.sin = reference.rope_table(inv_freq, rope_scale, args.max_position)
+        cos, sin = reference.rope_table(inv_freq, rope_scale, args.max_position)  # built on the CPU
+        self.cos, self.sin = cos.to(device), sin.to(device)  # [max_position, head_dim]
         self.scale = args.head_dim ** -0.5
 
     @torch.inference_mode()
@@ -99,7 +103,7 @@ class Model:
         return self.ops.linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
 
 
-def _take(tensors: dict, name: str, dtype: torch.dtype) -> torch.Tensor:
+def _take(tensors: dict, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if name not in tensors:
         raise CheckpointError(f"missing tensor '{name}'")
-    return tensors[name].to(dtype).contiguous()
+    return tensors[name].to(device=device, dtype=dtype).contiguous()

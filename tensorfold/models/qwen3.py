@@ -11,7 +11,8 @@ from tensorfold.models.config import ModelArgs
 
 
 class Model(llama.Model):
-    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=cpu_ops):
-        super().__init__(args, tensors, dtype, ops)
+    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=cpu_ops,
+                 device: torch.device | str = "cpu"):
+        super().__init__(args, tensors, dtype, ops, device)
         if any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
             raise CheckpointError("qwen3 checkpoint lacks self_attn.q_norm / k_norm weights")
