@@ -1,0 +1,274 @@
+"""Exactness benchmark (issue 4): what drafting buys, and what the exact forward costs.
+
+    python tools/bench_spec.py                      # both tables, default model, fp32 drafting
+    python tools/bench_spec.py --dtype bfloat16 --tasks repeat,edit,chat --repeat-tokens 320
+    python tools/bench_spec.py --skip-drafting      # only the exact-vs-stock table
+
+Table 1, drafting on vs off: the default model, greedy, one request at a time. "repeat" asks it to
+repeat a ~300-token passage (prompt lookup should find most of the reply in the prompt), "edit"
+to repeat it with one word changed, "chat" is free chat. Decode tokens/s is (tokens - 1) over the
+engine's decode seconds (the server's `decode_tps`); acceptance is accepted / drafted; rounds is
+the number of decode rounds; the drafted reply must equal the serial one (same tokens). Serial
+and drafted runs alternate, --repeats times, and the table shows the fastest of each.
+
+Table 2, the exact path's cost: one whole-model decode step (forward over a paged KV cache, no
+sampling) with the batch-invariant ops of kernels/reference.py vs stock torch ops (F.linear
+without padding, F.silu, RMSNorm with rsqrt as in transformers; rope and the paged attention are
+the same in both). A third column swaps the paged attention for stock SDPA over the gathered
+blocks, to show what the attention costs. Rows: 1, 8 and 64 sequences of one decode row each,
+and one sequence verifying 7 drafts (8 rows), each with `--context` tokens already cached. The
+variants run interleaved, rep by rep, and the table shows the fastest rep of each (the least
+disturbed by other processes on a shared machine) with the median beside it.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_core import chat_prompt_ids, fmt, loadavg, machine_line, print_table  # noqa: E402
+
+PASSAGE = (
+    "The lighthouse at Carrow Point was built in 1871 from granite quarried on the island itself. "
+    "For more than a century a keeper lived in the small cottage at its foot, climbing the one "
+    "hundred and twelve steps every evening to light the lamp and every morning to put it out. "
+    "The last keeper, a quiet man named Elias Wren, kept a logbook in which he wrote down the "
+    "weather, the ships that passed, and the birds that rested on the gallery rail. In the winter "
+    "of 1953 a storm broke the great lens, and for three nights he kept a paraffin lamp burning "
+    "by hand, sleeping in short turns on the stairs so the light would never go dark. When the "
+    "lighthouse was automated in 1979, Elias moved to the village, but he walked out to the point "
+    "each evening until he was ninety, to watch the beam sweep across the water. His logbooks are "
+    "kept today in the small museum by the harbour, where visitors can read, in his careful "
+    "handwriting, the names of ships that have long since disappeared from the sea. On the first "
+    "page of the first book he wrote that a light is only useful if it is there every night, and "
+    "that the sea does not care how tired the keeper is. On the last page, dated the spring he "
+    "left, there is a single line: the gulls came back today, and the water was calm."
+)
+
+TASKS = {
+    "repeat": "Repeat the following text exactly, with nothing before or after it:\n\n" + PASSAGE,
+    "edit": "Repeat the following text exactly, but write 'tower' instead of 'lighthouse':\n\n" + PASSAGE,
+    "chat": "Write a short story about a fox who learns to play the violin.",
+}
+
+TARGETS = {"repeat": 1.5, "edit": 1.5, "chat": 0.95}  # drafted / serial decode tokens/s
+
+
+# -- table 1: drafting on vs off ---------------------------------------------------------------
+
+def run_request(engine, prompt_ids, params):
+    """Drive the engine to the end of one request; returns (completion tokens, stats, decode rounds)."""
+    from tensorfold.engine.request import Status
+
+    req_id = engine.add_request(prompt_ids, params)
+    req = engine.requests[req_id]
+    rounds = 0
+    while req.status is not Status.FINISHED:
+        decoding = bool(req.output_ids)
+        engine.step()
+        rounds += decoding
+    return list(req.output_ids), req.stats, rounds
+
+
+def drafting_table(args) -> None:
+    from tensorfold.engine.engine import Engine, EngineConfig
+    from tensorfold.sampling.params import SamplingParams
+
+    started = time.perf_counter()
+    engine = Engine(None, EngineConfig(dtype=args.dtype, num_threads=args.threads, prompt_cache_gib=0))
+    print(f"  engine loaded in {engine.load_seconds:.1f}s (exact mode: {engine.exact})", flush=True)
+    engine.generate(chat_prompt_ids(engine, "Hi")[:8], SamplingParams(temperature=0, max_tokens=2))
+    rows = []
+    for task in args.tasks.split(","):
+        prompt_ids = chat_prompt_ids(engine, TASKS[task])
+        max_tokens = args.chat_tokens if task == "chat" else args.repeat_tokens
+        results, best_tps = {}, {}
+        for _ in range(args.repeats):  # interleaved; the fastest run of each (contention only slows)
+            for draft in (False, True):
+                params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=max_tokens,
+                                        draft=draft)
+                ids, stats, rounds = run_request(engine, prompt_ids, params)
+                tps = (len(ids) - 1) / stats.decode_s
+                if tps > best_tps.get(draft, 0.0):
+                    results[draft], best_tps[draft] = (ids, stats, rounds), tps
+                print(f"  {task} draft={draft}: {len(ids)} tokens, {tps:.1f} tok/s "
+                      f"({time.perf_counter() - started:.0f}s)", flush=True)
+        (serial_ids, _, serial_rounds), (draft_ids, drafted, draft_rounds) = results[False], results[True]
+        tps_off, tps_on = best_tps[False], best_tps[True]
+        speedup = tps_on / tps_off
+        rows.append([task, len(prompt_ids), len(serial_ids), fmt(tps_off, 1), fmt(tps_on, 1), f"{speedup:.2f}x",
+                     f">= {TARGETS[task]}x " + ("met" if speedup >= TARGETS[task] else "MISSED"),
+                     f"{drafted.accepted}/{drafted.drafted} = "
+                     f"{drafted.accepted / drafted.drafted:.0%}" if drafted.drafted else "0/0",
+                     f"{serial_rounds} / {draft_rounds}", "yes" if serial_ids == draft_ids else "NO"])
+    print_table(["task", "prompt tok", "reply tok", "serial tok/s", "drafted tok/s", "speed-up", "target",
+                 "accepted / drafted", "decode rounds serial / drafted", "same tokens"], rows,
+                title=f"Drafting on vs off ({args.dtype}, {args.threads} threads, "
+                      f"temperature {args.temperature}, one request at a time, fastest of {args.repeats} runs)")
+
+
+# -- table 2: exact vs stock ops ---------------------------------------------------------------
+
+def stock_ops(**overrides):
+    """Stock torch ops under the cpu op set's names (what a plain port would call); attention
+    and the cache write stay the cpu backend's unless overridden."""
+    import torch
+    import torch.nn.functional as F
+
+    from tensorfold.backends import cpu_ops
+
+    def rms_norm(x, weight, eps):  # transformers' LlamaRMSNorm
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    ops = {name: getattr(cpu_ops, name) for name in dir(cpu_ops) if not name.startswith("_")}
+    ops.update(linear=F.linear, rms_norm=rms_norm, silu_and_mul=lambda gate, up: F.silu(gate) * up)
+    ops.update(overrides)
+    return types.SimpleNamespace(**ops)
+
+
+def sdpa_attention(q, k_cache, v_cache, positions, block_table, scale, window=None):
+    """Stock attention for comparison: gather the sequence's blocks and call SDPA with a mask."""
+    import torch
+    import torch.nn.functional as F
+
+    num_rows, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    length = int(positions.max()) + 1
+    blocks = block_table[:-(-length // block_size)]
+    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].transpose(0, 1)  # [KVH, L, D]
+    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].transpose(0, 1)
+    key_pos = torch.arange(length)
+    mask = key_pos[None, :] <= positions[:, None]  # [rows, L]
+    if window is not None:
+        mask &= key_pos[None, :] > positions[:, None] - window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)  # [H, rows, D]
+    return out.transpose(0, 1)
+
+
+def decode_batch(num_seqs: int, rows_per_seq: int, context: int, block_size: int, vocab: int):
+    """A decode (or verify) batch: each sequence has `context` cached tokens in its own blocks."""
+    import torch
+
+    from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
+
+    blocks_per_seq = -(-(context + rows_per_seq) // block_size)
+    gen = torch.Generator().manual_seed(0)
+    input_ids, positions, slots, sequences = [], [], [], []
+    for s in range(num_seqs):
+        table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+        start = len(input_ids)
+        for j in range(rows_per_seq):
+            pos = context + j
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        input_ids += torch.randint(vocab, (rows_per_seq,), generator=gen).tolist()
+        sequences.append(SequenceRows(start, start + rows_per_seq, torch.tensor(table)))
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    n = len(input_ids)
+    return ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slots), sequences,
+                        torch.arange(n)), num_seqs * blocks_per_seq
+
+
+def profile_step(model, batch, cache, label: str) -> None:
+    """Where one exact decode step's time goes, by torch op (self CPU time, 3 steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(3):
+            model.forward(batch, cache)
+    print(f"\nprofile of 3 decode steps, {label}:")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15,
+                                                             max_name_column_width=30,
+                                                             max_shapes_column_width=60))
+
+
+def cost_table(args) -> None:
+    import torch
+
+    from tensorfold.backends import cpu_ops
+    from tensorfold.models.forward_batch import KVCache
+    from tensorfold.models.loader import build_model, load_checkpoint
+
+    torch.set_num_threads(args.threads)
+    ckpt = load_checkpoint(None)
+    shapes = [(1, 1, "1 seq x 1 row"), (8, 1, "8 seqs x 1 row"), (64, 1, "64 seqs x 1 row"),
+              (1, 8, "1 seq x 8 rows (verify 7 drafts)")]
+    variants = {"exact": cpu_ops, "stock": stock_ops(), "stock+SDPA": stock_ops(paged_attention=sdpa_attention)}
+    rows = []
+    for dtype_name in args.cost_dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        model = build_model(ckpt, dtype)
+        a = model.args
+        for num_seqs, rows_per_seq, label in shapes:
+            batch, num_blocks = decode_batch(num_seqs, rows_per_seq, args.context, 32, a.vocab_size)
+            cache = KVCache.allocate(a.num_layers, num_blocks, 32, a.num_kv_heads, a.head_dim, dtype)
+            for t in cache.k + cache.v:
+                t.normal_()
+            times = {name: [] for name in variants}
+            reps = args.reps if num_seqs * rows_per_seq < 64 else max(2, args.reps // 3)
+            for rep in range(reps + 1):  # rep 0 warms up
+                for name, ops in variants.items():
+                    model.ops = ops
+                    t0 = time.perf_counter()
+                    model.forward(batch, cache)
+                    if rep:
+                        times[name].append(time.perf_counter() - t0)
+            model.ops = cpu_ops
+            if args.profile and num_seqs * rows_per_seq == 1:
+                profile_step(model, batch, cache, f"{dtype_name} exact, {label}")
+            ms = {name: min(v) * 1e3 for name, v in times.items()}
+            med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+            ratio = ms["exact"] / ms["stock"]
+            target = ("<= 1.3x " + ("met" if ratio <= 1.3 else "MISSED")) if dtype_name == "bfloat16" else ""
+            rows.append([dtype_name, label, f"{ms['exact']:.1f} ({med['exact']:.0f})",
+                         f"{ms['stock']:.1f} ({med['stock']:.0f})", f"{ratio:.2f}x",
+                         f"{med['exact'] / med['stock']:.2f}x", target,
+                         f"{ms['stock+SDPA']:.1f} ({med['stock+SDPA']:.0f})", f"{ms['exact'] / ms['stock+SDPA']:.2f}x"])
+            print(f"  {dtype_name} {label}: done", flush=True)
+            del cache
+        del model
+    print_table(["dtype", "batch", "exact ms (median)", "stock ms (median)", "exact / stock",
+                 "of medians", "target (bf16)", "stock+SDPA ms (median)", "exact / stock+SDPA"], rows,
+                title=f"Whole-model decode step, exact vs stock ops ({args.threads} threads, "
+                      f"{args.context} cached tokens per sequence, fastest of {args.reps} reps, "
+                      f"{max(2, args.reps // 3)} at 64 rows)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="drafting table dtype")
+    p.add_argument("--tasks", default="repeat,chat", help=f"drafting tasks, of {','.join(TASKS)}")
+    p.add_argument("--repeat-tokens", type=int, default=300, help="reply limit of repeat/edit")
+    p.add_argument("--chat-tokens", type=int, default=96, help="reply limit of chat")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each drafting measurement; the fastest is shown")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cost-dtypes", default="float32,bfloat16")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per sequence in the cost table")
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--profile", action="store_true", help="also print a torch profile of one exact decode step")
+    p.add_argument("--skip-drafting", action="store_true")
+    p.add_argument("--skip-cost", action="store_true")
+    args = p.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(machine_line())
+    started = time.perf_counter()
+    if not args.skip_drafting:
+        drafting_table(args)
+    if not args.skip_cost:
+        cost_table(args)
+    print(f"\nload average after the run: {loadavg()}; total {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
