@@ -89,6 +89,7 @@ class Scheduler:
         decode_only = bool(decoding) and self._decode_credit_s > 0
         prefill_only = bool(prefilling) and self.config.decode_share == 0
         budget = self.config.max_tokens_per_step
+        foreground_prefilled = False
         plan = StepPlan()
         for req in list(self.running):
             if budget <= 0 or req.status is not Status.RUNNING:
@@ -97,7 +98,10 @@ class Scheduler:
                 drafts = req.draft_ids[:max(0, budget - 1)]
                 num = 1 + len(drafts)
             elif req in prefilling and not decode_only:
+                if req.priority > 0 and foreground_prefilled:
+                    continue  # a background chunk would stretch a foreground prompt's round
                 drafts, num = [], min(req.num_tokens - req.num_computed_tokens, budget)
+                foreground_prefilled |= req.priority == 0
             else:
                 continue
             if not self._grow(req, req.num_computed_tokens + num):

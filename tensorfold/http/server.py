@@ -408,13 +408,20 @@ class HttpServer:
         deadlines = [d for c in self._conns for d in (c.deadline, c.write_deadline) if d is not None]
         if deadlines:
             timeout = max(0.0, min(timeout, min(deadlines) - now))
-        for key, mask in self._selector.select(timeout):
-            if key.data is _LISTENER:
-                self._accept()
-            elif key.data is _WAKER:
-                self._drain_waker()
-            elif not key.data.closed:
-                self._guarded(key.data, key.data.on_events, mask)
+        # A connection accepted now usually has its request already waiting: read it in this
+        # poll (a second, non-blocking pass) rather than after the next engine round.
+        for pass_timeout in (timeout, 0.0):
+            accepted = False
+            for key, mask in self._selector.select(pass_timeout):
+                if key.data is _LISTENER:
+                    self._accept()
+                    accepted = True
+                elif key.data is _WAKER:
+                    self._drain_waker()
+                elif not key.data.closed:
+                    self._guarded(key.data, key.data.on_events, mask)
+            if not accepted:
+                break
         self._flush_replies()
         now = time.monotonic()
         for conn in list(self._conns):
