@@ -25,6 +25,7 @@ STOCK_OPS = types.SimpleNamespace(
     silu_and_mul=lambda g, u: F.silu(g) * u,
     apply_rope=cpu_ops.apply_rope,
     paged_attention=cpu_ops.paged_attention,
+    paged_decode_attention=cpu_ops.paged_decode_attention,
     write_kv=cpu_ops.write_kv,
 )
 

@@ -24,3 +24,14 @@ from tensorfold.kernels.reference import linear, pad_rows, rope_table, silu_and_
 from tensorfold.kernels.rms_norm_triton import add_rms_norm, apply_rope, rms_norm, rms_norm_rope  # noqa: F401
 from tensorfold.kernels.sampling_triton import sample  # noqa: F401
 from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa: F401
+
+
+def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, window=None):
+    """One query row per sequence, all in one launch; the kernel's fixed absolute splits make each
+    row's result the one paged_attention gives it alone."""
+    import torch
+
+    width = max(len(t) for t in block_tables)
+    tables = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in block_tables])
+    return paged_attention_varlen(q, k_cache, v_cache, positions, tables, list(range(q.shape[0] + 1)),
+                                  scale, window)

@@ -77,6 +77,14 @@ def _probe_attention(model, ops, randn, failures: list[str]) -> None:
         if not torch.equal(alone[0], whole[row]):
             failures.append(f"paged attention: row at position {row} differs alone vs in a 150-row chunk")
             return
+    rows = torch.tensor([5, 77, 149, 31], device=model.device)
+    tables = [table, table.flip(0), table, table.roll(2)]
+    together = ops.paged_decode_attention(q[rows], k_cache, v_cache, positions[rows], tables, scale)
+    for i, row in enumerate(rows.tolist()):
+        alone = ops.paged_attention(q[row:row + 1], k_cache, v_cache, positions[row:row + 1], tables[i], scale)
+        if not torch.equal(alone[0], together[i]):
+            failures.append(f"paged attention: decode row {i} differs alone vs batched with other sequences")
+            return
     for start, end in ((13, 40), (100, 150), (64, 65)):
         part = ops.paged_attention(q[start:end], k_cache, v_cache, positions[start:end], table, scale)
         if not torch.equal(part, whole[start:end]):

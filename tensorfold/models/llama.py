@@ -96,7 +96,16 @@ class Model:
         k = self.ops.apply_rope(k, cos, sin)
         self.ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
+        # Decode rows of all sequences share one call (bitwise what each would get alone).
+        decode = [seq for seq in batch.sequences if seq.end - seq.start == 1]
+        if len(decode) > 1:
+            rows = torch.tensor([seq.start for seq in decode], device=q.device)
+            out[rows] = self.ops.paged_decode_attention(q[rows], k_cache, v_cache, batch.positions[rows],
+                                                        [seq.block_table for seq in decode], self.scale,
+                                                        layer.window)
         for seq in batch.sequences:
+            if len(decode) > 1 and seq.end - seq.start == 1:
+                continue
             rows = slice(seq.start, seq.end)
             out[rows] = self.ops.paged_attention(q[rows], k_cache, v_cache, batch.positions[rows],
                                                  seq.block_table, self.scale, layer.window)
