@@ -1,12 +1,7 @@
 """python -m tensorfold: serve a model at http://127.0.0.1:8080/v1 (the default model with no arguments)."""
 import argparse
 import logging
-import os
 import sys
-
-# Sleep rather than spin while OpenMP threads wait: on a shared CPU, spinning workers made one
-# 2-thread GEMM 15x slower (docs/benchmarks.md). Must be set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tensorfold.backends import select_backend
 from tensorfold.engine.engine import EngineConfig
