@@ -30,22 +30,13 @@ import pytest  # noqa: E402
 from tensorfold.backends import backend_ops, cpu_ops, select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
-from triton_interpreter import gpu_semantics  # noqa: E402
+from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 OP_NAMES = ("linear", "rms_norm", "silu_and_mul", "apply_rope", "rope_table", "pad_rows",
             "paged_attention", "write_kv", "sample")
 KERNEL_OPS = ("paged_attention", "rms_norm", "apply_rope", "sample")  # Triton in cuda_ops
 SMALL = dict(probe=False, kv_cache_gib=0.002, context=256)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_as_gpu():
-    if HAS_GPU:
-        yield
-        return
-    with gpu_semantics():
-        yield
 
 
 @pytest.fixture(scope="module")

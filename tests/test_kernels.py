@@ -5,14 +5,8 @@ kernel module is imported) at tiny sizes; with one, the same tests run compiled,
 `gpu`-marked tests repeat them at model sizes. Inputs are fresh random draws on every run (the
 seed is in each failure message); outputs are NaN-filled before the launch.
 
-Three faults of the interpreter (triton 3.9) are patched for this module only, each to make it
-compute what the GPU computes (tests/triton_interpreter.py; shared/research/exactness-on-cpu.md):
-- tl.dot goes through numpy, whose result for a row depends on its place in the tile, and
-  multiplies bf16 as integers: replaced by a sequential-K fp32 loop (row-independent);
-- fp32 -> bf16 casts truncate: replaced by round-to-nearest-even, as on the GPU;
-- fp64 exp/log are numpy's, which differ from torch's in the last bit for a few percent of
-  inputs: routed through torch, so sampling is compared bitwise against a reference that uses the
-  same libm (on a GPU both torch and the kernel use libdevice).
+The interpreter is patched to compute what the GPU computes (tl.dot, bf16 casts, fp64 exp/log)
+for this module only: tests/triton_interpreter.py says how and why.
 
 Contracts: rope, the residual add, sampling (tokens, candidate keys and scores, q-sums) and
 verification (draws, accepted lengths, masks) are bitwise; rms_norm and attention against the
@@ -38,23 +32,12 @@ from tensorfold.kernels import verify_triton as verify  # noqa: E402
 from tensorfold.kernels.paged_attention import paged_attention_ref  # noqa: E402
 from tensorfold.sampling import sampler  # noqa: E402
 from tensorfold.sampling.sampler import RowSampling  # noqa: E402
-from triton_interpreter import gpu_semantics  # noqa: E402
+from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 NAN = float("nan")
 INF = float("inf")
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
-
-
-# ---- interpreter patches (this module only; tests/triton_interpreter.py) ----
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_as_gpu():
-    if HAS_GPU:
-        yield
-        return
-    with gpu_semantics():
-        yield
 
 
 class Draw:

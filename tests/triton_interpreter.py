@@ -57,3 +57,13 @@ def gpu_semantics():
         mp.setattr(interpreter.InterpreterBuilder, "create_exp", torch_libm(np.exp, torch.exp))
         mp.setattr(interpreter.InterpreterBuilder, "create_log", torch_libm(np.log, torch.log))
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_as_gpu():
+    """Import this into a kernel test module: GPU semantics in the interpreter, nothing on a GPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with gpu_semantics():
+        yield
