@@ -5,12 +5,16 @@ Depth adapts per request: it grows after a fully accepted run and shrinks after 
 a reply that drafts badly soon costs almost nothing. Drafting never changes the reply, only how
 many rounds it takes: the engine accepts a draft only where it equals the keyed draw.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class DraftState:
     depth: int = 4
+    # n-gram -> start of its latest occurrence that has a following token; covers every n-gram
+    # ending before position num_indexed. Grows with the sequence: O(new tokens) per round.
+    latest: dict[tuple[int, ...], int] = field(default_factory=dict)
+    num_indexed: int = 0
 
 
 class PromptLookupDrafter:
@@ -21,19 +25,25 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
 
     def propose(self, tokens: list[int], state: DraftState, limit: int) -> list[int]:
+        """The continuation of the latest earlier occurrence of the longest matching tail n-gram."""
+        self._index(tokens, state)
         depth = min(state.depth, limit)
         if depth <= 0:
             return []
         n_tokens = len(tokens)
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            tail = tokens[n_tokens - n:]
-            # Latest earlier occurrence whose continuation exists.
-            for start in range(n_tokens - n - 1, -1, -1):
-                if tokens[start:start + n] == tail:
-                    follow = tokens[start + n:start + n + depth]
-                    if follow:
-                        return follow
+            start = state.latest.get(tuple(tokens[n_tokens - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + depth]
         return []
+
+    def _index(self, tokens: list[int], state: DraftState) -> None:
+        # An n-gram ending at `end` (exclusive) has a follower once end < len(tokens); later
+        # occurrences overwrite earlier ones, so each entry is the latest.
+        for end in range(max(state.num_indexed, 1), len(tokens)):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                state.latest[tuple(tokens[end - n:end])] = end - n
+        state.num_indexed = max(state.num_indexed, len(tokens))
 
     def update(self, state: DraftState, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:

@@ -199,7 +199,8 @@ class Engine:
     def _propose_drafts(self) -> None:
         for req in self.scheduler.running:
             req.draft_ids = []
-            if not (self.config.drafting and req.params.draft and req.output_ids):
+            decoding = req.num_computed_tokens == req.num_tokens - 1
+            if not (self.config.drafting and req.params.draft and req.output_ids and decoding):
                 continue
             # Leave room for the correction/bonus draw inside max_tokens.
             limit = req.max_tokens - len(req.output_ids) - 1
