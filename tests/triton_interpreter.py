@@ -3,7 +3,8 @@
 Three faults of the interpreter (triton 3.9) are patched while `gpu_semantics()` is active
 (shared/research/exactness-on-cpu.md):
 - tl.dot goes through numpy, whose result for a row depends on its place in the tile, and
-  multiplies bf16 as integers: replaced by a sequential-K fp32 loop (row-independent);
+  multiplies bf16 as integers: replaced by a sequential-K loop (row-independent; fp32, or fp64
+  for float64 dots);
 - fp32 -> bf16 casts truncate: replaced by round-to-nearest-even, as on the GPU;
 - fp64 exp/log are numpy's, which differ from torch's in the last bit for a few percent of
   inputs: routed through torch, so sampling is compared bitwise against a reference that uses the
@@ -29,8 +30,9 @@ def gpu_semantics():
         return h.data.astype(np.float32)
 
     def sequential_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        lhs, rhs = as_f32(a), as_f32(b)
-        out = d.data.astype(np.float32).copy()
+        wide = d.dtype.scalar == tl.float64  # float64 dots: kept in float64 (exact attention)
+        lhs, rhs = (a.data, b.data) if wide else (as_f32(a), as_f32(b))
+        out = d.data.astype(np.float64 if wide else np.float32).copy()
         for k in range(lhs.shape[-1]):  # one fp32 rounding per step, the same for every row
             out = out + lhs[..., :, k:k + 1] * rhs[..., k:k + 1, :]
         return TensorHandle(out, d.dtype.scalar)

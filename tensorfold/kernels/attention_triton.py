@@ -1,147 +1,196 @@
 """Paged attention in Triton for prefill chunks and decode/verify rows (GQA, causal, sliding window).
 
-Same contract as `paged_attention_ref` (kernels/paged_attention.py): query rows of a sequence at
-absolute `positions` attend over the sequence's cached prefix, read through its block table from
-a cache [num_blocks, block_size, num_kv_heads, head_dim]. The launcher `paged_attention` has the
-reference's signature; `paged_attention_varlen` runs many sequences in one launch.
+The contract is bitwise: the same bits as `paged_attention_ref` (kernels/paged_attention.py),
+whose docstring lists the steps. Both compute every sum exactly on integers (kernels/exact.py):
+q on its fixed-point grid against a cache whose vectors `write_kv_ref` put on theirs, so q.k is
+an exact float64 dot product; softmax weights and v on one integer grid per row, so the weighted
+sum is exact too; exp is exact.exp_neg's polynomial, not libdevice's. Exact sums have no order,
+so no tiling, split or batch can change a row's bits, and the reference needs no knowledge of
+how the kernel walks the cache.
 
 Layout of the work. A program owns one tile of query rows of one sequence (BLOCK_M lanes: lane i
 is row i // GROUP, query head kv_head * GROUP + i % GROUP, so a K/V tile is loaded once for the
-whole group), one KV head and one KV split. Splits cover fixed absolute positions
-[s * SPLIT_SIZE, (s + 1) * SPLIT_SIZE), walked in BLOCK_N-token steps aligned to absolute
-positions, with an online softmax. A second kernel folds a row's splits in split order.
-
-Why a row's bits never depend on its neighbours (the invariant, see ARCHITECTURE.md):
-- every constexpr (BLOCK_M, BLOCK_N, SPLIT_SIZE, GROUP, head_dim) is fixed by the model and the
-  deployment, never by the batch, and the launcher passes contiguous, 16-byte aligned tensors
-  and marks the batch-dependent integers unspecialised, so one compiled kernel serves every call;
-- a KV step where a row sees no key (past its position, before its window, or a lane beyond the
-  tile's rows) is an exact no-op for that row: its max is unchanged, so alpha == 1 and p == 0
-  (before any key: m stays -inf, l and acc stay 0), hence the steps a tile takes for its other
-  rows change nothing;
-- a row's splits are fixed by its position and window, and are folded sequentially in order.
-What differs from the reference: the online softmax rescales per step instead of one global
-max, and the sums run in a different order, so kernel vs reference is a float tolerance
-(about 1e-6 relative in fp32); invariance is bitwise.
+whole group), one KV head and one KV split of SPLIT_SIZE positions, walked in BLOCK_N steps.
+Three launches:
+1. `attention_stats_kernel`: per split, each lane's largest visible score and largest visible v
+   exponent (the launcher takes the max over splits: exact);
+2. `attention_sums_kernel`: per split, the integer weighted sum (float64 tl.dot of integers:
+   exact while a split holds <= 512 keys) and the integer denominator;
+3. `attention_finish_kernel`: per row and head, the splits added as int64, one float64
+   division, the power-of-two scale, the roundings to float32 and to the output dtype.
+Kernels are launched with FMA contraction off (exact_triton.LAUNCH_EXACT). The price of
+exactness on a GPU: K is read twice (stats, then sums), V twice for its exponents, and the dots
+run in float64 (tensor cores do float64 on sm80+ at a fraction of their bf16 rate); nothing here
+has been timed on a GPU yet (docs/kernels.md).
 """
 import torch
 import triton
 import triton.language as tl
 
-from tensorfold.kernels.paged_attention import paged_attention_ref  # noqa: F401  (the reference)
+from tensorfold.kernels import exact_triton as ex
+from tensorfold.kernels.paged_attention import (L_BITS, NO_KEY_EXPONENT, QK_BITS, SPLIT_SIZE, V_BITS,  # noqa: F401
+                                                W_BITS, paged_attention_ref)
 
-BLOCK_M = 64       # query lanes (rows x group heads) per program
-BLOCK_N = 64       # KV positions per step
-SPLIT_SIZE = 512   # KV positions per split: fixed, so splits sit at fixed absolute positions
+BLOCK_M = 16       # query lanes (rows x group heads) per program
+BLOCK_N = 32       # KV positions per step
 WORKSPACE_BYTES = 256 << 20  # split partials per launch; long prefills run in several launches
 
-
-@triton.jit(do_not_specialize=["window", "row_base", "max_splits"])
-def paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, block_tables_ptr,
-        tile_seq_ptr, tile_start_ptr, tile_end_ptr,
-        m_ptr, l_ptr, acc_ptr,
-        scale, window, row_base,
-        stride_qr, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_bt, max_splits,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+@triton.jit
+def _lanes(tile_seq_ptr, tile_start_ptr, tile_end_ptr, positions_ptr, GROUP: tl.constexpr,
+           BLOCK_M: tl.constexpr):
+    """The tile's sequence, its lanes' rows, query heads (within the KV head), validity, positions."""
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
     seq = tl.load(tile_seq_ptr + tile)
     row_start = tl.load(tile_start_ptr + tile)
     row_end = tl.load(tile_end_ptr + tile)
-
     lanes = tl.arange(0, BLOCK_M)
     rows = row_start + lanes // GROUP
-    heads = kv_head * GROUP + lanes % GROUP
     lane_ok = (lanes < (BLOCK_M // GROUP) * GROUP) & (rows < row_end)
-    dims = tl.arange(0, D_PAD)
-    dim_ok = dims < HEAD_DIM
     pos = tl.load(positions_ptr + rows, mask=lane_ok, other=-1).to(tl.int32)  # -1 sees nothing
+    return seq, rows, lanes % GROUP, lane_ok, pos
 
+
+@triton.jit
+def _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr):
+    """The lanes' q rows on their fixed-point grid, float64 [BLOCK_M, D_PAD]."""
+    dims = tl.arange(0, D_PAD)
     q = tl.load(q_ptr + rows[:, None] * stride_qr + heads[:, None] * stride_qh + dims[None, :],
-                mask=lane_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
-    q = q.to(k_cache_ptr.dtype.element_ty)
+                mask=lane_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    e = ex.exponent(tl.max(tl.abs(q), 1))
+    return ex.to_fixed(q, e, QK_BITS) * ex.pow2(e - QK_BITS + 1)[:, None]
 
-    # The keys this tile needs inside this split; the bounds only skip steps that are no-ops.
-    hi = tl.minimum(tl.max(pos, 0) + 1, (split + 1) * SPLIT_SIZE)
-    lo = split * SPLIT_SIZE
+
+@triton.jit
+def _kv_step(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_grid, pos, scale,
+             window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+             HAS_WINDOW: tl.constexpr):
+    """One BLOCK_N step of keys: scores [BLOCK_M, BLOCK_N] (float32, -inf where unseen), which keys
+    each lane sees, v as float32 [BLOCK_N, D_PAD] and v's exponents [BLOCK_N]."""
+    keys = start + tl.arange(0, BLOCK_N)  # absolute positions
+    key_ok = keys < hi
+    dims = tl.arange(0, D_PAD)
+    page = tl.load(block_tables_ptr + seq * stride_bt + keys // PAGE, mask=key_ok, other=0)
+    slot = keys % PAGE
+    kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
+                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    dots = tl.dot(q_grid, tl.trans(k.to(tl.float64)))  # exact: integers on one grid, < 2^53
+    scores = (dots * tl.cast(scale, tl.float32).to(tl.float64)).to(tl.float32)  # scale: a float32 arg
+    seen = keys[None, :] <= pos[:, None]
     if HAS_WINDOW:
-        first = tl.min(tl.where(lane_ok, pos - window + 1, hi), 0)
-        lo = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)  # absolute positions
-        key_ok = keys < hi
-        page = tl.load(block_tables_ptr + seq * stride_bt + keys // PAGE, mask=key_ok, other=0)
-        slot = keys % PAGE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
-                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_cache_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        seen = keys[None, :] <= pos[:, None]
-        if HAS_WINDOW:
-            seen &= keys[None, :] > pos[:, None] - window
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0
-        alpha = tl.exp(m_i - base)
-        p = tl.exp(s - base[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # Partials [launch rows, num_heads, max_splits(, D)]; only a row's own splits are ever read.
-    part = ((rows - row_base).to(tl.int64) * num_heads + heads) * max_splits + split
-    tl.store(m_ptr + part, m_i, mask=lane_ok)
-    tl.store(l_ptr + part, l_i, mask=lane_ok)
-    tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
-             mask=lane_ok[:, None] & dim_ok[None, :])
+        seen &= keys[None, :] > pos[:, None] - window
+    scores = tl.where(seen, scores, float("-inf"))
+    return scores, seen, v, ex.exponent(tl.max(tl.abs(v), 1))
 
 
 @triton.jit(do_not_specialize=["window", "row_base", "max_splits"])
-def attention_combine_kernel(
-        m_ptr, l_ptr, acc_ptr, positions_ptr, out_ptr,
-        window, row_base, max_splits, stride_or, stride_oh,
-        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr):
-    local = tl.program_id(0).to(tl.int64)
-    row = row_base + local
-    head = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    pos = tl.load(positions_ptr + row).to(tl.int32)
-    first = 0
+def attention_stats_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, block_tables_ptr,
+        tile_seq_ptr, tile_start_ptr, tile_end_ptr, max_ptr, top_ptr,
+        scale, window, row_base,
+        stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_bt, max_splits,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Per lane and split: the largest visible score and the largest visible v exponent."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq, rows, group_head, lane_ok, pos = _lanes(tile_seq_ptr, tile_start_ptr, tile_end_ptr,
+                                                 positions_ptr, GROUP, BLOCK_M)
+    heads = kv_head * GROUP + group_head
+    q_grid = _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM, D_PAD)
+    lo, hi = _split_bounds(pos, lane_ok, split, window, SPLIT, BLOCK_N, HAS_WINDOW)
+
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    top = tl.full([BLOCK_M], NO_KEY_EXPONENT, tl.int32)
+    for start in range(lo, hi, BLOCK_N):
+        scores, seen, v, v_exp = _kv_step(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_grid, pos, scale,
+            window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            HEAD_DIM, D_PAD, PAGE, BLOCK_N, HAS_WINDOW)
+        best = tl.maximum(best, tl.max(scores, 1))
+        top = tl.maximum(top, tl.max(tl.where(seen, v_exp[None, :], NO_KEY_EXPONENT), 1))
+    part = ((rows - row_base).to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * max_splits + split
+    tl.store(max_ptr + part, best, mask=lane_ok)
+    tl.store(top_ptr + part, top, mask=lane_ok)
+
+
+@triton.jit(do_not_specialize=["window", "row_base", "max_splits"])
+def attention_sums_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, block_tables_ptr,
+        tile_seq_ptr, tile_start_ptr, tile_end_ptr, max_ptr, top_ptr, num_ptr, den_ptr,
+        scale, window, row_base,
+        stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_bt, max_splits,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Per lane and split: sum_j w_j v_j on the row's integer grid, and sum_j round(p_j 2^L_BITS)."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq, rows, group_head, lane_ok, pos = _lanes(tile_seq_ptr, tile_start_ptr, tile_end_ptr,
+                                                 positions_ptr, GROUP, BLOCK_M)
+    heads = kv_head * GROUP + group_head
+    q_grid = _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM, D_PAD)
+    lo, hi = _split_bounds(pos, lane_ok, split, window, SPLIT, BLOCK_N, HAS_WINDOW)
+    lane = (rows - row_base).to(tl.int64) * (tl.num_programs(1) * GROUP) + heads  # [launch rows, heads]
+    row_max = tl.load(max_ptr + lane, mask=lane_ok, other=0.0)
+    lane_scale = ex.pow2(W_BITS - tl.load(top_ptr + lane, mask=lane_ok, other=0))
+
+    num = tl.zeros([BLOCK_M, D_PAD], tl.float64)
+    den = tl.zeros([BLOCK_M], tl.float64)
+    for start in range(lo, hi, BLOCK_N):
+        scores, seen, v, v_exp = _kv_step(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_grid, pos, scale,
+            window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            HEAD_DIM, D_PAD, PAGE, BLOCK_N, HAS_WINDOW)
+        p = ex.exp_neg(scores - row_max[:, None]).to(tl.float64)  # 0 where unseen
+        den += tl.sum(ex.round_even(p * (2.0 ** L_BITS)), 1)
+        w = ex.round_even((p * ex.pow2(v_exp)[None, :]) * lane_scale[:, None])
+        v_int = v.to(tl.float64) * ex.pow2(V_BITS - 1 - v_exp)[:, None]
+        num += tl.dot(w, v_int)  # exact: integer terms, a split sums to < 2^53
+    dims = tl.arange(0, D_PAD)
+    part = lane * max_splits + split
+    tl.store(den_ptr + part, den, mask=lane_ok)
+    tl.store(num_ptr + part[:, None] * HEAD_DIM + dims[None, :], num,
+             mask=lane_ok[:, None] & (dims < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _split_bounds(pos, lane_ok, split, window, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):
+    """The keys this tile may see inside this split; steps outside would only add exact zeros."""
+    lo = split * SPLIT
+    hi = tl.minimum(tl.max(pos, 0) + 1, lo + SPLIT)
     if HAS_WINDOW:
-        first = tl.maximum(pos - window + 1, 0) // SPLIT_SIZE
-    last = pos // SPLIT_SIZE
-    base = (local * num_heads + head) * max_splits
+        first = tl.min(tl.where(lane_ok, pos - window + 1, hi), 0)
+        lo = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
+    return lo, hi
+
+
+@triton.jit(do_not_specialize=["row_base", "max_splits"])
+def attention_finish_kernel(
+        num_ptr, den_ptr, top_ptr, out_ptr, row_base, max_splits, stride_or, stride_oh,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """out = (sum of the splits' integer sums) / (sum of their denominators), scaled and rounded."""
+    local = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    lane = local * tl.num_programs(1) + head
     dims = tl.arange(0, D_PAD)
     dim_ok = dims < HEAD_DIM
-
-    m = tl.load(m_ptr + base + first)
-    for s in range(first + 1, last + 1):
-        m = tl.maximum(m, tl.load(m_ptr + base + s))
-    l_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D_PAD], tl.float32)
-    for s in range(first, last + 1):  # in split order: the fold is fixed by the position
-        w = tl.exp(tl.load(m_ptr + base + s) - m)
-        l_sum += tl.load(l_ptr + base + s) * w
-        acc += tl.load(acc_ptr + (base + s) * HEAD_DIM + dims, mask=dim_ok, other=0.0) * w
-    out = acc / l_sum
-    tl.store(out_ptr + row * stride_or + head * stride_oh + dims,
+    num = tl.zeros([D_PAD], tl.int64)
+    den = tl.zeros([1], tl.float64)
+    for s in range(0, max_splits):  # integers: the order is immaterial
+        num += tl.load(num_ptr + (lane * max_splits + s) * HEAD_DIM + dims, mask=dim_ok, other=0.0).to(tl.int64)
+        den += tl.load(den_ptr + lane * max_splits + s)
+    den = tl.where(den == 0.0, 1.0, den)
+    ratio = num.to(tl.float64) / den  # float64 division is IEEE (div.rn.f64); only float32 `/` is approximate
+    top = tl.load(top_ptr + lane)
+    out = (ratio * ex.pow2(top - V_BITS - W_BITS + 1 + L_BITS)).to(tl.float32)
+    tl.store(out_ptr + (row_base + local) * stride_or + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
@@ -164,17 +213,20 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None,
                            workspace_fill: float | None = None) -> torch.Tensor:
     """Several sequences in one launch: sequence i owns rows row_starts[i]:row_starts[i + 1] of q
-    and row i of block_tables [num_seqs, max_blocks]. block_m, block_n and split_size must be the
-    same on every call of a deployment (they fix the reduction order). `out` receives the result;
-    `workspace_fill` pre-fills the split partials (tests: NaN, so a read of an unwritten partial
-    shows)."""
+    and row i of block_tables [num_seqs, max_blocks]. Tile and split sizes are free (the result
+    does not depend on them); split_size must be <= 512 (exactness of a split's float64 sum) and a
+    multiple of block_n. `out` receives the result; `workspace_fill` pre-fills the split partials
+    (tests: NaN, so a read of an unwritten partial shows)."""
     num_rows, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     if group * num_kv_heads != num_heads or group > block_m:
         raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads with block_m {block_m}")
-    if split_size % block_n or block_n < 16 or block_m < 16:
-        raise ValueError(f"split_size {split_size} must be a multiple of block_n {block_n} (>= 16)")
+    if split_size % block_n or block_n < 16 or block_m < 16 or split_size > SPLIT_SIZE:
+        raise ValueError(f"split_size {split_size} must be a multiple of block_n {block_n} (>= 16) "
+                         f"and at most {SPLIT_SIZE}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim {head_dim} > 256: q.k would leave float64's exact range")
     if out is None:
         out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
     elif out.shape != q.shape or not out.is_contiguous():
@@ -189,9 +241,9 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables = block_tables.to(device=device, dtype=torch.int64).contiguous()
     max_splits = int(positions.max()) // split_size + 1
     # Tiles of rows of one sequence, in row order; launches take consecutive tiles so that the
-    # split partials of a launch stay under WORKSPACE_BYTES (tiling never changes a row's bits).
+    # split partials of a launch stay under WORKSPACE_BYTES.
     rows_per_tile = block_m // group
-    launch_rows = max(rows_per_tile, WORKSPACE_BYTES // (num_heads * max_splits * (head_dim + 2) * 4))
+    launch_rows = max(rows_per_tile, WORKSPACE_BYTES // (num_heads * max_splits * (head_dim + 3) * 8))
     launches, tiles = [], []
     for seq, (a, b) in enumerate(zip(row_starts[:-1], row_starts[1:])):
         for start in range(a, b, rows_per_tile):
@@ -202,32 +254,40 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             tiles.append(tile)
     launches.append(tiles)
     d_pad = triton.next_power_of_2(max(head_dim, 16))
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     has_window = window is not None
     target = _aligned(out)
     for tiles in launches:
         row_base, row_end = tiles[0][1], tiles[-1][2]
-        m = torch.empty((row_end - row_base, num_heads, max_splits), dtype=torch.float32, device=device)
-        l = torch.empty_like(m)  # noqa: E741
-        acc = torch.empty((*m.shape, head_dim), dtype=torch.float32, device=device)
+        parts = (row_end - row_base, num_heads, max_splits)
+        best = torch.empty(parts, dtype=torch.float32, device=device)
+        top = torch.empty(parts, dtype=torch.int32, device=device)
+        den = torch.empty(parts, dtype=torch.float64, device=device)
+        num = torch.empty((*parts, head_dim), dtype=torch.float64, device=device)
         if workspace_fill is not None:
-            for t in (m, l, acc):
+            for t in (best, den, num):
                 t.fill_(workspace_fill)
+            top.fill_(2 ** 30)
         tile_seq, tile_start, tile_end = (torch.tensor(col, dtype=torch.int32, device=device)
                                           for col in zip(*tiles))
-        paged_attention_kernel[(len(tiles), num_kv_heads, max_splits)](
-            q, k_cache, v_cache, positions, block_tables, tile_seq, tile_start, tile_end,
-            m, l, acc, scale, window if has_window else 0, row_base,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), max_splits,
-            GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-            SPLIT_SIZE=split_size, HAS_WINDOW=has_window, DOT_PRECISION=precision)
-        attention_combine_kernel[(row_end - row_base, num_heads)](
-            m, l, acc, positions, target, window if has_window else 0, row_base, max_splits,
-            target.stride(0), target.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLIT_SIZE=split_size, HAS_WINDOW=has_window)
+        grid = (len(tiles), num_kv_heads, max_splits)
+        common = (scale, window if has_window else 0, row_base,
+                  q.stride(0), q.stride(1),
+                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                  block_tables.stride(0), max_splits)
+        sizes = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m,
+                     BLOCK_N=block_n, SPLIT=split_size, HAS_WINDOW=has_window, **ex.LAUNCH_EXACT)
+        attention_stats_kernel[grid](q, k_cache, v_cache, positions, block_tables, tile_seq, tile_start,
+                                     tile_end, best, top, *common, **sizes)
+        row_max = best.amax(dim=-1)  # max is exact: the order of the splits is immaterial
+        row_max = row_max.masked_fill_(torch.isinf(row_max), 0.0).contiguous()  # a lane that sees nothing
+        row_top = top.amax(dim=-1)
+        row_top = row_top.masked_fill_(row_top == NO_KEY_EXPONENT, 0).contiguous()
+        attention_sums_kernel[grid](q, k_cache, v_cache, positions, block_tables, tile_seq, tile_start,
+                                    tile_end, row_max, row_top, num, den, *common, **sizes)
+        attention_finish_kernel[(row_end - row_base, num_heads)](
+            num, den, row_top, target, row_base, max_splits, target.stride(0), target.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, **ex.LAUNCH_EXACT)
     if target is not out:
         out.copy_(target)
     return out

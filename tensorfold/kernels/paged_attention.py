@@ -1,46 +1,47 @@
-"""Causal attention over a paged KV cache, split at fixed absolute positions.
+"""Causal attention over a paged KV cache, computed so that the order of the sums does not matter.
 
 The cache holds K/V in blocks of `block_size` tokens: [num_blocks, block_size, num_kv_heads, head_dim].
-A sequence's block table lists its blocks in order, so block j always holds absolute positions
-[j * block_size, (j + 1) * block_size): the KV split is a function of position, never of how
-many rows or sequences share the call.
+A sequence's block table lists its blocks in order, so block j holds absolute positions
+[j * block_size, (j + 1) * block_size). K/V of the new rows are written before attention reads.
 
-Why the result of a row is bitwise independent of its batch:
-- scores and P @ V are per-block GEMMs of fixed inner size (head_dim, block_size) with the row
-  count padded to 8 (row-invariant, see reference.py);
-- the row max is exact in any order; blocks past a row's position are masked to exact zeros;
-- the per-block partial sums are combined by a pairwise tree over block index, padded with
-  zero blocks to a power of two, so extra (masked) blocks add exact zeros and change nothing.
-K/V of the new rows are written into the cache before attention reads it.
+The arithmetic (kernels/exact.py has the rule; attention_triton.py does the same steps):
+0. `write_kv_ref` stores each k vector on its fixed-point grid (QK_BITS significant bits against
+   its largest element) and each v vector likewise (V_BITS), in the cache's own dtype.
+1. q is put on its grid per call; the score q.k is then an exact float64 dot product (every
+   product is a multiple of one power of two and the total stays below 2^53), times `scale`,
+   rounded once to float32.
+2. m = the row's largest visible score (exact); p = exp_neg(score - m), 0 for keys the row does
+   not see (past its position, or before its sliding window).
+3. With e_j the exponent of v_j and E the largest e_j the row sees, the weight of key j is
+   w_j = round(p_j * 2^(e_j - E + W_BITS)), an integer, and v_j * 2^(V_BITS - 1 - e_j) is an
+   integer vector: every term of sum_j w_j v_j is on one integer grid. Each chunk of SPLIT_SIZE
+   keys sums exactly in float64 (W_BITS + V_BITS + log2(SPLIT_SIZE) <= 53), chunks add as int64;
+   the denominator sum_j round(p_j * 2^L_BITS) is exact too.
+4. out = num / den (float64, one rounding), times a power of two, rounded to float32 and then to
+   q's dtype.
+Every sum is exact, so a row's result is the same alone or among any rows, sequences, tiles or
+KV splits, on any device: the reference and the Triton kernel agree bitwise by construction.
 """
 import torch
 
-from tensorfold.kernels.reference import pad_rows
+from tensorfold.kernels.exact import exp_neg, exponent, f32, on_grid, pow2, round_even, to_fixed
+
+QK_BITS = 22      # |q_int|, |k_int| <= 2^22: a product <= 2^44, head_dim <= 256 -> < 2^53
+V_BITS = 20       # |v_int| <= 2^20
+W_BITS = 24       # |w_int| <= 2^24: w * v <= 2^44, SPLIT_SIZE keys -> <= 2^53
+L_BITS = 30       # denominator terms p * 2^30: exact for < 2^23 keys in float64, int64 beyond
+SPLIT_SIZE = 512  # keys per exact float64 chunk of the weighted sum
+NO_KEY_EXPONENT = -1024
+CHUNK_ELEMENTS = 1 << 18  # lanes x keys per step of the reference's key loop
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """k, v [num_tokens, num_kv_heads, head_dim] into flat slots (block * block_size + offset)."""
+    """k, v [num_tokens, num_kv_heads, head_dim] into flat slots (block * block_size + offset),
+    each vector on its fixed-point grid (step 0 above)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
-
-
-def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Pairwise sum over `dim`, zero-padded to a power of two: the same bits for any padding."""
-    size = x.shape[dim]
-    width = 1
-    while width < size:
-        width *= 2
-    if width != size:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = width - size
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    while x.shape[dim] > 1:
-        x = x.narrow(dim, 0, x.shape[dim] // 2 * 2)
-        pairs = x.unflatten(dim, (x.shape[dim] // 2, 2))
-        x = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
-    return x.squeeze(dim)
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = on_grid(k.to(k_cache.dtype), QK_BITS)
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = on_grid(v.to(v_cache.dtype), V_BITS)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,58 +50,77 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Attention of one sequence's query rows over its cached prefix.
 
     q [num_rows, num_heads, head_dim] at absolute `positions` [num_rows]; block_table [>= num_blocks].
-    Returns [num_rows, num_heads, head_dim] in q's dtype; math in fp32.
+    Returns [num_rows, num_heads, head_dim] in q's dtype.
     """
     num_blocks = int(positions.max()) // k_cache.shape[1] + 1
-    out = _attend(pad_rows(q.float())[None], pad_rows(positions)[None], block_table[None, :num_blocks],
-                  k_cache, v_cache, scale, window)
-    return out[0, :q.shape[0]].to(q.dtype)
+    return _attend(q[None], positions[None], block_table[None, :num_blocks].to(q.device),
+                   k_cache, v_cache, scale, window)[0]
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                positions: torch.Tensor, block_tables: list[torch.Tensor], scale: float,
                                window: int | None = None) -> torch.Tensor:
     """One query row for each of several sequences in one call: q [num_seqs, num_heads, head_dim].
-
-    Bitwise equal to paged_attention_ref on each row alone: every row is padded to the same 8-row
-    matrix, each per-block GEMM has the same shape, and the blocks past a sequence's end (its
-    table is padded to the longest) are masked to exact zeros.
-    """
+    Tables are padded to the longest; the padding is past every row's position, so unseen."""
     block_size = k_cache.shape[1]
     num_blocks = [int(p) // block_size + 1 for p in positions.tolist()]
     width = max(num_blocks)
     tables = torch.stack([torch.cat([t[:n], t.new_zeros(width - n)]) for t, n in zip(block_tables, num_blocks)])
-    q_pad = torch.cat([q.float()[:, None], q.new_zeros((q.shape[0], 7, *q.shape[1:]), dtype=torch.float32)], 1)
-    pos_pad = torch.cat([positions[:, None], positions.new_zeros((positions.shape[0], 7))], 1)
-    return _attend(q_pad, pos_pad, tables, k_cache, v_cache, scale, window)[:, 0].to(q.dtype)
+    return _attend(q[:, None], positions[:, None], tables.to(q.device), k_cache, v_cache, scale, window)[:, 0]
 
 
 def _attend(q: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-    """q [S, R, H, D] fp32 (R a multiple of 8), positions [S, R], tables [S, NB] -> [S, R, H, D] fp32."""
+    """q [S, R, H, D] at positions [S, R] over tables [S, NB] -> [S, R, H, D] in q's dtype."""
     num_seqs, rows, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_blocks = tables.shape[1]
-    # Row m of a kv head's matrix is query row (m % rows) of head (kv_head * group + m // rows).
-    qg = q.view(num_seqs, rows, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(num_seqs, num_kv_heads, 1, group * rows, head_dim)  # [S, KVH, 1, G*R, D]
-    k = k_cache[tables].float().permute(0, 3, 1, 4, 2)  # [S, KVH, NB, D, block_size]
-    v = v_cache[tables].float().permute(0, 3, 1, 2, 4)  # [S, KVH, NB, block_size, D]
-
-    scores = torch.matmul(qg, k) * scale  # [S, KVH, NB, G*R, block_size]
-    key_pos = torch.arange(num_blocks * block_size, device=q.device).view(1, 1, num_blocks, 1, block_size)
-    query_pos = positions.repeat(1, group).view(num_seqs, 1, 1, group * rows, 1)
-    masked = key_pos > query_pos
+    keys = tables.shape[1] * k_cache.shape[1]
+    # Lane (kv head h, m) is query row m % R of head h * group + m // R.
+    lanes = q.view(num_seqs, rows, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    lanes = lanes.reshape(num_seqs, num_kv_heads, group * rows, head_dim)  # [S, KVH, M, D]
+    lane_pos = positions.to(q.device).repeat(1, group).view(num_seqs, 1, group * rows, 1)
+    key_pos = torch.arange(keys, device=q.device).view(1, 1, 1, keys)
+    seen = key_pos <= lane_pos  # [S, 1, M, L]
     if window is not None:
-        masked |= key_pos <= query_pos - window
-    scores = scores.masked_fill(masked, float("-inf"))
+        seen = seen & (key_pos > lane_pos - window)
 
-    row_max = scores.amax(dim=(2, 4), keepdim=True)  # [S, KVH, 1, G*R, 1]
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    probs = torch.exp(scores - row_max)
-    denom = _tree_sum(probs.sum(dim=-1), dim=2)  # [S, KVH, G*R]
-    out = _tree_sum(torch.matmul(probs, v), dim=2)  # [S, KVH, G*R, D]
-    out = out / denom.unsqueeze(-1)
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [S, KVH, L, D], on grid (write_kv_ref)
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).float()
+    last = positions.amax(dim=1).to(q.device).view(-1, 1, 1, 1)
+    v = v.masked_fill_(key_pos.view(1, 1, keys, 1) > last, 0.0)  # slots past every row: unwritten
+
+    q_int, q_exp = to_fixed(lanes, QK_BITS)  # [S, KVH, M, D], [S, KVH, M]
+    q_grid = q_int * pow2(q_exp - QK_BITS + 1).unsqueeze(-1)
+    k_grid = k.double().transpose(-1, -2)  # [S, KVH, D, L]
+    # Key chunks keep a prefill's [lanes, keys] intermediates cache-sized; any chunking gives the
+    # same bits (the sums are exact), only the float64 weighted sum needs <= SPLIT_SIZE keys.
+    chunk = max(64, min(SPLIT_SIZE, CHUNK_ELEMENTS // lanes.shape[:3].numel()))
+    scores = torch.empty((num_seqs, num_kv_heads, group * rows, keys), dtype=torch.float32, device=q.device)
+    for start in range(0, keys, chunk):
+        part = torch.matmul(q_grid, k_grid[..., start:start + chunk])  # exact dot products
+        scores[..., start:start + chunk] = part.mul_(f32(scale))  # the kernel takes scale as float32
+    scores.masked_fill_(~seen, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max.masked_fill_(torch.isinf(row_max), 0.0)  # a lane that sees nothing
+
+    v_exp = exponent(v.abs().amax(dim=-1))  # [S, KVH, L]
+    v_int = v.double().mul_(pow2(V_BITS - 1 - v_exp).unsqueeze(-1))  # exact integers
+    top = torch.where(seen, v_exp.unsqueeze(-2), NO_KEY_EXPONENT).amax(dim=-1, keepdim=True)
+    top.masked_fill_(top == NO_KEY_EXPONENT, 0)  # [S, KVH, M, 1]
+    key_scale = pow2(v_exp).unsqueeze(-2)  # [S, KVH, 1, L]
+    lane_scale = pow2(W_BITS - top)  # [S, KVH, M, 1]
+
+    num = torch.zeros((*top.shape[:-1], head_dim), dtype=torch.int64, device=q.device)
+    den = torch.zeros(top.shape[:-1], dtype=torch.float64, device=q.device)
+    for start in range(0, keys, chunk):
+        end = start + chunk
+        p = exp_neg(scores[..., start:end].sub_(row_max)).double()  # 0 where unseen
+        den += round_even(p * float(2 ** L_BITS)).sum(dim=-1)  # exact
+        w = round_even(p.mul_(key_scale[..., start:end]).mul_(lane_scale))  # integers <= 2^W_BITS
+        num += torch.matmul(w, v_int[..., start:end, :]).to(torch.int64)  # exact in float64
+    ratio = num.double() / den.masked_fill_(den == 0, 1.0).unsqueeze(-1)
+    out = (ratio * pow2(top - V_BITS - W_BITS + 1 + L_BITS)).float()
+
     out = out.view(num_seqs, num_kv_heads, group, rows, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_seqs, rows, num_heads, head_dim)
+    return out.reshape(num_seqs, rows, num_heads, head_dim).to(q.dtype)
