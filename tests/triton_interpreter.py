@@ -1,14 +1,14 @@
 """Triton's CPU interpreter made to compute what the GPU computes: a context manager for tests.
 
-Three faults of the interpreter (triton 3.9) are patched while `gpu_semantics()` is active
+Two faults of the interpreter (triton 3.9) are patched while `gpu_semantics()` is active
 (shared/research/exactness-on-cpu.md):
 - tl.dot goes through numpy, whose result for a row depends on its place in the tile, and
   multiplies bf16 as integers: replaced by a sequential-K loop (row-independent; fp32, or fp64
   for float64 dots);
-- fp32 -> bf16 casts truncate: replaced by round-to-nearest-even, as on the GPU;
-- fp64 exp/log are numpy's, which differ from torch's in the last bit for a few percent of
-  inputs: routed through torch, so sampling is compared bitwise against a reference that uses the
-  same libm (on a GPU both torch and the kernel use libdevice).
+- fp32 -> bf16 casts truncate: replaced by round-to-nearest-even, as on the GPU.
+The interpreter's exp and log (numpy's, which differ from torch's and libdevice's in the last
+bit) need no patch: no kernel of the project calls them. The sampler's float64 exp and log are
+exact_triton's exp64/log64, plain IEEE operations that numpy computes as the GPU does.
 Set TRITON_INTERPRET=1 before anything imports a kernel module; on a GPU, do not enter this.
 """
 import contextlib
@@ -45,19 +45,9 @@ def gpu_semantics():
             return TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
         return cast(self, src, dst_type)
 
-    def torch_libm(np_fn, torch_fn):
-        def op(self, arg):
-            if arg.data.dtype == np.float64:
-                return TensorHandle(torch_fn(torch.from_numpy(np.ascontiguousarray(arg.data))).numpy(),
-                                    arg.dtype.scalar)
-            return TensorHandle(np_fn(arg.data), arg.dtype.scalar)
-        return op
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter.InterpreterBuilder, "create_dot", sequential_dot)
         mp.setattr(interpreter.InterpreterBuilder, "cast_impl", rounding_cast)
-        mp.setattr(interpreter.InterpreterBuilder, "create_exp", torch_libm(np.exp, torch.exp))
-        mp.setattr(interpreter.InterpreterBuilder, "create_log", torch_libm(np.log, torch.log))
         yield
 
 

@@ -7,9 +7,10 @@ backend is chosen: on a GPU, or in tests on CPU tensors under TRITON_INTERPRET=1
 What runs where, and why:
 - rms_norm, apply_rope: Triton (kernels/rms_norm_triton.py), plus the fused forms a model may call
   (add_rms_norm: residual add + norm; rms_norm_rope: qwen3's per-head norm + rope).
-- paged_attention / paged_attention_varlen, write_kv: Triton attention with fixed absolute KV splits
-  (kernels/attention_triton.py); the cache write is a torch index_put (one row per slot, no
-  reduction, so it is invariant as it stands).
+- paged_attention / paged_attention_varlen, write_kv: Triton exact attention
+  (kernels/attention_triton.py: integer sums, bitwise the cpu reference's result); the cache write
+  is the reference's (each vector rounded to its fixed-point grid, then an index_put: elementwise,
+  so invariant as it stands).
 - sample (the engine's draw; Python ints back), verify, apply_token_bitmask: Triton keyed
   sampling and grammar-masked verification.
 - linear, silu_and_mul, pad_rows, rope_table: the torch reference ops on CUDA tensors. silu_and_mul

@@ -66,7 +66,10 @@ def _probe_attention(model, ops, randn, failures: list[str]) -> None:
     block_size = 32
     num_blocks = 6
     k_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim)
-    v_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.arange(num_blocks * block_size, device=model.device)
+    ops.write_kv(k_cache, v_cache, randn(len(slots), a.num_kv_heads, a.head_dim),
+                 randn(len(slots), a.num_kv_heads, a.head_dim), slots)  # as the engine fills it
     table = torch.tensor([4, 1, 5, 0, 2, 3], device=model.device)
     q = randn(150, a.num_heads, a.head_dim)
     positions = torch.arange(150, device=model.device)

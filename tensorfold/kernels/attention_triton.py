@@ -28,8 +28,15 @@ import triton
 import triton.language as tl
 
 from tensorfold.kernels import exact_triton as ex
-from tensorfold.kernels.paged_attention import (L_BITS, NO_KEY_EXPONENT, QK_BITS, SPLIT_SIZE, V_BITS,  # noqa: F401
-                                                W_BITS, paged_attention_ref)
+from tensorfold.kernels import paged_attention as ref
+from tensorfold.kernels.paged_attention import SPLIT_SIZE, paged_attention_ref  # noqa: F401
+
+# The reference's fixed-point widths, as constants a compiled kernel may read.
+QK_BITS = tl.constexpr(ref.QK_BITS)
+V_BITS = tl.constexpr(ref.V_BITS)
+W_BITS = tl.constexpr(ref.W_BITS)
+L_BITS = tl.constexpr(ref.L_BITS)
+NO_KEY_EXPONENT = tl.constexpr(ref.NO_KEY_EXPONENT)
 
 BLOCK_M = 16       # query lanes (rows x group heads) per program
 BLOCK_N = 32       # KV positions per step
@@ -138,7 +145,7 @@ def attention_sums_kernel(
     lo, hi = _split_bounds(pos, lane_ok, split, window, SPLIT, BLOCK_N, HAS_WINDOW)
     lane = (rows - row_base).to(tl.int64) * (tl.num_programs(1) * GROUP) + heads  # [launch rows, heads]
     row_max = tl.load(max_ptr + lane, mask=lane_ok, other=0.0)
-    lane_scale = ex.pow2(W_BITS - tl.load(top_ptr + lane, mask=lane_ok, other=0))
+    lane_scale = ex.pow2(-tl.load(top_ptr + lane, mask=lane_ok, other=0) + W_BITS)
 
     num = tl.zeros([BLOCK_M, D_PAD], tl.float64)
     den = tl.zeros([BLOCK_M], tl.float64)
@@ -150,7 +157,7 @@ def attention_sums_kernel(
         p = ex.exp_neg(scores - row_max[:, None]).to(tl.float64)  # 0 where unseen
         den += tl.sum(ex.round_even(p * (2.0 ** L_BITS)), 1)
         w = ex.round_even((p * ex.pow2(v_exp)[None, :]) * lane_scale[:, None])
-        v_int = v.to(tl.float64) * ex.pow2(V_BITS - 1 - v_exp)[:, None]
+        v_int = v.to(tl.float64) * ex.pow2(-v_exp + (V_BITS - 1))[:, None]
         num += tl.dot(w, v_int)  # exact: integer terms, a split sums to < 2^53
     dims = tl.arange(0, D_PAD)
     part = lane * max_splits + split
@@ -282,7 +289,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         row_max = best.amax(dim=-1)  # max is exact: the order of the splits is immaterial
         row_max = row_max.masked_fill_(torch.isinf(row_max), 0.0).contiguous()  # a lane that sees nothing
         row_top = top.amax(dim=-1)
-        row_top = row_top.masked_fill_(row_top == NO_KEY_EXPONENT, 0).contiguous()
+        row_top = row_top.masked_fill_(row_top == ref.NO_KEY_EXPONENT, 0).contiguous()
         attention_sums_kernel[grid](q, k_cache, v_cache, positions, block_tables, tile_seq, tile_start,
                                     tile_end, row_max, row_top, num, den, *common, **sizes)
         attention_finish_kernel[(row_end - row_base, num_heads)](

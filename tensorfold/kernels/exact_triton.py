@@ -31,7 +31,9 @@ def exponent(amax):
 
 @triton.jit
 def pow2(e):
-    """2^e as float64 for integer e in [-1022, 1023] (exact)."""
+    """2^e as float64 for integer e in [-1022, 1023] (exact). Callers write e's expression tensor
+    first (`-e + BITS`, not `BITS - e`): in the interpreter a constexpr on the left wraps the
+    result in a constexpr, which has no `.to`."""
     return ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
 
 
@@ -44,7 +46,7 @@ def round_even(x):
 @triton.jit
 def to_fixed(x, e, BITS: tl.constexpr):
     """x (float32, [rows, cols]) in fixed point against its row exponent e ([rows]), as float64."""
-    return round_even(x.to(tl.float64) * pow2(BITS - 1 - e)[:, None])
+    return round_even(x.to(tl.float64) * pow2(-e + (BITS - 1))[:, None])  # tensor first: see pow2
 
 
 @triton.jit
@@ -62,3 +64,70 @@ def exp_neg(x):
     p = ((p * r) * r + r) + 1.0
     scale = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
     return tl.where(x <= EXP_MIN, 0.0, p * scale)
+
+
+# ---- float64 exp and log without libm or libdevice (exact.exp64, exact.log64) ----
+# Same steps, same order as the torch versions; kernels calling them launch with LAUNCH_EXACT.
+# Float64 `/` below is IEEE division: Triton lowers it to div.rn.f64 on NVIDIA GPUs (only fp32
+# `/` is approximate there; tl.math.div_rn takes fp32 only) and to numpy's in the interpreter.
+
+LN2_HI64: tl.constexpr = tl.constexpr(exact.LN2_HI64)
+LN2_LO64: tl.constexpr = tl.constexpr(exact.LN2_LO64)
+INV_LN2: tl.constexpr = tl.constexpr(exact.INV_LN2)
+EXP64_MIN: tl.constexpr = tl.constexpr(exact.EXP64_MIN)
+E1: tl.constexpr = tl.constexpr(exact.EXP64_P[0])
+E2: tl.constexpr = tl.constexpr(exact.EXP64_P[1])
+E3: tl.constexpr = tl.constexpr(exact.EXP64_P[2])
+E4: tl.constexpr = tl.constexpr(exact.EXP64_P[3])
+E5: tl.constexpr = tl.constexpr(exact.EXP64_P[4])
+SCALE_BIAS: tl.constexpr = tl.constexpr(exact.SCALE_BIAS)
+TWO_M64: tl.constexpr = tl.constexpr(exact.TWO_M64)
+LG1: tl.constexpr = tl.constexpr(exact.LOG64_LG[0])
+LG2: tl.constexpr = tl.constexpr(exact.LOG64_LG[1])
+LG3: tl.constexpr = tl.constexpr(exact.LOG64_LG[2])
+LG4: tl.constexpr = tl.constexpr(exact.LOG64_LG[3])
+LG5: tl.constexpr = tl.constexpr(exact.LOG64_LG[4])
+LG6: tl.constexpr = tl.constexpr(exact.LOG64_LG[5])
+LG7: tl.constexpr = tl.constexpr(exact.LOG64_LG[6])
+TINY64: tl.constexpr = tl.constexpr(exact.TINY64)
+TWO54: tl.constexpr = tl.constexpr(exact.TWO54)
+SQRT_HALF_SHIFT: tl.constexpr = tl.constexpr(exact.SQRT_HALF_SHIFT)
+
+
+@triton.jit
+def exp64(x):
+    """exact.exp64: exp of float64 x <= 0 in the same IEEE steps."""
+    x = tl.where(x < EXP64_MIN, EXP64_MIN, x)
+    t = x * INV_LN2 + ROUND_MAGIC
+    n = t - ROUND_MAGIC
+    hi = x - n * LN2_HI64
+    lo = n * LN2_LO64
+    r = hi - lo
+    rr = r * r
+    c = rr * E5 + E4
+    c = c * rr + E3
+    c = c * rr + E2
+    c = c * rr + E1
+    c = r - c * rr
+    y = 1.0 - ((lo - (r * c) / (2.0 - c)) - hi)  # float64 `/`: IEEE (see above)
+    scale = ((t.to(tl.int64, bitcast=True) + SCALE_BIAS) << 52).to(tl.float64, bitcast=True)
+    return (y * scale) * TWO_M64
+
+
+@triton.jit
+def log64(x):
+    """exact.log64: log of float64 x in the same IEEE steps (specials as there)."""
+    sub = x < TINY64
+    bits = (x * tl.where(sub, TWO54, 1.0)).to(tl.int64, bitcast=True)
+    k = ((bits + SQRT_HALF_SHIFT) >> 52) - 1023
+    f = (bits - (k << 52)).to(tl.float64, bitcast=True) - 1.0
+    hfsq = (f * 0.5) * f
+    s = f / (f + 2.0)  # float64 `/`: IEEE (see above)
+    z = s * s
+    w = z * z
+    t1 = ((w * LG6 + LG4) * w + LG2) * w
+    t2 = (((w * LG7 + LG5) * w + LG3) * w + LG1) * z
+    dk = k.to(tl.float64) - tl.where(sub, 54.0, 0.0)  # exact (torch converts k by ROUND_MAGIC)
+    out = ((((t2 + t1) + hfsq) * s + dk * LN2_LO64) - hfsq + f) + dk * LN2_HI64
+    out = tl.where(x < float("inf"), out, x)
+    return tl.where(x > 0.0, out, tl.where(x == 0.0, float("-inf"), float("nan")))

@@ -21,13 +21,13 @@ Every per-token value is elementwise and every fold is exact (max, min id, integ
 selection of unique keys), so the result does not depend on CHUNK, the batch or the shard layout;
 `offset` gives a shard's first global id, so a rank runs the same kernel on its shard.
 
-Bitwise parity needs the same float64 division, exp and log as the reference's. Division is
-correctly rounded everywhere (libdevice `div_rn` on the GPU). exp/log are not correctly rounded
-functions: the kernel calls libdevice (`__nv_exp`, `__nv_log`, what torch's CUDA kernels use) on
-a GPU; the reference sampler builds CPU tensors, so on a GPU machine the reference runs on the
-CPU, whose libm may differ in the last bit, which moves q by one (and so the token) only when
-exp(z - m) * 2^32 lies within ~2^-21 of an integer at a cut edge. The CPU interpreter uses numpy's
-exp/log, so the tests route the interpreter's fp64 exp/log through torch's.
+Bitwise parity needs the same float64 arithmetic as the reference's. Division is correctly
+rounded everywhere (libdevice `div_rn` on the GPU). exp and log are not library calls on either
+side: both use exact.py's `exp64`/`log64`, fdlibm's algorithms written as fixed sequences of
+correctly rounded float64 operations, which exact_triton.py spells out in the same order, and the
+kernel is launched without FMA contraction (`LAUNCH_EXACT`). So the draw is libm- and
+libdevice-free: the kernel on any GPU, in the interpreter, and the torch reference on any CPU give
+the same bits, and no interpreter patch is needed to compare them.
 A row whose nucleus may run past the candidates (the reference's "late" rows) is drawn by the
 reference on the CPU.
 """
@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from tensorfold.kernels import exact_triton as ex
 from tensorfold.sampling import keyed, sampler
 from tensorfold.sampling.sampler import RowSampling
 
@@ -67,28 +68,12 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 @triton.jit
-def exp64(x, USE_LIBDEVICE: tl.constexpr):
-    if USE_LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
 def div64(x, y, USE_LIBDEVICE: tl.constexpr):
     """x / y in float64, correctly rounded (the GPU's `/` is not guaranteed to be)."""
     if USE_LIBDEVICE:
         return libdevice.div_rn(x, y)
     else:
         return x / y
-
-
-@triton.jit
-def log64(x, USE_LIBDEVICE: tl.constexpr):
-    if USE_LIBDEVICE:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
 
 
 @triton.jit
@@ -100,11 +85,12 @@ def _mix64(x):
 
 
 @triton.jit
-def gumbel(row_key, ids, USE_LIBDEVICE: tl.constexpr):
-    """keyed.gumbel: -log(-log(u)) in float64, u from the top 52 bits of hash(row key, id)."""
+def gumbel(row_key, ids):
+    """keyed.gumbel: -log(-log(u)) in float64 (exact.log64), u from the top 52 bits of
+    hash(row key, id)."""
     h = _mix64(row_key.to(tl.uint64, bitcast=True) + (ids.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
     u = ((h >> 12) * 2 + 1).to(tl.float64) * 1.1102230246251565e-16  # 2^-53
-    return -log64(-log64(u, USE_LIBDEVICE), USE_LIBDEVICE)
+    return -ex.log64(-ex.log64(u))
 
 
 @triton.jit
@@ -160,11 +146,11 @@ def sample_shard_kernel(logits_ptr, bitmask_ptr, row_ids_ptr, temperature_ptr, m
         temp = tl.load(temperature_ptr + i)
         row_key = tl.load(row_key_ptr + i)
         z = div64(x.to(tl.float64), temp, USE_LIBDEVICE)
-        q = tl.floor(exp64(z - tl.load(max_z_ptr + i), USE_LIBDEVICE) * 4294967296.0).to(tl.int64)
+        q = tl.floor(ex.exp64(z - tl.load(max_z_ptr + i)) * 4294967296.0).to(tl.int64)
         q = tl.where(drawable, q, 0)
         if MODE == 1:  # no order-dependent cut: the kept token with the best noisy score
             score = tl.where(drawable & (q >= tl.load(min_q_ptr + i)),
-                             z + gumbel(row_key, ids, USE_LIBDEVICE), float("-inf"))
+                             z + gumbel(row_key, ids), float("-inf"))
             best = tl.max(score, 0)
             tl.store(best_score_ptr + out, best)
             tl.store(best_id_ptr + out, tl.min(tl.where((score == best) & (score > float("-inf")),
@@ -181,7 +167,7 @@ def sample_shard_kernel(logits_ptr, bitmask_ptr, row_ids_ptr, temperature_ptr, m
                         threshold = trial
             chosen = keys >= threshold  # in id order; the launcher sorts the offers
             slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
-            score = z + gumbel(row_key, ids, USE_LIBDEVICE)
+            score = z + gumbel(row_key, ids)
             tl.store(keys_ptr + out * num_candidates + slot, keys, mask=chosen)
             tl.store(scores_ptr + out * num_candidates + slot, score, mask=chosen)
             tl.store(q_sum_ptr + out, tl.sum(q, 0))
@@ -240,7 +226,7 @@ class _Launch:
             self.logits, mask, self.row_ids, *self._params(mode != GREEDY),
             best_score, best_id, q_sum, count, keys, scores, *args, self.num_candidates,
             MODE=mode, CHUNK=self.chunk, HAS_MASK=has_mask,
-            USE_LIBDEVICE=self.device.type == "cuda", num_warps=8)
+            USE_LIBDEVICE=self.device.type == "cuda", num_warps=8, **ex.LAUNCH_EXACT)
         if mode != ORDERED:  # fold the chunks: best score, ties to the lowest id (sampler._pick)
             top = best_score.amax(dim=1, keepdim=True)
             return torch.where(best_score == top, best_id, sampler.NO_TOKEN).amin(dim=1)

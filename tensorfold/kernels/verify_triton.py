@@ -20,7 +20,8 @@ its drafts up to the first row whose draw differs from its draft.
 that needs masked logits. Tokens past the bitmask's coverage are not allowed.
 
 Contract: draws and accepted lengths equal `verify_ref` bitwise (the per-token arithmetic is
-sampling_triton's, the folds are exact).
+sampling_triton's, exp and log included: exact_triton's libm-free exp64/log64, launched without
+FMA contraction; the folds are exact).
 """
 import dataclasses
 
@@ -28,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import exact_triton as ex
 from tensorfold.kernels import sampling_triton
-from tensorfold.kernels.sampling_triton import (allowed_bits, div64, drawable_logits, exp64, gumbel,
-                                               pack_bitmask, unpack_bitmask)
+from tensorfold.kernels.sampling_triton import (allowed_bits, div64, drawable_logits, gumbel, pack_bitmask,
+                                               unpack_bitmask)
 from tensorfold.sampling import keyed, sampler
 from tensorfold.sampling.sampler import RowSampling
 
@@ -101,9 +103,9 @@ def verify_kernel(logits_ptr, bitmask_ptr, draft_ptr, draw_in_ptr, row_path_ptr,
                 x, ids = drawable_logits(logits_row, mask_row, start + tl.arange(0, TILE), width, 0,
                                          HAS_MASK)
                 z = div64(x.to(tl.float64), temp, USE_LIBDEVICE)
-                q = tl.floor(exp64(z - m, USE_LIBDEVICE) * 4294967296.0).to(tl.int64)
+                q = tl.floor(ex.exp64(z - m) * 4294967296.0).to(tl.int64)
                 keep = (x > float("-inf")) & (q >= min_q)
-                score = tl.where(keep, z + gumbel(row_key, ids, USE_LIBDEVICE), float("-inf"))
+                score = tl.where(keep, z + gumbel(row_key, ids), float("-inf"))
                 tile_top = tl.max(score, 0)
                 tile_id = tl.min(tl.where((score == tile_top) & keep, ids, 1 << 62), 0)
                 top_id = tl.where(tile_top > top, tile_id, top_id)
@@ -169,7 +171,7 @@ def verify(logits: torch.Tensor, bitmask: torch.Tensor | None, drafts: list[int]
         torch.tensor([r.temperature for r in rows], dtype=torch.float64, device=device),
         sampler._min_q(rows).reshape(-1).to(device), row_keys.to(device), draws, accepted,
         vocab, logits.stride(0), bitmask.stride(0) if bitmask is not None else 0,
-        TILE=tile, HAS_MASK=bitmask is not None, USE_LIBDEVICE=device.type == "cuda")
+        TILE=tile, HAS_MASK=bitmask is not None, USE_LIBDEVICE=device.type == "cuda", **ex.LAUNCH_EXACT)
     if (draws == sampler.NO_TOKEN).any():
         raise ValueError("a row has no drawable token")
     return draws, accepted

@@ -17,6 +17,11 @@ The rule for one row (RowSampling), exactly:
   lowest id.
 - Each cut keeps a prefix of the key order, so the kept set is the first L tokens for some L, and
   every quantity above (max, integer sums, keys, per-token noise) is independent of the layout.
+- exp here (and log in the noise, keyed.py) is not libm's: it is `exact.exp64`, fdlibm's
+  algorithm written as a fixed sequence of correctly rounded float64 operations (within 1 ulp of
+  the true exp). So the draw calls no libm at all, and given the same logits it picks the same
+  token on any CPU kind and in the Triton sampler on any device, bit for bit, even where
+  exp(z_v - m) * 2^32 lies next to an integer at a cut edge.
 
 Finding L: `_decide` applies the rule to the first C tokens of the key order (a "head") and
 says whether L provably fits in it (all drawable tokens are there, or a cut drops token C).
@@ -37,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from tensorfold.kernels import exact
 from tensorfold.sampling import keyed
 from tensorfold.sampling.params import SamplingParams
 
@@ -110,7 +116,7 @@ def _scaled(x: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
 def _keys(z: torch.Tensor, m: torch.Tensor, ids: torch.Tensor):
     """Weights q and order keys of each token; key -1 marks a token that is not drawable."""
     valid = z > float("-inf")
-    q = torch.floor(torch.exp(z - m) * float(Q_ONE)).to(torch.int64)  # [R, width]
+    q = exact.exp64(z - m).mul_(float(Q_ONE)).floor_().to(torch.int64)  # [R, width]
     keys = torch.where(valid, (q << ID_BITS) | (ID_MASK - ids), -1)
     return torch.where(valid, q, 0), keys
 
