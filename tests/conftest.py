@@ -24,3 +24,10 @@ def tiny_llama(tmp_path_factory, smollm2_tokenizer):
 def tiny_qwen3(tmp_path_factory, smollm2_tokenizer):
     from tools.tiny_checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", tokenizer=smollm2_tokenizer)
+
+
+@pytest.fixture
+def draw():
+    """Fresh random inputs with a printable seed (kernel tests; tests/kernel_inputs.py)."""
+    from kernel_inputs import Draw
+    return Draw()

@@ -9,13 +9,10 @@
 Inputs are fresh random draws on every run; the seed is in each failure message.
 """
 import math
-import os
 
 import torch
 
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # before any `import triton` of a kernel module
+from kernel_inputs import DEVICE, NAN  # first: sets TRITON_INTERPRET without a GPU
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
@@ -27,9 +24,7 @@ from tensorfold.kernels import sampling_triton  # noqa: E402
 from tensorfold.sampling import keyed  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
-DEVICE = "cuda" if HAS_GPU else "cpu"
 INF = float("inf")
-NAN = float("nan")
 TINY = 2.0 ** -1022
 SUBNORMAL_MIN = 2.0 ** -1074
 
@@ -42,22 +37,6 @@ LOG_EDGES = [SUBNORMAL_MIN, 2 * SUBNORMAL_MIN, 1e-320, TINY / 2, TINY - SUBNORMA
              1 - 2.0 ** -53, 1.0, 1 + 2.0 ** -52, math.sqrt(2), 1.4142135623730951, 2.0, math.e,
              36.7368005696771, 40.0, 1e10, 1e300, 1.7976931348623157e308]
 
-
-class Draw:
-    def __init__(self):
-        self.seed = int.from_bytes(os.urandom(4), "little")
-        self.gen = torch.Generator().manual_seed(self.seed)
-
-    def rand(self, n):
-        return torch.rand(n, generator=self.gen, dtype=torch.float64)
-
-    def __str__(self):
-        return f"seed {self.seed}"
-
-
-@pytest.fixture
-def draw():
-    return Draw()
 
 
 def f64(values) -> torch.Tensor:
@@ -78,15 +57,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def exp_inputs(draw, n=40_000):
     """x <= 0 over the whole range, dense near 0 (where the sampler's weights live), a few x > 0."""
-    return torch.cat([-draw.rand(n) * 746.5, -draw.rand(n) * 30, -draw.rand(n),
-                      -torch.exp2(-draw.rand(n) * 60), draw.rand(n // 4) * 650, f64(EXP_EDGES)])
+    return torch.cat([-draw.rand(n, dtype=torch.float64) * 746.5, -draw.rand(n, dtype=torch.float64) * 30, -draw.rand(n, dtype=torch.float64),
+                      -torch.exp2(-draw.rand(n, dtype=torch.float64) * 60), draw.rand(n // 4, dtype=torch.float64) * 650, f64(EXP_EDGES)])
 
 
 def log_inputs(draw, n=40_000):
     """Positive x over the whole range (log-uniform from 2^-1074 up), (0, 1) and (0, 40] for the
     Gumbel noise, and near 1."""
-    return torch.cat([torch.exp2(draw.rand(n) * 2098 - 1074), draw.rand(n), draw.rand(n) * 40,
-                      1 + (draw.rand(n) - 0.5) * 2.0 ** -20, f64(LOG_EDGES)])
+    return torch.cat([torch.exp2(draw.rand(n, dtype=torch.float64) * 2098 - 1074), draw.rand(n, dtype=torch.float64), draw.rand(n, dtype=torch.float64) * 40,
+                      1 + (draw.rand(n, dtype=torch.float64) - 0.5) * 2.0 ** -20, f64(LOG_EDGES)])
 
 
 # ---- accuracy against libm ----

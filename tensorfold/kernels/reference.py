@@ -5,14 +5,19 @@ how many there are, and where row i sits (shared/research/exactness-on-cpu.md ha
 measurements behind each choice):
 - GEMMs pad the row count to a multiple of 8 and make one call (stock mm/linear change a row's
   bits with M; padded calls did not, for M <= 1024, 1-4 threads, fp32 and bf16).
-- Norms reduce each row alone in fp32; SiLU is x / (1 + exp(-x)) (stock silu's vector body and
-  scalar tail round differently); rope reads a precomputed table.
+- RMSNorm reduces each row alone, and exactly: its sum of squares is an integer sum (see
+  `rms_norm`), so it has no order to depend on; SiLU is x / (1 + exp(-x)) (stock silu's vector
+  body and scalar tail round differently); rope reads a precomputed table.
 The engine re-checks these at startup on the loaded model's shapes (engine/probes.py).
 """
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels import exact
+
 ROW_PAD = 8
+NORM_BITS = 20                 # each square kept to 2 * NORM_BITS bits below the row's largest one
+MAX_NORM_WIDTH = 1 << 13       # 2^13 squares of at most 2^40 sum to at most 2^53: exact in float64
 
 
 def pad_rows(x: torch.Tensor, multiple: int = ROW_PAD) -> torch.Tensor:
@@ -34,11 +39,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, each row reduced alone in fp32."""
-    x32 = x.float()
-    var = (x32 * x32).mean(dim=-1, keepdim=True)
-    out = x32 / torch.sqrt(var + eps)
-    return (out * weight.float()).to(x.dtype)
+    """x / sqrt(mean(x^2) + eps) * weight, each row (last dim) alone; the Triton kernel's bits.
+
+    The rule: the one reduction is an exact integer sum, so its order cannot matter, and every
+    other step is a single correctly rounded IEEE operation, done in this order here and in
+    rms_norm_triton.py (launched without FMA contraction):
+      1. x64 = float64(float32(x)); e = exponent(max|x|) of the row (floor(log2), from the
+         float32 bits). Each square, exact in float64 (a float32 has 24 significant bits), is put
+         on the row's grid and rounded once: sq = round_even(x64 * x64 * 2^(2 * (NORM_BITS - 1 -
+         e))). Since |x| < 2^(e + 1), sq <= 2^40, so a row of at most MAX_NORM_WIDTH = 2^13
+         squares sums to at most 2^53;
+      2. ss = sum(sq) in float64: every partial sum is an integer <= 2^53, so exact in any order,
+         tiling or reduction tree; var = ss * 2^(2 * (e - NORM_BITS + 1)) / N (the power of two
+         is exact, the division rounds once);
+      3. inv = 1 / sqrt(var + eps), in float64 (IEEE sqrt and division; eps as a float64);
+      4. out = ((x64 * inv) rounded to float32 * float32(weight)) rounded to x's dtype.
+    Wider rows are refused (ValueError). Precision: a square is off by at most half a grid step,
+    at most 2^-39 of the row's largest square, so var is within N * 2^-39 <= 2^-26 (relative) of
+    the exact mean of squares, and the result is within 2 ulp (float32) or 1 ulp (bf16) of a
+    float64 textbook RMSNorm. (Rounding x itself to NORM_BITS bits and squaring that would be as
+    exact but far less precise: an error of 2 * x * dx per element, hundreds of float32 ulps on
+    an adversarial row and several on plain random ones.)
+    """
+    n = x.shape[-1]
+    if n > MAX_NORM_WIDTH:
+        raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide (an exact float64 sum), got {n}")
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    # One float64 buffer for the squares and then for x * inv: each in-place step is the same
+    # single rounding as its plain form. Fresh row-sized float64 temporaries cost more than the
+    # arithmetic: glibc gave them back to the OS on every call (2-3 ms at 512 x 576, not 0.4).
+    x32 = x.float() if x.dtype == torch.float64 else x  # float32 values (fp32/bf16/fp16 as they are)
+    amax = torch.maximum(x32.amax(dim=-1, keepdim=True), x32.amin(dim=-1, keepdim=True).neg_())
+    e = exact.exponent(amax)  # [..., 1] int32
+    buf = x32.double()
+    buf *= buf  # the squares, exact
+    buf *= exact.pow2(2 * (NORM_BITS - 1 - e))
+    buf += exact.ROUND_MAGIC  # exact.round_even, in place: sq, integers <= 2^40
+    buf -= exact.ROUND_MAGIC
+    ss = buf.sum(dim=-1, keepdim=True)  # exact: every partial sum is an integer <= 2^53
+    var = ss * exact.pow2(2 * (e - NORM_BITS + 1)) / n
+    inv = 1.0 / torch.sqrt(var + eps)
+    buf.copy_(x32)  # x64
+    out = buf.mul_(inv).float()
+    out *= weight.float()
+    return out.to(x.dtype)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,11 @@
 References (reference.py): `rms_norm`, `apply_rope`; `add_rms_norm_ref` and `rms_norm_rope_ref`
 below spell out the fused forms as the unfused calls a model makes.
 
-- `rms_norm(x, weight, eps)`: one program per row, the whole row in one tile, reduced in fp32:
-  x / sqrt(mean(x^2) + eps) * weight, rounded to x's dtype.
+- `rms_norm(x, weight, eps)`: one program per row, the whole row in one tile, computed by
+  reference.rms_norm's rule (its docstring): the squares are rounded onto a fixed-point grid set
+  by the row's largest exponent and summed as integers in float64 (exact: at most 2^53 for rows
+  of at most MAX_NORM_WIDTH = 8,192; wider rows are refused), then var, 1 / sqrt(var + eps) and
+  the scaling are single IEEE operations in the reference's order, rounded to x's dtype.
 - `add_rms_norm(x, residual, weight, eps)`: h = residual + x rounded to the model dtype (the same
   bits as torch's add), then rms_norm(h); returns (normed, h).
 - `apply_rope(x, cos, sin)`: the half-split rotation from gathered tables, elementwise.
@@ -12,19 +15,26 @@ below spell out the fused forms as the unfused calls a model makes.
   pays there: the head row is read once instead of twice); the norm's output is rounded to the
   dtype before rope, as the unfused calls do.
 
-Invariance: a program reads only its own row, the tile size is fixed by the row length, and the
-launcher hands the kernel contiguous 16-byte aligned rows (Triton picks the load layout, hence
-the order of the row's sum, from the pointer's alignment), so a row's bits do not depend on the
-rows beside it or on where its tensor sits. Contract with the reference: rope is bitwise
-(the same fp32 products and sum, FMA contraction off); the norm's sum of squares runs in
-Triton's order, not torch's, so the norm is within float tolerance (about 1 ulp of the output
-dtype), and the residual add is bitwise.
+Contract with the reference: bitwise, all four. The only reduction is an exact integer sum, so
+neither Triton's reduction tree nor the load layout (alignment, vector width) nor the rows
+beside a row can change its bits; everything else is elementwise IEEE arithmetic written in the
+reference's order: float64 sqrt and division correctly rounded (libdevice `sqrt_rn`/`div_rn` on
+the GPU, numpy's in the interpreter; tl.math.sqrt_rn/div_rn take float32 only), eps passed as a
+float64 (a plain float argument would be float32), and every launch with FMA contraction off
+(exact_triton.LAUNCH_EXACT), so `x * cos + r * sin` and the grid rounding (x + M) - M stay
+separately rounded, as in torch. In the PTX for sm_90 (triton 3.9, compiled without a GPU): one
+sqrt.rn.f64, two div.rn.f64, no fma; with fusion on, eight fma.rn.f64 would appear.
 """
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
+from tensorfold.kernels import exact_triton as ex
 from tensorfold.kernels import reference
+from tensorfold.kernels.exact_triton import LAUNCH_EXACT
+
+MAX_NORM_WIDTH = reference.MAX_NORM_WIDTH
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -50,10 +60,29 @@ def _rope_halves(x1, x2, cos_ptr, sin_ptr, token, HALF: tl.constexpr, HALF_PAD: 
 
 
 @triton.jit
+def _sqrt64(x, USE_LIBDEVICE: tl.constexpr):
+    """sqrt of float64, correctly rounded by contract (tl.sqrt carries an approximate-functions
+    flag; on sm_90 it happens to become sqrt.rn.f64 too)."""
+    if USE_LIBDEVICE:
+        return libdevice.sqrt_rn(x)
+    else:
+        return tl.sqrt(x)
+
+
+@triton.jit
+def _div64(x, y, USE_LIBDEVICE: tl.constexpr):
+    """x / y in float64, correctly rounded."""
+    if USE_LIBDEVICE:
+        return libdevice.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, h_ptr, weight_ptr, out_ptr, cos_ptr, sin_ptr,
-                    eps, rows_per_token,
+                    eps: tl.float64, rows_per_token,
                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    HAS_ROPE: tl.constexpr):
+                    HAS_ROPE: tl.constexpr, NORM_BITS: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -62,10 +91,16 @@ def rms_norm_kernel(x_ptr, residual_ptr, h_ptr, weight_ptr, out_ptr, cos_ptr, si
         x = (tl.load(residual_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
              + x.to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * N + cols, x, mask=ok)
+    # reference.rms_norm, step by step (padding lanes are 0: they add nothing).
     x = x.to(tl.float32)
-    var = tl.sum(x * x, 0) / N
-    y = tl.div_rn(x, tl.sqrt_rn(var + eps)) * tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = y.to(out_ptr.dtype.element_ty)
+    e = ex.exponent(tl.max(tl.abs(x), 0))
+    x64 = x.to(tl.float64)
+    sq = ex.round_even((x64 * x64) * ex.pow2(2 * (NORM_BITS - 1 - e)))  # integers <= 2^40
+    ss = tl.sum(sq, 0)  # <= 2^53: exact in any order
+    var = _div64(ss * ex.pow2(2 * (e - NORM_BITS + 1)), tl.full([], N, tl.float64), USE_LIBDEVICE)
+    inv = _div64(tl.full([], 1.0, tl.float64), _sqrt64(var + eps, USE_LIBDEVICE), USE_LIBDEVICE)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = ((x64 * inv).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
     if HAS_ROPE:  # the row is one head of one token
         half: tl.constexpr = N // 2
         halves = tl.reshape(y.to(tl.float32), [2, BLOCK // 2])
@@ -88,19 +123,11 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads,
     tl.store(out_ptr + row * 2 * HALF + HALF + d, o2.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# FMA contraction would fuse x * cos + r * sin into one rounding and break the bitwise contract.
-_NO_FMA = {"enable_fp_fusion": False}
-
-
-def _aligned(x: torch.Tensor) -> torch.Tensor:
-    if x.is_contiguous() and x.data_ptr() % 16 == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
-
-
 def _launch_norm(x, weight, eps, residual=None, cos=None, sin=None, out=None):
     n = x.shape[-1]
-    x = _aligned(x)
+    if n > MAX_NORM_WIDTH:
+        raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide (an exact float64 sum), got {n}")
+    x = x.contiguous()  # any alignment: the exact sum has no order to lose
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
@@ -114,21 +141,23 @@ def _launch_norm(x, weight, eps, residual=None, cos=None, sin=None, out=None):
         raise ValueError(f"fused rope needs a power-of-two head_dim, got {n}")
     rows_per_token = x.shape[1] if x.dim() == 3 else 1
     rms_norm_kernel[(num_rows,)](
-        x, _aligned(residual) if residual is not None else x, h, weight.contiguous(), out,
+        x, residual.contiguous() if residual is not None else x, h, weight.contiguous(), out,
         cos.contiguous() if cos is not None else weight, sin.contiguous() if sin is not None else weight,
-        eps, rows_per_token, N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        HAS_ROPE=cos is not None, **_NO_FMA)
+        float(eps), rows_per_token, N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        HAS_ROPE=cos is not None, NORM_BITS=reference.NORM_BITS, USE_LIBDEVICE=x.device.type == "cuda",
+        **LAUNCH_EXACT)
     return out, h
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """`reference.rms_norm`: each row (last dimension) normalised alone."""
+    """`reference.rms_norm`, bitwise: each row (last dimension, at most 8,192 wide) alone."""
     return _launch_norm(x, weight, eps, out=out)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(residual + x), residual + x): the add rounded to the dtype, as a model does."""
+    """(rms_norm(residual + x), residual + x), bitwise `add_rms_norm_ref`: the add rounded to the
+    dtype, as a model does."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError("residual must match x in shape and dtype")
     return _launch_norm(x, weight, eps, residual=residual)
@@ -136,7 +165,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope(rms_norm(x)) for x [num_tokens, num_heads, head_dim], cos/sin [num_tokens, head_dim]."""
+    """apply_rope(rms_norm(x)) for x [num_tokens, num_heads, head_dim], cos/sin [num_tokens, head_dim]:
+    bitwise `rms_norm_rope_ref` (the norm rounded to x's dtype before rope)."""
     return _launch_norm(x, weight, eps, cos=cos.float(), sin=sin.float())[0]
 
 
@@ -153,5 +183,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
         half = head_dim // 2
         rope_kernel[(num_tokens * num_heads,)](
             x, cos.float().contiguous(), sin.float().contiguous(), out, num_heads,
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), **_NO_FMA)
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), **LAUNCH_EXACT)
     return out

@@ -1,0 +1,38 @@
+"""What every kernel test module shares: the device, and fresh random inputs with a printable seed
+(conftest.py's `draw` fixture hands out a Draw).
+
+Importing this module first sets TRITON_INTERPRET=1 when there is no GPU, which must happen before
+anything imports triton (so a kernel test module imports this before any kernel module).
+"""
+import os
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+DEVICE = "cuda" if HAS_GPU else "cpu"
+NAN = float("nan")
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+
+class Draw:
+    """Random tensors from a fresh seed per test; str(draw) names it in failure messages."""
+
+    def __init__(self):
+        self.seed = int.from_bytes(os.urandom(4), "little")
+        self.gen = torch.Generator().manual_seed(self.seed)
+
+    def randn(self, *shape, dtype=torch.float32, scale=1.0):
+        return (torch.randn(*shape, generator=self.gen) * scale).to(dtype).to(DEVICE)
+
+    def rand(self, *shape, dtype=torch.float32):
+        return torch.rand(*shape, generator=self.gen, dtype=dtype)
+
+    def randint(self, high, *shape):
+        return torch.randint(0, high, shape, generator=self.gen)
+
+    def __str__(self):
+        return f"seed {self.seed}"
