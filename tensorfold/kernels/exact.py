@@ -63,16 +63,24 @@ def to_fixed(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return round_even(x32.double() * pow2(bits - 1 - e).unsqueeze(-1)), e
 
 
-def on_grid(x: torch.Tensor, bits: int) -> torch.Tensor:
+def on_grid(x: torch.Tensor, bits) -> torch.Tensor:
     """x with each vector (last dim) rounded to its fixed-point grid, in x's dtype (it fits).
 
-    Rounding can lift the largest element to the next power of two; the second rounding puts the
-    vector on the grid of its new exponent, so the result is a fixed point: on_grid(on_grid(x)) ==
-    on_grid(x), and every element is a multiple of 2^(exponent(max|x|) - bits + 1)."""
+    `bits` is an int or an integer tensor broadcastable to x.shape[:-1] + (1,). The grid step is
+    2^(e - bits + 1), e = exponent(max|x|); (x + 1.5 * 2^52 * step) - 1.5 * 2^52 * step rounds to
+    it, ties to even. Rounding can lift the largest element to the next power of two; then a
+    second rounding puts the vector on the grid of its new exponent, so the result is a fixed
+    point: on_grid(on_grid(x)) == on_grid(x), every element a multiple of its vector's step."""
+    y = x.double()
+    e = exponent(y.abs().amax(dim=-1, keepdim=True))
     for _ in range(2):
-        x_int, e = to_fixed(x, bits)
-        x = (x_int * pow2(e - bits + 1).unsqueeze(-1)).to(x.dtype)
-    return x
+        magic = pow2(e - bits + 1) * ROUND_MAGIC
+        y = (y + magic).sub_(magic)
+        lifted = exponent(y.abs().amax(dim=-1, keepdim=True))
+        if torch.equal(lifted, e):
+            break
+        e = lifted
+    return y.to(x.dtype)
 
 
 def exp_neg(x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ W_BITS = 24       # |w_int| <= 2^24: w * v <= 2^44, SPLIT_SIZE keys -> <= 2^53
 L_BITS = 30       # denominator terms p * 2^30: exact for < 2^23 keys in float64, int64 beyond
 SPLIT_SIZE = 512  # keys per exact float64 chunk of the weighted sum
 NO_KEY_EXPONENT = -1024
+_KV_BITS = torch.tensor([QK_BITS, V_BITS]).view(2, 1, 1, 1)
 CHUNK_ELEMENTS = 1 << 18  # lanes x keys per step of the reference's key loop
 
 
@@ -40,8 +41,9 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     """k, v [num_tokens, num_kv_heads, head_dim] into flat slots (block * block_size + offset),
     each vector on its fixed-point grid (step 0 above)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = on_grid(k.to(k_cache.dtype), QK_BITS)
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = on_grid(v.to(v_cache.dtype), V_BITS)
+    kv = on_grid(torch.stack([k, v]).to(k_cache.dtype), _KV_BITS.to(k.device))  # one call: decode is many small ones
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = kv[0]
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = kv[1]
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -85,14 +87,14 @@ def _attend(q: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_ca
     if window is not None:
         seen = seen & (key_pos > lane_pos - window)
 
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [S, KVH, L, D], on grid (write_kv_ref)
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2).float()
+    k = _gather(k_cache, tables)  # [S, KVH, L, D] float64, on grid (write_kv_ref)
+    v = _gather(v_cache, tables)
     last = positions.amax(dim=1).to(q.device).view(-1, 1, 1, 1)
-    v = v.masked_fill_(key_pos.view(1, 1, keys, 1) > last, 0.0)  # slots past every row: unwritten
+    v.masked_fill_(key_pos.view(1, 1, keys, 1) > last, 0.0)  # slots past every row: unwritten
 
     q_int, q_exp = to_fixed(lanes, QK_BITS)  # [S, KVH, M, D], [S, KVH, M]
     q_grid = q_int * pow2(q_exp - QK_BITS + 1).unsqueeze(-1)
-    k_grid = k.double().transpose(-1, -2)  # [S, KVH, D, L]
+    k_grid = k.transpose(-1, -2)  # [S, KVH, D, L]
     # Key chunks keep a prefill's [lanes, keys] intermediates cache-sized; any chunking gives the
     # same bits (the sums are exact), only the float64 weighted sum needs <= SPLIT_SIZE keys.
     chunk = max(64, min(SPLIT_SIZE, CHUNK_ELEMENTS // lanes.shape[:3].numel()))
@@ -105,7 +107,7 @@ def _attend(q: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_ca
     row_max.masked_fill_(torch.isinf(row_max), 0.0)  # a lane that sees nothing
 
     v_exp = exponent(v.abs().amax(dim=-1))  # [S, KVH, L]
-    v_int = v.double().mul_(pow2(V_BITS - 1 - v_exp).unsqueeze(-1))  # exact integers
+    v_int = v.mul_(pow2(V_BITS - 1 - v_exp).unsqueeze(-1))  # exact integers, in place
     top = torch.where(seen, v_exp.unsqueeze(-2), NO_KEY_EXPONENT).amax(dim=-1, keepdim=True)
     top.masked_fill_(top == NO_KEY_EXPONENT, 0)  # [S, KVH, M, 1]
     key_scale = pow2(v_exp).unsqueeze(-2)  # [S, KVH, 1, L]
@@ -124,3 +126,13 @@ def _attend(q: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_ca
 
     out = out.view(num_seqs, num_kv_heads, group, rows, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, rows, num_heads, head_dim).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The sequences' cached vectors in position order, [S, KVH, L, D] float64 (one copy)."""
+    pages = cache[tables]  # [S, NB, block_size, KVH, D]
+    num_seqs, num_blocks, block_size, num_kv_heads, head_dim = pages.shape
+    out = torch.empty((num_seqs, num_kv_heads, num_blocks, block_size, head_dim), dtype=torch.float64,
+                      device=cache.device)
+    out.copy_(pages.permute(0, 3, 1, 2, 4))
+    return out.view(num_seqs, num_kv_heads, num_blocks * block_size, head_dim)

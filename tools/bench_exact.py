@@ -1,0 +1,138 @@
+"""What exactness costs on the CPU: each exact reference op next to its stock torch counterpart.
+
+    python tools/bench_exact.py                # SmolLM2-135M shapes (9 heads over 3, head_dim 64), 2 threads
+    python tools/bench_exact.py --threads 1
+
+The exact ops (kernels/exact.py rule: integer sums, own exp/log) are what the cpu backend runs
+and what the Triton kernels reproduce bit for bit. Their stock counterparts compute the same
+function the usual way (SDPA over gathered pages, a textbook RMSNorm, libm exp/log, a plain
+cache write) and are neither batch invariant nor equal to a GPU kernel. Each time is the best of
+--repeats medians of --runs calls, after warm-up; the ratio is exact / stock.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tensorfold.kernels import exact, reference  # noqa: E402
+from tensorfold.kernels.paged_attention import (paged_attention_ref, paged_decode_attention_ref,  # noqa: E402
+                                                write_kv_ref)
+from tools.bench_core import cpu_model, loadavg, print_table  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE, HIDDEN = 9, 3, 64, 32, 576
+
+
+def best_ms(fn, runs: int, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    medians = []
+    for _ in range(repeats):
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        medians.append(statistics.median(times))
+    return min(medians) * 1e3
+
+
+def attention_cases(dtype):
+    """(label, exact fn, stock fn) for decode, batched decode and prefill chunks."""
+    blocks = 160  # 5,120 positions
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.zeros(blocks, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    write_kv_ref(k_cache, v_cache, torch.randn(blocks * PAGE, KV_HEADS, HEAD_DIM, generator=gen),
+                 torch.randn(blocks * PAGE, KV_HEADS, HEAD_DIM, generator=gen), torch.arange(blocks * PAGE))
+    table = torch.randperm(blocks, generator=gen)
+
+    def stock(q, ctx, rows):
+        k = k_cache[table].flatten(0, 1)[:ctx].transpose(0, 1).float()  # [KVH, ctx, D]
+        v = v_cache[table].flatten(0, 1)[:ctx].transpose(0, 1).float()
+        mask = torch.ones(rows, ctx, dtype=torch.bool).tril(ctx - rows)
+        return F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=mask, enable_gqa=True)
+
+    cases = []
+    for ctx in (128, 1024, 4096):
+        q = torch.randn(1, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        pos = torch.tensor([ctx - 1])
+        cases.append((f"attention decode, ctx {ctx}",
+                      lambda q=q, pos=pos: paged_attention_ref(q, k_cache, v_cache, pos, table, 0.125),
+                      lambda q=q, ctx=ctx: stock(q, ctx, 1)))
+    q8 = torch.randn(8, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    tables = [table.roll(i) for i in range(8)]
+    pos8 = torch.full((8,), 1023)
+    cases.append(("attention decode, 8 sequences, ctx 1024",
+                  lambda: paged_decode_attention_ref(q8, k_cache, v_cache, pos8, tables, 0.125),
+                  lambda: [stock(q8[i:i + 1], 1024, 1) for i in range(8)]))
+    for ctx in (512, 2048):
+        q = torch.randn(512, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        pos = torch.arange(ctx - 512, ctx)
+        cases.append((f"attention prefill chunk 512 rows, ctx {ctx}",
+                      lambda q=q, pos=pos: paged_attention_ref(q, k_cache, v_cache, pos, table, 0.125),
+                      lambda q=q, ctx=ctx: stock(q, ctx, 512)))
+    return cases
+
+
+def other_cases(dtype):
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.zeros(64, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    cache_v = torch.zeros_like(cache)
+    flat_k, flat_v = cache.view(-1, KV_HEADS, HEAD_DIM), cache_v.view(-1, KV_HEADS, HEAD_DIM)
+    cases = []
+    for n in (1, 512):
+        k = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen)
+        slots = torch.arange(n)
+
+        def plain(k=k, v=v, slots=slots):
+            flat_k[slots] = k.to(dtype)
+            flat_v[slots] = v.to(dtype)
+        cases.append((f"cache write, {n} token(s)", lambda k=k, v=v, s=slots: write_kv_ref(cache, cache_v, k, v, s), plain))
+    weight = torch.randn(HIDDEN, generator=gen).to(dtype)
+    for n in (1, 512):
+        x = torch.randn(n, HIDDEN, generator=gen).to(dtype)
+
+        def textbook(x=x):
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()).to(dtype)
+        cases.append((f"rms_norm, {n} x {HIDDEN}", lambda x=x: reference.rms_norm(x, weight, 1e-5), textbook))
+    z = -torch.rand(8, 49152, generator=gen, dtype=torch.float64) * 40
+    u = torch.rand(8, 49152, generator=gen, dtype=torch.float64)
+    cases.append(("exp64 (sampler weights), 8 x 49,152", lambda: exact.exp64(z), lambda: torch.exp(z)))
+    cases.append(("log64 (Gumbel noise, once), 8 x 49,152", lambda: exact.log64(u), lambda: torch.log(u)))
+    return cases
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", type=int, default=30, help="calls per median")
+    p.add_argument("--repeats", type=int, default=3, help="medians per row; the table shows the best")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"bench_exact: {cpu_model()}, torch {torch.__version__}, {args.threads} threads; "
+          f"load average {loadavg()}")
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for label, exact_fn, stock_fn in attention_cases(dtype) + other_cases(dtype):
+            runs = max(3, args.runs // 10) if "prefill" in label else args.runs
+            ms_exact = best_ms(exact_fn, runs, args.repeats)
+            ms_stock = best_ms(stock_fn, runs, args.repeats)
+            rows.append([label, str(dtype).removeprefix("torch."), f"{ms_exact:.3f}", f"{ms_stock:.3f}",
+                         f"{ms_exact / ms_stock:.2f}x"])
+    print()
+    print_table(["op", "dtype", "exact ms", "stock ms", "exact / stock"], rows)
+    print(f"\nload average after the run: {loadavg()}")
+
+
+if __name__ == "__main__":
+    main()
