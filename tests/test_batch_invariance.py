@@ -19,9 +19,15 @@ from tensorfold.models.hf_dir import load_hf_dir
 from tensorfold.models.loader import build_model
 
 BLOCK = 32
+def _stock_rms_norm(x, w, eps):
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
+
+
 STOCK_OPS = types.SimpleNamespace(
     linear=lambda x, w, b=None: F.linear(x, w, b),
-    rms_norm=lambda x, w, eps: (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w,
+    rms_norm=_stock_rms_norm,
+    add_rms_norm=lambda x, residual, w, eps: (_stock_rms_norm(residual + x, w, eps), residual + x),
+    rms_norm_rope=lambda x, w, eps, cos, sin: cpu_ops.apply_rope(_stock_rms_norm(x, w, eps), cos, sin),
     silu_and_mul=lambda g, u: F.silu(g) * u,
     apply_rope=cpu_ops.apply_rope,
     paged_attention=cpu_ops.paged_attention,

@@ -35,9 +35,9 @@ from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
-OP_NAMES = ("linear", "rms_norm", "silu_and_mul", "apply_rope", "rope_table", "pad_rows",
-            "paged_attention", "write_kv", "sample")
-KERNEL_OPS = ("paged_attention", "rms_norm", "apply_rope", "sample")  # Triton in cuda_ops
+OP_NAMES = ("linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul", "apply_rope",
+            "rope_table", "pad_rows", "paged_attention", "write_kv", "sample")
+KERNEL_OPS = ("paged_attention", "rms_norm", "add_rms_norm", "apply_rope", "sample")  # Triton in cuda_ops
 SMALL = dict(probe=False, kv_cache_gib=0.002, context=256)
 
 
@@ -171,6 +171,24 @@ def test_either_path_gives_the_same_logits_and_token_sha(tiny_llama, monkeypatch
     assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
     for key, logits in want.draws.items():  # every draw's logits row, by (seed, position)
         assert torch.equal(got.draws[key], logits), f"draw {key}: max diff {(got.draws[key] - logits).abs().max()}"
+
+
+def test_qwen3_fused_norm_and_rope_match_cpu_backend(tiny_qwen3, monkeypatch, cuda_ops):
+    """qwen3's per-head q/k norm runs as the fused norm + rope kernel; the logits stay the cpu
+    backend's bits."""
+    prompt = [random.Random(3).randrange(49152) for _ in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
+    cpu = Engine(tiny_qwen3, EngineConfig(**SMALL, drafting=False))
+    want = Recorder(cpu)
+    expected = run(cpu, [prompt], params)[0].output_ids
+    fused = spy(monkeypatch, cuda_ops, ("rms_norm_rope",))
+    gpu = cuda_engine(tiny_qwen3, drafting=False)
+    got = Recorder(gpu)
+    assert run(gpu, [prompt], params)[0].output_ids == expected
+    assert fused["rms_norm_rope"] > 0
+    assert want.draws.keys() == got.draws.keys()
+    for key, logits in want.draws.items():
+        assert torch.equal(got.draws[key], logits), f"draw {key}"
 
 
 # ---- invariance within the cuda backend ----

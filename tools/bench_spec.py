@@ -125,7 +125,13 @@ def stock_ops(**overrides):
         return weight * x32.to(x.dtype)
 
     ops = {name: getattr(cpu_ops, name) for name in dir(cpu_ops) if not name.startswith("_")}
-    ops.update(linear=F.linear, rms_norm=rms_norm, silu_and_mul=lambda gate, up: F.silu(gate) * up)
+    def add_rms_norm(x, residual, weight, eps):
+        h = residual + x
+        return rms_norm(h, weight, eps), h
+
+    ops.update(linear=F.linear, rms_norm=rms_norm, add_rms_norm=add_rms_norm,
+               rms_norm_rope=lambda x, w, eps, cos, sin: cpu_ops.apply_rope(rms_norm(x, w, eps), cos, sin),
+               silu_and_mul=lambda gate, up: F.silu(gate) * up)
     ops.update(overrides)
     return types.SimpleNamespace(**ops)
 

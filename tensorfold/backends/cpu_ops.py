@@ -6,6 +6,6 @@ A model takes an `ops` module; cuda_ops.py offers the same names backed by Trito
 from tensorfold.kernels.paged_attention import paged_attention_ref as paged_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import paged_decode_attention_ref as paged_decode_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
-from tensorfold.kernels.reference import (apply_rope, linear, pad_rows, rms_norm, rope_table,  # noqa: F401
-                                          silu_and_mul)
+from tensorfold.kernels.reference import (add_rms_norm, apply_rope, linear, pad_rows, rms_norm,  # noqa: F401
+                                          rms_norm_rope, rope_table, silu_and_mul)
 from tensorfold.sampling.sampler import sample  # noqa: F401

@@ -5,19 +5,21 @@ backend this one (backends.backend_ops). It imports triton, so it is imported on
 backend is chosen: on a GPU, or in tests on CPU tensors under TRITON_INTERPRET=1.
 
 What runs where, and why:
-- rms_norm, apply_rope: Triton (kernels/rms_norm_triton.py), plus the fused forms a model may call
-  (add_rms_norm: residual add + norm; rms_norm_rope: qwen3's per-head norm + rope).
+- rms_norm, apply_rope: Triton (kernels/rms_norm_triton.py), plus the fused forms the model calls
+  (add_rms_norm: residual add + the next norm; rms_norm_rope: qwen3's per-head norm + rope), all
+  bitwise the references (kernels/exact.py's rule).
 - paged_attention / paged_attention_varlen, write_kv: Triton exact attention
   (kernels/attention_triton.py: integer sums, bitwise the cpu reference's result); the cache write
   is the reference's (each vector rounded to its fixed-point grid, then an index_put: elementwise,
   so invariant as it stands).
 - sample (the engine's draw; Python ints back), verify, apply_token_bitmask: Triton keyed
   sampling and grammar-masked verification.
-- linear, silu_and_mul, pad_rows, rope_table: the torch reference ops on CUDA tensors. silu_and_mul
-  is elementwise (invariant on a GPU as it is). linear relies on cuBLAS after padding rows to 8,
-  which is not a documented batch-invariance guarantee on GPUs (cuBLAS may pick a split-K kernel
-  by shape): a fixed-tile Triton GEMM without split-K is the missing piece (docs/kernels.md), and
-  until it lands the engine's startup probes are what vouch for it on a given device.
+- linear, silu_and_mul, pad_rows, rope_table: the torch reference ops on CUDA tensors, shared by
+  both op sets rather than mirrored. silu_and_mul is elementwise (invariant on a GPU as it is).
+  linear relies on cuBLAS after padding rows to 8, which is not a documented batch-invariance
+  guarantee on GPUs (cuBLAS may pick a split-K kernel by shape): the engine's startup probes
+  vouch for it on a given device; a fixed-tile Triton GEMM without split-K is the next kernel
+  (docs/kernels.md).
 """
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
 from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401

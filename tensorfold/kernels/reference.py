@@ -86,6 +86,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual add rounded to the dtype, then the norm: (rms_norm(residual + x), residual + x).
+    The cuda backend fuses the two (one pass over the row); the bits are these."""
+    h = residual + x
+    return rms_norm(h, weight, eps), h
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """qwen3's per-head q/k norm, rounded to the dtype, then rope (fused on the cuda backend)."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g = gate.float()
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)

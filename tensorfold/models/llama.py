@@ -70,14 +70,17 @@ class Model:
         h = self.embed[batch.input_ids]  # [num_rows, hidden]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [num_rows, head_dim]
         residual = h
+        x = self.ops.rms_norm(h, self.layers[0].input_norm, a.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            x = self.ops.rms_norm(residual, layer.input_norm, a.rms_norm_eps)
-            x = self._attention(layer, x, batch, cos, sin, cache.k[i], cache.v[i])
-            residual = residual + x
-            x = self.ops.rms_norm(residual, layer.post_attn_norm, a.rms_norm_eps)
+            attn = self._attention(layer, x, batch, cos, sin, cache.k[i], cache.v[i])
+            x, residual = self.ops.add_rms_norm(attn, residual, layer.post_attn_norm, a.rms_norm_eps)
             gate_up = self.ops.linear(x, layer.gate_up)  # [num_rows, 2 * intermediate]
             gate, up = gate_up.split(a.intermediate_size, dim=-1)
-            residual = residual + self.ops.linear(self.ops.silu_and_mul(gate, up), layer.down)
+            mlp = self.ops.linear(self.ops.silu_and_mul(gate, up), layer.down)
+            if i + 1 < len(self.layers):  # the add and the next layer's norm, in one op
+                x, residual = self.ops.add_rms_norm(mlp, residual, self.layers[i + 1].input_norm, a.rms_norm_eps)
+            else:
+                residual = residual + mlp
         last = self.ops.rms_norm(residual[batch.logits_rows], self.norm, a.rms_norm_eps)
         return self.ops.linear(last, self.lm_head).float()  # [num_logits, vocab]
 
@@ -89,11 +92,12 @@ class Model:
         q = qkv[:, :q_size].reshape(num_rows, a.num_heads, a.head_dim)
         k = qkv[:, q_size:q_size + kv_size].reshape(num_rows, a.num_kv_heads, a.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(num_rows, a.num_kv_heads, a.head_dim)
-        if layer.q_norm is not None:
-            q = self.ops.rms_norm(q, layer.q_norm, a.rms_norm_eps)
-            k = self.ops.rms_norm(k, layer.k_norm, a.rms_norm_eps)
-        q = self.ops.apply_rope(q, cos, sin)
-        k = self.ops.apply_rope(k, cos, sin)
+        if layer.q_norm is not None:  # qwen3: per-head norm, then rope, in one op
+            q = self.ops.rms_norm_rope(q, layer.q_norm, a.rms_norm_eps, cos, sin)
+            k = self.ops.rms_norm_rope(k, layer.k_norm, a.rms_norm_eps, cos, sin)
+        else:
+            q = self.ops.apply_rope(q, cos, sin)
+            k = self.ops.apply_rope(k, cos, sin)
         self.ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
         # Decode rows of all sequences share one call (bitwise what each would get alone).
