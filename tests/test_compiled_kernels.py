@@ -54,7 +54,7 @@ kernels = {
     "attention_finish": (attn.attention_finish_kernel,
                          dict(num_ptr="*fp64", den_ptr="*fp64", top_ptr="*i32", out_ptr="*bf16",
                               row_base=i32, max_splits=i32, stride_or=i32, stride_oh=i32),
-                         dict(HEAD_DIM=128, D_PAD=128)),
+                         dict(HEAD_DIM=128, D_PAD=128, USE_LIBDEVICE=True)),
     "rms_norm": (norm.rms_norm_kernel,
                  dict(x_ptr="*bf16", residual_ptr="*bf16", h_ptr="*bf16", weight_ptr="*bf16",
                       out_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", eps="fp64",

@@ -43,18 +43,30 @@ BLOCK_N = 32       # KV positions per step
 WORKSPACE_BYTES = 256 << 20  # split partials per launch; long prefills run in several launches
 
 @triton.jit
-def _lanes(tile_seq_ptr, tile_start_ptr, tile_end_ptr, positions_ptr, GROUP: tl.constexpr,
-           BLOCK_M: tl.constexpr):
-    """The tile's sequence, its lanes' rows, query heads (within the KV head), validity, positions."""
+def _tile(q_ptr, positions_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, window, stride_qr, stride_qh,
+          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """What a program of the stats and sums kernels works on: its tile's sequence, its lanes' rows,
+    query heads, validity and positions, their q on its grid, and the keys [lo, hi) of its split
+    that any lane may see (steps outside would only add exact zeros)."""
     tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tile_seq_ptr + tile)
     row_start = tl.load(tile_start_ptr + tile)
     row_end = tl.load(tile_end_ptr + tile)
     lanes = tl.arange(0, BLOCK_M)
     rows = row_start + lanes // GROUP
+    heads = kv_head * GROUP + lanes % GROUP
     lane_ok = (lanes < (BLOCK_M // GROUP) * GROUP) & (rows < row_end)
     pos = tl.load(positions_ptr + rows, mask=lane_ok, other=-1).to(tl.int32)  # -1 sees nothing
-    return seq, rows, lanes % GROUP, lane_ok, pos
+    q_grid = _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM, D_PAD)
+    lo = split * SPLIT
+    hi = tl.minimum(tl.max(pos, 0) + 1, lo + SPLIT)
+    if HAS_WINDOW:
+        first = tl.min(tl.where(lane_ok, pos - window + 1, hi), 0)
+        lo = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
+    return kv_head, split, seq, rows, heads, lane_ok, pos, q_grid, lo, hi
 
 
 @triton.jit
@@ -104,13 +116,9 @@ def attention_stats_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Per lane and split: the largest visible score and the largest visible v exponent."""
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq, rows, group_head, lane_ok, pos = _lanes(tile_seq_ptr, tile_start_ptr, tile_end_ptr,
-                                                 positions_ptr, GROUP, BLOCK_M)
-    heads = kv_head * GROUP + group_head
-    q_grid = _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM, D_PAD)
-    lo, hi = _split_bounds(pos, lane_ok, split, window, SPLIT, BLOCK_N, HAS_WINDOW)
+    kv_head, split, seq, rows, heads, lane_ok, pos, q_grid, lo, hi = _tile(
+        q_ptr, positions_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, window, stride_qr, stride_qh,
+        GROUP, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, SPLIT, HAS_WINDOW)
 
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     top = tl.full([BLOCK_M], NO_KEY_EXPONENT, tl.int32)
@@ -136,13 +144,9 @@ def attention_sums_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Per lane and split: sum_j w_j v_j on the row's integer grid, and sum_j round(p_j 2^L_BITS)."""
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq, rows, group_head, lane_ok, pos = _lanes(tile_seq_ptr, tile_start_ptr, tile_end_ptr,
-                                                 positions_ptr, GROUP, BLOCK_M)
-    heads = kv_head * GROUP + group_head
-    q_grid = _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM, D_PAD)
-    lo, hi = _split_bounds(pos, lane_ok, split, window, SPLIT, BLOCK_N, HAS_WINDOW)
+    kv_head, split, seq, rows, heads, lane_ok, pos, q_grid, lo, hi = _tile(
+        q_ptr, positions_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, window, stride_qr, stride_qh,
+        GROUP, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, SPLIT, HAS_WINDOW)
     lane = (rows - row_base).to(tl.int64) * (tl.num_programs(1) * GROUP) + heads  # [launch rows, heads]
     row_max = tl.load(max_ptr + lane, mask=lane_ok, other=0.0)
     lane_scale = ex.pow2(-tl.load(top_ptr + lane, mask=lane_ok, other=0) + W_BITS)
@@ -166,22 +170,10 @@ def attention_sums_kernel(
              mask=lane_ok[:, None] & (dims < HEAD_DIM)[None, :])
 
 
-@triton.jit
-def _split_bounds(pos, lane_ok, split, window, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr):
-    """The keys this tile may see inside this split; steps outside would only add exact zeros."""
-    lo = split * SPLIT
-    hi = tl.minimum(tl.max(pos, 0) + 1, lo + SPLIT)
-    if HAS_WINDOW:
-        first = tl.min(tl.where(lane_ok, pos - window + 1, hi), 0)
-        lo = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
-    return lo, hi
-
-
 @triton.jit(do_not_specialize=["row_base", "max_splits"])
 def attention_finish_kernel(
         num_ptr, den_ptr, top_ptr, out_ptr, row_base, max_splits, stride_or, stride_oh,
-        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
     """out = (sum of the splits' integer sums) / (sum of their denominators), scaled and rounded."""
     local = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -194,7 +186,7 @@ def attention_finish_kernel(
         num += tl.load(num_ptr + (lane * max_splits + s) * HEAD_DIM + dims, mask=dim_ok, other=0.0).to(tl.int64)
         den += tl.load(den_ptr + lane * max_splits + s)
     den = tl.where(den == 0.0, 1.0, den)
-    ratio = num.to(tl.float64) / den  # float64 division is IEEE (div.rn.f64); only float32 `/` is approximate
+    ratio = ex.div64(num.to(tl.float64), den, USE_LIBDEVICE)
     top = tl.load(top_ptr + lane)
     out = (ratio * ex.pow2(top - V_BITS - W_BITS + 1 + L_BITS)).to(tl.float32)
     tl.store(out_ptr + (row_base + local) * stride_or + head * stride_oh + dims,
@@ -294,7 +286,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                     tile_end, row_max, row_top, num, den, *common, **sizes)
         attention_finish_kernel[(row_end - row_base, num_heads)](
             num, den, row_top, target, row_base, max_splits, target.stride(0), target.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, **ex.LAUNCH_EXACT)
+            HEAD_DIM=head_dim, D_PAD=d_pad, USE_LIBDEVICE=device.type == "cuda", **ex.LAUNCH_EXACT)
     if target is not out:
         out.copy_(target)
     return out

@@ -5,6 +5,7 @@ stays a rounded product and a rounded sum, as in torch, instead of becoming one 
 """
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from tensorfold.kernels import exact
 
@@ -131,3 +132,27 @@ def log64(x):
     out = ((((t2 + t1) + hfsq) * s + dk * LN2_LO64) - hfsq + f) + dk * LN2_HI64
     out = tl.where(x < float("inf"), out, x)
     return tl.where(x > 0.0, out, tl.where(x == 0.0, float("-inf"), float("nan")))
+
+
+# ---- float64 division and square root, correctly rounded by contract ----
+# In compiled code Triton's float64 `/` and tl.sqrt happen to become div.rn.f64 and sqrt.rn.f64 on
+# sm_90, but tl.sqrt carries an approximate-functions flag and float32 `/` is approximate, so the
+# kernels ask libdevice for the rounded forms on a GPU (tests/test_compiled_kernels.py reads the
+# PTX). The interpreter computes both in numpy, correctly rounded.
+
+@triton.jit
+def div64(x, y, USE_LIBDEVICE: tl.constexpr):
+    """x / y in float64, correctly rounded."""
+    if USE_LIBDEVICE:
+        return libdevice.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def sqrt64(x, USE_LIBDEVICE: tl.constexpr):
+    """sqrt(x) in float64, correctly rounded."""
+    if USE_LIBDEVICE:
+        return libdevice.sqrt_rn(x)
+    else:
+        return tl.sqrt(x)

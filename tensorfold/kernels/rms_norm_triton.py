@@ -18,8 +18,8 @@ below spell out the fused forms as the unfused calls a model makes.
 Contract with the reference: bitwise, all four. The only reduction is an exact integer sum, so
 neither Triton's reduction tree nor the load layout (alignment, vector width) nor the rows
 beside a row can change its bits; everything else is elementwise IEEE arithmetic written in the
-reference's order: float64 sqrt and division correctly rounded (libdevice `sqrt_rn`/`div_rn` on
-the GPU, numpy's in the interpreter; tl.math.sqrt_rn/div_rn take float32 only), eps passed as a
+reference's order: float64 sqrt and division correctly rounded (exact_triton.div64/sqrt64:
+libdevice's rounded forms on the GPU, numpy's in the interpreter), eps passed as a
 float64 (a plain float argument would be float32), and every launch with FMA contraction off
 (exact_triton.LAUNCH_EXACT), so `x * cos + r * sin` and the grid rounding (x + M) - M stay
 separately rounded, as in torch. In the PTX for sm_90 (triton 3.9, compiled without a GPU): one
@@ -28,7 +28,6 @@ sqrt.rn.f64, two div.rn.f64, no fma; with fusion on, eight fma.rn.f64 would appe
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from tensorfold.kernels import exact_triton as ex
 from tensorfold.kernels import reference
@@ -54,25 +53,6 @@ def _rope_halves(x1, x2, cos_ptr, sin_ptr, token, HALF: tl.constexpr, HALF_PAD: 
 
 
 @triton.jit
-def _sqrt64(x, USE_LIBDEVICE: tl.constexpr):
-    """sqrt of float64, correctly rounded by contract (tl.sqrt carries an approximate-functions
-    flag; on sm_90 it happens to become sqrt.rn.f64 too)."""
-    if USE_LIBDEVICE:
-        return libdevice.sqrt_rn(x)
-    else:
-        return tl.sqrt(x)
-
-
-@triton.jit
-def _div64(x, y, USE_LIBDEVICE: tl.constexpr):
-    """x / y in float64, correctly rounded."""
-    if USE_LIBDEVICE:
-        return libdevice.div_rn(x, y)
-    else:
-        return x / y
-
-
-@triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, h_ptr, weight_ptr, out_ptr, cos_ptr, sin_ptr,
                     eps: tl.float64, rows_per_token,
                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -91,8 +71,8 @@ def rms_norm_kernel(x_ptr, residual_ptr, h_ptr, weight_ptr, out_ptr, cos_ptr, si
     x64 = x.to(tl.float64)
     sq = ex.round_even((x64 * x64) * ex.pow2(2 * (NORM_BITS - 1 - e)))  # integers <= 2^40
     ss = tl.sum(sq, 0)  # <= 2^53: exact in any order
-    var = _div64(ss * ex.pow2(2 * (e - NORM_BITS + 1)), tl.full([], N, tl.float64), USE_LIBDEVICE)
-    inv = _div64(tl.full([], 1.0, tl.float64), _sqrt64(var + eps, USE_LIBDEVICE), USE_LIBDEVICE)
+    var = ex.div64(ss * ex.pow2(2 * (e - NORM_BITS + 1)), tl.full([], N, tl.float64), USE_LIBDEVICE)
+    inv = ex.div64(tl.full([], 1.0, tl.float64), ex.sqrt64(var + eps, USE_LIBDEVICE), USE_LIBDEVICE)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     y = ((x64 * inv).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
     if HAS_ROPE:  # the row is one head of one token

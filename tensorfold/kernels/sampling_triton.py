@@ -22,12 +22,12 @@ selection of unique keys), so the result does not depend on CHUNK, the batch or 
 `offset` gives a shard's first global id, so a rank runs the same kernel on its shard.
 
 Bitwise parity needs the same float64 arithmetic as the reference's. Division is correctly
-rounded everywhere (libdevice `div_rn` on the GPU). exp and log are not library calls on either
-side: both use exact.py's `exp64`/`log64`, fdlibm's algorithms written as fixed sequences of
-correctly rounded float64 operations, which exact_triton.py spells out in the same order, and the
-kernel is launched without FMA contraction (`LAUNCH_EXACT`). So the draw is libm- and
-libdevice-free: the kernel on any GPU, in the interpreter, and the torch reference on any CPU give
-the same bits, and no interpreter patch is needed to compare them.
+rounded on both sides (exact_triton.div64: libdevice's `div_rn` on the GPU). exp and log are not
+library calls on either side: both use exact.py's `exp64`/`log64`, fdlibm's algorithms written
+as fixed sequences of correctly rounded float64 operations, which exact_triton.py spells out in
+the same order, and the kernel is launched without FMA contraction (`LAUNCH_EXACT`). So the
+kernel on any GPU, in the interpreter, and the torch reference on any CPU give the same bits,
+and no interpreter patch is needed to compare them.
 A row whose nucleus may run past the candidates (the reference's "late" rows) is drawn by the
 reference on the CPU.
 """
@@ -36,7 +36,6 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from tensorfold.kernels import exact_triton as ex
 from tensorfold.sampling import keyed, sampler
@@ -65,15 +64,6 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [num_rows, words, 32]
     return bits.flatten(1)[:, :vocab].bool()
-
-
-@triton.jit
-def div64(x, y, USE_LIBDEVICE: tl.constexpr):
-    """x / y in float64, correctly rounded (the GPU's `/` is not guaranteed to be)."""
-    if USE_LIBDEVICE:
-        return libdevice.div_rn(x, y)
-    else:
-        return x / y
 
 
 @triton.jit
@@ -145,7 +135,7 @@ def sample_shard_kernel(logits_ptr, bitmask_ptr, row_ids_ptr, temperature_ptr, m
     else:
         temp = tl.load(temperature_ptr + i)
         row_key = tl.load(row_key_ptr + i)
-        z = div64(x.to(tl.float64), temp, USE_LIBDEVICE)
+        z = ex.div64(x.to(tl.float64), temp, USE_LIBDEVICE)
         q = tl.floor(ex.exp64(z - tl.load(max_z_ptr + i)) * 4294967296.0).to(tl.int64)
         q = tl.where(drawable, q, 0)
         if MODE == 1:  # no order-dependent cut: the kept token with the best noisy score

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from tensorfold.kernels import exact_triton as ex
 from tensorfold.kernels import sampling_triton
-from tensorfold.kernels.sampling_triton import (allowed_bits, div64, drawable_logits, gumbel, pack_bitmask,
+from tensorfold.kernels.sampling_triton import (allowed_bits, drawable_logits, gumbel, pack_bitmask,
                                                unpack_bitmask)
 from tensorfold.sampling import keyed, sampler
 from tensorfold.sampling.sampler import RowSampling
@@ -94,7 +94,7 @@ def verify_kernel(logits_ptr, bitmask_ptr, draft_ptr, draw_in_ptr, row_path_ptr,
         temp = tl.load(temperature_ptr + row)
         if temp != 0.0:
             # Pass 2: the keyed draw among tokens with q >= min_q (sampler's rule without cuts).
-            m = div64(best.to(tl.float64), temp, USE_LIBDEVICE)
+            m = ex.div64(best.to(tl.float64), temp, USE_LIBDEVICE)
             min_q = tl.load(min_q_ptr + row)
             row_key = tl.load(row_key_ptr + row)
             top = tl.full([], float("-inf"), tl.float64)
@@ -102,7 +102,7 @@ def verify_kernel(logits_ptr, bitmask_ptr, draft_ptr, draw_in_ptr, row_path_ptr,
             for start in range(0, width, TILE):
                 x, ids = drawable_logits(logits_row, mask_row, start + tl.arange(0, TILE), width, 0,
                                          HAS_MASK)
-                z = div64(x.to(tl.float64), temp, USE_LIBDEVICE)
+                z = ex.div64(x.to(tl.float64), temp, USE_LIBDEVICE)
                 q = tl.floor(ex.exp64(z - m) * 4294967296.0).to(tl.int64)
                 keep = (x > float("-inf")) & (q >= min_q)
                 score = tl.where(keep, z + gumbel(row_key, ids), float("-inf"))
