@@ -57,15 +57,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def exp_inputs(draw, n=40_000):
     """x <= 0 over the whole range, dense near 0 (where the sampler's weights live), a few x > 0."""
-    return torch.cat([-draw.rand(n, dtype=torch.float64) * 746.5, -draw.rand(n, dtype=torch.float64) * 30, -draw.rand(n, dtype=torch.float64),
-                      -torch.exp2(-draw.rand(n, dtype=torch.float64) * 60), draw.rand(n // 4, dtype=torch.float64) * 650, f64(EXP_EDGES)])
+    u = lambda m: draw.rand(m, dtype=torch.float64)  # noqa: E731
+    return torch.cat([-u(n) * 746.5, -u(n) * 30, -u(n), -torch.exp2(-u(n) * 60), u(n // 4) * 650, f64(EXP_EDGES)])
 
 
 def log_inputs(draw, n=40_000):
     """Positive x over the whole range (log-uniform from 2^-1074 up), (0, 1) and (0, 40] for the
     Gumbel noise, and near 1."""
-    return torch.cat([torch.exp2(draw.rand(n, dtype=torch.float64) * 2098 - 1074), draw.rand(n, dtype=torch.float64), draw.rand(n, dtype=torch.float64) * 40,
-                      1 + (draw.rand(n, dtype=torch.float64) - 0.5) * 2.0 ** -20, f64(LOG_EDGES)])
+    u = lambda m: draw.rand(m, dtype=torch.float64)  # noqa: E731
+    return torch.cat([torch.exp2(u(n) * 2098 - 1074), u(n), u(n) * 40, 1 + (u(n) - 0.5) * 2.0 ** -20, f64(LOG_EDGES)])
 
 
 # ---- accuracy against libm ----

@@ -96,7 +96,8 @@ def other_cases(dtype):
         def plain(k=k, v=v, slots=slots):
             flat_k[slots] = k.to(dtype)
             flat_v[slots] = v.to(dtype)
-        cases.append((f"cache write, {n} token(s)", lambda k=k, v=v, s=slots: write_kv_ref(cache, cache_v, k, v, s), plain))
+        cases.append((f"cache write, {n} token(s)",
+                      lambda k=k, v=v, s=slots: write_kv_ref(cache, cache_v, k, v, s), plain))
     weight = torch.randn(HIDDEN, generator=gen).to(dtype)
     for n in (1, 512):
         x = torch.randn(n, HIDDEN, generator=gen).to(dtype)

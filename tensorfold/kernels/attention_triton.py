@@ -42,6 +42,7 @@ BLOCK_M = 16       # query lanes (rows x group heads) per program
 BLOCK_N = 32       # KV positions per step
 WORKSPACE_BYTES = 256 << 20  # split partials per launch; long prefills run in several launches
 
+
 @triton.jit
 def _tile(q_ptr, positions_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, window, stride_qr, stride_qh,
           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
