@@ -77,7 +77,9 @@ def on_grid(x: torch.Tensor, bits) -> torch.Tensor:
         magic = pow2(e - bits + 1) * ROUND_MAGIC
         y = (y + magic).sub_(magic)
         lifted = exponent(y.abs().amax(dim=-1, keepdim=True))
-        if torch.equal(lifted, e):
+        # A second pass at an unchanged exponent changes nothing; skip it on the CPU, where the
+        # check is free, and always run it on a GPU rather than wait for the check.
+        if y.device.type == "cpu" and torch.equal(lifted, e):
             break
         e = lifted
     return y.to(x.dtype)

@@ -22,6 +22,8 @@ The arithmetic (kernels/exact.py has the rule; attention_triton.py does the same
 Every sum is exact, so a row's result is the same alone or among any rows, sequences, tiles or
 KV splits, on any device: the reference and the Triton kernel agree bitwise by construction.
 """
+import functools
+
 import torch
 
 from tensorfold.kernels.exact import exp_neg, exponent, f32, on_grid, pow2, round_even, to_fixed
@@ -32,8 +34,13 @@ W_BITS = 24       # |w_int| <= 2^24: w * v <= 2^44, SPLIT_SIZE keys -> <= 2^53
 L_BITS = 30       # denominator terms p * 2^30: exact for < 2^23 keys in float64, int64 beyond
 SPLIT_SIZE = 512  # keys per exact float64 chunk of the weighted sum
 NO_KEY_EXPONENT = -1024
-_KV_BITS = torch.tensor([QK_BITS, V_BITS]).view(2, 1, 1, 1)
 CHUNK_ELEMENTS = 1 << 18  # lanes x keys per step of the reference's key loop
+
+
+@functools.cache
+def _kv_bits(device: torch.device) -> torch.Tensor:
+    """The grid widths of K and V, [2, 1, 1, 1], made once per device (no copy per call)."""
+    return torch.tensor([QK_BITS, V_BITS], device=device).view(2, 1, 1, 1)
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,7 +48,7 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     """k, v [num_tokens, num_kv_heads, head_dim] into flat slots (block * block_size + offset),
     each vector on its fixed-point grid (step 0 above)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
-    kv = on_grid(torch.stack([k, v]).to(k_cache.dtype), _KV_BITS.to(k.device))  # one call: decode is many small ones
+    kv = on_grid(torch.stack([k, v]).to(k_cache.dtype), _kv_bits(k.device))  # one call: decode is many small ones
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = kv[0]
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = kv[1]
 
