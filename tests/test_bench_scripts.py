@@ -1,0 +1,33 @@
+"""The benchmark scripts still run (their numbers live in docs/; here only that they work).
+
+bench_kernels.py --smoke runs every kernel in the interpreter at tiny sizes next to its torch
+counterpart and checks attention against its reference bitwise in each row; bench_exact.py runs
+each exact CPU op next to its stock counterpart with one timing run.
+"""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_tool(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_bench_kernels_smoke_runs_and_attention_is_bitwise():
+    out = run_tool("tools/bench_kernels.py", "--smoke")
+    attention = [line for line in out.splitlines() if line.startswith("| attention")]
+    assert len(attention) == 6, out
+    assert all("bitwise equal" in line for line in attention), "\n".join(attention)
+    assert "| verify greedy + grammar" in out
+
+
+def test_bench_exact_runs():
+    out = run_tool("tools/bench_exact.py", "--runs", "1", "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line.rstrip().endswith("x |")]
+    assert len(rows) == 24, out
