@@ -102,7 +102,6 @@ def exp_neg(x: torch.Tensor) -> torch.Tensor:
     return p.masked_fill_(x <= EXP_MIN, 0.0)
 
 
-
 # ---- float64 exp and log without libm: the keyed sampler's weights and Gumbel noise ----
 #
 # fdlibm's algorithms (e_exp.c; e_log.c in musl's branch-free form), each a fixed sequence of
