@@ -174,7 +174,7 @@ def attention_sums_kernel(
 @triton.jit(do_not_specialize=["row_base", "max_splits"])
 def attention_finish_kernel(
         num_ptr, den_ptr, top_ptr, out_ptr, row_base, max_splits, stride_or, stride_oh,
-        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """out = (sum of the splits' integer sums) / (sum of their denominators), scaled and rounded."""
     local = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -187,7 +187,7 @@ def attention_finish_kernel(
         num += tl.load(num_ptr + (lane * max_splits + s) * HEAD_DIM + dims, mask=dim_ok, other=0.0).to(tl.int64)
         den += tl.load(den_ptr + lane * max_splits + s)
     den = tl.where(den == 0.0, 1.0, den)
-    ratio = ex.div64(num.to(tl.float64), den, USE_LIBDEVICE)
+    ratio = num.to(tl.float64) / den  # IEEE in float64 (exact_triton.py)
     top = tl.load(top_ptr + lane)
     out = (ratio * ex.pow2(top - V_BITS - W_BITS + 1 + L_BITS)).to(tl.float32)
     tl.store(out_ptr + (row_base + local) * stride_or + head * stride_oh + dims,
@@ -287,7 +287,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                     tile_end, row_max, row_top, num, den, *common, **sizes)
         attention_finish_kernel[(row_end - row_base, num_heads)](
             num, den, row_top, target, row_base, max_splits, target.stride(0), target.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, USE_LIBDEVICE=device.type == "cuda", **ex.LAUNCH_EXACT)
+            HEAD_DIM=head_dim, D_PAD=d_pad, **ex.LAUNCH_EXACT)
     if target is not out:
         out.copy_(target)
     return out

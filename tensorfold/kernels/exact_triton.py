@@ -5,7 +5,6 @@ stays a rounded product and a rounded sum, as in torch, instead of becoming one 
 """
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from tensorfold.kernels import exact
 
@@ -69,8 +68,10 @@ def exp_neg(x):
 
 # ---- float64 exp and log without libm or libdevice (exact.exp64, exact.log64) ----
 # Same steps, same order as the torch versions; kernels calling them launch with LAUNCH_EXACT.
-# Float64 `/` below is IEEE division: Triton lowers it to div.rn.f64 on NVIDIA GPUs (only fp32
-# `/` is approximate there; tl.math.div_rn takes fp32 only) and to numpy's in the interpreter.
+# Float64 `/` and tl.sqrt are IEEE here and in every kernel: Triton lowers them to div.rn.f64 and
+# sqrt.rn.f64 on NVIDIA GPUs (only the float32 forms are approximate; tl.math.div_rn/sqrt_rn take
+# float32 only) and to numpy's correctly rounded ones in the interpreter. tests/test_compiled_kernels.py
+# reads the PTX of every kernel and fails on any approximate instruction.
 
 LN2_HI64: tl.constexpr = tl.constexpr(exact.LN2_HI64)
 LN2_LO64: tl.constexpr = tl.constexpr(exact.LN2_LO64)
@@ -133,26 +134,3 @@ def log64(x):
     out = tl.where(x < float("inf"), out, x)
     return tl.where(x > 0.0, out, tl.where(x == 0.0, float("-inf"), float("nan")))
 
-
-# ---- float64 division and square root, correctly rounded by contract ----
-# In compiled code Triton's float64 `/` and tl.sqrt happen to become div.rn.f64 and sqrt.rn.f64 on
-# sm_90, but tl.sqrt carries an approximate-functions flag and float32 `/` is approximate, so the
-# kernels ask libdevice for the rounded forms on a GPU (tests/test_compiled_kernels.py reads the
-# PTX). The interpreter computes both in numpy, correctly rounded.
-
-@triton.jit
-def div64(x, y, USE_LIBDEVICE: tl.constexpr):
-    """x / y in float64, correctly rounded."""
-    if USE_LIBDEVICE:
-        return libdevice.div_rn(x, y)
-    else:
-        return x / y
-
-
-@triton.jit
-def sqrt64(x, USE_LIBDEVICE: tl.constexpr):
-    """sqrt(x) in float64, correctly rounded."""
-    if USE_LIBDEVICE:
-        return libdevice.sqrt_rn(x)
-    else:
-        return tl.sqrt(x)

@@ -18,8 +18,8 @@ below spell out the fused forms as the unfused calls a model makes.
 Contract with the reference: bitwise, all four. The only reduction is an exact integer sum, so
 neither Triton's reduction tree nor the load layout (alignment, vector width) nor the rows
 beside a row can change its bits; everything else is elementwise IEEE arithmetic written in the
-reference's order: float64 sqrt and division correctly rounded (exact_triton.div64/sqrt64:
-libdevice's rounded forms on the GPU, numpy's in the interpreter), eps passed as a
+reference's order: float64 sqrt and division correctly rounded (div.rn.f64 and
+sqrt.rn.f64 on the GPU, numpy's in the interpreter), eps passed as a
 float64 (a plain float argument would be float32), and every launch with FMA contraction off
 (exact_triton.LAUNCH_EXACT), so `x * cos + r * sin` and the grid rounding (x + M) - M stay
 separately rounded, as in torch. In the PTX for sm_90 (triton 3.9, compiled without a GPU): one
@@ -56,7 +56,7 @@ def _rope_halves(x1, x2, cos_ptr, sin_ptr, token, HALF: tl.constexpr, HALF_PAD: 
 def rms_norm_kernel(x_ptr, residual_ptr, h_ptr, weight_ptr, out_ptr, cos_ptr, sin_ptr,
                     eps: tl.float64, rows_per_token,
                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    HAS_ROPE: tl.constexpr, NORM_BITS: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+                    HAS_ROPE: tl.constexpr, NORM_BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -71,8 +71,8 @@ def rms_norm_kernel(x_ptr, residual_ptr, h_ptr, weight_ptr, out_ptr, cos_ptr, si
     x64 = x.to(tl.float64)
     sq = ex.round_even((x64 * x64) * ex.pow2(2 * (NORM_BITS - 1 - e)))  # integers <= 2^40
     ss = tl.sum(sq, 0)  # <= 2^53: exact in any order
-    var = ex.div64(ss * ex.pow2(2 * (e - NORM_BITS + 1)), tl.full([], N, tl.float64), USE_LIBDEVICE)
-    inv = ex.div64(tl.full([], 1.0, tl.float64), ex.sqrt64(var + eps, USE_LIBDEVICE), USE_LIBDEVICE)
+    var = ss * ex.pow2(2 * (e - NORM_BITS + 1)) / N  # float64 `/` and sqrt: IEEE (exact_triton.py)
+    inv = 1.0 / tl.sqrt(var + eps)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     y = ((x64 * inv).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
     if HAS_ROPE:  # the row is one head of one token
@@ -118,7 +118,7 @@ def _launch_norm(x, weight, eps, residual=None, cos=None, sin=None, out=None):
         x, residual.contiguous() if residual is not None else x, h, weight.contiguous(), out,
         cos.contiguous() if cos is not None else weight, sin.contiguous() if sin is not None else weight,
         float(eps), rows_per_token, N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        HAS_ROPE=cos is not None, NORM_BITS=reference.NORM_BITS, USE_LIBDEVICE=x.device.type == "cuda",
+        HAS_ROPE=cos is not None, NORM_BITS=reference.NORM_BITS,
         **LAUNCH_EXACT)
     return out, h
 

@@ -22,7 +22,7 @@ selection of unique keys), so the result does not depend on CHUNK, the batch or 
 `offset` gives a shard's first global id, so a rank runs the same kernel on its shard.
 
 Bitwise parity needs the same float64 arithmetic as the reference's. Division is correctly
-rounded on both sides (exact_triton.div64: libdevice's `div_rn` on the GPU). exp and log are not
+rounded on both sides (float64 `/` is div.rn.f64 on the GPU). exp and log are not
 library calls on either side: both use exact.py's `exp64`/`log64`, fdlibm's algorithms written
 as fixed sequences of correctly rounded float64 operations, which exact_triton.py spells out in
 the same order, and the kernel is launched without FMA contraction (`LAUNCH_EXACT`). So the
@@ -118,8 +118,7 @@ def sample_shard_kernel(logits_ptr, bitmask_ptr, row_ids_ptr, temperature_ptr, m
                         min_q_ptr, row_key_ptr,
                         best_score_ptr, best_id_ptr, q_sum_ptr, count_ptr, keys_ptr, scores_ptr,
                         width, offset, stride_row, stride_mask, num_chunks, num_candidates,
-                        MODE: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
-                        USE_LIBDEVICE: tl.constexpr):
+                        MODE: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tl.load(row_ids_ptr + i).to(tl.int64)
@@ -135,7 +134,7 @@ def sample_shard_kernel(logits_ptr, bitmask_ptr, row_ids_ptr, temperature_ptr, m
     else:
         temp = tl.load(temperature_ptr + i)
         row_key = tl.load(row_key_ptr + i)
-        z = ex.div64(x.to(tl.float64), temp, USE_LIBDEVICE)
+        z = x.to(tl.float64) / temp
         q = tl.floor(ex.exp64(z - tl.load(max_z_ptr + i)) * 4294967296.0).to(tl.int64)
         q = tl.where(drawable, q, 0)
         if MODE == 1:  # no order-dependent cut: the kept token with the best noisy score
@@ -215,8 +214,7 @@ class _Launch:
         sample_shard_kernel[self.grid](
             self.logits, mask, self.row_ids, *self._params(mode != GREEDY),
             best_score, best_id, q_sum, count, keys, scores, *args, self.num_candidates,
-            MODE=mode, CHUNK=self.chunk, HAS_MASK=has_mask,
-            USE_LIBDEVICE=self.device.type == "cuda", num_warps=8, **ex.LAUNCH_EXACT)
+            MODE=mode, CHUNK=self.chunk, HAS_MASK=has_mask, num_warps=8, **ex.LAUNCH_EXACT)
         if mode != ORDERED:  # fold the chunks: best score, ties to the lowest id (sampler._pick)
             top = best_score.amax(dim=1, keepdim=True)
             return torch.where(best_score == top, best_id, sampler.NO_TOKEN).amin(dim=1)

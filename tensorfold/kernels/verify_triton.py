@@ -75,7 +75,7 @@ def apply_token_bitmask_kernel(logits_ptr, bitmask_ptr, width, stride_row, strid
 def verify_kernel(logits_ptr, bitmask_ptr, draft_ptr, draw_in_ptr, row_path_ptr, path_start_ptr,
                   temperature_ptr, min_q_ptr, row_key_ptr, draw_ptr, accepted_ptr,
                   width, stride_row, stride_mask,
-                  TILE: tl.constexpr, HAS_MASK: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+                  TILE: tl.constexpr, HAS_MASK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * stride_row
     mask_row = bitmask_ptr + row * stride_mask
@@ -94,7 +94,7 @@ def verify_kernel(logits_ptr, bitmask_ptr, draft_ptr, draw_in_ptr, row_path_ptr,
         temp = tl.load(temperature_ptr + row)
         if temp != 0.0:
             # Pass 2: the keyed draw among tokens with q >= min_q (sampler's rule without cuts).
-            m = ex.div64(best.to(tl.float64), temp, USE_LIBDEVICE)
+            m = best.to(tl.float64) / temp
             min_q = tl.load(min_q_ptr + row)
             row_key = tl.load(row_key_ptr + row)
             top = tl.full([], float("-inf"), tl.float64)
@@ -102,7 +102,7 @@ def verify_kernel(logits_ptr, bitmask_ptr, draft_ptr, draw_in_ptr, row_path_ptr,
             for start in range(0, width, TILE):
                 x, ids = drawable_logits(logits_row, mask_row, start + tl.arange(0, TILE), width, 0,
                                          HAS_MASK)
-                z = ex.div64(x.to(tl.float64), temp, USE_LIBDEVICE)
+                z = x.to(tl.float64) / temp
                 q = tl.floor(ex.exp64(z - m) * 4294967296.0).to(tl.int64)
                 keep = (x > float("-inf")) & (q >= min_q)
                 score = tl.where(keep, z + gumbel(row_key, ids), float("-inf"))
@@ -171,7 +171,7 @@ def verify(logits: torch.Tensor, bitmask: torch.Tensor | None, drafts: list[int]
         torch.tensor([r.temperature for r in rows], dtype=torch.float64, device=device),
         sampler._min_q(rows).reshape(-1).to(device), row_keys.to(device), draws, accepted,
         vocab, logits.stride(0), bitmask.stride(0) if bitmask is not None else 0,
-        TILE=tile, HAS_MASK=bitmask is not None, USE_LIBDEVICE=device.type == "cuda", **ex.LAUNCH_EXACT)
+        TILE=tile, HAS_MASK=bitmask is not None, **ex.LAUNCH_EXACT)
     if (draws == sampler.NO_TOKEN).any():
         raise ValueError("a row has no drawable token")
     return draws, accepted
