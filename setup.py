@@ -1,29 +1,64 @@
 """TensorFold: an exact, OpenAI-compatible LLM inference server.
 
-The CUDA C++ extension in tensorfold/kernels/csrc is built only when nvcc and a CUDA build of
-torch are both present; everywhere else this installs pure Python.
+Native code built here:
+- csrc/cpu -> tensorfold._cpu, the cpu backend's exact kernels (C++, OpenMP), whenever a C++
+  compiler and torch are present at install time (`pip install --no-build-isolation -e .`, as
+  the Makefile does, so the build sees the installed torch). Flags: -O3 -ffp-contract=off, never
+  fast-math; the vector code follows the compiler's target, `-march=native` unless
+  TENSORFOLD_CPU_ARCH names another (e.g. `x86-64-v3`, or `none` for the compiler's default).
+  The extension is optional: a failed build leaves the torch references in charge, and the
+  server says so in its log and in /health.
+- tensorfold/kernels/csrc -> tensorfold.kernels._C (CUDA) only when nvcc and a CUDA build of
+  torch are both present.
 """
+import glob
 import os
 import shutil
+import sysconfig
 
 from setuptools import find_packages, setup
 
 
-def cuda_extensions():
+def _torch_ext():
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return None, None
+    return torch, cpp_extension
+
+
+def cpu_extension(cpp_extension):
+    sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    if not sources or shutil.which(compiler.split()[0]) is None:
+        return None
+    arch = os.environ.get("TENSORFOLD_CPU_ARCH", "native")
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17"]
+    if arch != "none":
+        flags.append(f"-march={arch}")
+    return cpp_extension.CppExtension("tensorfold._cpu", sources, extra_compile_args=flags,
+                                      extra_link_args=["-fopenmp"], optional=True,
+                                      depends=sorted(glob.glob(os.path.join("csrc", "cpu", "*.h"))))
+
+
+def cuda_extension(torch, cpp_extension):
     csrc = os.path.join("tensorfold", "kernels", "csrc")
     sources = sorted(os.path.join(csrc, f) for f in os.listdir(csrc)) if os.path.isdir(csrc) else []
     sources = [s for s in sources if s.endswith((".cu", ".cpp"))]
-    if not sources or shutil.which("nvcc") is None:
+    if not sources or shutil.which("nvcc") is None or torch.version.cuda is None:
+        return None
+    return cpp_extension.CUDAExtension("tensorfold.kernels._C", sources, extra_compile_args={"nvcc": ["-O3"]})
+
+
+def extensions():
+    torch, cpp_extension = _torch_ext()
+    if torch is None:
         return {}
-    try:
-        import torch
-        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
-    except ImportError:
+    ext = [e for e in (cpu_extension(cpp_extension), cuda_extension(torch, cpp_extension)) if e is not None]
+    if not ext:
         return {}
-    if torch.version.cuda is None:
-        return {}
-    ext = CUDAExtension("tensorfold.kernels._C", sources, extra_compile_args={"nvcc": ["-O3"]})
-    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
+    return {"ext_modules": ext, "cmdclass": {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)}}
 
 
 setup(
@@ -48,5 +83,5 @@ setup(
                  "triton; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["tensorfold=tensorfold.__main__:main"]},
-    **cuda_extensions(),
+    **extensions(),
 )

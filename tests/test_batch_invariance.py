@@ -5,6 +5,7 @@ sequences' prefill chunks, decode rows and drafted (verify) runs at random place
 prefill chunkings; vs 1 and 2 threads. The negative control: stock torch ops are caught by the
 same harness and by the startup probes.
 """
+import functools
 import random
 import types
 
@@ -13,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.engine.probes import probe_ops
-from tensorfold.backends import cpu_ops
+from tensorfold.backends import backend_ops, cpu_ops
+from tensorfold.kernels.paged_attention import attention_by_sequence
 from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
 from tensorfold.models.hf_dir import load_hf_dir
 from tensorfold.models.loader import build_model
@@ -33,7 +35,10 @@ STOCK_OPS = types.SimpleNamespace(
     paged_attention=cpu_ops.paged_attention,
     paged_decode_attention=cpu_ops.paged_decode_attention,
     write_kv=cpu_ops.write_kv,
+    NAME="stock",
 )
+STOCK_OPS.attention = functools.partial(attention_by_sequence, STOCK_OPS.paged_attention,
+                                        STOCK_OPS.paged_decode_attention)
 
 
 class Harness:
@@ -67,7 +72,7 @@ class Harness:
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def model(request, tiny_llama):
-    return build_model(load_hf_dir(tiny_llama), getattr(torch, request.param))
+    return build_model(load_hf_dir(tiny_llama), getattr(torch, request.param), backend_ops("cpu"))
 
 
 def _tokens(rng, n, vocab):
@@ -122,7 +127,7 @@ def test_startup_probes_pass_on_reference_ops(model):
 
 def test_negative_control_stock_ops_are_caught(tiny_llama):
     """Stock F.linear in fp32 changes a row's bits with the batch: probes and harness see it."""
-    model = build_model(load_hf_dir(tiny_llama), torch.float32, ops=STOCK_OPS)
+    model = build_model(load_hf_dir(tiny_llama), torch.float32, STOCK_OPS)
     assert probe_ops(model, STOCK_OPS), "probes must catch stock ops"
     rng = random.Random(7)
     vocab = model.args.vocab_size

@@ -29,14 +29,15 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 
 from tensorfold.api.replies import token_sha  # noqa: E402
-from tensorfold.backends import backend_ops, cpu_ops, select_backend  # noqa: E402
+from tensorfold.backends import backend_ops, cpu_ops, native_problem, select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 OP_NAMES = ("linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul", "apply_rope",
-            "rope_table", "pad_rows", "paged_attention", "write_kv", "sample")
+            "rope_table", "pad_rows", "paged_attention", "paged_decode_attention", "attention", "write_kv",
+            "sample")
 KERNEL_OPS = ("paged_attention", "rms_norm", "add_rms_norm", "apply_rope", "sample")  # Triton in cuda_ops
 SMALL = dict(probe=False, kv_cache_gib=0.002, context=256)
 
@@ -134,9 +135,11 @@ def test_select_backend(monkeypatch, cuda_ops):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # triton imports here
     assert select_backend("auto") == "cuda"
     assert select_backend("cuda") == "cuda"
-    assert backend_ops("cpu") is cpu_ops
-    for name in OP_NAMES:  # one set of names, so a model runs on either
-        assert callable(getattr(cpu_ops, name)) and callable(getattr(cuda_ops, name)), name
+    compiled = backend_ops("cpu")  # the C++ kernels where built, else the torch ops
+    assert compiled is cpu_ops if native_problem() else compiled.NAME.startswith("native-")
+    for name in OP_NAMES:  # one set of names, so a model runs on any
+        for ops in (cpu_ops, cuda_ops, compiled):
+            assert callable(getattr(ops, name)), (ops.NAME, name)
     assert cpu_ops.paged_attention is not cuda_ops.paged_attention
     assert cpu_ops.sample is not cuda_ops.sample
 

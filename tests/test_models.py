@@ -6,6 +6,7 @@ paged cache with several sequences sharing each forward; greedy tokens exactly e
 import pytest
 import torch
 
+from tensorfold.backends import backend_ops
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
@@ -50,7 +51,7 @@ def _rows(seq_tables, pieces):
 
 
 def test_prefill_logits_match_transformers(checkpoint_dir, hf_model):
-    model = build_model(load_hf_dir(checkpoint_dir), torch.float32)
+    model = build_model(load_hf_dir(checkpoint_dir), torch.float32, backend_ops("cpu"))
     torch.manual_seed(1)
     ids = torch.randint(0, model.args.vocab_size, (75,)).tolist()
     expected = hf_model(torch.tensor([ids])).logits[0]
@@ -60,7 +61,7 @@ def test_prefill_logits_match_transformers(checkpoint_dir, hf_model):
 
 def test_batched_paged_decode_matches_transformers(checkpoint_dir, hf_model):
     """Three sequences with scattered block tables: prefill chunks then decode rows, mixed."""
-    model = build_model(load_hf_dir(checkpoint_dir), torch.float32)
+    model = build_model(load_hf_dir(checkpoint_dir), torch.float32, backend_ops("cpu"))
     cache = _cache(model)
     torch.manual_seed(2)
     lengths = [40, 7, 66]
@@ -95,7 +96,7 @@ def test_greedy_32_tokens_equal_transformers(checkpoint_dir, hf_model):
 
 
 def test_bfloat16_forward_is_close(checkpoint_dir, hf_model):
-    model = build_model(load_hf_dir(checkpoint_dir), torch.bfloat16)
+    model = build_model(load_hf_dir(checkpoint_dir), torch.bfloat16, backend_ops("cpu"))
     a = model.args
     cache = KVCache.allocate(a.num_layers, 8, BLOCK, a.num_kv_heads, a.head_dim, torch.bfloat16)
     ids = list(range(100, 140))
@@ -116,7 +117,7 @@ def test_unknown_architecture_lists_supported(tiny_llama, tmp_path):
     config["architectures"] = ["MambaForCausalLM"]
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
-        build_model(load_hf_dir(str(d)), torch.float32)
+        build_model(load_hf_dir(str(d)), torch.float32, backend_ops("cpu"))
 
 
 @pytest.mark.parametrize("damage", ["no_config", "truncated", "no_tokenizer", "bad_shape"])
@@ -141,7 +142,7 @@ def test_broken_checkpoint_names_the_file(tiny_llama, tmp_path, damage):
         (d / "config.json").write_text(json.dumps(config))
         match = "embed_tokens"
     with pytest.raises(CheckpointError, match=match):
-        build_model(load_hf_dir(str(d)), torch.float32)
+        build_model(load_hf_dir(str(d)), torch.float32, backend_ops("cpu"))
 
 
 def test_sliding_window_matches_transformers(tmp_path, smollm2_tokenizer):
@@ -152,7 +153,7 @@ def test_sliding_window_matches_transformers(tmp_path, smollm2_tokenizer):
                              sliding_window=24, use_sliding_window=True, max_window_layers=1,
                              layer_types=["full_attention", "sliding_attention"])
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
-    model = build_model(load_hf_dir(d), torch.float32)
+    model = build_model(load_hf_dir(d), torch.float32, backend_ops("cpu"))
     assert model.layers[1].window == 24 and model.layers[0].window is None
     ids = list(range(500, 580))
     expected = hf(torch.tensor([ids])).logits[0]

@@ -21,6 +21,7 @@ variants run interleaved, rep by rep, and the table shows the fastest rep of eac
 disturbed by other processes on a shared machine) with the median beside it.
 """
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -118,6 +119,7 @@ def stock_ops(**overrides):
     import torch.nn.functional as F
 
     from tensorfold.backends import cpu_ops
+    from tensorfold.kernels.paged_attention import attention_by_sequence
 
     def rms_norm(x, weight, eps):  # transformers' LlamaRMSNorm
         x32 = x.float()
@@ -133,6 +135,8 @@ def stock_ops(**overrides):
                rms_norm_rope=lambda x, w, eps, cos, sin: cpu_ops.apply_rope(rms_norm(x, w, eps), cos, sin),
                silu_and_mul=lambda gate, up: F.silu(gate) * up)
     ops.update(overrides)
+    ops["attention"] = functools.partial(attention_by_sequence, ops["paged_attention"], ops["paged_decode_attention"])
+    ops["NAME"] = "stock"
     return types.SimpleNamespace(**ops)
 
 
@@ -196,7 +200,7 @@ def profile_step(model, batch, cache, label: str) -> None:
 def cost_table(args) -> None:
     import torch
 
-    from tensorfold.backends import cpu_ops
+    from tensorfold.backends import backend_ops, cpu_ops
     from tensorfold.models.forward_batch import KVCache
     from tensorfold.models.loader import build_model, load_checkpoint
 
@@ -208,7 +212,7 @@ def cost_table(args) -> None:
     rows = []
     for dtype_name in args.cost_dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        model = build_model(ckpt, dtype)
+        model = build_model(ckpt, dtype, backend_ops("cpu"))
         a = model.args
         for num_seqs, rows_per_seq, label in shapes:
             batch, num_blocks = decode_batch(num_seqs, rows_per_seq, args.context, 32, a.vocab_size)

@@ -95,6 +95,7 @@ class Service:
             "status": "ok",
             "exact": self.engine.exact,
             "backend": self.engine.config.backend,
+            "ops": self.engine.model.ops.NAME,
             "busy": self.engine.has_work(),
             "requests_running": len(self.replies),
             "requests_total": c.requests_total,

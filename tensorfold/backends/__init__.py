@@ -1,11 +1,21 @@
-"""Which backend serves, and its op set: cpu (torch reference ops) or cuda (Triton kernels).
+"""Which backend serves, and its op set: cpu (the C++ kernels, else torch ops) or cuda (Triton).
 
 `auto` picks cuda when torch sees a GPU and triton imports, else cpu; asking for a backend that
 cannot run here is a startup error that says why. Nothing here touches a GPU at import time:
 cuda_ops (which imports triton) is imported only when the cuda backend is chosen.
+
+The cpu backend's op set is native_ops (csrc/cpu, built at install when a C++ compiler is
+present) or, without it, cpu_ops (the torch references, with torch's GEMM): the log says once
+which, and why; /health names it. TENSORFOLD_CPU_OPS=torch picks the torch ops on purpose
+(benchmarks, debugging).
 """
+import functools
 import importlib.util
+import logging
+import os
 import platform
+
+log = logging.getLogger("tensorfold.backends")
 
 IMPLEMENTED = ("cpu", "cuda")
 
@@ -39,11 +49,36 @@ def select_backend(requested: str) -> str:
     raise RuntimeError(f"unknown backend {requested!r} (choose auto, cuda, mlx or cpu)")
 
 
-def backend_ops(backend: str):
-    """The op set a model of this backend calls (the same names in both modules)."""
-    if backend == "cpu":
+def native_problem() -> str | None:
+    """Why the C++ cpu kernels cannot run here, or None when they can."""
+    try:
+        from tensorfold import _cpu  # noqa: F401
+    except ImportError as e:
+        return f"the C++ extension tensorfold._cpu is not built ({e}); reinstall with a C++ compiler present"
+    return None
+
+
+@functools.cache
+def _cpu_op_set():
+    if os.environ.get("TENSORFOLD_CPU_OPS", "native") == "torch":
+        log.warning("cpu op set: torch (TENSORFOLD_CPU_OPS=torch)")
         from tensorfold.backends import cpu_ops
         return cpu_ops
+    problem = native_problem()
+    if problem is None:
+        from tensorfold.backends import native_ops
+        return native_ops
+    log.warning("cpu op set: torch references, not the C++ kernels: %s. Exact mode then rests on "
+                "torch's GEMM, which the startup probes check.", problem)
+    from tensorfold.backends import cpu_ops
+    return cpu_ops
+
+
+def backend_ops(backend: str):
+    """The op set a model of this backend calls (the same names in every op set module); its
+    NAME says which it is."""
+    if backend == "cpu":
+        return _cpu_op_set()
     if backend == "cuda":
         from tensorfold.backends import cuda_ops
         return cuda_ops

@@ -1,11 +1,20 @@
-"""The cpu backend's op set: the batch-invariant torch references under the names a model calls.
+"""The torch op set: the batch-invariant torch references under the names a model calls.
 
-A model takes an `ops` module; cuda_ops.py offers the same names backed by Triton kernels.
-`sample` is the engine's draw (the keyed sampler); its tokens come back as Python ints.
+The cpu backend runs it where the C++ kernels (native_ops.py) are not built; the startup
+probes then decide exact mode, because its GEMM is torch's (padded to 8 rows), row-invariant on
+some CPUs only. `sample` is the engine's draw (the keyed sampler); its tokens come back as
+Python ints.
 """
+import functools
+
+from tensorfold.kernels.paged_attention import attention_by_sequence
 from tensorfold.kernels.paged_attention import paged_attention_ref as paged_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import paged_decode_attention_ref as paged_decode_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
-from tensorfold.kernels.reference import (add_rms_norm, apply_rope, linear, pad_rows, rms_norm,  # noqa: F401
+from tensorfold.kernels.reference import linear_padded as linear  # noqa: F401
+from tensorfold.kernels.reference import (add_rms_norm, apply_rope, pad_rows, rms_norm,  # noqa: F401
                                           rms_norm_rope, rope_table, silu_and_mul)
 from tensorfold.sampling.sampler import sample  # noqa: F401
+
+NAME = "torch"
+attention = functools.partial(attention_by_sequence, paged_attention, paged_decode_attention)

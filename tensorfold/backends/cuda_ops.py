@@ -23,10 +23,19 @@ What runs where, and why:
 """
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
 from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
-from tensorfold.kernels.reference import linear, pad_rows, rope_table, silu_and_mul  # noqa: F401
+from tensorfold.kernels.reference import linear_padded as linear  # noqa: F401
+from tensorfold.kernels.reference import pad_rows, rope_table, silu_and_mul  # noqa: F401
 from tensorfold.kernels.rms_norm_triton import add_rms_norm, apply_rope, rms_norm, rms_norm_rope  # noqa: F401
 from tensorfold.kernels.sampling_triton import sample  # noqa: F401
 from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa: F401
+
+NAME = "triton"
+
+
+def attention(q, k_cache, v_cache, batch, scale, window=None):
+    """All rows of a ForwardBatch in one launch."""
+    return paged_attention_varlen(q, k_cache, v_cache, batch.positions, batch.block_tables, batch.row_starts,
+                                  scale, window)
 
 
 def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, window=None):

@@ -119,7 +119,7 @@ class Engine:
         self.load_seconds = time.perf_counter() - started
         log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, KV pool %d blocks x %d",
                  self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
-                 self.load_seconds, device, config.backend, self.context_length, num_blocks,
+                 self.load_seconds, device, ops.NAME, self.context_length, num_blocks,
                  config.block_size)
 
     @staticmethod

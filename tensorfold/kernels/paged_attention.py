@@ -143,3 +143,23 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
                       device=cache.device)
     out.copy_(pages.permute(0, 3, 1, 2, 4))
     return out.view(num_seqs, num_kv_heads, num_blocks * block_size, head_dim)
+
+
+def attention_by_sequence(paged_attention, paged_decode_attention, q: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, batch, scale: float, window: int | None) -> torch.Tensor:
+    """A batch's attention through per-sequence calls (op sets without a varlen kernel): the decode
+    rows of all sequences share one call, every other sequence has its own. Each row's result is
+    the one it gets alone, so the grouping changes the speed, not the bits."""
+    out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
+    decode = [seq for seq in batch.sequences if seq.end - seq.start == 1]
+    if len(decode) > 1:
+        rows = torch.tensor([seq.start for seq in decode], device=q.device)
+        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, batch.positions[rows],
+                                           [seq.block_table for seq in decode], scale, window)
+    for seq in batch.sequences:
+        if len(decode) > 1 and seq.end - seq.start == 1:
+            continue
+        rows = slice(seq.start, seq.end)
+        out[rows] = paged_attention(q[rows], k_cache, v_cache, batch.positions[rows], seq.block_table, scale,
+                                    window)
+    return out

@@ -1,13 +1,16 @@
-"""Batch-invariant torch ops: the reference every kernel is checked against, and the cpu backend.
+"""Batch-invariant torch ops: the reference every kernel is checked against, bit for bit.
 
 Invariant: row i of every op's output is bitwise the same whatever other rows share the call,
-how many there are, and where row i sits (shared/research/exactness-on-cpu.md has the
-measurements behind each choice):
-- GEMMs pad the row count to a multiple of 8 and make one call (stock mm/linear change a row's
-  bits with M; padded calls did not, for M <= 1024, 1-4 threads, fp32 and bf16).
+how many there are, and where row i sits:
+- `linear` sums every output in one order fixed by K alone (16 lanes over K, then a halving tree),
+  which the C++ GEMM (csrc/cpu/gemm.cpp) follows instruction for instruction. It is the oracle,
+  written for clarity, not speed. `linear_padded` is torch's GEMM with the rows padded to 8: the
+  op set of a build without the C++ kernels and of the cuda backend uses it, and the engine's
+  startup probes decide whether it holds on the machine (it does on AMD EPYC, not on Intel Xeon
+  with AMX: shared measurements in docs/kernels.md).
 - RMSNorm reduces each row alone, and exactly: its sum of squares is an integer sum (see
-  `rms_norm`), so it has no order to depend on; SiLU is x / (1 + exp(-x)) (stock silu's vector
-  body and scalar tail round differently); rope reads a precomputed table.
+  `rms_norm`), so it has no order to depend on; SiLU uses the project's exp (exact.exp_neg), not
+  libm's; rope reads a precomputed table.
 The engine re-checks these at startup on the loaded model's shapes (engine/probes.py).
 """
 import torch
@@ -28,8 +31,46 @@ def pad_rows(x: torch.Tensor, multiple: int = ROW_PAD) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((padded - num_rows, *x.shape[1:]))])
 
 
+GEMM_LANES = 16           # partial sums per output: lane l takes k = l (mod 16)
+GEMM_COLUMN_BLOCK = 4096  # columns per step of the reference (bounds its [M, N, 16] scratch)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N], row-invariant by padding M to 8."""
+    """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] in x's dtype, every sum in one fixed order.
+
+    For each output, lane l (of 16) accumulates x[k] w[k] over k = l, l + 16, ... in increasing
+    k, starting from +0 (K is padded with zeros to a multiple of 16: adding +0 changes no sum);
+    then the lanes fold by halves: l + (l + 8), then + 4, + 2, + 1. In float32 each product is
+    rounded and then added. bfloat16 products are exact in float32, and the kernel adds them with
+    one rounding (FMA): here acc + x w is formed in float64 and rounded once to float32, which is
+    that rounding (the float64 sum is exact, or so lopsided that both round to the larger term).
+    The result is rounded to x's dtype; a bias is added after, in that dtype.
+    """
+    num_rows, k = x.shape
+    chunks = -(-k // GEMM_LANES)
+    pad = chunks * GEMM_LANES - k
+    fused = x.dtype == torch.bfloat16
+    wide = torch.float64 if fused else torch.float32
+    xs = F.pad(x.to(wide), (0, pad)).view(num_rows, 1, chunks, GEMM_LANES)
+    out = torch.empty((num_rows, weight.shape[0]), dtype=torch.float32, device=x.device)
+    for n0 in range(0, weight.shape[0], GEMM_COLUMN_BLOCK):
+        ws = F.pad(weight[n0:n0 + GEMM_COLUMN_BLOCK].to(wide), (0, pad))
+        ws = ws.view(1, -1, chunks, GEMM_LANES)
+        acc = torch.zeros((num_rows, ws.shape[1], GEMM_LANES), dtype=torch.float32, device=x.device)
+        for c in range(chunks):
+            product = xs[:, :, c] * ws[:, :, c]
+            acc = (acc.double() + product).float() if fused else acc + product
+        acc = acc[..., :8] + acc[..., 8:]
+        acc = acc[..., :4] + acc[..., 4:]
+        acc = acc[..., :2] + acc[..., 2:]
+        out[:, n0:n0 + ws.shape[1]] = acc[..., 0] + acc[..., 1]
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias) through torch's GEMM, M padded to a multiple of 8: row-
+    invariant where the BLAS keeps one kernel per padded shape (checked by the startup probes)."""
     num_rows = x.shape[0]
     out = F.linear(pad_rows(x), weight)  # [M_pad, N]
     out = out[:num_rows]
@@ -100,8 +141,12 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float32, rounded to gate's dtype, with the project's exp (no libm):
+    t = exp_neg(-|g|); silu(g) = g / (1 + t) for g >= 0 and (g t) / (1 + t) below (g e^g / (1 + e^g))."""
     g = gate.float()
-    return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
+    t = exact.exp_neg(-g.abs())
+    s = torch.where(g >= 0, g, g * t) / (1.0 + t)
+    return (s * up.float()).to(gate.dtype)
 
 
 def rope_table(inv_freq: list[float], scale: float, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ Rows of one sequence are contiguous and in position order; a sequence may contri
 chunk, one decode row, or a drafted run to verify: the model does not care which.
 """
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -22,6 +23,20 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_rows] int64, flat cache slot each row's K/V is written to
     sequences: list[SequenceRows]
     logits_rows: torch.Tensor   # [num_logits] int64, rows whose logits are returned
+
+    @cached_property
+    def block_tables(self) -> torch.Tensor:
+        """[num_seqs, longest table] int64, each row zero-padded (the padding is never read)."""
+        width = max((len(seq.block_table) for seq in self.sequences), default=0)
+        tables = torch.zeros((len(self.sequences), width), dtype=torch.int64)
+        for i, seq in enumerate(self.sequences):
+            tables[i, :len(seq.block_table)] = seq.block_table.cpu()
+        return tables.to(self.input_ids.device)
+
+    @cached_property
+    def row_starts(self) -> list[int]:
+        """Sequence i owns rows row_starts[i]:row_starts[i + 1]."""
+        return [seq.start for seq in self.sequences] + [self.sequences[-1].end if self.sequences else 0]
 
 
 @dataclass

@@ -6,7 +6,6 @@ the cpu reference and the cuda kernels; weights and rope tables live on `device`
 """
 import torch
 
-from tensorfold.backends import cpu_ops
 from tensorfold.kernels import reference
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
@@ -40,8 +39,7 @@ class Layer:
 class Model:
     """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows."""
 
-    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=cpu_ops,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype, ops, device: torch.device | str = "cpu"):
         self.args = args
         self.dtype = dtype
         self.ops = ops
@@ -99,20 +97,8 @@ class Model:
             q = self.ops.apply_rope(q, cos, sin)
             k = self.ops.apply_rope(k, cos, sin)
         self.ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
-        # Decode rows of all sequences share one call (bitwise what each would get alone).
-        decode = [seq for seq in batch.sequences if seq.end - seq.start == 1]
-        if len(decode) > 1:
-            rows = torch.tensor([seq.start for seq in decode], device=q.device)
-            out[rows] = self.ops.paged_decode_attention(q[rows], k_cache, v_cache, batch.positions[rows],
-                                                        [seq.block_table for seq in decode], self.scale,
-                                                        layer.window)
-        for seq in batch.sequences:
-            if len(decode) > 1 and seq.end - seq.start == 1:
-                continue
-            rows = slice(seq.start, seq.end)
-            out[rows] = self.ops.paged_attention(q[rows], k_cache, v_cache, batch.positions[rows],
-                                                 seq.block_table, self.scale, layer.window)
+        # Every row of every sequence in one call: each row's result is the one it gets alone.
+        out = self.ops.attention(q, k_cache, v_cache, batch, self.scale, layer.window)
         return self.ops.linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
 
 

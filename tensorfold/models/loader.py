@@ -23,8 +23,8 @@ def load_checkpoint(path: str | None = None) -> Checkpoint:
     raise CheckpointError(f"{path}: expected a Hugging Face directory or a .gguf file")
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops=None, device: torch.device | str = "cpu"):
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu"):
+    """The checkpoint's model class over `ops`, the backend's op set (backends.backend_ops)."""
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     cls = model_class(ckpt.architecture, ckpt.path)
-    kwargs = {} if ops is None else {"ops": ops}
-    return cls(args, ckpt.tensors, dtype, device=device, **kwargs)
+    return cls(args, ckpt.tensors, dtype, ops, device=device)

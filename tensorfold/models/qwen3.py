@@ -4,15 +4,13 @@ when the checkpoint has them; this file names the architecture and insists on th
 """
 import torch
 
-from tensorfold.backends import cpu_ops
 from tensorfold.models import llama
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
 
 
 class Model(llama.Model):
-    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype = torch.float32, ops=cpu_ops,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype, ops, device: torch.device | str = "cpu"):
         super().__init__(args, tensors, dtype, ops, device)
         if any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
             raise CheckpointError("qwen3 checkpoint lacks self_attn.q_norm / k_norm weights")

@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from tensorfold.backends import backend_ops
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.gguf_file import default_model_path, load_gguf
 from tensorfold.models.gguf_quants import dequantize
@@ -372,7 +373,7 @@ def test_default_model_logits_match_transformers(smollm):
     from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
     from tensorfold.models.loader import build_model
     ours, _, hf_tokenizer = smollm
-    model = build_model(ours, torch.float32)
+    model = build_model(ours, torch.float32, backend_ops("cpu"))
     ids = hf_tokenizer("The quick brown fox jumps over the lazy dog because it was")["input_ids"]
     a = model.args
     cache = KVCache.allocate(a.num_layers, 2, 32, a.num_kv_heads, a.head_dim, torch.float32)

@@ -1,0 +1,41 @@
+// The cpu backend's exact kernels on raw pointers (no torch types: module.cpp binds them).
+// Each is bitwise equal to its torch reference in tensorfold/kernels (reference.py,
+// paged_attention.py): the rule is kernels/exact.py's, and the file of each kernel says how.
+#pragma once
+
+#include <cstdint>
+
+namespace tf {
+
+const char* isa();  // the vector code compiled in: avx512, avx2, neon or scalar
+
+// x [M, K] @ w[N, K]^T -> out [M, N], all row-major; bfloat16 passed as its bits.
+void linear_f32(const float* x, const float* w, float* out, int64_t M, int64_t N, int64_t K, int threads);
+void linear_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, int64_t N, int64_t K,
+                 int threads);
+
+// Row-wise ops over `rows` vectors of `width` elements. `dtype` 0: float32, 1: bfloat16.
+// rms_norm: out = norm(x) * weight; with `residual` (may be null), h = residual + x is written to
+// `h_out` first and normalized. Strides are in elements, between rows.
+void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t r_stride,
+              void* h_out, const void* weight, void* out, int64_t rows, int64_t width, double eps,
+              int threads);
+// x [tokens, heads, head_dim] (contiguous); cos/sin [tokens, head_dim] float32. With `norm_weight`
+// (may be null), each head vector is RMS-normalized (rounded to the dtype) before the rotation.
+void rope(int dtype, const void* x, void* out, const float* cos, const float* sin, int64_t tokens,
+          int64_t heads, int64_t head_dim, const void* norm_weight, double eps, int threads);
+// out [rows, width] = silu(gate) * up, gate/up rows at their strides.
+void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out,
+                  int64_t rows, int64_t width, int threads);
+
+// k, v [tokens, kv_heads, head_dim] into the cache slots, each vector on its fixed-point grid.
+void write_kv(int dtype, void* k_cache, void* v_cache, const void* k, const void* v, const int64_t* slots,
+              int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads);
+// Rows of several sequences: sequence s owns rows [row_starts[s], row_starts[s + 1]) of q
+// [rows, heads, head_dim] and row s of tables [num_seqs, table_width]. window <= 0: none.
+void paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
+                     const int64_t* positions, const int64_t* tables, int64_t table_width,
+                     const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t block_size, double scale, int64_t window, int threads);
+
+}  // namespace tf

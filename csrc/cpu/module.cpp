@@ -1,0 +1,216 @@
+// Python bindings of the cpu kernels (tensorfold._cpu): shape and dtype checks, output
+// allocation, then one call into kernels.h. Threads: torch's intra-op count, read per call.
+#include <torch/extension.h>
+
+#include "kernels.h"
+#include "vec16.h"
+
+namespace tf {
+const char* isa() { return TF_ISA; }
+}  // namespace tf
+
+namespace {
+
+int dtype_code(const torch::Tensor& t, const char* what) {
+  if (t.scalar_type() == torch::kFloat32) return 0;
+  if (t.scalar_type() == torch::kBFloat16) return 1;
+  TORCH_CHECK(false, what, ": the cpu kernels take float32 or bfloat16, got ", t.scalar_type());
+}
+
+void check_cpu(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+}
+
+int threads() { return at::get_num_threads(); }
+
+using Out = c10::optional<torch::Tensor>;
+
+// The caller's `out` (checked) or a new tensor: tests pass NaN-filled ones, so a kernel that
+// leaves an element unwritten fails.
+torch::Tensor output(const Out& out, torch::IntArrayRef sizes, const torch::Tensor& like, const char* what) {
+  if (!out) return torch::empty(sizes, like.options());
+  TORCH_CHECK(out->sizes() == sizes && out->scalar_type() == like.scalar_type() && out->is_contiguous() &&
+                  out->device().is_cpu(),
+              what, ": out must be a contiguous CPU tensor of shape ", sizes, " and dtype ", like.scalar_type());
+  return *out;
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const Out& out_arg) {
+  check_cpu(x, "linear: x");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear: x and weight dtypes differ");
+  const int code = dtype_code(x, "linear");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = output(out_arg, {x.size(0), weight.size(0)}, x, "linear");
+  if (code == 0)
+    tf::linear_f32(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), x.size(0), weight.size(0),
+                   x.size(1), threads());
+  else
+    tf::linear_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr()), reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+                    reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), weight.size(0), x.size(1), threads());
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_impl(const torch::Tensor& x, const Out& residual,
+                                                           const torch::Tensor& weight, double eps, const Out& out_arg) {
+  check_cpu(x, "rms_norm: x");
+  const int code = dtype_code(x, "rms_norm");
+  const int64_t width = x.size(-1);
+  TORCH_CHECK(weight.numel() == width && weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be [",
+              width, "] in x's dtype");
+  TORCH_CHECK(width <= 8192, "rms_norm rows are at most 8192 wide (an exact float64 sum), got ", width);
+  auto xc = x.contiguous();
+  auto out = output(out_arg, xc.sizes(), xc, "rms_norm");
+  const int64_t rows = width ? xc.numel() / width : 0;
+  torch::Tensor rc, h;
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "add_rms_norm: residual must match x");
+    rc = residual->contiguous();
+    h = torch::empty_like(xc);
+  }
+  if (rows > 0)
+    tf::rms_norm(code, xc.data_ptr(), width, residual ? rc.data_ptr() : nullptr, width, residual ? h.data_ptr() : nullptr,
+                 weight.contiguous().data_ptr(), out.data_ptr(), rows, width, eps, threads());
+  return {out, h};
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, const Out& out) {
+  return std::get<0>(add_rms_norm_impl(x, c10::nullopt, weight, eps, out));
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                                      const torch::Tensor& weight, double eps, const Out& out) {
+  return add_rms_norm_impl(x, residual, weight, eps, out);
+}
+
+torch::Tensor rope_impl(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const Out& norm_weight, double eps, const Out& out_arg) {
+  check_cpu(x, "rope: x");
+  const int code = dtype_code(x, "rope");
+  TORCH_CHECK(x.dim() == 3, "rope: x [tokens, heads, head_dim] expected, got ", x.sizes());
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+  TORCH_CHECK(d % 2 == 0 && d <= 256, "rope: head_dim must be even and at most 256, got ", d);
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  cos.sizes() == torch::IntArrayRef({tokens, d}) && sin.sizes() == cos.sizes(),
+              "rope: cos and sin must be float32 [tokens, head_dim]");
+  auto xc = x.contiguous();
+  auto cc = cos.contiguous(), sc = sin.contiguous();
+  auto out = output(out_arg, xc.sizes(), xc, "rope");
+  torch::Tensor nw;
+  if (norm_weight) {
+    TORCH_CHECK(norm_weight->numel() == d && norm_weight->scalar_type() == x.scalar_type(),
+                "rms_norm_rope: weight must be [head_dim] in x's dtype");
+    nw = norm_weight->contiguous();
+  }
+  if (xc.numel() > 0)
+    tf::rope(code, xc.data_ptr(), out.data_ptr(), cc.data_ptr<float>(), sc.data_ptr<float>(), tokens, heads, d,
+             norm_weight ? nw.data_ptr() : nullptr, eps, threads());
+  return out;
+}
+
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const Out& out) {
+  return rope_impl(x, cos, sin, c10::nullopt, 0.0, out);
+}
+
+torch::Tensor rms_norm_rope(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                            const torch::Tensor& cos, const torch::Tensor& sin, const Out& out) {
+  return rope_impl(x, cos, sin, weight, eps, out);
+}
+
+torch::Tensor silu_and_mul(const torch::Tensor& gate, const torch::Tensor& up, const Out& out_arg) {
+  check_cpu(gate, "silu_and_mul: gate");
+  const int code = dtype_code(gate, "silu_and_mul");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
+              "silu_and_mul: gate and up must be [rows, width] of one dtype");
+  torch::Tensor g = gate, u = up;
+  if (g.stride(1) != 1 || u.stride(1) != 1 || g.stride(0) != u.stride(0)) {
+    g = gate.contiguous();
+    u = up.contiguous();
+  }
+  auto out = output(out_arg, gate.sizes(), gate, "silu_and_mul");
+  if (out.numel() > 0)
+    tf::silu_and_mul(code, g.data_ptr(), u.data_ptr(), g.stride(0), out.data_ptr(), g.size(0), g.size(1), threads());
+  return out;
+}
+
+void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
+              const torch::Tensor& slots) {
+  check_cpu(k_cache, "write_kv: k_cache");
+  const int code = dtype_code(k_cache, "write_kv");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "write_kv: caches must be contiguous and of one shape");
+  const int64_t kv_heads = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(d <= 256, "write_kv: head_dim must be at most 256");
+  auto kc = k.to(k_cache.scalar_type()).contiguous(), vc = v.to(k_cache.scalar_type()).contiguous();
+  auto sl = slots.to(torch::kInt64).contiguous();
+  const int64_t tokens = sl.numel();
+  TORCH_CHECK(kc.numel() == tokens * kv_heads * d && vc.numel() == kc.numel(),
+              "write_kv: k and v must be [tokens, kv_heads, head_dim]");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* s = sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "write_kv: slot out of range");
+  tf::write_kv(code, k_cache.data_ptr(), v_cache.data_ptr(), kc.data_ptr(), vc.data_ptr(), s, tokens, kv_heads, d,
+               threads());
+}
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& positions, const torch::Tensor& tables,
+                              const torch::Tensor& row_starts, double scale, int64_t window, const Out& out_arg) {
+  check_cpu(q, "paged_attention: q");
+  const int code = dtype_code(q, "paged_attention");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.scalar_type() == q.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: q [rows, heads, head_dim] and contiguous caches of q's dtype expected");
+  const int64_t heads = q.size(1), d = q.size(2), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && d <= 256 && heads % kv_heads == 0, "paged_attention: head shapes disagree");
+  auto qc = q.contiguous();
+  auto pos = positions.to(torch::kInt64).contiguous();
+  auto tab = tables.to(torch::kInt64).contiguous();
+  auto starts = row_starts.to(torch::kInt64).contiguous();
+  TORCH_CHECK(tab.dim() == 2 && starts.numel() == tab.size(0) + 1, "paged_attention: one table row per sequence");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const int64_t num_seqs = tab.size(0), width = tab.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(st[0] == 0 && st[num_seqs] == q.size(0) && pos.numel() == q.size(0),
+              "paged_attention: row_starts must run from 0 to the number of rows");
+  const int64_t* t = tab.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(st[s] <= st[s + 1], "paged_attention: row_starts must not decrease");
+    for (int64_t r = st[s]; r < st[s + 1]; ++r) {
+      TORCH_CHECK(p[r] >= 0 && p[r] / block_size < width, "paged_attention: position ", p[r], " past its table");
+      for (int64_t b = 0; b <= p[r] / block_size; ++b)
+        TORCH_CHECK(t[s * width + b] >= 0 && t[s * width + b] < num_blocks, "paged_attention: block out of range");
+    }
+  }
+  auto out = output(out_arg, qc.sizes(), qc, "paged_attention");
+  if (q.numel() > 0)
+    tf::paged_attention(code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), p, t, width, st,
+                        num_seqs, heads, kv_heads, d, block_size, scale, window, threads());
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "TensorFold's exact cpu kernels (csrc/cpu)";
+  m.def("isa", &tf::isa, "the vector code compiled in");
+  const auto out = py::arg("out") = py::none();
+  m.def("linear", &linear, "x [M, K] @ weight[N, K]^T, each output summed in one order fixed by K",
+        py::arg("x"), py::arg("weight"), out);
+  m.def("rms_norm", &rms_norm, "reference.rms_norm", py::arg("x"), py::arg("weight"), py::arg("eps"), out);
+  m.def("add_rms_norm", &add_rms_norm, "reference.add_rms_norm: (rms_norm(residual + x), residual + x)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), out);
+  m.def("apply_rope", &apply_rope, "reference.apply_rope", py::arg("x"), py::arg("cos"), py::arg("sin"), out);
+  m.def("rms_norm_rope", &rms_norm_rope, "reference.rms_norm_rope", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::arg("cos"), py::arg("sin"), out);
+  m.def("silu_and_mul", &silu_and_mul, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
+  m.def("write_kv", &write_kv, "paged_attention.write_kv_ref", py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("k"), py::arg("v"), py::arg("slots"));
+  m.def("paged_attention", &paged_attention,
+        "exact attention of the rows of several sequences: row_starts [S + 1], tables [S, width]; window 0: none",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("tables"),
+        py::arg("row_starts"), py::arg("scale"), py::arg("window"), out);
+}

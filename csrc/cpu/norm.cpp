@@ -1,0 +1,138 @@
+// Row-wise exact ops: RMSNorm (+ the residual add), rope (+ qwen3's per-head norm), SiLU-and-mul.
+// Each line is one IEEE rounding in the order of kernels/reference.py; the one reduction (the sum
+// of squares) is an exact integer sum, so its order is free.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels.h"
+#include "exact.h"
+
+namespace tf {
+namespace {
+
+constexpr int NORM_BITS = 20;
+constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // below this a call runs on one thread
+
+// reference.rms_norm of one row: squares on the row's grid, an exact sum, float64 sqrt/div.
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t n, double eps) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f32(x[i])));
+  const int e = exponent(amax);
+  const double grid = pow2(2 * (NORM_BITS - 1 - e));
+  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // integers <= 2^53: exact in any order
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = to_f32(x[i]);
+    double sq = d * d;
+    sq = sq * grid;
+    part[i & 7] += round_even(sq);
+  }
+  double ss = 0.0;
+  for (double p : part) ss += p;
+  double var = ss * pow2(2 * (e - NORM_BITS + 1));
+  var = var / static_cast<double>(n);
+  const double inv = 1.0 / std::sqrt(var + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    float y = static_cast<float>(static_cast<double>(to_f32(x[i])) * inv);
+    y = y * to_f32(weight[i]);
+    out[i] = from_f32<T>(y);
+  }
+}
+
+template <typename T>
+void rms_norm_impl(const T* x, int64_t xs, const T* residual, int64_t rs, T* h_out, const T* weight, T* out,
+                   int64_t rows, int64_t width, double eps, int threads) {
+  const bool parallel = threads > 1 && rows > 1 && rows * width >= PARALLEL_ELEMENTS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * xs;
+    if (residual != nullptr) {  // h = residual + x, rounded to the dtype, then its norm
+      T* h = h_out + r * width;
+      for (int64_t i = 0; i < width; ++i) h[i] = from_f32<T>(to_f32(residual[r * rs + i]) + to_f32(row[i]));
+      row = h;
+    }
+    norm_row(row, weight, out + r * width, width, eps);
+  }
+}
+
+// reference.apply_rope of one head vector: x cos + rotate_half(x) sin, in float32.
+template <typename T>
+void rope_row(const T* x, T* out, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float rot = i < half ? -to_f32(x[i + half]) : to_f32(x[i - half]);
+    const float a = to_f32(x[i]) * cos[i];
+    const float b = rot * sin[i];
+    out[i] = from_f32<T>(a + b);
+  }
+}
+
+template <typename T>
+void rope_impl(const T* x, T* out, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+               int64_t d, const T* norm_weight, double eps, int threads) {
+  const bool parallel = threads > 1 && tokens > 1 && tokens * heads * d >= PARALLEL_ELEMENTS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<T> normed(norm_weight != nullptr ? d : 0);
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* row = x + (t * heads + h) * d;
+      if (norm_weight != nullptr) {  // qwen3: the head's norm, rounded to the dtype, then rope
+        norm_row(row, norm_weight, normed.data(), d, eps);
+        row = normed.data();
+      }
+      rope_row(row, out + (t * heads + h) * d, cos + t * d, sin + t * d, d);
+    }
+  }
+}
+
+// reference.silu_and_mul: silu(g) = g / (1 + exp(-g)) for g >= 0 and g e / (1 + e), e = exp(g),
+// below, both with the project's exp_neg of -|g|, times up.
+template <typename T>
+void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t rows, int64_t width, int threads) {
+  const bool parallel = threads > 1 && rows > 1 && rows * width >= PARALLEL_ELEMENTS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = to_f32(gate[r * in_stride + i]);
+      const float t = exp_neg(-std::fabs(g));
+      const float num = g >= 0.0f ? g : g * t;
+      const float den = 1.0f + t;
+      const float s = num / den;
+      out[r * width + i] = from_f32<T>(s * to_f32(up[r * in_stride + i]));
+    }
+  }
+}
+
+template <typename T> const T* in(const void* p) { return static_cast<const T*>(p); }
+template <typename T> T* io(void* p) { return static_cast<T*>(p); }
+
+}  // namespace
+
+void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t r_stride, void* h_out,
+              const void* weight, void* out, int64_t rows, int64_t width, double eps, int threads) {
+  if (dtype == 0)
+    rms_norm_impl(in<float>(x), x_stride, in<float>(residual), r_stride, io<float>(h_out), in<float>(weight),
+                  io<float>(out), rows, width, eps, threads);
+  else
+    rms_norm_impl(in<bf16>(x), x_stride, in<bf16>(residual), r_stride, io<bf16>(h_out), in<bf16>(weight),
+                  io<bf16>(out), rows, width, eps, threads);
+}
+
+void rope(int dtype, const void* x, void* out, const float* cos, const float* sin, int64_t tokens,
+          int64_t heads, int64_t head_dim, const void* norm_weight, double eps, int threads) {
+  if (dtype == 0)
+    rope_impl(in<float>(x), io<float>(out), cos, sin, tokens, heads, head_dim, in<float>(norm_weight), eps, threads);
+  else
+    rope_impl(in<bf16>(x), io<bf16>(out), cos, sin, tokens, heads, head_dim, in<bf16>(norm_weight), eps, threads);
+}
+
+void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows,
+                  int64_t width, int threads) {
+  if (dtype == 0)
+    silu_impl(in<float>(gate), in<float>(up), in_stride, io<float>(out), rows, width, threads);
+  else
+    silu_impl(in<bf16>(gate), in<bf16>(up), in_stride, io<bf16>(out), rows, width, threads);
+}
+
+}  // namespace tf

@@ -1,0 +1,123 @@
+// Sixteen float32 lanes: the accumulator of the row-invariant GEMM (gemm.cpp).
+//
+// Lane l of an accumulator holds the running sum of the products at k = l, l + 16, l + 32, ...
+// and the lanes are combined by one fixed halving tree, so the bits of an output depend on K
+// only. Every instruction set below is a different spelling of the same arithmetic (AVX-512: one
+// register; AVX2: two; NEON: four; the scalar path: sixteen floats), so all give the same bits.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "exact.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TF_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TF_ISA "avx2"
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#define TF_ISA "neon"
+#else
+#define TF_ISA "scalar"
+#endif
+
+namespace tf {
+
+struct V16 {
+#if defined(__AVX512F__)
+  __m512 v;
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 lo, hi;
+#elif defined(__ARM_NEON)
+  float32x4_t q[4];
+#else
+  float s[16];
+#endif
+};
+
+#if defined(__AVX512F__)
+inline V16 v16_zero() { return {_mm512_setzero_ps()}; }
+inline V16 v16_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 v16_load(const bf16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+inline V16 v16_mul_add(V16 acc, V16 a, V16 b) { return {_mm512_add_ps(acc.v, _mm512_mul_ps(a.v, b.v))}; }
+inline V16 v16_fma(V16 acc, V16 a, V16 b) { return {_mm512_fmadd_ps(a.v, b.v, acc.v)}; }
+inline float v16_tree(V16 a) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline V16 v16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 v16_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 bf16x8(const bf16* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline V16 v16_load(const bf16* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+inline V16 v16_mul_add(V16 acc, V16 a, V16 b) {
+  return {_mm256_add_ps(acc.lo, _mm256_mul_ps(a.lo, b.lo)), _mm256_add_ps(acc.hi, _mm256_mul_ps(a.hi, b.hi))};
+}
+inline V16 v16_fma(V16 acc, V16 a, V16 b) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
+}
+inline float v16_tree(V16 a) {
+  __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+#elif defined(__ARM_NEON)
+inline V16 v16_zero() { float32x4_t z = vdupq_n_f32(0.0f); return {{z, z, z, z}}; }
+inline V16 v16_load(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+inline float32x4_t bf16x4(const bf16* p) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+inline V16 v16_load(const bf16* p) { return {{bf16x4(p), bf16x4(p + 4), bf16x4(p + 8), bf16x4(p + 12)}}; }
+inline V16 v16_mul_add(V16 acc, V16 a, V16 b) {
+  V16 r;
+  for (int i = 0; i < 4; ++i) r.q[i] = vaddq_f32(acc.q[i], vmulq_f32(a.q[i], b.q[i]));
+  return r;
+}
+inline V16 v16_fma(V16 acc, V16 a, V16 b) {
+  V16 r;
+  for (int i = 0; i < 4; ++i) r.q[i] = vfmaq_f32(acc.q[i], a.q[i], b.q[i]);
+  return r;
+}
+inline float v16_tree(V16 a) {
+  float32x4_t s8a = vaddq_f32(a.q[0], a.q[2]), s8b = vaddq_f32(a.q[1], a.q[3]);  // lanes i + (i + 8)
+  float32x4_t s4 = vaddq_f32(s8a, s8b);                                          // i + (i + 4)
+  float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));                 // i + (i + 2)
+  return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
+}
+#else
+inline V16 v16_zero() { V16 r; for (float& x : r.s) x = 0.0f; return r; }
+inline V16 v16_load(const float* p) { V16 r; for (int i = 0; i < 16; ++i) r.s[i] = p[i]; return r; }
+inline V16 v16_load(const bf16* p) { V16 r; for (int i = 0; i < 16; ++i) r.s[i] = to_f32(p[i]); return r; }
+inline V16 v16_mul_add(V16 acc, V16 a, V16 b) {
+  for (int i = 0; i < 16; ++i) { float prod = a.s[i] * b.s[i]; acc.s[i] = acc.s[i] + prod; }
+  return acc;
+}
+inline V16 v16_fma(V16 acc, V16 a, V16 b) {
+  for (int i = 0; i < 16; ++i) acc.s[i] = std::fma(a.s[i], b.s[i], acc.s[i]);
+  return acc;
+}
+inline float v16_tree(V16 a) {
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = a.s[i] + a.s[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
+  return s2a + s2b;
+}
+#endif
+
+}  // namespace tf

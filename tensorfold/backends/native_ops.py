@@ -1,0 +1,46 @@
+"""The cpu backend's compiled op set: csrc/cpu's exact kernels (the extension tensorfold._cpu).
+
+Every op is bitwise its torch reference (kernels/reference.py, kernels/paged_attention.py),
+including the GEMM, whose order of summation is fixed by K alone: no BLAS runs on the token
+path, so exactness holds whatever CPU this is. Importing this module fails (ImportError) when
+the extension was not built; backends.backend_ops then falls back to cpu_ops.
+"""
+import torch
+
+from tensorfold import _cpu
+from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
+from tensorfold.sampling.sampler import sample  # noqa: F401
+
+NAME = f"native-{_cpu.isa()}"
+
+rms_norm = _cpu.rms_norm
+add_rms_norm = _cpu.add_rms_norm
+apply_rope = _cpu.apply_rope
+rms_norm_rope = _cpu.rms_norm_rope
+silu_and_mul = _cpu.silu_and_mul
+write_kv = _cpu.write_kv
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = _cpu.linear(x, weight)
+    return out if bias is None else out + bias
+
+
+def paged_attention(q, k_cache, v_cache, positions, block_table, scale, window=None):
+    """One sequence's rows (paged_attention_ref's signature)."""
+    starts = torch.tensor([0, q.shape[0]])
+    return _cpu.paged_attention(q, k_cache, v_cache, positions, block_table.view(1, -1), starts, scale, window or 0)
+
+
+def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, window=None):
+    """One row of each of several sequences (paged_decode_attention_ref's signature)."""
+    width = max(len(t) for t in block_tables)
+    tables = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in block_tables])
+    return _cpu.paged_attention(q, k_cache, v_cache, positions, tables, torch.arange(q.shape[0] + 1), scale,
+                                window or 0)
+
+
+def attention(q, k_cache, v_cache, batch, scale, window):
+    """All rows of a ForwardBatch in one call."""
+    return _cpu.paged_attention(q, k_cache, v_cache, batch.positions, batch.block_tables,
+                                torch.tensor(batch.row_starts), scale, window or 0)

@@ -1,0 +1,229 @@
+"""The C++ cpu kernels (csrc/cpu, tensorfold._cpu) against their torch references, bit for bit.
+
+Fresh random inputs every run (the seed is in the failure message), outputs NaN-poisoned
+before each call, odd shapes, float32 and bfloat16, 1 and 2 threads. The GEMM is also checked
+for what makes it exact: a row alone equals the same row among 2..64 others, at any place.
+"""
+import pytest
+import torch
+
+from kernel_inputs import NAN
+from tensorfold.backends import native_problem
+from tensorfold.kernels import paged_attention as attention_ref
+from tensorfold.kernels import reference
+
+pytestmark = pytest.mark.skipif(native_problem() is not None, reason=str(native_problem()))
+if native_problem() is None:
+    from tensorfold import _cpu
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def randn(draw, *shape, dtype=torch.float32, scale=1.0):
+    return draw.randn(*shape, dtype=dtype, scale=scale).cpu()
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full(like.shape, NAN, dtype=like.dtype)
+
+
+def assert_bitwise(got, want, draw, what=""):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert torch.equal(got, want), f"{what} differs from its reference ({draw}); max abs diff " \
+                                   f"{(got.float() - want.float()).abs().max().item()}"
+
+
+# ---- GEMM ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 40, 64), (2, 7, 15), (3, 129, 16), (5, 33, 576),
+                                   (13, 100, 200), (64, 9, 33), (17, 300, 1536)])
+def test_linear_equals_reference(draw, threads, dtype, m, n, k):
+    x, w = randn(draw, m, k, dtype=dtype), randn(draw, n, k, dtype=dtype)
+    want = reference.linear(x, w)
+    out = poisoned(want)
+    _cpu.linear(x, w, out=out)
+    assert_bitwise(out, want, draw, "linear")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_row_alone_equals_row_among_others(draw, threads, dtype):
+    n, k = 200, 576
+    w = randn(draw, n, k, dtype=dtype)
+    row = randn(draw, 1, k, dtype=dtype, scale=3.0)
+    alone = _cpu.linear(row, w)[0]
+    for m in (2, 3, 4, 5, 7, 8, 9, 16, 33, 64):
+        for place in sorted({0, m // 2, m - 1}):
+            batch = randn(draw, m, k, dtype=dtype)
+            batch[place] = row[0]
+            assert torch.equal(_cpu.linear(batch, w)[place], alone), f"row {place} of {m} ({draw})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_thread_count_changes_no_bit(draw, dtype):
+    x, w = randn(draw, 37, 576, dtype=dtype), randn(draw, 1000, 576, dtype=dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _cpu.linear(x, w)
+        torch.set_num_threads(2)
+        two = _cpu.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two), str(draw)
+
+
+def test_linear_is_a_gemm(draw):
+    """The fixed order is still x @ w^T: within float32 rounding of a float64 product."""
+    x, w = randn(draw, 9, 300), randn(draw, 50, 300)
+    exact = x.double() @ w.double().T
+    assert (_cpu.linear(x, w).double() - exact).abs().max() < 1e-4
+
+
+# ---- row-wise ops ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 64), (3, 576), (7, 1), (40, 1000)])
+def test_rms_norm_and_residual_add(draw, threads, dtype, rows, width):
+    x, res = randn(draw, rows, width, dtype=dtype, scale=4.0), randn(draw, rows, width, dtype=dtype)
+    weight = randn(draw, width, dtype=dtype)
+    want = reference.rms_norm(x, weight, 1e-5)
+    out = poisoned(want)
+    _cpu.rms_norm(x, weight, 1e-5, out=out)
+    assert_bitwise(out, want, draw, "rms_norm")
+    want_norm, want_h = reference.add_rms_norm(x, res, weight, 1e-6)
+    got_norm, got_h = _cpu.add_rms_norm(x, res, weight, 1e-6, out=poisoned(want_norm))
+    assert_bitwise(got_h, want_h, draw, "add_rms_norm residual")
+    assert_bitwise(got_norm, want_norm, draw, "add_rms_norm")
+
+
+def test_rms_norm_of_a_zero_row_and_tiny_values(draw):
+    x = torch.zeros(3, 64)
+    x[1] = randn(draw, 64, scale=1e-30)
+    x[2, 5] = 3.0e38
+    weight = randn(draw, 64)
+    assert_bitwise(_cpu.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), draw, "rms_norm")
+
+
+def _rope_inputs(draw, tokens, heads, head_dim, dtype):
+    inv_freq = [10000.0 ** (-2 * i / head_dim) for i in range(head_dim // 2)]
+    cos, sin = reference.rope_table(inv_freq, 1.0, 4096)
+    positions = draw.randint(4096, tokens)
+    return randn(draw, tokens, heads, head_dim, dtype=dtype, scale=2.0), cos[positions], sin[positions]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 9, 64), (5, 3, 128), (17, 2, 256)])
+def test_rope_and_qk_norm_rope(draw, threads, dtype, tokens, heads, head_dim):
+    x, cos, sin = _rope_inputs(draw, tokens, heads, head_dim, dtype)
+    want = reference.apply_rope(x, cos, sin)
+    assert_bitwise(_cpu.apply_rope(x, cos, sin, out=poisoned(want)), want, draw, "apply_rope")
+    weight = randn(draw, head_dim, dtype=dtype)
+    want = reference.rms_norm_rope(x, weight, 1e-6, cos, sin)
+    assert_bitwise(_cpu.rms_norm_rope(x, weight, 1e-6, cos, sin, out=poisoned(want)), want, draw, "rms_norm_rope")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 1536), (3, 17), (33, 100)])
+def test_silu_and_mul_on_split_views(draw, threads, dtype, rows, width):
+    gate_up = randn(draw, rows, 2 * width, dtype=dtype, scale=6.0)
+    gate, up = gate_up.split(width, dim=-1)  # strided rows, as the model passes them
+    want = reference.silu_and_mul(gate, up)
+    assert_bitwise(_cpu.silu_and_mul(gate, up, out=poisoned(want)), want, draw, "silu_and_mul")
+
+
+def test_silu_reference_is_silu(draw):
+    g = randn(draw, 4096, scale=8.0)
+    one = torch.ones_like(g)
+    assert torch.allclose(reference.silu_and_mul(g, one), torch.nn.functional.silu(g), rtol=1e-6, atol=1e-7)
+
+
+# ---- cache write and attention ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_write_kv_puts_each_vector_on_its_grid(draw, threads, dtype, head_dim):
+    blocks, block_size, kv_heads, tokens = 6, 16, 2, 70
+    k_ref = torch.full((blocks, block_size, kv_heads, head_dim), NAN, dtype=dtype)
+    v_ref = k_ref.clone()
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    slots = torch.randperm(blocks * block_size, generator=draw.gen)[:tokens]
+    k = randn(draw, tokens, kv_heads, head_dim, dtype=dtype)
+    v = randn(draw, tokens, kv_heads, head_dim, dtype=dtype) * draw.rand(tokens, kv_heads, 1).to(dtype) * 64
+    k[0, 0] = 0.0                       # a zero vector
+    k[1, 0, 0] = 1.99999988079071044921875  # rounds up to 2: the grid's exponent is lifted
+    attention_ref.write_kv_ref(k_ref, v_ref, k, v, slots)
+    _cpu.write_kv(k_got, v_got, k, v, slots)
+    assert torch.equal(k_got.nan_to_num(7.0), k_ref.nan_to_num(7.0)), str(draw)
+    assert torch.equal(v_got.nan_to_num(7.0), v_ref.nan_to_num(7.0)), str(draw)
+
+
+def _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim):
+    """A NaN-poisoned pool whose first `blocks` are written through write_kv_ref (as the engine fills it)."""
+    k_cache = torch.full((blocks + 2, block_size, kv_heads, head_dim), NAN, dtype=dtype)
+    v_cache = k_cache.clone()
+    slots = torch.arange(blocks * block_size)
+    attention_ref.write_kv_ref(k_cache, v_cache, randn(draw, len(slots), kv_heads, head_dim, dtype=dtype, scale=2.0),
+                               randn(draw, len(slots), kv_heads, head_dim, dtype=dtype) *
+                               draw.rand(len(slots), kv_heads, 1).to(dtype) * 16, slots)
+    return k_cache, v_cache
+
+
+ATTENTION_SHAPES = [(9, 3, 64, None), (4, 4, 128, None), (2, 1, 256, 7), (6, 2, 64, 40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", ATTENTION_SHAPES)
+def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, heads, kv_heads, head_dim, window):
+    block_size, blocks = 16, 12
+    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
+    table = torch.randperm(blocks, generator=draw.gen)  # blocks shuffled in the pool
+    num_rows = blocks * block_size
+    q = randn(draw, num_rows, heads, head_dim, dtype=dtype, scale=3.0)
+    positions = torch.arange(num_rows)
+    scale = head_dim ** -0.5
+    for start, end in ((0, num_rows), (13, 40), (150, 151), (100, 107)):  # prefill, chunk, decode, verify
+        want = attention_ref.paged_attention_ref(q[start:end], k_cache, v_cache, positions[start:end], table,
+                                                 scale, window)
+        got = _cpu.paged_attention(q[start:end], k_cache, v_cache, positions[start:end], table.view(1, -1),
+                                   torch.tensor([0, end - start]), scale, window or 0, out=poisoned(want))
+        assert_bitwise(got, want, draw, f"attention rows [{start}, {end})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", ATTENTION_SHAPES)
+def test_attention_many_sequences_in_one_call(draw, threads, dtype, heads, kv_heads, head_dim, window):
+    """Decode rows, a verify run and a prefill chunk of four sequences at once: each row equals the
+    reference of its own sequence."""
+    block_size, blocks = 16, 10
+    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
+    tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(4)]
+    runs = [(37, 38), (120, 128), (5, 6), (60, 95)]  # [first, last + 1) positions per sequence
+    q = randn(draw, sum(e - s for s, e in runs), heads, head_dim, dtype=dtype, scale=3.0)
+    positions = torch.cat([torch.arange(s, e) for s, e in runs])
+    starts = [0]
+    for s, e in runs:
+        starts.append(starts[-1] + e - s)
+    scale = head_dim ** -0.5
+    got = _cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), scale,
+                               window or 0, out=poisoned(q))
+    for i, table in enumerate(tables):
+        rows = slice(starts[i], starts[i + 1])
+        want = attention_ref.paged_attention_ref(q[rows], k_cache, v_cache, positions[rows], table, scale, window)
+        assert_bitwise(got[rows], want, draw, f"sequence {i}")
+
+
+def test_attention_rejects_a_position_past_its_table(draw):
+    k_cache, v_cache = _filled_cache(draw, torch.float32, 2, 16, 1, 64)
+    q = randn(draw, 1, 1, 64)
+    with pytest.raises(RuntimeError, match="past its table"):
+        _cpu.paged_attention(q, k_cache, v_cache, torch.tensor([40]), torch.tensor([[0, 1]]), torch.tensor([0, 1]),
+                             0.125, 0)

@@ -1,0 +1,83 @@
+"""The cpu backend on its compiled op set (csrc/cpu): the same logits and token_sha as the torch
+references end to end, and exact mode granted on the default model, fp32 and bf16.
+
+The exactness suite (test_exactness.py, test_server*.py) runs on whatever op set the cpu backend
+picks, which is this one wherever the extension is built; this module pins what the compiled
+set must equal. A machine on which the compiled ops were not exact fails here, loudly.
+"""
+import types
+
+import pytest
+import torch
+
+from tensorfold.api.replies import token_sha
+from tensorfold.backends import backend_ops, cpu_ops, native_problem
+from tensorfold.engine.engine import Engine, EngineConfig
+from tensorfold.engine.probes import probe_ops
+from tensorfold.kernels import reference
+from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
+from tensorfold.models.hf_dir import load_hf_dir
+from tensorfold.models.loader import build_model
+
+pytestmark = pytest.mark.skipif(native_problem() is not None, reason=str(native_problem()))
+
+BLOCK = 16
+
+
+def reference_ops():
+    """The torch references under the op-set names, the GEMM included (its fixed-order oracle)."""
+    ops = {name: getattr(cpu_ops, name) for name in dir(cpu_ops) if not name.startswith("_")}
+    ops.update(linear=reference.linear, NAME="reference")
+    return types.SimpleNamespace(**ops)
+
+
+def greedy_run(model, prompts: list[list[int]], steps: int):
+    """Prefill the prompts together, then decode them together greedily; every forward's logits."""
+    a = model.args
+    cache = KVCache.allocate(a.num_layers, 64, BLOCK, a.num_kv_heads, a.head_dim, model.dtype)
+    tables = [torch.arange(s * 8, s * 8 + 8).flip(0) for s in range(len(prompts))]  # shuffled-ish blocks
+    seqs = [list(p) for p in prompts]
+    fed = [0] * len(prompts)
+    all_logits = []
+    for _ in range(steps):
+        ids, pos, slots, rows, sequences = [], [], [], [], []
+        for s, tokens in enumerate(seqs):
+            first = len(ids)
+            for p in range(fed[s], len(tokens)):
+                ids.append(tokens[p])
+                pos.append(p)
+                slots.append(int(tables[s][p // BLOCK]) * BLOCK + p % BLOCK)
+            sequences.append(SequenceRows(first, len(ids), tables[s]))
+            rows.append(len(ids) - 1)
+            fed[s] = len(tokens)
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        logits = model.forward(ForwardBatch(t(ids), t(pos), t(slots), sequences, t(rows)), cache)
+        all_logits.append(logits)
+        for s, row in enumerate(logits.argmax(dim=-1).tolist()):
+            seqs[s].append(row)
+    return all_logits, [token_sha(s[len(p):]) for s, p in zip(seqs, prompts)]
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_op_set_equals_references_end_to_end(request, arch, dtype):
+    ckpt_dir = request.getfixturevalue(arch)
+    native = backend_ops("cpu")
+    assert native.NAME.startswith("native-")
+    compiled = build_model(load_hf_dir(ckpt_dir), dtype, native)
+    oracle = build_model(load_hf_dir(ckpt_dir), dtype, reference_ops())
+    prompts = [[1, 5, 9, 200, 31, 7, 7, 64] * 3, [3, 4], list(range(40, 77))]
+    got_logits, got_sha = greedy_run(compiled, prompts, steps=6)
+    want_logits, want_sha = greedy_run(oracle, prompts, steps=6)
+    for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+        assert torch.equal(got, want), f"{arch} {dtype}: logits differ at step {step}"
+    assert got_sha == want_sha
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_model_is_exact_on_the_compiled_op_set(dtype):
+    """The startup probes (every GEMM shape of the model at batch 1..64, threads 1 vs 2, norm,
+    SiLU, attention) pass on this CPU: if they did not, the server would refuse exact mode."""
+    engine = Engine(None, EngineConfig(dtype=dtype, probe=False, context=256, kv_cache_gib=0.01))
+    assert engine.model.ops.NAME.startswith("native-")
+    assert probe_ops(engine.model, engine.model.ops) == []

@@ -1,0 +1,109 @@
+"""Time llama.cpp (through the llama-cpp-python bindings) on a GGUF, as a peer for tensorfold's
+benchmarks: greedy decode tokens/s and prompt prefill seconds, single stream, on the CPU.
+
+    python tools/peer_llama_cpp.py [--threads 2] [--tokens 128] [--prompt 512] [--repeats 3]
+
+prints one line per file: the default model's Q4_1 GGUF and its F32 and BF16 copies from
+peer_gguf.py, the same weights tensorfold serves with --dtype float32 / bfloat16.
+
+llama-cpp-python is a benchmark peer only, never a dependency of tensorfold. When it is missing,
+`available()` is False and callers skip with a message. It is built from source on install; for
+this machine's AVX-512 CPU, without AMX:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
+
+Decode tokens/s counts n_tokens steps of (greedy argmax of the last logits, eval of that one
+token), after the prompt has been evaluated and not timed; prefill is one eval of the prompt ids
+from an empty cache, in batches of n_batch=512.
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SKIP_MESSAGE = "llama-cpp-python is not installed; skipping the llama.cpp peer"
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load(path: str, n_ctx: int, threads: int):
+    """A llama_cpp.Llama on `path`, with `threads` threads for both decode and prefill."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                 n_batch=512, verbose=False, logits_all=False, use_mmap=True)
+
+
+def _greedy(llm) -> int:
+    """Argmax of the logits of the last evaluated token. (llm.scores is not filled without
+    logits_all, so the logits are read from the context.)"""
+    import llama_cpp
+    import numpy as np
+
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    return int(logits.argmax())
+
+
+def decode_tps(llm, prompt_ids: list[int], n_tokens: int) -> float:
+    """Greedy decode tokens/s over n_tokens steps, timed after the prompt is evaluated."""
+    llm.reset()
+    llm.eval(prompt_ids)
+    start = time.perf_counter()
+    for _ in range(n_tokens):
+        llm.eval([_greedy(llm)])
+    return n_tokens / (time.perf_counter() - start)
+
+
+def prefill_seconds(llm, prompt_ids: list[int]) -> float:
+    """Seconds to evaluate prompt_ids from an empty cache."""
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt_ids)
+    return time.perf_counter() - start
+
+
+def arbitrary_prompt(n: int, vocab: int = 49152) -> list[int]:
+    """n fixed in-vocabulary token ids, away from the special tokens at the start of the vocab."""
+    return [1000 + (i * 7919) % (vocab - 1000) for i in range(n)]
+
+
+def main(argv=None) -> None:
+    from tools.peer_gguf import peer_gguf
+    from tensorfold.models.gguf_file import default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128, help="decode steps timed")
+    ap.add_argument("--prompt", type=int, default=512, help="prefill prompt length")
+    ap.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    args = ap.parse_args(argv)
+    if not available():
+        print(SKIP_MESSAGE)
+        return
+    prompt = arbitrary_prompt(args.prompt)
+    decode_prompt = prompt[:16]
+    files = {"q4_1": default_model_path(), "float32": peer_gguf("float32"), "bfloat16": peer_gguf("bfloat16")}
+    print(f"llama.cpp, {args.threads} threads; decode {args.tokens} tokens after a "
+          f"{len(decode_prompt)}-token prompt; prefill {len(prompt)} tokens; best of {args.repeats}")
+    for name, path in files.items():
+        llm = load(path, n_ctx=max(len(prompt), len(decode_prompt) + args.tokens) + 8, threads=args.threads)
+        tps = max(decode_tps(llm, decode_prompt, args.tokens) for _ in range(args.repeats))
+        pre = min(prefill_seconds(llm, prompt) for _ in range(args.repeats))
+        print(f"{name:9s} decode {tps:7.1f} tok/s   prefill {pre:6.3f} s ({len(prompt) / pre:6.0f} tok/s)")
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
