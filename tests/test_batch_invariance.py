@@ -36,6 +36,7 @@ STOCK_OPS = types.SimpleNamespace(
     paged_decode_attention=cpu_ops.paged_decode_attention,
     write_kv=cpu_ops.write_kv,
     NAME="stock",
+    pack_weight=lambda w: w,
 )
 STOCK_OPS.attention = functools.partial(attention_by_sequence, STOCK_OPS.paged_attention,
                                         STOCK_OPS.paged_decode_attention)

@@ -28,6 +28,7 @@ import pytest
 
 from malformed_cases import (ACCEPTED_CHAT_CASES, BASE_CHAT_BODY, BASE_COMPLETION_BODY,
                              MALFORMED_CHAT_CASES, MALFORMED_COMPLETION_CASES)
+from tensorfold.backends import backend_ops
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.sampling.params import SamplingParams
 from tensorfold.server import ServeSettings, build_server
@@ -219,6 +220,7 @@ def test_health_reports_every_counter_and_counts_a_request(served):
     assert before["context_length"] == 1024
     assert set(before["streams"]) == {"decoding", "prefilling", "maximum"}
     assert before["streams"]["maximum"] == 8
+    assert before["ops"] == backend_ops("cpu").NAME  # the C++ kernels where built, else "torch"
     for key in HEALTH_COUNTERS:
         assert isinstance(before[key], (int, float)) and before[key] >= 0, key
     reply = served.client.completions.create(model=NAME, prompt="Count me", max_tokens=5, seed=1)

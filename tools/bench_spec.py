@@ -137,6 +137,7 @@ def stock_ops(**overrides):
     ops.update(overrides)
     ops["attention"] = functools.partial(attention_by_sequence, ops["paged_attention"], ops["paged_decode_attention"])
     ops["NAME"] = "stock"
+    ops["pack_weight"] = cpu_ops.pack_weight
     return types.SimpleNamespace(**ops)
 
 

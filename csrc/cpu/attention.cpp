@@ -26,11 +26,16 @@ constexpr int W_BITS = 24;
 constexpr int L_BITS = 30;
 constexpr int64_t SPLIT_SIZE = 512;
 
+// max |x| as a float, through the bits: for floats without the sign bit the integer order is the
+// magnitude order (a NaN compares above inf, and its exponent field reads 128, as torch's amax
+// then gives), and an integer max is a reduction the compiler vectorizes without fast-math.
+inline uint32_t abs_bits(float x) { return f32_bits(x) & 0x7FFFFFFFu; }
+inline uint32_t abs_bits(bf16 x) { return (static_cast<uint32_t>(x.bits) << 16) & 0x7FFFFFFFu; }
 template <typename T>
 float max_abs(const T* x, int64_t n) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f32(x[i])));
-  return amax;
+  uint32_t top = 0;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, abs_bits(x[i]));
+  return f32_from_bits(top);
 }
 
 // exact.on_grid of one vector: rounded to 2^(e - bits + 1), e = exponent(max|x|); a second pass
@@ -66,9 +71,18 @@ struct Cache {
   const T* k;
   const T* v;
   int64_t block_size, kv_heads, head_dim;
-  const T* at(const T* base, const int64_t* table, int64_t key, int64_t head) const {
-    const int64_t slot = table[key / block_size] * block_size + key % block_size;
-    return base + (slot * kv_heads + head) * head_dim;
+  // Visit keys [first, last] in order: f(j, k_vector, v_vector) with j counted from first.
+  template <typename F>
+  void each_key(const int64_t* table, int64_t first, int64_t last, int64_t head, F&& f) const {
+    const int64_t stride = kv_heads * head_dim;
+    int64_t j = 0;
+    for (int64_t b = first / block_size; b <= last / block_size; ++b) {
+      const int64_t lo = std::max(first, b * block_size), hi = std::min(last + 1, (b + 1) * block_size);
+      const int64_t base = ((table[b] * block_size + (lo - b * block_size)) * kv_heads + head) * head_dim;
+      const T* kp = k + base;
+      const T* vp = v + base;
+      for (int64_t key = lo; key < hi; ++key, ++j, kp += stride, vp += stride) f(j, kp, vp);
+    }
   }
 };
 
@@ -87,35 +101,38 @@ void attend_lane(const T* q, T* out, const Cache<T>& c, const int64_t* table, in
   const double scale64 = scale;
   float m = -INFINITY;
   int top = -1024;
-  for (int64_t j = 0; j < keys; ++j) {
-    const T* k = c.at(c.k, table, first + j, kv_head);
-    double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // every partial sum exact: any order
-    for (int64_t i = 0; i < d; ++i) part[i & 7] += s.q[i] * static_cast<double>(to_f32(k[i]));
+  c.each_key(table, first, pos, kv_head, [&](int64_t j, const T* k, const T* v) {
+    double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // every partial sum exact: any order (8 lanes)
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+      for (int l = 0; l < 8; ++l) part[l] += s.q[i + l] * static_cast<double>(to_f32(k[i + l]));
+    for (; i < d; ++i) part[0] += s.q[i] * static_cast<double>(to_f32(k[i]));
     double dot = 0.0;
     for (double p : part) dot += p;
     const float score = static_cast<float>(dot * scale64);
     s.scores[j] = score;
     m = std::max(m, score);
-    const int ve = exponent(max_abs(c.at(c.v, table, first + j, kv_head), d));
+    const int ve = exponent(max_abs(v, d));
     s.v_exp[j] = ve;
     top = std::max(top, ve);
-  }
+  });
 
   double den = 0.0;  // 2.-3. weights on one grid, exact sums
   std::fill(s.num.begin(), s.num.end(), 0);
-  for (int64_t start = 0; start < keys; start += SPLIT_SIZE) {
-    std::fill(s.num_part.begin(), s.num_part.end(), 0.0);
-    for (int64_t j = start; j < std::min(keys, start + SPLIT_SIZE); ++j) {
-      const double p = exp_neg(s.scores[j] - m);
-      den += round_even(p * pow2(L_BITS));
-      const double w = round_even(p * pow2(s.v_exp[j] - top + W_BITS));
-      if (w == 0.0) continue;
-      const double v_up = pow2(V_BITS - 1 - s.v_exp[j]);
-      const T* v = c.at(c.v, table, first + j, kv_head);
-      for (int64_t i = 0; i < d; ++i) s.num_part[i] += w * (static_cast<double>(to_f32(v[i])) * v_up);
+  std::fill(s.num_part.begin(), s.num_part.end(), 0.0);
+  c.each_key(table, first, pos, kv_head, [&](int64_t j, const T*, const T* v) {
+    if (j > 0 && j % SPLIT_SIZE == 0) {  // a float64 partial holds SPLIT_SIZE keys exactly
+      for (int64_t i = 0; i < d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
+      std::fill(s.num_part.begin(), s.num_part.end(), 0.0);
     }
-    for (int64_t i = 0; i < d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
-  }
+    const double p = exp_neg(s.scores[j] - m);
+    den += round_even(p * pow2(L_BITS));
+    const double w = round_even(p * pow2(s.v_exp[j] - top + W_BITS));
+    if (w == 0.0) return;
+    const double v_up = pow2(V_BITS - 1 - s.v_exp[j]);
+    for (int64_t i = 0; i < d; ++i) s.num_part[i] += w * (static_cast<double>(to_f32(v[i])) * v_up);
+  });
+  for (int64_t i = 0; i < d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
   if (den == 0.0) den = 1.0;  // 4.
   const double out_scale = pow2(top - V_BITS - W_BITS + 1 + L_BITS);
   for (int64_t i = 0; i < d; ++i) {

@@ -9,12 +9,13 @@ namespace tf {
 
 const char* isa();  // the vector code compiled in: avx512, avx2, neon or scalar
 
-// x [M, K] @ w[N, K]^T -> out [M, N], all row-major; bfloat16 passed as its bits.
-void linear_f32(const float* x, const float* w, float* out, int64_t M, int64_t N, int64_t K, int threads);
-void linear_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, int64_t N, int64_t K,
-                 int threads);
+// The GEMM: x [M, K] (row-major) @ w[N, K]^T -> out [M, N], with w packed once by pack_weight
+// into packed_numel(N, K) elements. `dtype` 0: float32, 1: bfloat16 (here and below).
+int64_t packed_numel(int64_t N, int64_t K);
+void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K);
+void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads);
 
-// Row-wise ops over `rows` vectors of `width` elements. `dtype` 0: float32, 1: bfloat16.
+// Row-wise ops over `rows` vectors of `width` elements.
 // rms_norm: out = norm(x) * weight; with `residual` (may be null), h = residual + x is written to
 // `h_out` first and normalized. Strides are in elements, between rows.
 void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t r_stride,

@@ -35,22 +35,34 @@ torch::Tensor output(const Out& out, torch::IntArrayRef sizes, const torch::Tens
   return *out;
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const Out& out_arg) {
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  check_cpu(weight, "pack_weight");
+  TORCH_CHECK(weight.dim() == 2, "pack_weight: weight [N, K] expected, got ", weight.sizes());
+  const int code = dtype_code(weight, "pack_weight");
+  auto wc = weight.contiguous();
+  auto packed = torch::empty({tf::packed_numel(weight.size(0), weight.size(1))}, weight.options());
+  tf::pack_weight(code, wc.data_ptr(), packed.data_ptr(), weight.size(0), weight.size(1));
+  return packed;
+}
+
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t k,
+                            const Out& out_arg) {
   check_cpu(x, "linear: x");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear: x and weight dtypes differ");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "linear: x [M, ", k, "] expected, got ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() && packed.numel() == tf::packed_numel(n, k),
+              "linear: the packed weight does not match x's dtype or [", n, ", ", k, "]");
   const int code = dtype_code(x, "linear");
   auto xc = x.contiguous();
-  auto wc = weight.contiguous();
-  auto out = output(out_arg, {x.size(0), weight.size(0)}, x, "linear");
-  if (code == 0)
-    tf::linear_f32(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), x.size(0), weight.size(0),
-                   x.size(1), threads());
-  else
-    tf::linear_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr()), reinterpret_cast<const uint16_t*>(wc.data_ptr()),
-                    reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), weight.size(0), x.size(1), threads());
+  auto out = output(out_arg, {x.size(0), n}, x, "linear");
+  if (out.numel() > 0) tf::linear(code, xc.data_ptr(), packed.data_ptr(), out.data_ptr(), x.size(0), n, k, threads());
   return out;
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const Out& out) {
+  TORCH_CHECK(weight.dim() == 2 && x.dim() == 2 && x.size(1) == weight.size(1),
+              "linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear: x and weight dtypes differ");
+  return linear_packed(x, pack_weight(weight), weight.size(0), weight.size(1), out);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_impl(const torch::Tensor& x, const Out& residual,
@@ -200,6 +212,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto out = py::arg("out") = py::none();
   m.def("linear", &linear, "x [M, K] @ weight[N, K]^T, each output summed in one order fixed by K",
         py::arg("x"), py::arg("weight"), out);
+  m.def("pack_weight", &pack_weight, "weight [N, K] in the GEMM's tile layout (1-D)", py::arg("weight"));
+  m.def("linear_packed", &linear_packed, "linear with a weight from pack_weight, of shape [n, k]", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("k"), out);
   m.def("rms_norm", &rms_norm, "reference.rms_norm", py::arg("x"), py::arg("weight"), py::arg("eps"), out);
   m.def("add_rms_norm", &add_rms_norm, "reference.add_rms_norm: (rms_norm(residual + x), residual + x)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), out);

@@ -1,7 +1,8 @@
 // Sixteen float32 lanes: the accumulator of the row-invariant GEMM (gemm.cpp).
 //
 // Lane l of an accumulator holds the running sum of the products at k = l, l + 16, l + 32, ...
-// and the lanes are combined by one fixed halving tree, so the bits of an output depend on K
+// (one fused multiply-add each: std::fma on the scalar path, a correctly rounded operation,
+// not an approximation) and the lanes are combined by one fixed halving tree, so the bits of an output depend on K
 // only. Every instruction set below is a different spelling of the same arithmetic (AVX-512: one
 // register; AVX2: two; NEON: four; the scalar path: sixteen floats), so all give the same bits.
 #pragma once
@@ -45,7 +46,6 @@ inline V16 v16_load(const bf16* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
-inline V16 v16_mul_add(V16 acc, V16 a, V16 b) { return {_mm512_add_ps(acc.v, _mm512_mul_ps(a.v, b.v))}; }
 inline V16 v16_fma(V16 acc, V16 a, V16 b) { return {_mm512_fmadd_ps(a.v, b.v, acc.v)}; }
 inline float v16_tree(V16 a) {
   __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v),
@@ -63,9 +63,6 @@ inline __m256 bf16x8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline V16 v16_load(const bf16* p) { return {bf16x8(p), bf16x8(p + 8)}; }
-inline V16 v16_mul_add(V16 acc, V16 a, V16 b) {
-  return {_mm256_add_ps(acc.lo, _mm256_mul_ps(a.lo, b.lo)), _mm256_add_ps(acc.hi, _mm256_mul_ps(a.hi, b.hi))};
-}
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
 }
@@ -83,11 +80,6 @@ inline float32x4_t bf16x4(const bf16* p) {
   return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
 }
 inline V16 v16_load(const bf16* p) { return {{bf16x4(p), bf16x4(p + 4), bf16x4(p + 8), bf16x4(p + 12)}}; }
-inline V16 v16_mul_add(V16 acc, V16 a, V16 b) {
-  V16 r;
-  for (int i = 0; i < 4; ++i) r.q[i] = vaddq_f32(acc.q[i], vmulq_f32(a.q[i], b.q[i]));
-  return r;
-}
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   V16 r;
   for (int i = 0; i < 4; ++i) r.q[i] = vfmaq_f32(acc.q[i], a.q[i], b.q[i]);
@@ -103,10 +95,6 @@ inline float v16_tree(V16 a) {
 inline V16 v16_zero() { V16 r; for (float& x : r.s) x = 0.0f; return r; }
 inline V16 v16_load(const float* p) { V16 r; for (int i = 0; i < 16; ++i) r.s[i] = p[i]; return r; }
 inline V16 v16_load(const bf16* p) { V16 r; for (int i = 0; i < 16; ++i) r.s[i] = to_f32(p[i]); return r; }
-inline V16 v16_mul_add(V16 acc, V16 a, V16 b) {
-  for (int i = 0; i < 16; ++i) { float prod = a.s[i] * b.s[i]; acc.s[i] = acc.s[i] + prod; }
-  return acc;
-}
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   for (int i = 0; i < 16; ++i) acc.s[i] = std::fma(a.s[i], b.s[i], acc.s[i]);
   return acc;

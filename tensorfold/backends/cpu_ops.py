@@ -17,4 +17,9 @@ from tensorfold.kernels.reference import (add_rms_norm, apply_rope, pad_rows, rm
 from tensorfold.sampling.sampler import sample  # noqa: F401
 
 NAME = "torch"
+
+
+def pack_weight(weight):
+    """GEMM weights stay as they are: torch's GEMM takes them [N, K]."""
+    return weight
 attention = functools.partial(attention_by_sequence, paged_attention, paged_decode_attention)

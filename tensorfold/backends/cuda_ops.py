@@ -32,6 +32,11 @@ from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa
 NAME = "triton"
 
 
+def pack_weight(weight):
+    """GEMM weights stay as they are: cuBLAS takes them [N, K]."""
+    return weight
+
+
 def attention(q, k_cache, v_cache, batch, scale, window=None):
     """All rows of a ForwardBatch in one launch."""
     return paged_attention_varlen(q, k_cache, v_cache, batch.positions, batch.block_tables, batch.row_starts,

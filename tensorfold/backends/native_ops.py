@@ -21,8 +21,25 @@ silu_and_mul = _cpu.silu_and_mul
 write_kv = _cpu.write_kv
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = _cpu.linear(x, weight)
+class PackedWeight:
+    """A GEMM weight [N, K] in the kernel's tile layout (packed once, at load)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.data = _cpu.pack_weight(weight)
+        self.shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    return PackedWeight(weight)
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight^T with a PackedWeight (or a plain [N, K] tensor, packed per call)."""
+    if isinstance(weight, PackedWeight):
+        out = _cpu.linear_packed(x, weight.data, *weight.shape)
+    else:
+        out = _cpu.linear(x, weight)
     return out if bias is None else out + bias
 
 
@@ -42,5 +59,5 @@ def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, 
 
 def attention(q, k_cache, v_cache, batch, scale, window):
     """All rows of a ForwardBatch in one call."""
-    return _cpu.paged_attention(q, k_cache, v_cache, batch.positions, batch.block_tables,
-                                torch.tensor(batch.row_starts), scale, window or 0)
+    return _cpu.paged_attention(q, k_cache, v_cache, batch.positions, batch.block_tables, batch.row_starts_tensor,
+                                scale, window or 0)

@@ -2,8 +2,9 @@
 
 Invariant: row i of every op's output is bitwise the same whatever other rows share the call,
 how many there are, and where row i sits:
-- `linear` sums every output in one order fixed by K alone (16 lanes over K, then a halving tree),
-  which the C++ GEMM (csrc/cpu/gemm.cpp) follows instruction for instruction. It is the oracle,
+- `linear` sums every output in one order fixed by K alone (16 lanes of fused multiply-adds over
+  K, then a halving tree), which the C++ GEMM (csrc/cpu/gemm.cpp) follows instruction for
+  instruction. It is the oracle,
   written for clarity, not speed. `linear_padded` is torch's GEMM with the rows padded to 8: the
   op set of a build without the C++ kernels and of the cuda backend uses it, and the engine's
   startup probes decide whether it holds on the machine (it does on AMD EPYC, not on Intel Xeon
@@ -39,33 +40,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] in x's dtype, every sum in one fixed order.
 
     For each output, lane l (of 16) accumulates x[k] w[k] over k = l, l + 16, ... in increasing
-    k, starting from +0 (K is padded with zeros to a multiple of 16: adding +0 changes no sum);
-    then the lanes fold by halves: l + (l + 8), then + 4, + 2, + 1. In float32 each product is
-    rounded and then added. bfloat16 products are exact in float32, and the kernel adds them with
-    one rounding (FMA): here acc + x w is formed in float64 and rounded once to float32, which is
-    that rounding (the float64 sum is exact, or so lopsided that both round to the larger term).
-    The result is rounded to x's dtype; a bias is added after, in that dtype.
+    k, starting from +0, each step one fused multiply-add (acc + x w rounded once to float32; K
+    is padded with zeros to a multiple of 16, and adding +0 changes no sum); then the lanes fold
+    by halves: l + (l + 8), then + 4, + 2, + 1. The result is rounded to x's dtype; a bias is
+    added after, in that dtype. The C++ kernel (csrc/cpu/gemm.cpp) does exactly this, with the
+    rows and columns tiled any way it likes.
     """
     num_rows, k = x.shape
     chunks = -(-k // GEMM_LANES)
     pad = chunks * GEMM_LANES - k
-    fused = x.dtype == torch.bfloat16
-    wide = torch.float64 if fused else torch.float32
-    xs = F.pad(x.to(wide), (0, pad)).view(num_rows, 1, chunks, GEMM_LANES)
+    xs = F.pad(x.double(), (0, pad)).view(num_rows, 1, chunks, GEMM_LANES)
     out = torch.empty((num_rows, weight.shape[0]), dtype=torch.float32, device=x.device)
     for n0 in range(0, weight.shape[0], GEMM_COLUMN_BLOCK):
-        ws = F.pad(weight[n0:n0 + GEMM_COLUMN_BLOCK].to(wide), (0, pad))
-        ws = ws.view(1, -1, chunks, GEMM_LANES)
+        ws = F.pad(weight[n0:n0 + GEMM_COLUMN_BLOCK].double(), (0, pad)).view(1, -1, chunks, GEMM_LANES)
         acc = torch.zeros((num_rows, ws.shape[1], GEMM_LANES), dtype=torch.float32, device=x.device)
         for c in range(chunks):
-            product = xs[:, :, c] * ws[:, :, c]
-            acc = (acc.double() + product).float() if fused else acc + product
+            acc = fma32(acc, xs[:, :, c], ws[:, :, c])
         acc = acc[..., :8] + acc[..., 8:]
         acc = acc[..., :4] + acc[..., 4:]
         acc = acc[..., :2] + acc[..., 2:]
         out[:, n0:n0 + ws.shape[1]] = acc[..., 0] + acc[..., 1]
     out = out.to(x.dtype)
     return out if bias is None else out + bias
+
+
+def fma32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float32 fma(a, b, acc): acc + a b rounded once, for float32 acc and float64 a, b that hold
+    float32 (or bfloat16) values. In float64 the product is exact; the sum is rounded to odd (its
+    exact error, by TwoSum, nudges an inexact even result one ulp toward the true sum), and a
+    value rounded to odd with 2+ spare bits rounds to float32 as the exact sum would (Boldo and
+    Melquiond, 2008)."""
+    c = acc.double()
+    p = a * b
+    s = c + p
+    bp = s - c
+    err = (c - (s - bp)) + (p - bp)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, float("inf"), float("-inf")).double()
+    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    return s.float()
 
 
 def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

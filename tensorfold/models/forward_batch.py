@@ -38,6 +38,11 @@ class ForwardBatch:
         """Sequence i owns rows row_starts[i]:row_starts[i + 1]."""
         return [seq.start for seq in self.sequences] + [self.sequences[-1].end if self.sequences else 0]
 
+    @cached_property
+    def row_starts_tensor(self) -> torch.Tensor:
+        """row_starts as an int64 CPU tensor (what the C++ attention reads)."""
+        return torch.tensor(self.row_starts, dtype=torch.int64)
+
 
 @dataclass
 class KVCache:

@@ -14,7 +14,7 @@ from tensorfold.models.forward_batch import ForwardBatch, KVCache
 
 class Layer:
     def __init__(self, tensors: dict, prefix: str, args: ModelArgs, dtype: torch.dtype, window: int | None,
-                 device: torch.device):
+                 device: torch.device, pack):
         def get(name):
             return _take(tensors, prefix + name, dtype, device)
 
@@ -24,13 +24,15 @@ class Layer:
         attn, mlp = "self_attn.", "mlp."
         self.input_norm = get("input_layernorm.weight")
         self.post_attn_norm = get("post_attention_layernorm.weight")
-        self.qkv = torch.cat([get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")])
+        # GEMM weights in the op set's layout (pack): the C++ GEMM's tiles, or as they are.
+        self.qkv = pack(torch.cat([get(attn + "q_proj.weight"), get(attn + "k_proj.weight"),
+                                   get(attn + "v_proj.weight")]))
         biases = [maybe(attn + f"{p}_proj.bias") for p in "qkv"]
         self.qkv_bias = torch.cat(biases) if biases[0] is not None else None
-        self.o = get(attn + "o_proj.weight")
+        self.o = pack(get(attn + "o_proj.weight"))
         self.o_bias = maybe(attn + "o_proj.bias")
-        self.gate_up = torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
-        self.down = get(mlp + "down_proj.weight")
+        self.gate_up = pack(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]))
+        self.down = pack(get(mlp + "down_proj.weight"))
         self.q_norm = maybe(attn + "q_norm.weight")  # qwen3
         self.k_norm = maybe(attn + "k_norm.weight")
         self.window = window
@@ -48,13 +50,13 @@ class Model:
         if self.embed.shape != (args.vocab_size, args.hidden_size):
             raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
                                   f"config says ({args.vocab_size}, {args.hidden_size})")
-        self.layers = [Layer(tensors, f"model.layers.{i}.", args, dtype, args.layer_windows[i], device)
-                       for i in range(args.num_layers)]
+        self.layers = [Layer(tensors, f"model.layers.{i}.", args, dtype, args.layer_windows[i], device,
+                             ops.pack_weight) for i in range(args.num_layers)]
         self.norm = _take(tensors, "model.norm.weight", dtype, device)
         if "lm_head.weight" in tensors:
-            self.lm_head = _take(tensors, "lm_head.weight", dtype, device)
-        elif args.tie_word_embeddings:
-            self.lm_head = self.embed
+            self.lm_head = ops.pack_weight(_take(tensors, "lm_head.weight", dtype, device))
+        elif args.tie_word_embeddings:  # a packed copy where the op set packs (the lookup reads embed)
+            self.lm_head = ops.pack_weight(self.embed)
         else:
             raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
         inv_freq, rope_scale = rope_inv_freq(args.rope, args.head_dim)
