@@ -38,7 +38,7 @@ DEVICE = "cuda" if HAS_GPU else "cpu"
 OP_NAMES = ("linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul", "apply_rope",
             "rope_table", "pad_rows", "paged_attention", "paged_decode_attention", "attention", "write_kv",
             "sample")
-KERNEL_OPS = ("paged_attention", "rms_norm", "add_rms_norm", "apply_rope", "sample")  # Triton in cuda_ops
+KERNEL_OPS = ("attention", "rms_norm", "add_rms_norm", "apply_rope", "sample")  # Triton in cuda_ops
 SMALL = dict(probe=False, kv_cache_gib=0.002, context=256)
 
 

@@ -1,0 +1,174 @@
+"""The cpu backend against llama.cpp on the same weights and precision, in one run (issue 10).
+
+    python tools/bench_native.py                       # fp32 and bf16, 2 threads
+    python tools/bench_native.py --dtypes bfloat16 --long 3514
+
+For each dtype: TensorFold's engine on the default model (the compiled op set, exact mode)
+next to llama.cpp (llama-cpp-python, a peer only; the column is skipped with a message when it
+is not installed) on a GGUF of the same weights in the same precision (tools/peer_gguf.py writes
+the F32 and BF16 files from the default Q4_1 one). Best of --repeats runs each (other processes
+only ever slow a run down). Columns:
+- decode: single-stream greedy tokens/s after a short prompt, drafting off on both sides;
+- prefill: a --prefill-token prompt (one 512-row chunk), tokens/s;
+- 4 streams: aggregate decode tokens/s of 4 concurrent requests over one stream's;
+- Python: the engine's own time per decode round (scheduling, batch building, bookkeeping,
+  detokenizing: the round minus the model's forward and the draw), as a share of the round.
+--long N adds a prompt of N tokens: its prefill, then decode at that depth.
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tools import peer_llama_cpp  # noqa: E402
+from tools.bench_core import fmt, machine_line, print_table  # noqa: E402
+
+
+def prompt_ids(n: int, offset: int = 0) -> list[int]:
+    return peer_llama_cpp.arbitrary_prompt(n + offset)[offset:]
+
+
+class RoundClock:
+    """Splits the engine's decode rounds into forward + draw and everything else."""
+
+    def __init__(self, engine):
+        self.forward_s = self.round_s = 0.0
+        runner, ops = engine.runner, engine.model.ops
+        model_forward, sample = runner.model.forward, ops.sample
+
+        def forward(*a, **k):
+            t = time.perf_counter()
+            try:
+                return model_forward(*a, **k)
+            finally:
+                self.forward_s += time.perf_counter() - t
+
+        def timed_sample(*a, **k):
+            t = time.perf_counter()
+            try:
+                return sample(*a, **k)
+            finally:
+                self.forward_s += time.perf_counter() - t
+
+        runner.model.forward = forward
+        runner.model.ops = _with(ops, sample=timed_sample)
+
+    def python_share(self) -> float:
+        return 1.0 - self.forward_s / self.round_s
+
+
+def _with(ops, **overrides):
+    import types
+    names = {n: getattr(ops, n) for n in dir(ops) if not n.startswith("_")}
+    return types.SimpleNamespace(**{**names, **overrides})
+
+
+def tensorfold_runs(dtype: str, args) -> dict:
+    import torch
+
+    from tensorfold.engine.engine import Engine, EngineConfig
+    from tensorfold.sampling.params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    context = max(2048, args.long + args.tokens + 16)
+    engine = Engine(None, EngineConfig(dtype=dtype, num_threads=args.threads, prompt_cache_gib=0,
+                                       context=context, kv_cache_gib=0.5, max_tokens_per_step=512))
+    out = {"exact": engine.exact, "ops": engine.model.ops.NAME}
+    greedy = dict(temperature=0, ignore_eos=True, draft=False)
+    engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **greedy))  # warm-up
+    clock = RoundClock(engine)
+    for _ in range(args.repeats):
+        clock.forward_s = clock.round_s = 0.0
+        rid = engine.add_request(prompt_ids(16), SamplingParams(max_tokens=args.tokens, **greedy))
+        req = engine.requests[rid]
+        engine.step()  # the prompt
+        clock.forward_s = 0.0
+        started = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        clock.round_s = time.perf_counter() - started
+        out["decode"] = max(out.get("decode", 0), (args.tokens - 1) / clock.round_s)
+        out["python"] = min(out.get("python", 1), clock.python_share())
+        assert len(req.output_ids) == args.tokens
+
+        done = engine.generate(prompt_ids(args.prefill_tokens), SamplingParams(max_tokens=1, **greedy))
+        out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens / done.request.stats.prefill_s)
+
+        ids = [engine.add_request(prompt_ids(16, offset=100 * i), SamplingParams(max_tokens=args.tokens, **greedy))
+               for i in range(4)]
+        engine.step()
+        while any(engine.requests[i].num_computed_tokens < 16 for i in ids if i in engine.requests):
+            engine.step()
+        started = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        out["four"] = max(out.get("four", 0), 4 * (args.tokens - 1) / (time.perf_counter() - started))
+
+        if args.long:
+            done = engine.generate(prompt_ids(args.long), SamplingParams(max_tokens=args.tokens, **greedy))
+            s = done.request.stats
+            out["long_prefill"] = max(out.get("long_prefill", 0), args.long / s.prefill_s)
+            out["long_decode"] = max(out.get("long_decode", 0), (args.tokens - 1) / s.decode_s)
+    return out
+
+
+def llama_cpp_runs(dtype: str, args) -> dict | None:
+    if not peer_llama_cpp.available():
+        print(peer_llama_cpp.SKIP_MESSAGE)
+        return None
+    from tools.peer_gguf import peer_gguf
+
+    llm = peer_llama_cpp.load(peer_gguf(dtype), n_ctx=max(2048, args.long + args.tokens + 16), threads=args.threads)
+    out = {}
+    for _ in range(args.repeats):
+        out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))
+        out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens /
+                             peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.prefill_tokens)))
+        if args.long:
+            out["long_prefill"] = max(out.get("long_prefill", 0),
+                                      args.long / peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.long)))
+            out["long_decode"] = max(out.get("long_decode", 0),
+                                     peer_llama_cpp.decode_tps(llm, prompt_ids(args.long), args.tokens))
+    return out
+
+
+def ratio(ours, peer):
+    return f"{ours / peer:.2f}x" if peer else "-"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--long", type=int, default=0, help="also a prompt of this many tokens (0: off)")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    print(machine_line())
+    rows = []
+    for dtype in args.dtypes.split(","):
+        ours = tensorfold_runs(dtype, args)
+        peer = llama_cpp_runs(dtype, args) or {}
+        row = [dtype, ours["ops"], ours["exact"],
+               fmt(ours["decode"], 1), fmt(peer.get("decode"), 1), ratio(ours["decode"], peer.get("decode")),
+               fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
+               f"{ours['four'] / ours['decode']:.2f}x", f"{100 * ours['python']:.1f}%"]
+        if args.long:
+            row += [fmt(ours["long_prefill"], 0), fmt(peer.get("long_prefill"), 0),
+                    ratio(ours["long_prefill"], peer.get("long_prefill")), fmt(ours["long_decode"], 1),
+                    fmt(peer.get("long_decode"), 1), ratio(ours["long_decode"], peer.get("long_decode"))]
+        rows.append(row)
+    headers = ["dtype", "ops", "exact", "decode tok/s", "llama.cpp", "ratio",
+               f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams / 1", "Python per round"]
+    if args.long:
+        headers += [f"prefill {args.long} tok/s", "llama.cpp", "ratio", f"decode @{args.long}", "llama.cpp", "ratio"]
+    print_table(headers, rows, f"{args.threads} threads, {args.tokens} new tokens, best of {args.repeats}")
+
+
+if __name__ == "__main__":
+    main()
