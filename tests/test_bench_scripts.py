@@ -2,7 +2,8 @@
 
 bench_kernels.py --smoke runs every kernel in the interpreter at tiny sizes next to its torch
 counterpart and checks attention against its reference bitwise in each row; bench_exact.py runs
-each exact CPU op next to its stock counterpart with one timing run.
+each exact CPU op next to its stock counterpart with one timing run; bench_native.py decodes a
+few tokens next to llama.cpp (when installed).
 """
 import os
 import re
@@ -32,3 +33,11 @@ def test_bench_exact_runs():
     out = run_tool("tools/bench_exact.py", "--runs", "1", "--repeats", "1")
     rows = [line for line in out.splitlines() if re.search(r"\| \d+\.\d\dx +\|$", line)]
     assert len(rows) == 24, out
+
+
+def test_bench_native_runs():
+    """A tiny run: one dtype, a few tokens; the llama.cpp columns read n/a where it is not installed."""
+    out = run_tool("tools/bench_native.py", "--dtypes", "float32", "--tokens", "4", "--prefill-tokens", "16",
+                   "--repeats", "1")
+    row = [line for line in out.splitlines() if line.startswith("| float32")]
+    assert len(row) == 1 and "| True " in row[0], out
