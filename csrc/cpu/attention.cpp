@@ -16,6 +16,7 @@
 
 #include "exact.h"
 #include "kernels.h"
+#include "vec16.h"
 
 namespace tf {
 namespace {
@@ -59,11 +60,18 @@ void on_grid(const T* x, T* out, int64_t n, int bits) {
   for (int64_t i = 0; i < n; ++i) out[i] = from_f32<T>(static_cast<float>(y[i]));
 }
 
+constexpr int64_t ROWS_PER_ITEM = 16;  // query rows of one sequence that share each K/V load
+constexpr int64_t KEY_CHUNK = 64;      // keys converted to float64 at a time (divides SPLIT_SIZE)
+
+// Per-thread buffers, grown as needed and reused across work items and calls.
 struct Scratch {
-  std::vector<double> q, num_part;
+  std::vector<double> q, kt, v_int, dots, num_part;
   std::vector<int64_t> num;
-  std::vector<float> scores;
-  std::vector<int> v_exp;
+  std::vector<float> scores, p;
+  std::vector<double> den;
+  std::vector<float> m;
+  std::vector<int> v_exp, top;
+  std::vector<int64_t> lo, hi;
 };
 
 template <typename T>
@@ -71,73 +79,114 @@ struct Cache {
   const T* k;
   const T* v;
   int64_t block_size, kv_heads, head_dim;
-  // Visit keys [first, last] in order: f(j, k_vector, v_vector) with j counted from first.
-  template <typename F>
-  void each_key(const int64_t* table, int64_t first, int64_t last, int64_t head, F&& f) const {
-    const int64_t stride = kv_heads * head_dim;
-    int64_t j = 0;
-    for (int64_t b = first / block_size; b <= last / block_size; ++b) {
-      const int64_t lo = std::max(first, b * block_size), hi = std::min(last + 1, (b + 1) * block_size);
-      const int64_t base = ((table[b] * block_size + (lo - b * block_size)) * kv_heads + head) * head_dim;
-      const T* kp = k + base;
-      const T* vp = v + base;
-      for (int64_t key = lo; key < hi; ++key, ++j, kp += stride, vp += stride) f(j, kp, vp);
-    }
+  // Where key `key` of the sequence with block table `table` sits for KV head `head`.
+  int64_t offset(const int64_t* table, int64_t key, int64_t head) const {
+    return ((table[key / block_size] * block_size + key % block_size) * kv_heads + head) * head_dim;
   }
 };
 
+// One work item: rows [r0, r1) of one sequence against one KV head, that is (r1 - r0) * group
+// lanes (lane = row * group + head within the group). Keys are visited in chunks converted to
+// float64 once for all lanes; every sum is exact, so the chunking and the sharing change no bit.
 template <typename T>
-void attend_lane(const T* q, T* out, const Cache<T>& c, const int64_t* table, int64_t kv_head, int64_t pos,
-                 float scale, int64_t window, Scratch& s) {
-  const int64_t d = c.head_dim;
-  const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-  const int64_t keys = pos - first + 1;
-  s.q.resize(d); s.num_part.resize(d); s.num.resize(d);
-  s.scores.resize(keys); s.v_exp.resize(keys);
+void attend_item(const T* q, T* out, const Cache<T>& c, const int64_t* table, const int64_t* positions,
+                 int64_t r0, int64_t r1, int64_t kv_head, int64_t group, int64_t heads, float scale, int64_t window,
+                 Scratch& s) {
+  const int64_t d = c.head_dim, lanes = (r1 - r0) * group;
+  int64_t first = positions[r0], last = positions[r0];
+  s.lo.resize(lanes); s.hi.resize(lanes);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t pos = positions[r];
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    for (int64_t g = 0; g < group; ++g) {
+      s.lo[(r - r0) * group + g] = lo;
+      s.hi[(r - r0) * group + g] = pos;
+    }
+    first = std::min(first, lo);
+    last = std::max(last, pos);
+  }
+  const int64_t keys = last - first + 1;
+  s.q.resize(lanes * d); s.kt.resize(d * KEY_CHUNK); s.v_int.resize(KEY_CHUNK * d); s.dots.resize(KEY_CHUNK);
+  s.scores.resize(lanes * keys); s.p.resize(KEY_CHUNK); s.v_exp.resize(keys);
+  s.m.assign(lanes, -INFINITY); s.top.assign(lanes, -1024); s.den.assign(lanes, 0.0);
+  s.num.assign(lanes * d, 0); s.num_part.assign(lanes * d, 0.0);
 
-  const int qe = exponent(max_abs(q, d));  // 1. q on its grid, exact dot products
-  const double q_up = pow2(QK_BITS - 1 - qe), q_down = pow2(qe - QK_BITS + 1);
-  for (int64_t i = 0; i < d; ++i) s.q[i] = round_even(static_cast<double>(to_f32(q[i])) * q_up) * q_down;
+  for (int64_t lane = 0; lane < lanes; ++lane) {  // 1. q on its grid
+    const T* qv = q + ((r0 + lane / group) * heads + kv_head * group + lane % group) * d;
+    const int qe = exponent(max_abs(qv, d));
+    const double up = pow2(QK_BITS - 1 - qe), down = pow2(qe - QK_BITS + 1);
+    for (int64_t i = 0; i < d; ++i) s.q[lane * d + i] = round_even(static_cast<double>(to_f32(qv[i])) * up) * down;
+  }
   const double scale64 = scale;
-  float m = -INFINITY;
-  int top = -1024;
-  c.each_key(table, first, pos, kv_head, [&](int64_t j, const T* k, const T* v) {
-    double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // every partial sum exact: any order (8 lanes)
-    int64_t i = 0;
-    for (; i + 8 <= d; i += 8)
-      for (int l = 0; l < 8; ++l) part[l] += s.q[i + l] * static_cast<double>(to_f32(k[i + l]));
-    for (; i < d; ++i) part[0] += s.q[i] * static_cast<double>(to_f32(k[i]));
-    double dot = 0.0;
-    for (double p : part) dot += p;
-    const float score = static_cast<float>(dot * scale64);
-    s.scores[j] = score;
-    m = std::max(m, score);
-    const int ve = exponent(max_abs(v, d));
-    s.v_exp[j] = ve;
-    top = std::max(top, ve);
-  });
+  for (int64_t c0 = first; c0 <= last; c0 += KEY_CHUNK) {  // exact scores, chunk by chunk
+    const int64_t n = std::min(KEY_CHUNK, last + 1 - c0);
+    for (int64_t j = 0; j < n; ++j) {  // K transposed to [d][key], float64
+      const int64_t at = c.offset(table, c0 + j, kv_head);
+      for (int64_t i = 0; i < d; ++i) s.kt[i * KEY_CHUNK + j] = to_f32(c.k[at + i]);
+      s.v_exp[c0 - first + j] = exponent(max_abs(c.v + at, d));
+    }
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      if (s.hi[lane] < c0 || s.lo[lane] >= c0 + n) {  // sees no key of this chunk
+        std::fill_n(s.scores.data() + lane * keys + (c0 - first), n, -INFINITY);
+        continue;
+      }
+      double* dot = s.dots.data();
+      std::fill(dot, dot + KEY_CHUNK, 0.0);
+      const double* ql = s.q.data() + lane * d;
+      for (int64_t i = 0; i < d; ++i) {  // every product and partial sum exact: any order
+        const double qi = ql[i];
+        const double* kr = s.kt.data() + i * KEY_CHUNK;
+        for (int64_t j = 0; j < KEY_CHUNK; ++j) dot[j] += qi * kr[j];
+      }
+      float* sc = s.scores.data() + lane * keys + (c0 - first);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t key = c0 + j;
+        const bool seen = key >= s.lo[lane] && key <= s.hi[lane];
+        sc[j] = seen ? static_cast<float>(dot[j] * scale64) : -INFINITY;
+        if (seen) {
+          s.m[lane] = std::max(s.m[lane], sc[j]);
+          s.top[lane] = std::max(s.top[lane], s.v_exp[key - first]);
+        }
+      }
+    }
+  }
 
-  double den = 0.0;  // 2.-3. weights on one grid, exact sums
-  std::fill(s.num.begin(), s.num.end(), 0);
-  std::fill(s.num_part.begin(), s.num_part.end(), 0.0);
-  c.each_key(table, first, pos, kv_head, [&](int64_t j, const T*, const T* v) {
-    if (j > 0 && j % SPLIT_SIZE == 0) {  // a float64 partial holds SPLIT_SIZE keys exactly
-      for (int64_t i = 0; i < d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
+  for (int64_t c0 = first; c0 <= last; c0 += KEY_CHUNK) {  // 2.-3. integer weights on one grid
+    const int64_t n = std::min(KEY_CHUNK, last + 1 - c0);
+    if (c0 > first && (c0 - first) % SPLIT_SIZE == 0) {  // a float64 partial holds SPLIT_SIZE keys exactly
+      for (int64_t i = 0; i < lanes * d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
       std::fill(s.num_part.begin(), s.num_part.end(), 0.0);
     }
-    const double p = exp_neg(s.scores[j] - m);
-    den += round_even(p * pow2(L_BITS));
-    const double w = round_even(p * pow2(s.v_exp[j] - top + W_BITS));
-    if (w == 0.0) return;
-    const double v_up = pow2(V_BITS - 1 - s.v_exp[j]);
-    for (int64_t i = 0; i < d; ++i) s.num_part[i] += w * (static_cast<double>(to_f32(v[i])) * v_up);
-  });
-  for (int64_t i = 0; i < d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
-  if (den == 0.0) den = 1.0;  // 4.
-  const double out_scale = pow2(top - V_BITS - W_BITS + 1 + L_BITS);
-  for (int64_t i = 0; i < d; ++i) {
-    const double ratio = static_cast<double>(s.num[i]) / den;
-    out[i] = from_f32<T>(static_cast<float>(ratio * out_scale));
+    for (int64_t j = 0; j < n; ++j) {  // V as integers (float64), [key][d]
+      const int64_t at = c.offset(table, c0 + j, kv_head);
+      const double up = pow2(V_BITS - 1 - s.v_exp[c0 - first + j]);
+      for (int64_t i = 0; i < d; ++i) s.v_int[j * d + i] = static_cast<double>(to_f32(c.v[at + i])) * up;
+    }
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      if (s.hi[lane] < c0 || s.lo[lane] >= c0 + n) continue;
+      const float* sc = s.scores.data() + lane * keys + (c0 - first);
+      exp_neg_shifted(sc, s.m[lane], s.p.data(), n);  // 0 where unseen (-inf)
+      double* acc = s.num_part.data() + lane * d;
+      for (int64_t j = 0; j < n; ++j) {
+        const double p = s.p[j];
+        if (p == 0.0) continue;
+        s.den[lane] += round_even(p * pow2(L_BITS));
+        const double w = round_even(p * pow2(s.v_exp[c0 - first + j] - s.top[lane] + W_BITS));
+        const double* vr = s.v_int.data() + j * d;
+        for (int64_t i = 0; i < d; ++i) acc[i] += w * vr[i];
+      }
+    }
+  }
+  for (int64_t i = 0; i < lanes * d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
+
+  for (int64_t lane = 0; lane < lanes; ++lane) {  // 4. one division, one scaling, two roundings
+    T* o = out + ((r0 + lane / group) * heads + kv_head * group + lane % group) * d;
+    const double den = s.den[lane] == 0.0 ? 1.0 : s.den[lane];
+    const double out_scale = pow2(s.top[lane] - V_BITS - W_BITS + 1 + L_BITS);
+    for (int64_t i = 0; i < d; ++i) {
+      const double ratio = static_cast<double>(s.num[lane * d + i]) / den;
+      o[i] = from_f32<T>(static_cast<float>(ratio * out_scale));
+    }
   }
 }
 
@@ -146,22 +195,24 @@ void attention_impl(const T* q, const T* k_cache, const T* v_cache, T* out, cons
                     const int64_t* tables, int64_t table_width, const int64_t* row_starts, int64_t num_seqs,
                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, double scale,
                     int64_t window, int threads) {
-  const int64_t rows = row_starts[num_seqs] - row_starts[0];
-  std::vector<int64_t> seq_of_row(rows);
+  struct Item { int64_t seq, r0, r1, kv_head; };
+  std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t r = row_starts[s]; r < row_starts[s + 1]; ++r) seq_of_row[r - row_starts[0]] = s;
+    for (int64_t r0 = row_starts[s]; r0 < row_starts[s + 1]; r0 += ROWS_PER_ITEM)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        items.push_back({s, r0, std::min(row_starts[s + 1], r0 + ROWS_PER_ITEM), h});
   const Cache<T> cache{k_cache, v_cache, block_size, kv_heads, head_dim};
-  const int64_t group = heads / kv_heads, lanes = rows * heads;
+  const int64_t group = heads / kv_heads;
   const float scale32 = static_cast<float>(scale);  // the kernels take scale as float32
-#pragma omp parallel num_threads(threads) if (threads > 1 && lanes > 1)
+  const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(threads) if (threads > 1 && count > 1)
   {
-    Scratch scratch;
+    thread_local Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t lane = 0; lane < lanes; ++lane) {
-      const int64_t r = lane / heads, h = lane % heads, row = row_starts[0] + r;
-      const int64_t offset = (row * heads + h) * head_dim;
-      attend_lane(q + offset, out + offset, cache, tables + seq_of_row[r] * table_width, h / group,
-                  positions[row], scale32, window, scratch);
+    for (int64_t i = 0; i < count; ++i) {
+      const Item& it = items[i];
+      attend_item(q, out, cache, tables + it.seq * table_width, positions, it.r0, it.r1, it.kv_head, group, heads,
+                  scale32, window, scratch);
     }
   }
 }

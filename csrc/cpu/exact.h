@@ -47,20 +47,20 @@ template <> inline bf16 from_f32<bf16>(float x) { return bf16{f32_to_bf16(x)}; }
 constexpr float EXP_MIN = -87.0f;
 constexpr float LOG2E = 1.44269502162933349609375f;
 constexpr float LN2_HI = 0.693359375f;
+constexpr float EXP_LN2_LO = static_cast<float>(-2.12194440e-4);
+constexpr float EXP_POLY[6] = {static_cast<float>(1.9875691500e-4), static_cast<float>(1.3981999507e-3),
+                               static_cast<float>(8.3334519073e-3), static_cast<float>(4.1665795894e-2),
+                               static_cast<float>(1.6666665459e-1), static_cast<float>(5.0000001201e-1)};
 inline float exp_neg(float x) {
-  const float ln2_lo = static_cast<float>(-2.12194440e-4);
-  const float poly[6] = {static_cast<float>(1.9875691500e-4), static_cast<float>(1.3981999507e-3),
-                         static_cast<float>(8.3334519073e-3), static_cast<float>(4.1665795894e-2),
-                         static_cast<float>(1.6666665459e-1), static_cast<float>(5.0000001201e-1)};
   if (x < EXP_MIN) x = EXP_MIN;  // NaN stays NaN
   float n = x * LOG2E;
   n = n + 0.5f;
   n = std::floor(n);
   float r = x - n * LN2_HI;
-  r = r - n * ln2_lo;
-  float p = r * poly[0];
+  r = r - n * EXP_LN2_LO;
+  float p = r * EXP_POLY[0];
   for (int i = 1; i < 6; ++i) {
-    p = p + poly[i];
+    p = p + EXP_POLY[i];
     p = p * r;
   }
   p = p * r;
