@@ -65,7 +65,7 @@ constexpr int64_t KEY_CHUNK = 64;      // keys converted to float64 at a time (d
 
 // Per-thread buffers, grown as needed and reused across work items and calls.
 struct Scratch {
-  std::vector<double> q, kt, v_int, dots, num_part;
+  std::vector<double> q, kt, v_int, dots, w, num_part;
   std::vector<int64_t> num;
   std::vector<float> scores, p;
   std::vector<double> den;
@@ -85,10 +85,49 @@ struct Cache {
   }
 };
 
+// The two inner products of a work item, with the head size known at compile time where it is a
+// usual one (64, 128, 256: the accumulators then stay in registers) and at run time otherwise.
+// Every product and partial sum in them is exact, so how they are ordered is free.
+
+// dots[j] = q . k_j for the KEY_CHUNK keys of kt ([d][KEY_CHUNK], float64).
+template <int D>
+void chunk_dots(const double* q, const double* kt, double* dots, int64_t d) {
+  const int64_t dims = D > 0 ? D : d;
+  double acc[KEY_CHUNK] = {};
+  for (int64_t i = 0; i < dims; ++i) {
+    const double qi = q[i];
+    const double* kr = kt + i * KEY_CHUNK;
+    for (int64_t j = 0; j < KEY_CHUNK; ++j) acc[j] += qi * kr[j];
+  }
+  for (int64_t j = 0; j < KEY_CHUNK; ++j) dots[j] = acc[j];
+}
+
+// acc += sum_j w[j] v_int[j] over the n keys of the chunk (v_int [n][d], float64).
+template <int D>
+void chunk_weighted_sum(const double* w, const double* v_int, int64_t n, double* acc, int64_t d) {
+  if constexpr (D > 0) {
+    double a[D];
+    for (int64_t i = 0; i < D; ++i) a[i] = acc[i];
+    for (int64_t j = 0; j < n; ++j) {
+      if (w[j] == 0.0) continue;
+      const double wj = w[j];
+      const double* vr = v_int + j * D;
+      for (int64_t i = 0; i < D; ++i) a[i] += wj * vr[i];
+    }
+    for (int64_t i = 0; i < D; ++i) acc[i] = a[i];
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      if (w[j] == 0.0) continue;
+      const double* vr = v_int + j * d;
+      for (int64_t i = 0; i < d; ++i) acc[i] += w[j] * vr[i];
+    }
+  }
+}
+
 // One work item: rows [r0, r1) of one sequence against one KV head, that is (r1 - r0) * group
 // lanes (lane = row * group + head within the group). Keys are visited in chunks converted to
 // float64 once for all lanes; every sum is exact, so the chunking and the sharing change no bit.
-template <typename T>
+template <typename T, int D>
 void attend_item(const T* q, T* out, const Cache<T>& c, const int64_t* table, const int64_t* positions,
                  int64_t r0, int64_t r1, int64_t kv_head, int64_t group, int64_t heads, float scale, int64_t window,
                  Scratch& s) {
@@ -107,7 +146,7 @@ void attend_item(const T* q, T* out, const Cache<T>& c, const int64_t* table, co
   }
   const int64_t keys = last - first + 1;
   s.q.resize(lanes * d); s.kt.resize(d * KEY_CHUNK); s.v_int.resize(KEY_CHUNK * d); s.dots.resize(KEY_CHUNK);
-  s.scores.resize(lanes * keys); s.p.resize(KEY_CHUNK); s.v_exp.resize(keys);
+  s.scores.resize(lanes * keys); s.p.resize(KEY_CHUNK); s.w.resize(KEY_CHUNK); s.v_exp.resize(keys);
   s.m.assign(lanes, -INFINITY); s.top.assign(lanes, -1024); s.den.assign(lanes, 0.0);
   s.num.assign(lanes * d, 0); s.num_part.assign(lanes * d, 0.0);
 
@@ -130,24 +169,22 @@ void attend_item(const T* q, T* out, const Cache<T>& c, const int64_t* table, co
         std::fill_n(s.scores.data() + lane * keys + (c0 - first), n, -INFINITY);
         continue;
       }
-      double* dot = s.dots.data();
-      std::fill(dot, dot + KEY_CHUNK, 0.0);
-      const double* ql = s.q.data() + lane * d;
-      for (int64_t i = 0; i < d; ++i) {  // every product and partial sum exact: any order
-        const double qi = ql[i];
-        const double* kr = s.kt.data() + i * KEY_CHUNK;
-        for (int64_t j = 0; j < KEY_CHUNK; ++j) dot[j] += qi * kr[j];
-      }
+      const double* dot = s.dots.data();
+      chunk_dots<D>(s.q.data() + lane * d, s.kt.data(), s.dots.data(), d);
       float* sc = s.scores.data() + lane * keys + (c0 - first);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t key = c0 + j;
-        const bool seen = key >= s.lo[lane] && key <= s.hi[lane];
-        sc[j] = seen ? static_cast<float>(dot[j] * scale64) : -INFINITY;
-        if (seen) {
-          s.m[lane] = std::max(s.m[lane], sc[j]);
-          s.top[lane] = std::max(s.top[lane], s.v_exp[key - first]);
-        }
+      const int* ve = s.v_exp.data() + (c0 - first);
+      const int64_t j0 = std::max<int64_t>(s.lo[lane] - c0, 0), j1 = std::min<int64_t>(s.hi[lane] - c0 + 1, n);
+      float m = s.m[lane];  // the lane sees keys [j0, j1) of this chunk: a contiguous run
+      int top = s.top[lane];
+      for (int64_t j = 0; j < j0; ++j) sc[j] = -INFINITY;
+      for (int64_t j = j0; j < j1; ++j) {
+        sc[j] = static_cast<float>(dot[j] * scale64);
+        m = std::max(m, sc[j]);
+        top = std::max(top, ve[j]);
       }
+      for (int64_t j = j1; j < n; ++j) sc[j] = -INFINITY;
+      s.m[lane] = m;
+      s.top[lane] = top;
     }
   }
 
@@ -157,6 +194,8 @@ void attend_item(const T* q, T* out, const Cache<T>& c, const int64_t* table, co
       for (int64_t i = 0; i < lanes * d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
       std::fill(s.num_part.begin(), s.num_part.end(), 0.0);
     }
+    int ve[KEY_CHUNK] = {};  // the chunk's V exponents, zero past its end (their weights are 0)
+    std::copy_n(s.v_exp.data() + (c0 - first), n, ve);
     for (int64_t j = 0; j < n; ++j) {  // V as integers (float64), [key][d]
       const int64_t at = c.offset(table, c0 + j, kv_head);
       const double up = pow2(V_BITS - 1 - s.v_exp[c0 - first + j]);
@@ -165,16 +204,19 @@ void attend_item(const T* q, T* out, const Cache<T>& c, const int64_t* table, co
     for (int64_t lane = 0; lane < lanes; ++lane) {
       if (s.hi[lane] < c0 || s.lo[lane] >= c0 + n) continue;
       const float* sc = s.scores.data() + lane * keys + (c0 - first);
-      exp_neg_shifted(sc, s.m[lane], s.p.data(), n);  // 0 where unseen (-inf)
-      double* acc = s.num_part.data() + lane * d;
-      for (int64_t j = 0; j < n; ++j) {
-        const double p = s.p[j];
-        if (p == 0.0) continue;
-        s.den[lane] += round_even(p * pow2(L_BITS));
-        const double w = round_even(p * pow2(s.v_exp[c0 - first + j] - s.top[lane] + W_BITS));
-        const double* vr = s.v_int.data() + j * d;
-        for (int64_t i = 0; i < d; ++i) acc[i] += w * vr[i];
-      }
+      float p[KEY_CHUNK];
+      exp_neg_shifted(sc, s.m[lane], p, n);  // 0 where unseen (-inf)
+      for (int64_t j = n; j < KEY_CHUNK; ++j) p[j] = 0.0f;
+      const int shift = W_BITS - s.top[lane];
+      double den[8] = {};  // integers, exact in any order
+      for (int64_t j0 = 0; j0 < KEY_CHUNK; j0 += 8)
+        for (int64_t l = 0; l < 8; ++l) {
+          const double pj = p[j0 + l];
+          den[l] += round_even(pj * pow2(L_BITS));
+          s.w[j0 + l] = round_even(pj * pow2(ve[j0 + l] + shift));
+        }
+      for (double part : den) s.den[lane] += part;
+      chunk_weighted_sum<D>(s.w.data(), s.v_int.data(), n, s.num_part.data() + lane * d, d);
     }
   }
   for (int64_t i = 0; i < lanes * d; ++i) s.num[i] += static_cast<int64_t>(s.num_part[i]);
@@ -211,8 +253,17 @@ void attention_impl(const T* q, const T* k_cache, const T* v_cache, T* out, cons
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i) {
       const Item& it = items[i];
-      attend_item(q, out, cache, tables + it.seq * table_width, positions, it.r0, it.r1, it.kv_head, group, heads,
-                  scale32, window, scratch);
+      const int64_t* table = tables + it.seq * table_width;
+      switch (head_dim) {
+        case 64: attend_item<T, 64>(q, out, cache, table, positions, it.r0, it.r1, it.kv_head, group, heads,
+                                    scale32, window, scratch); break;
+        case 128: attend_item<T, 128>(q, out, cache, table, positions, it.r0, it.r1, it.kv_head, group, heads,
+                                      scale32, window, scratch); break;
+        case 256: attend_item<T, 256>(q, out, cache, table, positions, it.r0, it.r1, it.kv_head, group, heads,
+                                      scale32, window, scratch); break;
+        default: attend_item<T, 0>(q, out, cache, table, positions, it.r0, it.r1, it.kv_head, group, heads,
+                                   scale32, window, scratch);
+      }
     }
   }
 }
