@@ -5,14 +5,16 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels.h"
 #include "exact.h"
+#include "kernels.h"
+#include "vec16.h"
 
 namespace tf {
 namespace {
 
 constexpr int NORM_BITS = 20;
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // below this a call runs on one thread
+constexpr int64_t SILU_BLOCK = 256;             // elements of a row per exp_neg batch
 
 // reference.rms_norm of one row: squares on the row's grid, an exact sum, float64 sqrt/div.
 template <typename T>
@@ -93,13 +95,17 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
   const bool parallel = threads > 1 && rows > 1 && rows * width >= PARALLEL_ELEMENTS;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < width; ++i) {
-      const float g = to_f32(gate[r * in_stride + i]);
-      const float t = exp_neg(-std::fabs(g));
-      const float num = g >= 0.0f ? g : g * t;
-      const float den = 1.0f + t;
-      const float s = num / den;
-      out[r * width + i] = from_f32<T>(s * to_f32(up[r * in_stride + i]));
+    float g[SILU_BLOCK], t[SILU_BLOCK];
+    for (int64_t i0 = 0; i0 < width; i0 += SILU_BLOCK) {
+      const int64_t n = std::min(SILU_BLOCK, width - i0);
+      for (int64_t i = 0; i < n; ++i) g[i] = -std::fabs(to_f32(gate[r * in_stride + i0 + i]));
+      exp_neg_shifted(g, 0.0f, t, n);  // exp_neg(-|g| - 0), and -|g| - 0 is -|g| bit for bit
+      for (int64_t i = 0; i < n; ++i) {
+        const float gi = to_f32(gate[r * in_stride + i0 + i]);
+        const float num = gi * (gi >= 0.0f ? 1.0f : t[i]);  // g, or g t: g * 1 is g exactly
+        const float s = num / (1.0f + t[i]);
+        out[r * width + i0 + i] = from_f32<T>(s * to_f32(up[r * in_stride + i0 + i]));
+      }
     }
   }
 }
