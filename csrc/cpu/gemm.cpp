@@ -67,8 +67,15 @@ void tile(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T* out,
       for (int j = 0; j < NC; ++j) acc[i][j] = v16_fma(acc[i][j], xv, v16_load(wc + j * 16));
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) out[i * ldo + j] = from_f32<T>(v16_tree(acc[i][j]));
+  if constexpr (MR * NC == 16) {  // the 4 x 4 and 2 x 8 tiles: all sixteen trees at once
+    float sums[16];
+    v16_tree16(&acc[0][0], sums);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NC; ++j) out[i * ldo + j] = from_f32<T>(sums[i * NC + j]);
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NC; ++j) out[i * ldo + j] = from_f32<T>(v16_tree(acc[i][j]));
+  }
 }
 
 // The same with the column count chosen at run time (a full tile, or the narrower last one).
