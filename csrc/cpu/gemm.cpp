@@ -88,19 +88,14 @@ void tile_upto(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T*
   tile<T, MR, NC_MAX>(x, ldx, w, cols, j0, out, ldo, K);
 }
 
-// Rows [m0, m1) against the packed tile of columns [n, n + cols).
+// Rows [m0, m1) against the packed tile of columns [n, n + cols): 2 x 8 register tiles (16
+// accumulators; each W load serves 2 rows and the tile stays in L1 for the next pair), the odd
+// last row alone.
 template <typename T>
 void rows_by_tile(const T* x, const T* tile_w, T* out, int64_t m0, int64_t m1, int64_t n, int cols, int64_t N,
                   int64_t K) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) {  // 4 x 4 register tiles: 16 accumulators, each W load used by 4 rows
-    tile_upto<T, 4, 4>(x + m * K, K, tile_w, cols, 0, out + m * N + n, N, K, std::min(cols, 4));
-    if (cols > 4) tile_upto<T, 4, 4>(x + m * K, K, tile_w, cols, 4, out + m * N + n + 4, N, K, cols - 4);
-  }
-  if (m + 2 <= m1) {
-    tile_upto<T, 2, TILE_COLS>(x + m * K, K, tile_w, cols, 0, out + m * N + n, N, K, cols);
-    m += 2;
-  }
+  for (; m + 2 <= m1; m += 2) tile_upto<T, 2, TILE_COLS>(x + m * K, K, tile_w, cols, 0, out + m * N + n, N, K, cols);
   if (m < m1) tile_upto<T, 1, TILE_COLS>(x + m * K, K, tile_w, cols, 0, out + m * N + n, N, K, cols);
 }
 
