@@ -2,15 +2,19 @@
 
 Fresh random inputs every run (the seed is in the failure message), outputs NaN-poisoned
 before each call, odd shapes, float32 and bfloat16, 1 and 2 threads. The GEMM is also checked
-for what makes it exact: a row alone equals the same row among 2..64 others, at any place.
+for what makes it exact: a row alone equals the same row among 2..64 others, at any place. The
+sampler's vocabulary-wide steps (exp64, log64, Gumbel noise, weights and order keys, the head
+selection) are checked against their torch steps too.
 """
 import pytest
 import torch
 
 from kernel_inputs import NAN
 from tensorfold.backends import native_problem
+from tensorfold.kernels import exact
 from tensorfold.kernels import paged_attention as attention_ref
 from tensorfold.kernels import reference
+from tensorfold.sampling import keyed
 
 pytestmark = pytest.mark.skipif(native_problem() is not None, reason=str(native_problem()))
 if native_problem() is None:
@@ -227,3 +231,52 @@ def test_attention_rejects_a_position_past_its_table(draw):
     with pytest.raises(RuntimeError, match="past its table"):
         _cpu.paged_attention(q, k_cache, v_cache, torch.tensor([40]), torch.tensor([[0, 1]]), torch.tensor([0, 1]),
                              0.125, 0)
+
+
+# ---- the keyed sampler's vocabulary-wide steps -------------------------------------------------
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, any NaN equal to any NaN (torch's neg_ flips a NaN's sign bit, C++'s 1 - x not)."""
+    both_nan = a.isnan() & b.isnan()
+    return torch.equal(torch.where(both_nan, 0.0, a).view(torch.int64), torch.where(both_nan, 0.0, b).view(torch.int64))
+
+
+def test_exp64_and_log64_equal_their_torch_steps(draw):
+    g = draw.gen
+    x = torch.cat([-torch.rand(200_000, generator=g, dtype=torch.float64) * 800,
+                   -torch.rand(10_000, generator=g, dtype=torch.float64) * 1e-6,
+                   torch.tensor([0.0, -0.0, -708.4, -709.1, -745.9, -746.0, -746.1, float("-inf"), float("nan")],
+                                dtype=torch.float64)])
+    assert same_bits(_cpu.exp64(x), exact.exp64_torch(x)), str(draw)
+    y = torch.cat([torch.rand(200_000, generator=g, dtype=torch.float64) * 40,
+                   torch.exp2(torch.rand(10_000, generator=g, dtype=torch.float64) * 2000 - 1070),
+                   torch.tensor([0.0, -0.0, -1.0, 1.0, float("inf"), float("nan"), 5e-324, 2.0 ** -1022, 2.0 ** -1023],
+                                dtype=torch.float64)])
+    assert same_bits(_cpu.log64(y), exact.log64_torch(y)), str(draw)
+
+
+def test_gumbel_equals_its_torch_steps(draw):
+    seeds = [int(s) for s in torch.randint(0, 2 ** 62, (3,), generator=draw.gen)] + [2 ** 64 - 1]
+    keys = keyed.row_keys(seeds, [0, 5, 999_999, 3])
+    ids = torch.arange(49_152).reshape(1, -1)
+    assert torch.equal(_cpu.gumbel(keys, ids), keyed.gumbel_torch(keys, ids)), str(draw)
+    some = torch.randint(0, 2 ** 30, (4, 100), generator=draw.gen)
+    assert torch.equal(_cpu.gumbel(keys, some), keyed.gumbel_torch(keys, some)), str(draw)
+
+
+def test_sample_keys_and_top_keys_equal_the_torch_steps(draw, threads):
+    z = torch.randn(3, 5000, generator=draw.gen, dtype=torch.float64) * 4
+    z[0, ::7] = float("-inf")  # not drawable
+    m = z.amax(dim=1, keepdim=True)
+    ids = (torch.arange(5000) + 17).reshape(1, -1)  # a shard's global ids
+    valid = z > float("-inf")
+    q = exact.exp64_torch(z - m).mul_(float(2 ** 32)).floor_().to(torch.int64)
+    want_keys = torch.where(valid, (q << 30) | ((2 ** 30 - 1) - ids), -1)
+    got_q, got_keys = _cpu.sample_keys(z, m, ids)
+    assert torch.equal(got_q, torch.where(valid, q, 0)) and torch.equal(got_keys, want_keys), str(draw)
+    for k in (1, 1024, 5000):
+        values, index = _cpu.top_keys(want_keys, k)
+        want_values, want_index = want_keys.topk(k, dim=1)
+        assert torch.equal(values, want_values), (k, str(draw))
+        drawable = want_values >= 0  # distinct keys: the same indices (the -1 tail may be ordered otherwise)
+        assert torch.equal(index[drawable], want_index[drawable]), (k, str(draw))

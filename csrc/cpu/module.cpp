@@ -2,6 +2,12 @@
 // allocation, then one call into kernels.h. Threads: torch's intra-op count, read per call.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "exact64.h"
 #include "kernels.h"
 #include "vec16.h"
 
@@ -204,6 +210,101 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
+// exact.exp64 / exact.log64 over a float64 tensor (any shape), a new tensor back.
+template <double (*F)(double)>
+torch::Tensor elementwise64(const torch::Tensor& x) {
+  check_cpu(x, "exp64/log64");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat64, "exp64/log64 take float64, got ", x.scalar_type());
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const double* in = xc.data_ptr<double>();
+  double* o = out.data_ptr<double>();
+  const int64_t n = xc.numel();
+  const int nt = threads();
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && n >= (1 << 15))
+  for (int64_t i = 0; i < n; ++i) o[i] = F(in[i]);
+  return out;
+}
+
+// keyed.gumbel: noise [R, N] of row keys [R, 1] (int64 words) and token ids [R or 1, N].
+torch::Tensor gumbel(const torch::Tensor& keys, const torch::Tensor& ids) {
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && ids.scalar_type() == torch::kInt64 && keys.dim() == 2 &&
+                  keys.size(1) == 1 && ids.dim() == 2 && (ids.size(0) == 1 || ids.size(0) == keys.size(0)),
+              "gumbel: int64 keys [R, 1] and ids [R or 1, N] expected");
+  check_cpu(keys, "gumbel: keys");
+  check_cpu(ids, "gumbel: ids");
+  auto kc = keys.contiguous(), ic = ids.contiguous();
+  const int64_t rows = keys.size(0), n = ids.size(1), id_stride = ids.size(0) == 1 ? 0 : n;
+  auto out = torch::empty({rows, n}, keys.options().dtype(torch::kFloat64));
+  const int64_t* k = kc.data_ptr<int64_t>();
+  const int64_t* id = ic.data_ptr<int64_t>();
+  double* o = out.data_ptr<double>();
+  const int nt = threads();
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && rows * n >= (1 << 14))
+  for (int64_t i = 0; i < rows * n; ++i)
+    o[i] = tf::gumbel(static_cast<uint64_t>(k[i / n]), id[(i / n) * id_stride + i % n]);
+  return out;
+}
+
+// sampler._keys: for z [R, V] (float64, scaled logits), m [R, 1] and ids [1, V] (global token
+// ids), each drawable token's weight q = floor(exp64(z - m) 2^32) (0 where z = -inf) and its
+// order key q << 30 | (2^30 - 1 - id) (-1 where not drawable), both int64 [R, V].
+std::tuple<torch::Tensor, torch::Tensor> sample_keys(const torch::Tensor& z, const torch::Tensor& m,
+                                                     const torch::Tensor& ids) {
+  check_cpu(z, "sample_keys: z");
+  TORCH_CHECK(z.scalar_type() == torch::kFloat64 && z.dim() == 2 && m.scalar_type() == torch::kFloat64 &&
+                  m.numel() == z.size(0) && ids.scalar_type() == torch::kInt64 && ids.numel() == z.size(1),
+              "sample_keys: float64 z [R, V], m [R, 1] and int64 ids [1, V] expected");
+  auto zc = z.contiguous(), mc = m.contiguous(), ic = ids.contiguous();
+  auto q = torch::empty(z.sizes(), z.options().dtype(torch::kInt64));
+  auto keys = torch::empty_like(q);
+  const int64_t rows = z.size(0), v = z.size(1);
+  const double* zp = zc.data_ptr<double>();
+  const double* mp = mc.data_ptr<double>();
+  const int64_t* id = ic.data_ptr<int64_t>();
+  int64_t* qp = q.data_ptr<int64_t>();
+  int64_t* kp = keys.data_ptr<int64_t>();
+  const int nt = threads();
+  constexpr int64_t ID_MASK = (int64_t{1} << 30) - 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && rows * v >= (1 << 15))
+  for (int64_t i = 0; i < rows * v; ++i) {
+    const double zi = zp[i];
+    const bool valid = zi > -std::numeric_limits<double>::infinity();
+    const int64_t w = static_cast<int64_t>(std::floor(tf::exp64(zi - mp[i / v]) * 4294967296.0));
+    qp[i] = valid ? w : 0;
+    kp[i] = valid ? ((w << 30) | (ID_MASK - id[i % v])) : -1;
+  }
+  return {q, keys};
+}
+
+// torch.topk(keys, k, dim=1) of distinct int64 keys (the sampler's order keys; not-drawable
+// entries are all -1, and which of them fill a head's tail does not matter): the k largest per
+// row, descending, with their indices.
+std::tuple<torch::Tensor, torch::Tensor> top_keys(const torch::Tensor& keys, int64_t k) {
+  check_cpu(keys, "top_keys");
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.dim() == 2 && k >= 0 && k <= keys.size(1),
+              "top_keys: int64 keys [R, V] and 0 <= k <= V expected");
+  auto kc = keys.contiguous();
+  const int64_t rows = keys.size(0), v = keys.size(1);
+  auto values = torch::empty({rows, k}, keys.options()), index = torch::empty({rows, k}, keys.options());
+  const int64_t* in = kc.data_ptr<int64_t>();
+  int64_t* vp = values.data_ptr<int64_t>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int64_t> order(v);
+    for (int64_t i = 0; i < v; ++i) order[i] = i;
+    const int64_t* row = in + r * v;
+    auto larger = [row](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
+    std::nth_element(order.begin(), order.begin() + std::min(k, v - 1), order.end(), larger);
+    std::sort(order.begin(), order.begin() + k, larger);
+    for (int64_t j = 0; j < k; ++j) {
+      vp[r * k + j] = row[order[j]];
+      ip[r * k + j] = order[j];
+    }
+  }
+  return {values, index};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -224,6 +325,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
   m.def("write_kv", &write_kv, "paged_attention.write_kv_ref", py::arg("k_cache"), py::arg("v_cache"),
         py::arg("k"), py::arg("v"), py::arg("slots"));
+  m.def("exp64", &elementwise64<tf::exp64>, "exact.exp64: float64 exp without libm", py::arg("x"));
+  m.def("log64", &elementwise64<tf::log64>, "exact.log64: float64 log without libm", py::arg("x"));
+  m.def("sample_keys", &sample_keys, "sampler._keys: weights q and order keys", py::arg("z"), py::arg("m"),
+        py::arg("ids"));
+  m.def("top_keys", &top_keys, "torch.topk(keys, k, dim=1) for the sampler's distinct order keys", py::arg("keys"),
+        py::arg("k"));
+  m.def("gumbel", &gumbel, "keyed.gumbel: noise of (row key [R, 1], token ids [R|1, N])", py::arg("keys"),
+        py::arg("ids"));
   m.def("paged_attention", &paged_attention,
         "exact attention of the rows of several sequences: row_starts [S + 1], tables [S, width]; window 0: none",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("tables"),

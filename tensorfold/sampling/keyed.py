@@ -105,6 +105,15 @@ def uniform(words: torch.Tensor) -> torch.Tensor:
 
 def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise -log(-log(u)) in float64 for each (row key, token id), with the
-    libm-free exact.log64."""
+    libm-free exact.log64. On CPU tensors the C++ spelling runs where it is built (the same
+    bits: tests/test_cpu_kernels.py); `gumbel_torch` is the torch one."""
+    native = exact.native_kernels()
+    if native is not None and keys.device.type == "cpu" and token_ids.dim() == 2:
+        return native.gumbel(keys, token_ids)
+    return gumbel_torch(keys, token_ids)
+
+
+def gumbel_torch(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """gumbel in torch operations (any device)."""
     neg_log_u = exact.log64(uniform(token_hash(keys, token_ids))).neg_()  # in [2^-53, 36.8]
     return exact.log64(neg_log_u).neg_()

@@ -114,7 +114,11 @@ def _scaled(x: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
 
 
 def _keys(z: torch.Tensor, m: torch.Tensor, ids: torch.Tensor):
-    """Weights q and order keys of each token; key -1 marks a token that is not drawable."""
+    """Weights q and order keys of each token; key -1 marks a token that is not drawable.
+    (One pass in C++ on CPU tensors where it is built, with these bits.)"""
+    native = exact.native_kernels()
+    if native is not None and z.device.type == "cpu" and ids.shape[0] == 1:
+        return native.sample_keys(z, m, ids)
     valid = z > float("-inf")
     q = exact.exp64(z - m).mul_(float(Q_ONE)).floor_().to(torch.int64)  # [R, width]
     keys = torch.where(valid, (q << ID_BITS) | (ID_MASK - ids), -1)
@@ -223,7 +227,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampling],
     # whole row (topk of everything is a sort).
     pending = list(range(len(ordered)))
     for size in (num_candidates, 8 * num_candidates, vocab):
-        head_keys, head_ids = _take(keys, pending).topk(min(size, vocab), dim=1)   # sorted
+        head_keys, head_ids = _top(_take(keys, pending), min(size, vocab))   # sorted
         prows = [rows[sampled[ordered[j]]] for j in pending]
         keep, decided = _decide(head_keys, total[pending], num_drawable[pending], prows)
         scores = _scores(_take(z, pending).gather(1, head_ids), prows, head_ids)
@@ -235,6 +239,16 @@ def sample(logits: torch.Tensor, rows: list[RowSampling],
         if not pending:
             break
     return out
+
+
+def _top(keys: torch.Tensor, k: int):
+    """The k largest keys of each row, descending, and their indices (torch.topk; a partial sort
+    in C++ on CPU tensors where it is built: the drawable keys are distinct, so both agree on
+    them, and the not-drawable ones (-1) are never kept)."""
+    native = exact.native_kernels()
+    if native is not None and keys.device.type == "cpu":
+        return native.top_keys(keys, k)
+    return keys.topk(k, dim=1)
 
 
 def _take(t: torch.Tensor, index: list[int]) -> torch.Tensor:
