@@ -5,7 +5,6 @@ The main build (-march=native) is what serves; these two builds prove that the c
 another CPU gets computes the same tokens. Skipped off x86-64 (a NEON machine's own build is
 the main one there) and without a C++ compiler.
 """
-import importlib.util
 import os
 import platform
 import shutil
@@ -13,11 +12,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tensorfold.backends import native_problem
-from tensorfold.kernels import paged_attention as attention_ref
-from tensorfold.kernels import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"x86-64-v3": "avx2", "x86-64": "scalar"}
@@ -27,38 +23,48 @@ pytestmark = pytest.mark.skipif(
     reason="needs x86-64, a C++ compiler and the main build of the extension")
 
 
-def build(arch: str, out_dir: str):
+def build(arch: str, out_dir: str) -> str:
+    """The extension compiled for `arch` into out_dir; returns the path of its .so."""
     env = {**os.environ, "TENSORFOLD_CPU_ARCH": arch}
     subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", os.path.join(out_dir, "lib"),
                     "--build-temp", os.path.join(out_dir, "tmp")], cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=900)
     lib = os.path.join(out_dir, "lib", "tensorfold")
-    path = os.path.join(lib, next(f for f in os.listdir(lib) if f.startswith("_cpu")))
-    spec = importlib.util.spec_from_file_location("_cpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return os.path.join(lib, next(f for f in os.listdir(lib) if f.startswith("_cpu")))
+
+
+CHECK = """
+import importlib.util, sys, torch
+from tensorfold.kernels import paged_attention as attention_ref, reference
+spec = importlib.util.spec_from_file_location("_cpu", sys.argv[1])
+cpu = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cpu)
+print(cpu.isa())
+g = torch.Generator().manual_seed(int(sys.argv[2]))
+for dtype in (torch.float32, torch.bfloat16):
+    for m, n, k in [(1, 40, 64), (5, 33, 576), (13, 100, 200), (3, 9, 17)]:
+        x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+        assert torch.equal(cpu.linear(x, w), reference.linear(x, w)), "linear"
+    x, weight = torch.randn(7, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
+    assert torch.equal(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5)), "rms_norm"
+    gate, up = (torch.randn(5, 300, generator=g) * 4).to(dtype), torch.randn(5, 300, generator=g).to(dtype)
+    assert torch.equal(cpu.silu_and_mul(gate, up), reference.silu_and_mul(gate, up)), "silu_and_mul"
+    k_cache = torch.zeros(8, 16, 3, 64, dtype=dtype)
+    v_cache = k_cache.clone()
+    attention_ref.write_kv_ref(k_cache, v_cache, torch.randn(128, 3, 64, generator=g).to(dtype),
+                               torch.randn(128, 3, 64, generator=g).to(dtype), torch.arange(128))
+    q, table = torch.randn(100, 9, 64, generator=g).to(dtype), torch.randperm(8, generator=g)
+    got = cpu.paged_attention(q, k_cache, v_cache, torch.arange(100), table[None], torch.tensor([0, 100]), 0.125, 0)
+    want = attention_ref.paged_attention_ref(q, k_cache, v_cache, torch.arange(100), table, 0.125)
+    assert torch.equal(got, want), "attention"
+print("bitwise")
+"""
 
 
 @pytest.mark.parametrize("arch", sorted(VARIANTS))
 def test_variant_equals_the_references(arch, tmp_path, draw):
-    cpu = build(arch, str(tmp_path))
-    assert cpu.isa() == VARIANTS[arch]
-    g = draw.gen
-    for dtype in (torch.float32, torch.bfloat16):
-        for m, n, k in [(1, 40, 64), (5, 33, 576), (13, 100, 200), (3, 9, 17)]:
-            x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
-            assert torch.equal(cpu.linear(x, w), reference.linear(x, w)), (arch, "linear", str(draw))
-        x, weight = torch.randn(7, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
-        assert torch.equal(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5)), (arch, str(draw))
-        gate, up = (torch.randn(5, 300, generator=g) * 4).to(dtype), torch.randn(5, 300, generator=g).to(dtype)
-        assert torch.equal(cpu.silu_and_mul(gate, up), reference.silu_and_mul(gate, up)), (arch, str(draw))
-        k_cache = torch.zeros(8, 16, 3, 64, dtype=dtype)
-        v_cache = k_cache.clone()
-        attention_ref.write_kv_ref(k_cache, v_cache, torch.randn(128, 3, 64, generator=g).to(dtype),
-                                   torch.randn(128, 3, 64, generator=g).to(dtype), torch.arange(128))
-        q, table = torch.randn(100, 9, 64, generator=g).to(dtype), torch.randperm(8, generator=g)
-        got = cpu.paged_attention(q, k_cache, v_cache, torch.arange(100), table[None], torch.tensor([0, 100]),
-                                  0.125, 0)
-        want = attention_ref.paged_attention_ref(q, k_cache, v_cache, torch.arange(100), table, 0.125)
-        assert torch.equal(got, want), (arch, "attention", str(draw))
+    path = build(arch, str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", CHECK, path, str(draw.seed)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)  # a process of its own: one _cpu per process
+    assert done.returncode == 0, f"{arch} ({draw}): {done.stderr[-2000:]}"
+    assert done.stdout.split() == [VARIANTS[arch], "bitwise"], done.stdout

@@ -280,3 +280,23 @@ def test_sample_keys_and_top_keys_equal_the_torch_steps(draw, threads):
         assert torch.equal(values, want_values), (k, str(draw))
         drawable = want_values >= 0  # distinct keys: the same indices (the -1 tail may be ordered otherwise)
         assert torch.equal(index[drawable], want_index[drawable]), (k, str(draw))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 700])
+def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dtype, window):
+    """Rows of a few queries over thousands of keys are split over the keys (two passes: maxima,
+    then exact sums): each row still equals its reference."""
+    block_size, blocks, kv_heads, head_dim = 32, 100, 3, 64
+    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
+    tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(3)]
+    runs = [(3100, 3101), (1500, 1504), (1030, 1031)]  # decode, a 4-row verify run, decode
+    q = randn(draw, sum(e - s for s, e in runs), 9, head_dim, dtype=dtype, scale=3.0)
+    positions = torch.cat([torch.arange(s, e) for s, e in runs])
+    starts = [0, 1, 5, 6]
+    got = _cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), 0.125,
+                               window or 0, out=poisoned(q))
+    for i, table in enumerate(tables):
+        rows = slice(starts[i], starts[i + 1])
+        want = attention_ref.paged_attention_ref(q[rows], k_cache, v_cache, positions[rows], table, 0.125, window)
+        assert_bitwise(got[rows], want, draw, f"sequence {i}")
