@@ -37,25 +37,18 @@ class RoundClock:
 
     def __init__(self, engine):
         self.forward_s = self.round_s = 0.0
-        runner, ops = engine.runner, engine.model.ops
-        model_forward, sample = runner.model.forward, ops.sample
+        model = engine.runner.model
+        model.forward = self._timed(model.forward)
+        model.ops = _with(model.ops, sample=self._timed(model.ops.sample))
 
-        def forward(*a, **k):
+    def _timed(self, fn):
+        def run(*a, **k):
             t = time.perf_counter()
             try:
-                return model_forward(*a, **k)
+                return fn(*a, **k)
             finally:
                 self.forward_s += time.perf_counter() - t
-
-        def timed_sample(*a, **k):
-            t = time.perf_counter()
-            try:
-                return sample(*a, **k)
-            finally:
-                self.forward_s += time.perf_counter() - t
-
-        runner.model.forward = forward
-        runner.model.ops = _with(ops, sample=timed_sample)
+        return run
 
     def python_share(self) -> float:
         return 1.0 - self.forward_s / self.round_s

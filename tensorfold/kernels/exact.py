@@ -151,11 +151,7 @@ def exp64(x: torch.Tensor) -> torch.Tensor:
     exponent bits. n is rounded with ROUND_MAGIC: t = x / ln2 + M holds n in its low bits.
     CPU tensors go through the C++ spelling of these steps where it is built (csrc/cpu/exact64.h,
     the same bits, ~8x faster); `exp64_torch` is the torch one, the reference it is tested against."""
-    _check_f64(x)
-    native = native_kernels()
-    if native is not None and x.device.type == "cpu":
-        return native.exp64(x)
-    return exp64_torch(x)
+    return _native_or_torch("exp64", exp64_torch, x)
 
 
 def exp64_torch(x: torch.Tensor) -> torch.Tensor:
@@ -200,11 +196,17 @@ def log64(x: torch.Tensor) -> torch.Tensor:
     x = 2^k m with m in [sqrt(1/2), sqrt(2)) through the exponent bits; f = m - 1,
     s = f / (2 + f), log(m) = f - f^2/2 + s (f^2/2 + R(s^2)) (fdlibm's series); plus k ln2 in
     two parts. CPU tensors go through the C++ spelling where it is built (as exp64)."""
+    return _native_or_torch("log64", log64_torch, x)
+
+
+def _native_or_torch(name: str, torch_version, x: torch.Tensor) -> torch.Tensor:
+    """The C++ function `name` on a CPU tensor where the kernels are built (the same bits), else
+    the torch version."""
     _check_f64(x)
     native = native_kernels()
     if native is not None and x.device.type == "cpu":
-        return native.log64(x)
-    return log64_torch(x)
+        return getattr(native, name)(x)
+    return torch_version(x)
 
 
 def log64_torch(x: torch.Tensor) -> torch.Tensor:
