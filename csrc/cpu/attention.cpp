@@ -313,28 +313,30 @@ void attention_d(const T* q, const Cache<T>& cache, T* out, const int64_t* posit
 #pragma omp parallel num_threads(threads) if (threads > 1 && num_split + num_whole > 1)
   {
     thread_local Scratch t;
+    if (num_split > 0) {  // every thread takes the same branch, so each sees the same worksharing
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_split; ++i) prepare(split_items[i], q, d, positions, group, heads, window, true);
+      for (int64_t i = 0; i < num_split; ++i) prepare(split_items[i], q, d, positions, group, heads, window, true);
 #pragma omp single
-    for (int64_t i = 0; i < num_split; ++i)
-      for (int64_t sp = 0; sp < split_items[i].splits; ++sp) tasks.emplace_back(i, sp);
-    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+      for (int64_t i = 0; i < num_split; ++i)
+        for (int64_t sp = 0; sp < split_items[i].splits; ++sp) tasks.emplace_back(i, sp);
+      const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) {
-      ItemState& s = split_items[tasks[i].first];
-      int64_t k0, k1;
-      split_range(s, tasks[i].second, &k0, &k1);
-      scores_of<T, D>(s, cache, k0, k1, tasks[i].second, scale64, t);
-    }
+      for (int64_t i = 0; i < num_tasks; ++i) {  // pass 1: scores and each run's maxima
+        ItemState& s = split_items[tasks[i].first];
+        int64_t k0, k1;
+        split_range(s, tasks[i].second, &k0, &k1);
+        scores_of<T, D>(s, cache, k0, k1, tasks[i].second, scale64, t);
+      }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) {
-      ItemState& s = split_items[tasks[i].first];
-      int64_t k0, k1;
-      split_range(s, tasks[i].second, &k0, &k1);
-      sums_of<T, D>(s, cache, k0, k1, tasks[i].second, t);
-    }
+      for (int64_t i = 0; i < num_tasks; ++i) {  // pass 2: each run's exact sums
+        ItemState& s = split_items[tasks[i].first];
+        int64_t k0, k1;
+        split_range(s, tasks[i].second, &k0, &k1);
+        sums_of<T, D>(s, cache, k0, k1, tasks[i].second, t);
+      }
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t i = 0; i < num_split; ++i) finish(split_items[i], out, d, group, heads);
+      for (int64_t i = 0; i < num_split; ++i) finish(split_items[i], out, d, group, heads);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_whole; ++i) {  // one item, start to end, on this thread's buffers
       ItemState& s = t.whole;
