@@ -372,28 +372,28 @@ void attention_impl(const T* q, const T* k_cache, const T* v_cache, T* out, cons
 }
 
 template <typename T>
-void write_kv_impl(T* k_cache, T* v_cache, const T* k, const T* v, const int64_t* slots, int64_t tokens,
-                   int64_t kv_heads, int64_t head_dim, int threads) {
+void write_kv_impl(T* k_cache, T* v_cache, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                   const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads) {
   const bool parallel = threads > 1 && tokens * kv_heads >= 64;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t src = (t * kv_heads + h) * head_dim, dst = (slots[t] * kv_heads + h) * head_dim;
-      on_grid(k + src, k_cache + dst, head_dim, QK_BITS);
-      on_grid(v + src, v_cache + dst, head_dim, V_BITS);
+      const int64_t dst = (slots[t] * kv_heads + h) * head_dim;
+      on_grid(k + t * k_stride + h * head_dim, k_cache + dst, head_dim, QK_BITS);
+      on_grid(v + t * v_stride + h * head_dim, v_cache + dst, head_dim, V_BITS);
     }
 }
 
 }  // namespace
 
-void write_kv(int dtype, void* k_cache, void* v_cache, const void* k, const void* v, const int64_t* slots,
-              int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads) {
+void write_kv(int dtype, void* k_cache, void* v_cache, const void* k, int64_t k_stride, const void* v,
+              int64_t v_stride, const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads) {
   if (dtype == 0)
-    write_kv_impl(static_cast<float*>(k_cache), static_cast<float*>(v_cache), static_cast<const float*>(k),
-                  static_cast<const float*>(v), slots, tokens, kv_heads, head_dim, threads);
+    write_kv_impl(static_cast<float*>(k_cache), static_cast<float*>(v_cache), static_cast<const float*>(k), k_stride,
+                  static_cast<const float*>(v), v_stride, slots, tokens, kv_heads, head_dim, threads);
   else
-    write_kv_impl(static_cast<bf16*>(k_cache), static_cast<bf16*>(v_cache), static_cast<const bf16*>(k),
-                  static_cast<const bf16*>(v), slots, tokens, kv_heads, head_dim, threads);
+    write_kv_impl(static_cast<bf16*>(k_cache), static_cast<bf16*>(v_cache), static_cast<const bf16*>(k), k_stride,
+                  static_cast<const bf16*>(v), v_stride, slots, tokens, kv_heads, head_dim, threads);
 }
 
 void paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache, void* out,

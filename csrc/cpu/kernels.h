@@ -21,17 +21,19 @@ void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, 
 void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t r_stride,
               void* h_out, const void* weight, void* out, int64_t rows, int64_t width, double eps,
               int threads);
-// x [tokens, heads, head_dim] (contiguous); cos/sin [tokens, head_dim] float32. With `norm_weight`
-// (may be null), each head vector is RMS-normalized (rounded to the dtype) before the rotation.
-void rope(int dtype, const void* x, void* out, const float* cos, const float* sin, int64_t tokens,
+// x [tokens, heads, head_dim] (heads contiguous, tokens x_stride apart) into out (contiguous);
+// cos/sin [tokens, head_dim] float32. With `norm_weight` (may be null), each head vector is
+// RMS-normalized (rounded to the dtype) before the rotation.
+void rope(int dtype, const void* x, int64_t x_stride, void* out, const float* cos, const float* sin, int64_t tokens,
           int64_t heads, int64_t head_dim, const void* norm_weight, double eps, int threads);
 // out [rows, width] = silu(gate) * up, gate/up rows at their strides.
 void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out,
                   int64_t rows, int64_t width, int threads);
 
-// k, v [tokens, kv_heads, head_dim] into the cache slots, each vector on its fixed-point grid.
-void write_kv(int dtype, void* k_cache, void* v_cache, const void* k, const void* v, const int64_t* slots,
-              int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads);
+// k, v [tokens, kv_heads, head_dim] (tokens k_stride / v_stride apart) into the cache slots, each
+// vector on its fixed-point grid.
+void write_kv(int dtype, void* k_cache, void* v_cache, const void* k, int64_t k_stride, const void* v,
+              int64_t v_stride, const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads);
 // Rows of several sequences: sequence s owns rows [row_starts[s], row_starts[s + 1]) of q
 // [rows, heads, head_dim] and row s of tables [num_seqs, table_width]. window <= 0: none.
 void paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache, void* out,

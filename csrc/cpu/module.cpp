@@ -7,8 +7,10 @@
 #include <limits>
 #include <vector>
 
+#include "binding.h"
 #include "exact64.h"
 #include "kernels.h"
+#include "layer.h"
 #include "vec16.h"
 
 namespace tf {
@@ -17,29 +19,7 @@ const char* isa() { return TF_ISA; }
 
 namespace {
 
-int dtype_code(const torch::Tensor& t, const char* what) {
-  if (t.scalar_type() == torch::kFloat32) return 0;
-  if (t.scalar_type() == torch::kBFloat16) return 1;
-  TORCH_CHECK(false, what, ": the cpu kernels take float32 or bfloat16, got ", t.scalar_type());
-}
-
-void check_cpu(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
-}
-
-int threads() { return at::get_num_threads(); }
-
-using Out = c10::optional<torch::Tensor>;
-
-// The caller's `out` (checked) or a new tensor: tests pass NaN-filled ones, so a kernel that
-// leaves an element unwritten fails.
-torch::Tensor output(const Out& out, torch::IntArrayRef sizes, const torch::Tensor& like, const char* what) {
-  if (!out) return torch::empty(sizes, like.options());
-  TORCH_CHECK(out->sizes() == sizes && out->scalar_type() == like.scalar_type() && out->is_contiguous() &&
-                  out->device().is_cpu(),
-              what, ": out must be a contiguous CPU tensor of shape ", sizes, " and dtype ", like.scalar_type());
-  return *out;
-}
+using namespace tf_binding;
 
 torch::Tensor pack_weight(const torch::Tensor& weight) {
   check_cpu(weight, "pack_weight");
@@ -124,7 +104,7 @@ torch::Tensor rope_impl(const torch::Tensor& x, const torch::Tensor& cos, const 
     nw = norm_weight->contiguous();
   }
   if (xc.numel() > 0)
-    tf::rope(code, xc.data_ptr(), out.data_ptr(), cc.data_ptr<float>(), sc.data_ptr<float>(), tokens, heads, d,
+    tf::rope(code, xc.data_ptr(), heads * d, out.data_ptr(), cc.data_ptr<float>(), sc.data_ptr<float>(), tokens, heads, d,
              norm_weight ? nw.data_ptr() : nullptr, eps, threads());
   return out;
 }
@@ -169,9 +149,9 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
               "write_kv: k and v must be [tokens, kv_heads, head_dim]");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* s = sl.data_ptr<int64_t>();
-  for (int64_t i = 0; i < tokens; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "write_kv: slot out of range");
-  tf::write_kv(code, k_cache.data_ptr(), v_cache.data_ptr(), kc.data_ptr(), vc.data_ptr(), s, tokens, kv_heads, d,
-               threads());
+  check_slots(s, tokens, num_slots);
+  tf::write_kv(code, k_cache.data_ptr(), v_cache.data_ptr(), kc.data_ptr(), kv_heads * d, vc.data_ptr(), kv_heads * d, s,
+               tokens, kv_heads, d, threads());
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -192,17 +172,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const int64_t* st = starts.data_ptr<int64_t>();
   const int64_t* p = pos.data_ptr<int64_t>();
   const int64_t num_seqs = tab.size(0), width = tab.size(1), num_blocks = k_cache.size(0);
-  TORCH_CHECK(st[0] == 0 && st[num_seqs] == q.size(0) && pos.numel() == q.size(0),
-              "paged_attention: row_starts must run from 0 to the number of rows");
+  TORCH_CHECK(pos.numel() == q.size(0), "paged_attention: one position per row");
   const int64_t* t = tab.data_ptr<int64_t>();
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(st[s] <= st[s + 1], "paged_attention: row_starts must not decrease");
-    for (int64_t r = st[s]; r < st[s + 1]; ++r) {
-      TORCH_CHECK(p[r] >= 0 && p[r] / block_size < width, "paged_attention: position ", p[r], " past its table");
-      for (int64_t b = 0; b <= p[r] / block_size; ++b)
-        TORCH_CHECK(t[s * width + b] >= 0 && t[s * width + b] < num_blocks, "paged_attention: block out of range");
-    }
-  }
+  check_rows(st, num_seqs, q.size(0), p, t, width, block_size, num_blocks);
   auto out = output(out_arg, qc.sizes(), qc, "paged_attention");
   if (q.numel() > 0)
     tf::paged_attention(code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), p, t, width, st,
@@ -333,6 +305,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"));
   m.def("gumbel", &gumbel, "keyed.gumbel: noise of (row key [R, 1], token ids [R|1, N])", py::arg("keys"),
         py::arg("ids"));
+  m.def("decoder_layer", &decoder_layer, "one llama/qwen3 decoder layer: the op-by-op composition in one call",
+        py::arg("x"), py::arg("residual"), py::arg("qkv_w"), py::arg("o_w"), py::arg("post_norm"), py::arg("gate_up_w"),
+        py::arg("down_w"), py::arg("next_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("tables"),
+        py::arg("row_starts"), py::arg("heads"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
+        py::arg("window"));
   m.def("paged_attention", &paged_attention,
         "exact attention of the rows of several sequences: row_starts [S + 1], tables [S, width]; window 0: none",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("tables"),

@@ -71,14 +71,14 @@ void rope_row(const T* x, T* out, const float* cos, const float* sin, int64_t d)
 }
 
 template <typename T>
-void rope_impl(const T* x, T* out, const float* cos, const float* sin, int64_t tokens, int64_t heads,
-               int64_t d, const T* norm_weight, double eps, int threads) {
+void rope_impl(const T* x, int64_t x_stride, T* out, const float* cos, const float* sin, int64_t tokens,
+               int64_t heads, int64_t d, const T* norm_weight, double eps, int threads) {
   const bool parallel = threads > 1 && tokens > 1 && tokens * heads * d >= PARALLEL_ELEMENTS;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<T> normed(norm_weight != nullptr ? d : 0);
     for (int64_t h = 0; h < heads; ++h) {
-      const T* row = x + (t * heads + h) * d;
+      const T* row = x + t * x_stride + h * d;
       if (norm_weight != nullptr) {  // qwen3: the head's norm, rounded to the dtype, then rope
         norm_row(row, norm_weight, normed.data(), d, eps);
         row = normed.data();
@@ -125,12 +125,14 @@ void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, 
                   io<bf16>(out), rows, width, eps, threads);
 }
 
-void rope(int dtype, const void* x, void* out, const float* cos, const float* sin, int64_t tokens,
+void rope(int dtype, const void* x, int64_t x_stride, void* out, const float* cos, const float* sin, int64_t tokens,
           int64_t heads, int64_t head_dim, const void* norm_weight, double eps, int threads) {
   if (dtype == 0)
-    rope_impl(in<float>(x), io<float>(out), cos, sin, tokens, heads, head_dim, in<float>(norm_weight), eps, threads);
+    rope_impl(in<float>(x), x_stride, io<float>(out), cos, sin, tokens, heads, head_dim, in<float>(norm_weight), eps,
+              threads);
   else
-    rope_impl(in<bf16>(x), io<bf16>(out), cos, sin, tokens, heads, head_dim, in<bf16>(norm_weight), eps, threads);
+    rope_impl(in<bf16>(x), x_stride, io<bf16>(out), cos, sin, tokens, heads, head_dim, in<bf16>(norm_weight), eps,
+              threads);
 }
 
 void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows,

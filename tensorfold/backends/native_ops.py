@@ -61,3 +61,16 @@ def attention(q, k_cache, v_cache, batch, scale, window):
     """All rows of a ForwardBatch in one call."""
     return _cpu.paged_attention(q, k_cache, v_cache, batch.positions, batch.block_tables, batch.row_starts_tensor,
                                 scale, window or 0)
+
+
+def decoder_layer(model, layer, x, residual, next_norm, batch, cos, sin, k_cache, v_cache):
+    """One llama/qwen3 layer in one native call: the model's op-by-op composition, the same bits
+    (tests/test_native_backend.py). Returns (the next layer's normed input or None, residual).
+    Layers with biases take the op-by-op path (llama.Model.forward)."""
+    a = model.args
+    return _cpu.decoder_layer(
+        x, residual, layer.qkv.data, layer.o.data, layer.post_attn_norm, layer.gate_up.data, layer.down.data,
+        next_norm, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
+        batch.block_tables, batch.row_starts_tensor, a.num_heads, a.intermediate_size, a.rms_norm_eps, model.scale,
+        layer.window or 0)
+

@@ -71,14 +71,19 @@ class Model:
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [num_rows, head_dim]
         residual = h
         x = self.ops.rms_norm(h, self.layers[0].input_norm, a.rms_norm_eps)
+        fused = getattr(self.ops, "decoder_layer", None)  # an op set that runs a whole layer
         for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            if fused is not None and layer.qkv_bias is None and layer.o_bias is None:
+                x, residual = fused(self, layer, x, residual, next_norm, batch, cos, sin, cache.k[i], cache.v[i])
+                continue
             attn = self._attention(layer, x, batch, cos, sin, cache.k[i], cache.v[i])
             x, residual = self.ops.add_rms_norm(attn, residual, layer.post_attn_norm, a.rms_norm_eps)
             gate_up = self.ops.linear(x, layer.gate_up)  # [num_rows, 2 * intermediate]
             gate, up = gate_up.split(a.intermediate_size, dim=-1)
             mlp = self.ops.linear(self.ops.silu_and_mul(gate, up), layer.down)
-            if i + 1 < len(self.layers):  # the add and the next layer's norm, in one op
-                x, residual = self.ops.add_rms_norm(mlp, residual, self.layers[i + 1].input_norm, a.rms_norm_eps)
+            if next_norm is not None:  # the add and the next layer's norm, in one op
+                x, residual = self.ops.add_rms_norm(mlp, residual, next_norm, a.rms_norm_eps)
             else:
                 residual = residual + mlp
         last = self.ops.rms_norm(residual[batch.logits_rows], self.norm, a.rms_norm_eps)

@@ -1,0 +1,56 @@
+// What every binding shares: dtype codes, checks, the thread count, `out=` handling.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace tf_binding {
+
+inline int dtype_code(const torch::Tensor& t, const char* what) {
+  if (t.scalar_type() == torch::kFloat32) return 0;
+  if (t.scalar_type() == torch::kBFloat16) return 1;
+  TORCH_CHECK(false, what, ": the cpu kernels take float32 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_cpu(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+}
+
+inline int threads() { return at::get_num_threads(); }
+
+using Out = c10::optional<torch::Tensor>;
+
+// The caller's `out` (checked) or a new tensor: tests pass NaN-filled ones, so a kernel that
+// leaves an element unwritten fails.
+inline torch::Tensor output(const Out& out, torch::IntArrayRef sizes, const torch::Tensor& like, const char* what) {
+  if (!out) return torch::empty(sizes, like.options());
+  TORCH_CHECK(out->sizes() == sizes && out->scalar_type() == like.scalar_type() && out->is_contiguous() &&
+                  out->device().is_cpu(),
+              what, ": out must be a contiguous CPU tensor of shape ", sizes, " and dtype ", like.scalar_type());
+  return *out;
+}
+
+// The rows of an attention call against their sequences' block tables: every block a row can read
+// exists (the kernels index the cache with these numbers unchecked).
+inline void check_rows(const int64_t* row_starts, int64_t num_seqs, int64_t num_rows, const int64_t* positions,
+                       const int64_t* tables, int64_t width, int64_t block_size, int64_t num_blocks) {
+  TORCH_CHECK(row_starts[0] == 0 && row_starts[num_seqs] == num_rows,
+              "paged_attention: row_starts must run from 0 to the number of rows");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(row_starts[s] <= row_starts[s + 1], "paged_attention: row_starts must not decrease");
+    for (int64_t r = row_starts[s]; r < row_starts[s + 1]; ++r) {
+      TORCH_CHECK(positions[r] >= 0 && positions[r] / block_size < width, "paged_attention: position ", positions[r],
+                  " past its table");
+      for (int64_t b = 0; b <= positions[r] / block_size; ++b)
+        TORCH_CHECK(tables[s * width + b] >= 0 && tables[s * width + b] < num_blocks,
+                    "paged_attention: block out of range");
+    }
+  }
+}
+
+// Cache slots in range (the cache write indexes with them unchecked).
+inline void check_slots(const int64_t* slots, int64_t count, int64_t num_slots) {
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv: slot out of range");
+}
+
+}  // namespace tf_binding

@@ -1,0 +1,91 @@
+// One decoder layer of the llama family (llama, SmolLM2, qwen3) in one call: the composition
+// models/llama.py runs op by op, through the same kernels in the same order, so it gives the same
+// bits with one Python-to-C++ crossing per layer instead of eleven (what a decode round spends
+// between kernels). No arithmetic of its own lives here.
+#include <torch/extension.h>
+
+#include "binding.h"
+#include "kernels.h"
+#include "layer.h"
+
+namespace {
+
+using namespace tf_binding;
+
+const void* ptr_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->data_ptr() : nullptr; }
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
+    const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& qkv_w, const torch::Tensor& o_w,
+    const torch::Tensor& post_norm, const torch::Tensor& gate_up_w, const torch::Tensor& down_w,
+    const c10::optional<torch::Tensor>& next_norm, const c10::optional<torch::Tensor>& q_norm,
+    const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
+    torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& positions,
+    const torch::Tensor& tables, const torch::Tensor& row_starts, int64_t heads, int64_t intermediate, double eps,
+    double scale, int64_t window) {
+  check_cpu(x, "decoder_layer: x");
+  const int code = dtype_code(x, "decoder_layer");
+  const int64_t tokens = x.size(0), hidden = x.size(1), kv_heads = k_cache.size(2), d = k_cache.size(3);
+  const int64_t q_size = heads * d, kv_size = kv_heads * d, qkv_width = q_size + 2 * kv_size;
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == x.scalar_type() && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  cos.size(0) == tokens && cos.size(1) == d,
+              "decoder_layer: contiguous x/residual [tokens, hidden], caches of x's dtype, float32 cos/sin "
+              "[tokens, head_dim] expected");
+  TORCH_CHECK(qkv_w.numel() == tf::packed_numel(qkv_width, hidden) && o_w.numel() == tf::packed_numel(hidden, q_size) &&
+                  gate_up_w.numel() == tf::packed_numel(2 * intermediate, hidden) &&
+                  down_w.numel() == tf::packed_numel(hidden, intermediate),
+              "decoder_layer: packed weights do not match the layer's shapes");
+  auto pos = positions.contiguous(), sl = slots.contiguous(), tab = tables.contiguous(), st = row_starts.contiguous();
+  TORCH_CHECK(pos.scalar_type() == torch::kInt64 && sl.scalar_type() == torch::kInt64 &&
+                  tab.scalar_type() == torch::kInt64 && st.scalar_type() == torch::kInt64 && pos.numel() == tokens &&
+                  sl.numel() == tokens && st.numel() == tab.size(0) + 1,
+              "decoder_layer: int64 positions, slots [tokens], tables [seqs, width], row_starts [seqs + 1]");
+  check_slots(sl.data_ptr<int64_t>(), tokens, k_cache.size(0) * k_cache.size(1));
+  check_rows(st.data_ptr<int64_t>(), tab.size(0), tokens, pos.data_ptr<int64_t>(), tab.data_ptr<int64_t>(), tab.size(1),
+             k_cache.size(1), k_cache.size(0));
+  const int nt = threads();
+  auto empty = [&](std::initializer_list<int64_t> shape) { return torch::empty(shape, x.options()); };
+  auto qkv = empty({tokens, qkv_width});
+  auto q = empty({tokens, heads, d});
+  auto k = empty({tokens, kv_heads, d});
+  auto attn = empty({tokens, heads, d});
+  auto o = empty({tokens, hidden});
+  auto x2 = empty({tokens, hidden});
+  auto h = empty({tokens, hidden});
+  auto gate_up = empty({tokens, 2 * intermediate});
+  auto act = empty({tokens, intermediate});
+  auto mlp = empty({tokens, hidden});
+  auto x_next = empty({tokens, hidden});
+  auto h_next = empty({tokens, hidden});
+  const size_t el = x.element_size();
+  char* qkv_p = static_cast<char*>(qkv.data_ptr());
+
+  tf::linear(code, x.data_ptr(), qkv_w.data_ptr(), qkv_p, tokens, qkv_width, hidden, nt);
+  tf::rope(code, qkv_p, qkv_width, q.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads, d,
+           ptr_or_null(q_norm), eps, nt);
+  tf::rope(code, qkv_p + q_size * el, qkv_width, k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens,
+           kv_heads, d, ptr_or_null(k_norm), eps, nt);
+  tf::write_kv(code, k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), kv_size, qkv_p + (q_size + kv_size) * el,
+               qkv_width, sl.data_ptr<int64_t>(), tokens, kv_heads, d, nt);
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  tf::paged_attention(code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), attn.data_ptr(),
+                      pos.data_ptr<int64_t>(), tp, tab.size(1), st.data_ptr<int64_t>(), tab.size(0), heads, kv_heads, d,
+                      k_cache.size(1), scale, window, nt);
+  tf::linear(code, attn.data_ptr(), o_w.data_ptr(), o.data_ptr(), tokens, hidden, q_size, nt);
+  tf::rms_norm(code, o.data_ptr(), hidden, residual.data_ptr(), hidden, h.data_ptr(), post_norm.data_ptr(),
+               x2.data_ptr(), tokens, hidden, eps, nt);
+  tf::linear(code, x2.data_ptr(), gate_up_w.data_ptr(), gate_up.data_ptr(), tokens, 2 * intermediate, hidden, nt);
+  char* gu = static_cast<char*>(gate_up.data_ptr());
+  tf::silu_and_mul(code, gu, gu + intermediate * el, 2 * intermediate, act.data_ptr(), tokens, intermediate, nt);
+  tf::linear(code, act.data_ptr(), down_w.data_ptr(), mlp.data_ptr(), tokens, hidden, intermediate, nt);
+  if (next_norm) {  // the residual add and the next layer's norm
+    tf::rms_norm(code, mlp.data_ptr(), hidden, h.data_ptr(), hidden, h_next.data_ptr(), next_norm->data_ptr(),
+                 x_next.data_ptr(), tokens, hidden, eps, nt);
+    return {x_next, h_next};
+  }
+  return {torch::Tensor(), h + mlp};  // the last layer: the add alone (torch's, as the model does it)
+}
