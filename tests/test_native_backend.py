@@ -81,3 +81,19 @@ def test_default_model_is_exact_on_the_compiled_op_set(dtype):
     engine = Engine(None, EngineConfig(dtype=dtype, probe=False, context=256, kv_cache_gib=0.01))
     assert engine.model.ops.NAME.startswith("native-")
     assert probe_ops(engine.model, engine.model.ops) == []
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_per_layer_equals_the_op_by_op_layer(request, arch, dtype):
+    """decoder_layer (one native call per layer) against the same kernels called op by op by the
+    model: the same logits, and the same cache contents."""
+    native = backend_ops("cpu")
+    fused = build_model(load_hf_dir(request.getfixturevalue(arch)), dtype, native)
+    op_by_op = build_model(load_hf_dir(request.getfixturevalue(arch)), dtype, native)
+    op_by_op.ops = types.SimpleNamespace(**{n: getattr(native, n) for n in dir(native)
+                                            if not n.startswith("_") and n != "decoder_layer"})
+    prompts = [list(range(7, 47)), [9, 8, 7]]
+    got, got_sha = greedy_run(fused, prompts, steps=4)
+    want, want_sha = greedy_run(op_by_op, prompts, steps=4)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and got_sha == want_sha
