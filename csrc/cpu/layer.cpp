@@ -35,6 +35,8 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
                   cos.size(0) == tokens && cos.size(1) == d,
               "decoder_layer: contiguous x/residual [tokens, hidden], caches of x's dtype, float32 cos/sin "
               "[tokens, head_dim] expected");
+  TORCH_CHECK(d % 2 == 0 && d <= 256 && heads % kv_heads == 0,
+              "decoder_layer: head_dim must be even and at most 256, heads a multiple of kv_heads");
   TORCH_CHECK(qkv_w.numel() == tf::packed_numel(qkv_width, hidden) && o_w.numel() == tf::packed_numel(hidden, q_size) &&
                   gate_up_w.numel() == tf::packed_numel(2 * intermediate, hidden) &&
                   down_w.numel() == tf::packed_numel(hidden, intermediate),

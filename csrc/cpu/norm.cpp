@@ -15,6 +15,7 @@ namespace {
 constexpr int NORM_BITS = 20;
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // below this a call runs on one thread
 constexpr int64_t SILU_BLOCK = 256;             // elements of a row per exp_neg batch
+constexpr int64_t MAX_HEAD_DIM = 256;           // rope's head vectors (the bindings refuse wider)
 
 // reference.rms_norm of one row: squares on the row's grid, an exact sum, float64 sqrt/div.
 template <typename T>
@@ -76,12 +77,12 @@ void rope_impl(const T* x, int64_t x_stride, T* out, const float* cos, const flo
   const bool parallel = threads > 1 && tokens > 1 && tokens * heads * d >= PARALLEL_ELEMENTS;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t t = 0; t < tokens; ++t) {
-    std::vector<T> normed(norm_weight != nullptr ? d : 0);
+    T normed[MAX_HEAD_DIM];  // head_dim <= MAX_HEAD_DIM (checked by the bindings)
     for (int64_t h = 0; h < heads; ++h) {
       const T* row = x + t * x_stride + h * d;
       if (norm_weight != nullptr) {  // qwen3: the head's norm, rounded to the dtype, then rope
-        norm_row(row, norm_weight, normed.data(), d, eps);
-        row = normed.data();
+        norm_row(row, norm_weight, normed, d, eps);
+        row = normed;
       }
       rope_row(row, out + (t * heads + h) * d, cos + t * d, sin + t * d, d);
     }

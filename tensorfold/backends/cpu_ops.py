@@ -19,7 +19,9 @@ from tensorfold.sampling.sampler import sample  # noqa: F401
 NAME = "torch"
 
 
+attention = functools.partial(attention_by_sequence, paged_attention, paged_decode_attention)
+
+
 def pack_weight(weight):
     """GEMM weights stay as they are: torch's GEMM takes them [N, K]."""
     return weight
-attention = functools.partial(attention_by_sequence, paged_attention, paged_decode_attention)

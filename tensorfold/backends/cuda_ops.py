@@ -22,6 +22,7 @@ What runs where, and why:
   (docs/kernels.md).
 """
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
+from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
 from tensorfold.kernels.reference import linear_padded
 from tensorfold.kernels.reference import pad_rows, rope_table, silu_and_mul  # noqa: F401
@@ -58,9 +59,5 @@ def attention(q, k_cache, v_cache, batch, scale, window=None):
 def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, window=None):
     """One query row per sequence, all in one launch; the kernel's fixed absolute splits make each
     row's result the one paged_attention gives it alone."""
-    import torch
-
-    width = max(len(t) for t in block_tables)
-    tables = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in block_tables])
-    return paged_attention_varlen(q, k_cache, v_cache, positions, tables, list(range(q.shape[0] + 1)),
-                                  scale, window)
+    return paged_attention_varlen(q, k_cache, v_cache, positions, pad_block_tables(block_tables),
+                                  list(range(q.shape[0] + 1)), scale, window)

@@ -8,6 +8,7 @@ the extension was not built; backends.backend_ops then falls back to cpu_ops.
 import torch
 
 from tensorfold import _cpu
+from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.sampling.sampler import sample  # noqa: F401
 
@@ -27,7 +28,6 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor):
         self.data = _cpu.pack_weight(weight)
         self.shape = tuple(weight.shape)
-        self.dtype = weight.dtype
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight:
@@ -51,10 +51,8 @@ def paged_attention(q, k_cache, v_cache, positions, block_table, scale, window=N
 
 def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, window=None):
     """One row of each of several sequences (paged_decode_attention_ref's signature)."""
-    width = max(len(t) for t in block_tables)
-    tables = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in block_tables])
-    return _cpu.paged_attention(q, k_cache, v_cache, positions, tables, torch.arange(q.shape[0] + 1), scale,
-                                window or 0)
+    return _cpu.paged_attention(q, k_cache, v_cache, positions, pad_block_tables(block_tables),
+                                torch.arange(q.shape[0] + 1), scale, window or 0)
 
 
 def attention(q, k_cache, v_cache, batch, scale, window):

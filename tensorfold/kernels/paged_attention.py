@@ -145,6 +145,15 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return out.view(num_seqs, num_kv_heads, num_blocks * block_size, head_dim)
 
 
+def pad_block_tables(tables: list[torch.Tensor]) -> torch.Tensor:
+    """Block tables stacked into [len(tables), the longest] int64, each zero-padded: the padding
+    lies past every row's position, so attention never reads it."""
+    if not tables:
+        return torch.zeros((0, 0), dtype=torch.int64)
+    width = max(len(t) for t in tables)
+    return torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables])
+
+
 def attention_by_sequence(paged_attention, paged_decode_attention, q: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, batch, scale: float, window: int | None) -> torch.Tensor:
     """A batch's attention through per-sequence calls (op sets without a varlen kernel): the decode

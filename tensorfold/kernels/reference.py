@@ -4,8 +4,7 @@ Invariant: row i of every op's output is bitwise the same whatever other rows sh
 how many there are, and where row i sits:
 - `linear` sums every output in one order fixed by K alone (16 lanes of fused multiply-adds over
   K, then a halving tree), which the C++ GEMM (csrc/cpu/gemm.cpp) follows instruction for
-  instruction. It is the oracle,
-  written for clarity, not speed. `linear_padded` is torch's GEMM with the rows padded to 8: the
+  instruction; it is the oracle, written for clarity, not speed. `linear_padded` is torch's GEMM with the rows padded to 8: the
   op set of a build without the C++ kernels and of the cuda backend uses it, and the engine's
   startup probes decide whether it holds on the machine (it does on AMD EPYC, not on Intel Xeon
   with AMX: shared measurements in docs/kernels.md).

@@ -8,6 +8,8 @@ from functools import cached_property
 
 import torch
 
+from tensorfold.kernels.paged_attention import pad_block_tables
+
 
 @dataclass
 class SequenceRows:
@@ -27,11 +29,7 @@ class ForwardBatch:
     @cached_property
     def block_tables(self) -> torch.Tensor:
         """[num_seqs, longest table] int64, each row zero-padded (the padding is never read)."""
-        width = max((len(seq.block_table) for seq in self.sequences), default=0)
-        tables = torch.zeros((len(self.sequences), width), dtype=torch.int64)
-        for i, seq in enumerate(self.sequences):
-            tables[i, :len(seq.block_table)] = seq.block_table.cpu()
-        return tables.to(self.input_ids.device)
+        return pad_block_tables([seq.block_table for seq in self.sequences]).to(self.input_ids.device)
 
     @cached_property
     def row_starts(self) -> list[int]:
