@@ -181,13 +181,17 @@ def _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim):
     return k_cache, v_cache
 
 
-ATTENTION_SHAPES = [(9, 3, 64, None), (4, 4, 128, None), (2, 1, 256, 7), (6, 2, 64, 40)]
+# (heads, kv_heads, head_dim, window, block_size): GQA, windows, the vector widths' head sizes,
+# one (80) that takes the plain loops for part of the work, and a block size not a power of two
+ATTENTION_SHAPES = [(9, 3, 64, None, 16), (4, 4, 128, None, 16), (2, 1, 256, 7, 16), (6, 2, 64, 40, 16),
+                    (4, 2, 80, None, 12)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window", ATTENTION_SHAPES)
-def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, heads, kv_heads, head_dim, window):
-    block_size, blocks = 16, 12
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,block_size", ATTENTION_SHAPES)
+def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, heads, kv_heads, head_dim, window,
+                                                         block_size):
+    blocks = 12 * 16 // block_size
     k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
     table = torch.randperm(blocks, generator=draw.gen)  # blocks shuffled in the pool
     num_rows = blocks * block_size
@@ -203,11 +207,11 @@ def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window", ATTENTION_SHAPES)
-def test_attention_many_sequences_in_one_call(draw, threads, dtype, heads, kv_heads, head_dim, window):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,block_size", ATTENTION_SHAPES)
+def test_attention_many_sequences_in_one_call(draw, threads, dtype, heads, kv_heads, head_dim, window, block_size):
     """Decode rows, a verify run and a prefill chunk of four sequences at once: each row equals the
     reference of its own sequence."""
-    block_size, blocks = 16, 10
+    blocks = 10 * 16 // block_size + 1
     k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
     tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(4)]
     runs = [(37, 38), (120, 128), (5, 6), (60, 95)]  # [first, last + 1) positions per sequence
@@ -283,11 +287,11 @@ def test_sample_keys_and_top_keys_equal_the_torch_steps(draw, threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [None, 700])
-def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dtype, window):
+@pytest.mark.parametrize("window,head_dim", [(None, 64), (700, 64), (None, 80)])
+def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dtype, window, head_dim):
     """Rows of a few queries over thousands of keys are split over the keys (two passes: maxima,
     then exact sums): each row still equals its reference."""
-    block_size, blocks, kv_heads, head_dim = 32, 100, 3, 64
+    block_size, blocks, kv_heads = 32, 100, 3
     k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
     tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(3)]
     runs = [(3100, 3101), (1500, 1504), (1030, 1031)]  # decode, a 4-row verify run, decode

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <vector>
 
+#include "dot64.h"
 #include "exact.h"
 #include "kernels.h"
 #include "vec16.h"
@@ -30,13 +31,15 @@ constexpr int64_t SPLIT_SIZE = 512;
 // max |x| as a float, through the bits: for floats without the sign bit the integer order is the
 // magnitude order (a NaN compares above inf, and its exponent field reads 128, as torch's amax
 // then gives), and an integer max is a reduction the compiler vectorizes without fast-math.
-inline uint32_t abs_bits(float x) { return f32_bits(x) & 0x7FFFFFFFu; }
-inline uint32_t abs_bits(bf16 x) { return (static_cast<uint32_t>(x.bits) << 16) & 0x7FFFFFFFu; }
-template <typename T>
-float max_abs(const T* x, int64_t n) {
+inline float max_abs(const float* x, int64_t n) {
   uint32_t top = 0;
-  for (int64_t i = 0; i < n; ++i) top = std::max(top, abs_bits(x[i]));
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, f32_bits(x[i]) & 0x7FFFFFFFu);
   return f32_from_bits(top);
+}
+inline float max_abs(const bf16* x, int64_t n) {  // the same on the upper half of a float's bits
+  uint16_t top = 0;
+  for (int64_t i = 0; i < n; ++i) top = std::max<uint16_t>(top, x[i].bits & 0x7FFFu);
+  return f32_from_bits(static_cast<uint32_t>(top) << 16);
 }
 
 // exact.on_grid of one vector: rounded to 2^(e - bits + 1), e = exponent(max|x|); a second pass
@@ -60,32 +63,39 @@ void on_grid(const T* x, T* out, int64_t n, int bits) {
   for (int64_t i = 0; i < n; ++i) out[i] = from_f32<T>(static_cast<float>(y[i]));
 }
 
-constexpr int64_t ROWS_PER_ITEM = 16;  // query rows of one sequence that share each K/V load
-constexpr int64_t KEY_CHUNK = 64;      // keys converted to float64 at a time (divides SPLIT_SIZE)
-constexpr int64_t SPLIT_ROWS = 4;      // items of at most this many rows (decode, verify) ...
-constexpr int64_t SPLIT_KEYS = 512;    // ... split their keys into runs of this many (a multiple of KEY_CHUNK)
+constexpr int64_t ROWS_PER_ITEM = 16;  // prefill rows of one sequence that share each K/V load
+constexpr int64_t KEY_CHUNK = 32;      // keys converted to float64 at a time (divides SPLIT_SIZE; a multiple of 8)
+constexpr int64_t SPLIT_ROWS = 4;      // items of at most this many rows (decode, verify) take every KV head
+constexpr int64_t SPLIT_KEYS = 256;    // and split their keys into runs of this many (a multiple of KEY_CHUNK)
 
-// What one work item (rows [r0, r1) of one sequence, one KV head) accumulates: (r1 - r0) * group
-// lanes (lane = row * group + head within the group), the scores of the keys it sees, and per
-// split of its keys the partial maxima and sums. Every partial is exact (integers, or a max), so
-// however the keys are split and whichever thread takes a split, the result has the same bits.
+// One work item: rows [r0, r1) of one sequence with KV heads [h0, h1). Its lanes are
+// (row, KV head, query head of the group), in that order; it keeps the scores of the keys they
+// see and, per split of its keys, the partial maxima and sums. Every partial is exact (integers,
+// or a max), so however the keys are split and whichever thread takes a split, the result has the
+// same bits. Prefill items take one KV head (their rows share its K/V); decode and verify items
+// take all of them, so a split reads each key's K/V of all heads as one contiguous run.
 struct ItemState {
-  int64_t r0 = 0, r1 = 0, kv_head = 0, first = 0, last = 0, keys = 0, lanes = 0, splits = 1;
+  int64_t r0 = 0, r1 = 0, h0 = 0, h1 = 0, first = 0, last = 0, keys = 0, lanes = 0, splits = 1;
   const int64_t* table = nullptr;
   std::vector<int64_t> lo, hi;  // per lane: the keys it sees, [lo, hi]
   std::vector<double> q;        // per lane: q on its grid
   std::vector<float> scores;    // [lane][key - first]
-  std::vector<int> v_exp;       // [key - first]
+  std::vector<int> v_exp;       // [KV head - h0][key - first]
   std::vector<float> m;         // [split][lane]: the largest score seen
   std::vector<int> top;         // [split][lane]: the largest V exponent seen
   std::vector<double> den;      // [split][lane]
   std::vector<int64_t> num;     // [split][lane][d]
+  int64_t heads() const { return h1 - h0; }
 };
 
-// Per-thread buffers for one chunk of keys.
+// Per-thread buffers.
 struct Scratch {
-  std::vector<double> kt, v_int, dots, w, num_part;
-  ItemState whole;  // the state of an item this thread runs alone
+  std::vector<double> rows;      // [KV head][KEY_CHUNK][d]: a chunk's K or V rows as float64
+  std::vector<double> scales;    // [KV head][2][KEY_CHUNK]: per key 2^e_j and 2^(V_BITS - 1 - e_j)
+  std::vector<double> num_part;  // [lane][d]: the weighted sums of up to SPLIT_SIZE keys
+  std::vector<float> m;          // [lane]: the largest score over all splits
+  std::vector<double> lane_up;   // [lane]: 2^(W_BITS - E), E the largest V exponent over all splits
+  ItemState whole;               // the state of an item this thread runs alone
 };
 
 template <typename T>
@@ -93,56 +103,25 @@ struct Cache {
   const T* k;
   const T* v;
   int64_t block_size, kv_heads, head_dim;
+  int block_shift = -1;  // log2(block_size) when it is a power of two
+  Cache(const T* k_, const T* v_, int64_t block_size_, int64_t kv_heads_, int64_t head_dim_)
+      : k(k_), v(v_), block_size(block_size_), kv_heads(kv_heads_), head_dim(head_dim_) {
+    for (int b = 0; b < 31; ++b)
+      if ((int64_t{1} << b) == block_size) block_shift = b;
+  }
   // Where key `key` of the sequence with block table `table` sits for KV head `head`.
   int64_t offset(const int64_t* table, int64_t key, int64_t head) const {
-    return ((table[key / block_size] * block_size + key % block_size) * kv_heads + head) * head_dim;
+    const int64_t block = block_shift >= 0 ? key >> block_shift : key / block_size;
+    return ((table[block] * block_size + key - block * block_size) * kv_heads + head) * head_dim;
   }
 };
-
-// The two inner products of a work item, with the head size known at compile time where it is a
-// usual one (64, 128, 256: the accumulators then stay in registers) and at run time otherwise.
-// Every product and partial sum in them is exact, so how they are ordered is free.
-
-// dots[j] = q . k_j for the KEY_CHUNK keys of kt ([d][KEY_CHUNK], float64).
-template <int D>
-void chunk_dots(const double* q, const double* kt, double* dots, int64_t d) {
-  const int64_t dims = D > 0 ? D : d;
-  double acc[KEY_CHUNK] = {};
-  for (int64_t i = 0; i < dims; ++i) {
-    const double qi = q[i];
-    const double* kr = kt + i * KEY_CHUNK;
-    for (int64_t j = 0; j < KEY_CHUNK; ++j) acc[j] += qi * kr[j];
-  }
-  for (int64_t j = 0; j < KEY_CHUNK; ++j) dots[j] = acc[j];
-}
-
-// acc += sum_j w[j] v_int[j] over the n keys of the chunk (v_int [n][d], float64).
-template <int D>
-void chunk_weighted_sum(const double* w, const double* v_int, int64_t n, double* acc, int64_t d) {
-  if constexpr (D > 0) {
-    double a[D];
-    for (int64_t i = 0; i < D; ++i) a[i] = acc[i];
-    for (int64_t j = 0; j < n; ++j) {
-      if (w[j] == 0.0) continue;
-      const double wj = w[j];
-      const double* vr = v_int + j * D;
-      for (int64_t i = 0; i < D; ++i) a[i] += wj * vr[i];
-    }
-    for (int64_t i = 0; i < D; ++i) acc[i] = a[i];
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      if (w[j] == 0.0) continue;
-      const double* vr = v_int + j * d;
-      for (int64_t i = 0; i < d; ++i) acc[i] += w[j] * vr[i];
-    }
-  }
-}
 
 // Which keys the item's lanes see, q on its grid (step 1), its buffers sized.
 template <typename T>
 void prepare(ItemState& s, const T* q, int64_t d, const int64_t* positions, int64_t group, int64_t heads,
              int64_t window, bool split) {
-  const int64_t lanes = (s.r1 - s.r0) * group;
+  const int64_t per_row = s.heads() * group;
+  const int64_t lanes = (s.r1 - s.r0) * per_row;
   s.lanes = lanes;
   s.first = positions[s.r0];
   s.last = positions[s.r0];
@@ -151,10 +130,8 @@ void prepare(ItemState& s, const T* q, int64_t d, const int64_t* positions, int6
   for (int64_t r = s.r0; r < s.r1; ++r) {
     const int64_t pos = positions[r];
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-    for (int64_t g = 0; g < group; ++g) {
-      s.lo[(r - s.r0) * group + g] = lo;
-      s.hi[(r - s.r0) * group + g] = pos;
-    }
+    std::fill_n(s.lo.begin() + (r - s.r0) * per_row, per_row, lo);
+    std::fill_n(s.hi.begin() + (r - s.r0) * per_row, per_row, pos);
     s.first = std::min(s.first, lo);
     s.last = std::max(s.last, pos);
   }
@@ -162,101 +139,126 @@ void prepare(ItemState& s, const T* q, int64_t d, const int64_t* positions, int6
   s.splits = split ? (s.keys + SPLIT_KEYS - 1) / SPLIT_KEYS : 1;
   s.q.resize(lanes * d);
   s.scores.resize(lanes * s.keys);
-  s.v_exp.resize(s.keys);
+  s.v_exp.resize(s.heads() * s.keys);
   s.m.assign(s.splits * lanes, -INFINITY);
   s.top.assign(s.splits * lanes, -1024);
   s.den.assign(s.splits * lanes, 0.0);
   s.num.assign(s.splits * lanes * d, 0);
-  for (int64_t lane = 0; lane < lanes; ++lane) {
-    const T* qv = q + ((s.r0 + lane / group) * heads + s.kv_head * group + lane % group) * d;
+  for (int64_t lane = 0; lane < lanes; ++lane) {  // query head h0 * group + lane % per_row of its row
+    const T* qv = q + ((s.r0 + lane / per_row) * heads + s.h0 * group + lane % per_row) * d;
     const int qe = exponent(max_abs(qv, d));
     const double up = pow2(QK_BITS - 1 - qe), down = pow2(qe - QK_BITS + 1);
     for (int64_t i = 0; i < d; ++i) s.q[lane * d + i] = round_even(static_cast<double>(to_f32(qv[i])) * up) * down;
   }
 }
 
-// Keys [k0, k1) of split `split`: exact scores (step 1) and the split's maxima.
-template <typename T, int D>
+// The rows of keys [c0, c0 + n) for the item's KV heads, from `base` (the K or V cache), as
+// float64 [head][key][d]; each key's rows of all the heads are one contiguous run, and the next
+// chunk's runs (up to k_end) are asked for while this one is converted. `each(hh, j, row)` sees
+// every row in its cache dtype.
+template <typename T, typename Each>
+void load_chunk(const ItemState& s, const Cache<T>& c, const T* base, int64_t c0, int64_t n, int64_t k_end,
+                double* out, Each each) {
+  const int64_t d = c.head_dim, run = s.heads() * d * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j) {
+    if (c0 + KEY_CHUNK + j < k_end) prefetch_row(base + c.offset(s.table, c0 + KEY_CHUNK + j, s.h0), run);
+    const T* row = base + c.offset(s.table, c0 + j, s.h0);
+    for (int64_t hh = 0; hh < s.heads(); ++hh) {
+      row_to_f64(row + hh * d, out + (hh * KEY_CHUNK + j) * d, d);
+      each(hh, j, row + hh * d);
+    }
+  }
+}
+
+// Keys [k0, k1) of split `split`: exact scores (step 1) and the split's maxima. Reads K, and V for
+// its exponents.
+template <typename T>
 void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, double scale64,
                Scratch& t) {
-  const int64_t d = c.head_dim;
-  t.kt.resize(d * KEY_CHUNK);
-  t.dots.resize(KEY_CHUNK);
+  const int64_t d = c.head_dim, per_row = s.lanes / (s.r1 - s.r0), group = per_row / s.heads();
+  t.rows.resize(s.heads() * KEY_CHUNK * d);
+  double* kf = t.rows.data();
   for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
     const int64_t n = std::min(KEY_CHUNK, k1 - c0);
-    for (int64_t j = 0; j < n; ++j) {  // K transposed to [d][key], float64
-      const int64_t at = c.offset(s.table, c0 + j, s.kv_head);
-      for (int64_t i = 0; i < d; ++i) t.kt[i * KEY_CHUNK + j] = to_f32(c.k[at + i]);
-      s.v_exp[c0 - s.first + j] = exponent(max_abs(c.v + at, d));
-    }
+    if (c0 + KEY_CHUNK < k1)
+      for (int64_t j = 0; j < std::min(KEY_CHUNK, k1 - c0 - KEY_CHUNK); ++j)
+        prefetch_row(c.v + c.offset(s.table, c0 + KEY_CHUNK + j, s.h0), s.heads() * d * static_cast<int64_t>(sizeof(T)));
+    load_chunk(s, c, c.k, c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {
+      s.v_exp[hh * s.keys + c0 - s.first + j] = exponent(max_abs(c.v + (k_row - c.k), d));
+    });
+    for (int64_t hh = 0; hh < s.heads(); ++hh)  // a short chunk's last eight: their dots are not used
+      std::fill(kf + (hh * KEY_CHUNK + n) * d, kf + (hh * KEY_CHUNK + (n + 7) / 8 * 8) * d, 0.0);
     for (int64_t lane = 0; lane < s.lanes; ++lane) {
+      const int64_t hh = lane % per_row / group;
       float* sc = s.scores.data() + lane * s.keys + (c0 - s.first);
+      // The lane sees keys [j0, j1) of this chunk, a contiguous run.
       const int64_t j0 = std::max<int64_t>(s.lo[lane] - c0, 0), j1 = std::min<int64_t>(s.hi[lane] - c0 + 1, n);
-      if (j0 >= j1) {  // sees no key of this chunk
+      if (j0 >= j1) {
         std::fill_n(sc, n, -INFINITY);
         continue;
       }
-      chunk_dots<D>(s.q.data() + lane * d, t.kt.data(), t.dots.data(), d);
-      const int* ve = s.v_exp.data() + (c0 - s.first);
-      float m = s.m[split * s.lanes + lane];  // the lane sees keys [j0, j1) of this chunk: a contiguous run
-      int top = s.top[split * s.lanes + lane];
-      for (int64_t j = 0; j < j0; ++j) sc[j] = -INFINITY;
-      for (int64_t j = j0; j < j1; ++j) {
-        sc[j] = static_cast<float>(t.dots[j] * scale64);
-        m = std::max(m, sc[j]);
-        top = std::max(top, ve[j]);
-      }
-      for (int64_t j = j1; j < n; ++j) sc[j] = -INFINITY;
-      s.m[split * s.lanes + lane] = m;
-      s.top[split * s.lanes + lane] = top;
+      std::fill(sc, sc + j0, -INFINITY);
+      std::fill(sc + j1, sc + n, -INFINITY);
+      double dots[KEY_CHUNK];
+      for (int64_t g = j0 / 8 * 8; g < j1; g += 8)
+        dots8(s.q.data() + lane * d, kf + (hh * KEY_CHUNK + g) * d, dots + g, d);
+      float& m = s.m[split * s.lanes + lane];
+      m = scale_scores(dots + j0, scale64, sc + j0, j1 - j0, m);
+      const int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
+      int& top = s.top[split * s.lanes + lane];
+      for (int64_t j = j0; j < j1; ++j) top = std::max(top, ve[j]);
     }
   }
 }
 
 // Keys [k0, k1) of split `split`: integer weights on one grid and their exact sums (steps 2-3),
-// against the item's maxima over all splits.
-template <typename T, int D>
+// against the item's maxima over all splits. w_j v_int_j is formed as (w_j 2^(V_BITS - 1 - e_j))
+// v_j: the same integer (both factors are exact), without scaling the V row.
+template <typename T>
 void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, Scratch& t) {
-  const int64_t d = c.head_dim;
-  t.v_int.resize(KEY_CHUNK * d);
-  t.w.resize(KEY_CHUNK);
+  const int64_t d = c.head_dim, per_row = s.lanes / (s.r1 - s.r0), group = per_row / s.heads();
+  t.rows.resize(s.heads() * KEY_CHUNK * d);
+  t.scales.resize(s.heads() * 2 * KEY_CHUNK);
   t.num_part.assign(s.lanes * d, 0.0);
+  t.m.resize(s.lanes);
+  t.lane_up.resize(s.lanes);
+  for (int64_t lane = 0; lane < s.lanes; ++lane) {
+    float m = -INFINITY;
+    int top = -1024;
+    for (int64_t sp = 0; sp < s.splits; ++sp) {
+      m = std::max(m, s.m[sp * s.lanes + lane]);
+      top = std::max(top, s.top[sp * s.lanes + lane]);
+    }
+    t.m[lane] = m;
+    t.lane_up[lane] = pow2(W_BITS - top);
+  }
+  double* vf = t.rows.data();
   int64_t* num = s.num.data() + split * s.lanes * d;
   for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
-    const int64_t n = std::min(KEY_CHUNK, k1 - c0);
+    const int64_t n = std::min(KEY_CHUNK, k1 - c0), n8 = (n + 7) / 8 * 8;
     if (c0 > k0 && (c0 - k0) % SPLIT_SIZE == 0) {  // a float64 partial holds SPLIT_SIZE keys exactly
       for (int64_t i = 0; i < s.lanes * d; ++i) num[i] += static_cast<int64_t>(t.num_part[i]);
       std::fill(t.num_part.begin(), t.num_part.end(), 0.0);
     }
-    int ve[KEY_CHUNK] = {};  // the chunk's V exponents, zero past its end (their weights are 0)
-    std::copy_n(s.v_exp.data() + (c0 - s.first), n, ve);
-    for (int64_t j = 0; j < n; ++j) {  // V as integers (float64), [key][d]
-      const int64_t at = c.offset(s.table, c0 + j, s.kv_head);
-      const double up = pow2(V_BITS - 1 - ve[j]);
-      for (int64_t i = 0; i < d; ++i) t.v_int[j * d + i] = static_cast<double>(to_f32(c.v[at + i])) * up;
-    }
+    std::fill(t.scales.begin(), t.scales.end(), 1.0);  // past the keys p = 0, so w = 0
+    load_chunk(s, c, c.v, c0, n, k1, vf, [&](int64_t hh, int64_t j, const T*) {
+      const int e = s.v_exp[hh * s.keys + c0 - s.first + j];
+      t.scales[(hh * 2) * KEY_CHUNK + j] = pow2(e);
+      t.scales[(hh * 2 + 1) * KEY_CHUNK + j] = pow2(V_BITS - 1 - e);
+    });
     for (int64_t lane = 0; lane < s.lanes; ++lane) {
       if (s.hi[lane] < c0 || s.lo[lane] >= c0 + n) continue;
-      float m = -INFINITY;
-      int top = -1024;
-      for (int64_t sp = 0; sp < s.splits; ++sp) {
-        m = std::max(m, s.m[sp * s.lanes + lane]);
-        top = std::max(top, s.top[sp * s.lanes + lane]);
-      }
+      const int64_t hh = lane % per_row / group;
       const float* sc = s.scores.data() + lane * s.keys + (c0 - s.first);
-      float p[KEY_CHUNK];
-      exp_neg_shifted(sc, m, p, n);  // 0 where unseen (-inf)
-      for (int64_t j = n; j < KEY_CHUNK; ++j) p[j] = 0.0f;
-      const int shift = W_BITS - top;
-      double den[8] = {};  // integers, exact in any order
-      for (int64_t j0 = 0; j0 < KEY_CHUNK; j0 += 8)
-        for (int64_t l = 0; l < 8; ++l) {
-          const double pj = p[j0 + l];
-          den[l] += round_even(pj * pow2(L_BITS));
-          t.w[j0 + l] = round_even(pj * pow2(ve[j0 + l] + shift));
-        }
-      for (double part : den) s.den[split * s.lanes + lane] += part;
-      chunk_weighted_sum<D>(t.w.data(), t.v_int.data(), n, t.num_part.data() + lane * d, d);
+      float p[KEY_CHUNK] = {};
+      exp_neg_shifted(sc, t.m[lane], p, n);  // 0 where unseen (-inf)
+      // w_j = round(p_j 2^(e_j - E + W_BITS)) 2^(V_BITS - 1 - e_j): the scaling in exact steps
+      // (no over- or underflow on the way); the denominator's terms round(p_j 2^L_BITS)
+      double w[KEY_CHUNK];
+      const double* key_up = t.scales.data() + (hh * 2) * KEY_CHUNK;
+      s.den[split * s.lanes + lane] +=
+          attention_weights(p, key_up, key_up + KEY_CHUNK, t.lane_up[lane], pow2(L_BITS), w, n8);
+      weighted_sum(w, vf + hh * KEY_CHUNK * d, n, t.num_part.data() + lane * d, d);
     }
   }
   for (int64_t i = 0; i < s.lanes * d; ++i) num[i] += static_cast<int64_t>(t.num_part[i]);
@@ -265,8 +267,9 @@ void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t sp
 // Step 4: the splits' exact sums added, one division, one scaling, two roundings.
 template <typename T>
 void finish(const ItemState& s, T* out, int64_t d, int64_t group, int64_t heads) {
+  const int64_t per_row = s.heads() * group;
   for (int64_t lane = 0; lane < s.lanes; ++lane) {
-    T* o = out + ((s.r0 + lane / group) * heads + s.kv_head * group + lane % group) * d;
+    T* o = out + ((s.r0 + lane / per_row) * heads + s.h0 * group + lane % per_row) * d;
     double den = 0.0;
     int top = -1024;
     for (int64_t sp = 0; sp < s.splits; ++sp) {
@@ -290,23 +293,36 @@ inline void split_range(const ItemState& s, int64_t split, int64_t* k0, int64_t*
   *k1 = s.splits == 1 ? s.last + 1 : std::min(s.last + 1, *k0 + SPLIT_KEYS);
 }
 
-template <typename T, int D>
-void attention_d(const T* q, const Cache<T>& cache, T* out, const int64_t* positions, const int64_t* tables,
-                 int64_t table_width, const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t window,
-                 float scale, int threads) {
+template <typename T>
+void attention_items(const T* q, const Cache<T>& cache, T* out, const int64_t* positions, const int64_t* tables,
+                     int64_t table_width, const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t window,
+                     float scale, int threads) {
   const int64_t d = cache.head_dim, group = heads / cache.kv_heads;
-  std::vector<ItemState> split_items, whole_items;  // items with a few rows over many keys are split
-  for (int64_t s = 0; s < num_seqs; ++s)
+  std::vector<ItemState> split_items, whole_items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = row_starts[s + 1] - row_starts[s];
+    if (rows == 0) continue;
+    if (rows <= SPLIT_ROWS && positions[row_starts[s + 1] - 1] + 1 > SPLIT_KEYS) {  // a few rows, many keys
+      ItemState it;
+      it.r0 = row_starts[s];
+      it.r1 = row_starts[s + 1];
+      it.h0 = 0;
+      it.h1 = cache.kv_heads;
+      it.table = tables + s * table_width;
+      split_items.push_back(std::move(it));
+      continue;
+    }
     for (int64_t r0 = row_starts[s]; r0 < row_starts[s + 1]; r0 += ROWS_PER_ITEM)
       for (int64_t h = 0; h < cache.kv_heads; ++h) {
         ItemState it;
         it.r0 = r0;
         it.r1 = std::min(row_starts[s + 1], r0 + ROWS_PER_ITEM);
-        it.kv_head = h;
+        it.h0 = h;
+        it.h1 = h + 1;
         it.table = tables + s * table_width;
-        const bool long_run = positions[it.r1 - 1] + 1 > 2 * SPLIT_KEYS;
-        (it.r1 - it.r0 <= SPLIT_ROWS && long_run ? split_items : whole_items).push_back(std::move(it));
+        whole_items.push_back(std::move(it));
       }
+  }
   const double scale64 = scale;
   const int64_t num_split = static_cast<int64_t>(split_items.size()), num_whole = static_cast<int64_t>(whole_items.size());
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (split item, split)
@@ -325,14 +341,15 @@ void attention_d(const T* q, const Cache<T>& cache, T* out, const int64_t* posit
         ItemState& s = split_items[tasks[i].first];
         int64_t k0, k1;
         split_range(s, tasks[i].second, &k0, &k1);
-        scores_of<T, D>(s, cache, k0, k1, tasks[i].second, scale64, t);
+        scores_of<T>(s, cache, k0, k1, tasks[i].second, scale64, t);
       }
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < num_tasks; ++i) {  // pass 2: each run's exact sums
-        ItemState& s = split_items[tasks[i].first];
+      for (int64_t i = 0; i < num_tasks; ++i) {  // pass 2: each run's exact sums, the runs pass 1
+        const auto task = tasks[num_tasks - 1 - i];  // read last first (their V is still in cache)
+        ItemState& s = split_items[task.first];
         int64_t k0, k1;
-        split_range(s, tasks[i].second, &k0, &k1);
-        sums_of<T, D>(s, cache, k0, k1, tasks[i].second, t);
+        split_range(s, task.second, &k0, &k1);
+        sums_of<T>(s, cache, k0, k1, task.second, t);
       }
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t i = 0; i < num_split; ++i) finish(split_items[i], out, d, group, heads);
@@ -342,11 +359,12 @@ void attention_d(const T* q, const Cache<T>& cache, T* out, const int64_t* posit
       ItemState& s = t.whole;
       s.r0 = whole_items[i].r0;
       s.r1 = whole_items[i].r1;
-      s.kv_head = whole_items[i].kv_head;
+      s.h0 = whole_items[i].h0;
+      s.h1 = whole_items[i].h1;
       s.table = whole_items[i].table;
       prepare(s, q, d, positions, group, heads, window, false);
-      scores_of<T, D>(s, cache, s.first, s.last + 1, 0, scale64, t);
-      sums_of<T, D>(s, cache, s.first, s.last + 1, 0, t);
+      scores_of<T>(s, cache, s.first, s.last + 1, 0, scale64, t);
+      sums_of<T>(s, cache, s.first, s.last + 1, 0, t);
       finish(s, out, d, group, heads);
     }
   }
@@ -359,16 +377,7 @@ void attention_impl(const T* q, const T* k_cache, const T* v_cache, T* out, cons
                     int64_t window, int threads) {
   const Cache<T> cache{k_cache, v_cache, block_size, kv_heads, head_dim};
   const float scale32 = static_cast<float>(scale);  // the kernels take scale as float32
-  switch (head_dim) {
-    case 64: return attention_d<T, 64>(q, cache, out, positions, tables, table_width, row_starts, num_seqs, heads,
-                                       window, scale32, threads);
-    case 128: return attention_d<T, 128>(q, cache, out, positions, tables, table_width, row_starts, num_seqs, heads,
-                                         window, scale32, threads);
-    case 256: return attention_d<T, 256>(q, cache, out, positions, tables, table_width, row_starts, num_seqs, heads,
-                                         window, scale32, threads);
-    default: return attention_d<T, 0>(q, cache, out, positions, tables, table_width, row_starts, num_seqs, heads,
-                                      window, scale32, threads);
-  }
+  attention_items(q, cache, out, positions, tables, table_width, row_starts, num_seqs, heads, window, scale32, threads);
 }
 
 template <typename T>
