@@ -6,20 +6,23 @@ import pytest
 import torch
 
 from tensorfold.engine.engine import Engine, EngineConfig
+from tensorfold.sampling import bitmask as bits
+from tensorfold.sampling.constraint import RowConstraint
 from tensorfold.sampling.params import SamplingParams
 
 
-class EvenTokensForceAtFive:
+class EvenTokensForceAtFive(RowConstraint):
     """Only even token ids are allowed; the 5th reply token is forced to the 2nd's id + 2."""
 
     def __init__(self, vocab):
-        self.mask = torch.zeros(vocab, dtype=torch.bool)
-        self.mask[0::2] = True
+        even = torch.zeros(1, vocab, dtype=torch.bool)
+        even[0, 0::2] = True
+        self.row = bits.pack(even)[0]
         self.calls = 0
 
-    def allowed(self, reply_ids):
+    def fill_mask(self, reply_ids, bitmask, row):
         self.calls += 1
-        return self.mask
+        bitmask[row, :len(self.row)] &= self.row
 
     def fix(self, reply_ids, token):
         return reply_ids[1] + 2 if len(reply_ids) == 4 else token

@@ -31,6 +31,8 @@ import pytest  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import backend_ops, cpu_ops, native_problem, select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
+from tensorfold.sampling import bitmask as bits  # noqa: E402
+from tensorfold.sampling.constraint import RowConstraint  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
@@ -196,18 +198,16 @@ def test_qwen3_fused_norm_and_rope_match_cpu_backend(tiny_qwen3, monkeypatch, cu
 
 # ---- invariance within the cuda backend ----
 
-class EvenTokens:
+class EvenTokens(RowConstraint):
     """Only even token ids are allowed (the mask reaches the Triton sampler as a bitmask)."""
 
     def __init__(self, vocab):
-        self.mask = torch.zeros(vocab, dtype=torch.bool)
-        self.mask[0::2] = True
+        even = torch.zeros(1, vocab, dtype=torch.bool)
+        even[0, 0::2] = True
+        self.row = bits.pack(even)[0]
 
-    def allowed(self, reply_ids):
-        return self.mask
-
-    def fix(self, reply_ids, token):
-        return token
+    def fill_mask(self, reply_ids, bitmask, row):
+        bitmask[row, :len(self.row)] &= self.row
 
 
 def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_llama):

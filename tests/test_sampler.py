@@ -14,9 +14,36 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorfold.sampling import keyed, sampler
+from tensorfold.sampling import bitmask as bits, keyed, sampler
 from tensorfold.sampling.params import SamplingParams
-from tensorfold.sampling.sampler import RowSampling, kept_mask, sample, sample_sharded
+from tensorfold.sampling.sampler import RowSampling as PlainRow
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling(PlainRow):
+    """A row with its allowed-token mask beside it (bool [vocab] or None), as the oracle reads it;
+    the sampler gets the masks as the one batch bitmask the engine builds (sampling/bitmask.py)."""
+    allowed: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def _bitmask(rows, vocab):
+    if all(r.allowed is None for r in rows):
+        return None
+    return bits.pack(torch.stack([r.allowed if r.allowed is not None else torch.ones(vocab, dtype=torch.bool)
+                                  for r in rows]))
+
+
+def sample(logits, rows, **kwargs):
+    return sampler.sample(logits, rows, bitmask=_bitmask(rows, logits.shape[1]), **kwargs)
+
+
+def sample_sharded(shards, rows, **kwargs):
+    vocab = sum(x.shape[1] for x in shards)
+    return sampler.sample_sharded(shards, rows, bitmask=_bitmask(rows, vocab), **kwargs)
+
+
+def kept_mask(logits, rows):
+    return sampler.kept_mask(logits, rows, _bitmask(rows, logits.shape[1]))
 
 M64 = (1 << 64) - 1
 INF = float("inf")

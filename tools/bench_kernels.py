@@ -75,7 +75,7 @@ def benchmarks(torch, device: str, smoke: bool):
 
     from tensorfold.kernels import attention_triton, reference, rms_norm_triton, sampling_triton, verify_triton
     from tensorfold.kernels.paged_attention import paged_attention_ref, write_kv_ref
-    from tensorfold.sampling import sampler
+    from tensorfold.sampling import bitmask as bits, sampler
     from tensorfold.sampling.sampler import RowSampling
 
     s = (lambda big, small: small) if smoke else (lambda big, small: big)  # noqa: E731
@@ -155,7 +155,7 @@ def benchmarks(torch, device: str, smoke: bool):
                     "sampler.sample on the CPU",
                     lambda rows_=rows_: sampler.sample(logits_cpu, rows_, small.get("num_candidates", 1024)),
                     logits.numel() * 4, "GB/s"))
-    bitmask = sampling_triton.pack_bitmask(torch.rand(num_rows, vocab, device=device) > 0.5)
+    bitmask = bits.pack(torch.rand(num_rows, vocab, device=device) > 0.5)
     paths = list(range(0, num_rows + 1, 4 if smoke else 8))
     vrows = [RowSampling(0.0, 0, 1.0, 0.0, seed=7, position=i) for i in range(num_rows)]
     drafts = [-1] * num_rows

@@ -25,6 +25,8 @@ from tensorfold.engine.scheduler import Scheduler, SchedulerConfig
 from tensorfold.models.forward_batch import KVCache
 from tensorfold.models.loader import build_model, load_checkpoint
 from tensorfold.models.tokenizer import Tokenizer
+from tensorfold.sampling import bitmask as bits
+from tensorfold.sampling.constraint import ConstraintError
 from tensorfold.sampling.keyed import request_seed
 from tensorfold.sampling.params import SamplingParams
 
@@ -205,21 +207,40 @@ class Engine:
             # Leave room for the correction/bonus draw inside max_tokens.
             limit = req.max_tokens - len(req.output_ids) - 1
             tokens = req.prompt_ids + req.output_ids
-            req.draft_ids = self.drafter.propose(tokens, self._drafts[req.req_id], limit)
+            drafts = self.drafter.propose(tokens, self._drafts[req.req_id], limit)
+            if drafts and req.constraint is not None:  # drafts the constraint rejects never run
+                drafts = drafts[:self._guarded(req, req.constraint.num_valid_drafts, req.output_ids, drafts,
+                                               self.model.args.vocab_size)]
+            req.draft_ids = drafts
 
     def _attach_masks(self, plan) -> None:
-        """Each drawing row of a constrained request gets the mask of its own path."""
+        """The round's allowed-token bitmask (sampling/bitmask.py): each drawing row of a
+        constrained request gets the mask of its own path, every other row all ones."""
+        constrained = {s.req_id for s in plan.requests if s.rows and self.requests[s.req_id].constraint is not None}
+        if not constrained:
+            plan.bitmask = None
+            return
+        plan.bitmask = bits.full(sum(len(s.rows) for s in plan.requests), self.model.args.vocab_size)
+        first = 0
         for scheduled in plan.requests:
             req = self.requests[scheduled.req_id]
-            if req.constraint is None or not scheduled.rows:
-                continue
-            drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_drafts:]
-            rows = []
-            for row in scheduled.rows:
-                # Row drawing position p sees the reply before p: real tokens, then drafts.
-                reply = (req.output_ids + drafts)[:row.position - req.num_prompt_tokens]
-                rows.append(replace(row, allowed=req.constraint.allowed(reply)))
-            scheduled.rows = rows
+            if scheduled.req_id in constrained:
+                drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_drafts:]
+                for i, row in enumerate(scheduled.rows):
+                    # Row drawing position p sees the reply before p: real tokens, then drafts.
+                    reply = (req.output_ids + drafts)[:row.position - req.num_prompt_tokens]
+                    self._guarded(req, req.constraint.fill_mask, reply, plan.bitmask, first + i)
+            first += len(scheduled.rows)
+
+    def _guarded(self, req: Request, hook, *args):
+        """A constraint hook's answer; a constraint that fails ends its request with "error"
+        after this round (its rows keep drawing unmasked meanwhile), the others go on."""
+        try:
+            return hook(*args)
+        except ConstraintError as e:
+            log.error("%s: constraint failed: %s", req.req_id, e)
+            req.error = str(e)
+            return 0
 
     def _fixed(self, req: Request, drafts: list[int], draws: list[int]) -> list[int]:
         """Apply the request's token fix along the drafted path."""
@@ -230,6 +251,9 @@ class Engine:
         return [req.constraint.fix(path[:base + j], d) for j, d in enumerate(draws)]
 
     def _accept(self, req: Request, scheduled, draws: list[int]) -> RequestOutput | None:
+        if req.error is not None:
+            self._finish(req, "error")
+            return RequestOutput(req.req_id, [], "", True, "error", req)
         fed = scheduled.token_ids
         drafts = fed[len(fed) - scheduled.num_drafts:]
         first_pos = scheduled.start_position + len(fed) - len(draws)  # the first row with a draw

@@ -32,6 +32,7 @@ class RequestStats:
     drafted: int = 0
     accepted: int = 0
     cached_tokens: int = 0
+    grammar_compile_s: float | None = None  # structured output: seconds compiling (0.0: cached)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain of full final blocks
     num_preemptions: int = 0
     constraint: RowConstraint | None = None   # per-row mask and token fix (sampling/constraint.py)
+    error: str | None = None      # why a constraint failed: the request ends with "error"
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)

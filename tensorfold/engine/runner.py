@@ -21,7 +21,7 @@ class ModelRunner:
         batch = self._batch(plan)
         logits = self.model.forward(batch, self.cache)  # [num_draw_rows, vocab]
         rows = [row for req in plan.requests for row in req.rows]
-        drawn = self.model.ops.sample(logits, rows) if rows else []
+        drawn = self.model.ops.sample(logits, rows, bitmask=plan.bitmask) if rows else []
         out, i = [], 0
         for req in plan.requests:
             out.append(drawn[i:i + len(req.rows)])

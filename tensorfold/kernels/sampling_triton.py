@@ -31,14 +31,13 @@ and no interpreter patch is needed to compare them.
 A row whose nucleus may run past the candidates (the reference's "late" rows) is drawn by the
 reference on the CPU.
 """
-import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from tensorfold.kernels import exact_triton as ex
-from tensorfold.sampling import keyed, sampler
+from tensorfold.sampling import bitmask as bits, keyed, sampler
 from tensorfold.sampling.sampler import RowSampling
 
 NUM_CANDIDATES = sampler.NUM_CANDIDATES
@@ -46,24 +45,6 @@ CHUNK = 4096                  # tokens per program, held in registers (8 warps: 
 GREEDY, FREE, ORDERED = 0, 1, 2
 
 sample_ref = sampler.sample
-
-
-def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
-    """bool [num_rows, vocab] -> int32 [num_rows, ceil(vocab / 32)], xgrammar's layout."""
-    num_rows, vocab = allowed.shape
-    words = -(-vocab // 32)
-    bits = torch.zeros((num_rows, words * 32), dtype=torch.int64, device=allowed.device)
-    bits[:, :vocab] = allowed.to(torch.int64)
-    weights = torch.ones(32, dtype=torch.int64, device=allowed.device) << torch.arange(32, device=allowed.device)
-    packed = (bits.view(num_rows, words, 32) * weights).sum(dim=2)  # [num_rows, words] in [0, 2^32)
-    return (packed - (packed >> 31 << 32)).to(torch.int32)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 [num_rows, words] -> bool [num_rows, vocab]."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [num_rows, words, 32]
-    return bits.flatten(1)[:, :vocab].bool()
 
 
 @triton.jit
@@ -234,16 +215,9 @@ def _prepare(logits: torch.Tensor, rows: list[RowSampling], bitmask: torch.Tenso
         raise ValueError(f"vocabulary of {vocab} tokens exceeds 2^{sampler.ID_BITS} - 1")
     if torch.isnan(logits).any():
         raise ValueError("logits contain NaN")
-    device = logits.device
     if bitmask is not None:
-        if bitmask.dtype != torch.int32 or bitmask.shape[0] != num_rows or bitmask.shape[1] * 32 < vocab:
-            raise ValueError(f"bitmask {bitmask.dtype} {tuple(bitmask.shape)} does not cover logits "
-                             f"{tuple(logits.shape)}")
-        bitmask = bitmask.to(device).contiguous()
-    elif any(r.allowed is not None for r in rows):
-        allowed = torch.stack([r.allowed if r.allowed is not None else torch.ones(vocab, dtype=torch.bool)
-                               for r in rows])
-        bitmask = pack_bitmask(allowed.to(device))
+        bits.check(bitmask, num_rows, vocab)
+        bitmask = bitmask.to(logits.device).contiguous()
     return (logits if logits.stride(1) == 1 else logits.contiguous()), bitmask
 
 
@@ -261,7 +235,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = 
            *, chunk: int = CHUNK, bitmask: torch.Tensor | None = None) -> list[int]:
     """`sampler.sample` with the per-token work in Triton: one token per row of logits [R, vocab].
     `chunk` (tokens per program, a power of two) changes the speed, never the token. `bitmask`
-    (int32 [R, >= vocab / 32], xgrammar's layout) replaces the rows' `allowed` masks."""
+    (int32 [R, >= vocab / 32], sampling/bitmask.py) holds each row's allowed tokens."""
     logits, bitmask = _prepare(logits, rows, bitmask, chunk)
     vocab = logits.shape[1]
     out = [0] * len(rows)
@@ -283,11 +257,9 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = 
     late = [j for j in range(len(ordered)) if not decided[j]]
     if late:  # the nucleus may run past the candidates: the reference sorts whole rows
         lrows = [orows[j] for j in late]
-        if bitmask is not None:
-            allowed = unpack_bitmask(bitmask[[ordered[j] for j in late]], vocab).cpu()
-            lrows = [dataclasses.replace(r, allowed=a) for r, a in zip(lrows, allowed)]
+        lmask = bitmask[[ordered[j] for j in late]].cpu() if bitmask is not None else None
         _assign(out, [ordered[j] for j in late],
-                sample_ref(logits[[ordered[j] for j in late]].cpu(), lrows, num_candidates))
+                sample_ref(logits[[ordered[j] for j in late]].cpu(), lrows, num_candidates, bitmask=lmask))
     return out
 
 

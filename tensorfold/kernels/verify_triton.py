@@ -23,7 +23,6 @@ Contract: draws and accepted lengths equal `verify_ref` bitwise (the per-token a
 sampling_triton's, exp and log included: exact_triton's libm-free exp64/log64, launched without
 FMA contraction; the folds are exact).
 """
-import dataclasses
 
 import torch
 import triton
@@ -31,8 +30,8 @@ import triton.language as tl
 
 from tensorfold.kernels import exact_triton as ex
 from tensorfold.kernels import sampling_triton
-from tensorfold.kernels.sampling_triton import (allowed_bits, drawable_logits, gumbel, pack_bitmask,
-                                               unpack_bitmask)
+from tensorfold.kernels.sampling_triton import allowed_bits, drawable_logits, gumbel
+from tensorfold.sampling import bitmask as bits
 from tensorfold.sampling import keyed, sampler
 from tensorfold.sampling.sampler import RowSampling
 
@@ -41,17 +40,13 @@ TILE = 2048  # vocabulary tokens per step of a row's pass
 
 def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Masked copy of logits [R, vocab]: -inf where the row's bit is clear."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
-    return logits.masked_fill(~allowed, float("-inf"))
+    return logits.masked_fill(~bits.unpack(bitmask, logits.shape[1]), float("-inf"))
 
 
 def verify_ref(logits: torch.Tensor, bitmask: torch.Tensor | None, drafts: list[int],
                path_starts: list[int], rows: list[RowSampling]) -> tuple[list[int], list[int]]:
     """(draws [R], num_accepted [P]) by the reference sampler on the masked rows."""
-    if bitmask is not None:
-        allowed = unpack_bitmask(bitmask, logits.shape[1])
-        rows = [dataclasses.replace(r, allowed=a) for r, a in zip(rows, allowed)]
-    draws = sampler.sample(logits, rows)
+    draws = sampler.sample(logits, rows, bitmask=bitmask)
     accepted = []
     for a, b in zip(path_starts[:-1], path_starts[1:]):
         n = 0
@@ -121,7 +116,7 @@ def verify_kernel(logits_ptr, bitmask_ptr, draft_ptr, draw_in_ptr, row_path_ptr,
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """In place: logits [R, vocab] get -inf where the row's bit is clear; returns logits."""
     num_rows, vocab = logits.shape
-    _check_bitmask(bitmask, num_rows, vocab)
+    bits.check(bitmask, num_rows, vocab)
     if logits.stride(1) != 1:
         raise ValueError("logits must be contiguous in the vocabulary")
     block = 1024
@@ -144,11 +139,8 @@ def verify(logits: torch.Tensor, bitmask: torch.Tensor | None, drafts: list[int]
         raise ValueError("logits contain NaN")
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     if bitmask is not None:
-        _check_bitmask(bitmask, num_rows, vocab)
+        bits.check(bitmask, num_rows, vocab)
         bitmask = bitmask.to(device=device).contiguous()
-    elif any(r.allowed is not None for r in rows):
-        bitmask = pack_bitmask(torch.stack([r.allowed if r.allowed is not None else
-                                            torch.ones(vocab, dtype=torch.bool) for r in rows]).to(device))
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
 
     # Rows whose cut depends on the key order are drawn by the sampling kernel first.
@@ -175,9 +167,3 @@ def verify(logits: torch.Tensor, bitmask: torch.Tensor | None, drafts: list[int]
     if (draws == sampler.NO_TOKEN).any():
         raise ValueError("a row has no drawable token")
     return draws, accepted
-
-
-def _check_bitmask(bitmask: torch.Tensor, num_rows: int, vocab: int) -> None:
-    if bitmask.dtype != torch.int32 or bitmask.shape[0] != num_rows or bitmask.shape[1] * 32 < vocab:
-        raise ValueError(f"bitmask must be int32 [{num_rows}, >= {-(-vocab // 32)}], "
-                         f"got {bitmask.dtype} {tuple(bitmask.shape)}")

@@ -2,7 +2,8 @@
 same token whether the vocabulary sits in one tensor or in contiguous shards.
 
 The rule for one row (RowSampling), exactly:
-- Tokens outside the row's `allowed` mask, and tokens whose logit is -inf, are not drawable.
+- Tokens whose bit is clear in the row's allowed-token bitmask (sampling/bitmask.py, xgrammar's
+  layout; none given: all allowed), and tokens whose logit is -inf, are not drawable.
 - temperature 0: the argmax of the logits, ties to the lowest id; no noise.
 - Otherwise z = logits.double() / T, m = max z (the exact global max), and each drawable token gets
   the weight q_v = floor(exp(z_v - m) * 2^32), an int64 (the likeliest token has q = 2^32).
@@ -37,13 +38,13 @@ shard's local winner. `LocalExchange` simulates the collectives in one process; 
 torch.distributed version passes its one shard to `_sample_shards` with an `Exchange` that calls
 all_reduce / all_gather, and nothing else changes.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from tensorfold.kernels import exact
-from tensorfold.sampling import keyed
+from tensorfold.sampling import bitmask as bits, keyed
 from tensorfold.sampling.params import SamplingParams
 
 NUM_CANDIDATES = 1024
@@ -65,7 +66,6 @@ class RowSampling:
     min_p: float
     seed: int
     position: int
-    allowed: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [vocab] bool
 
     def __post_init__(self):
         if not 0.0 <= self.temperature < float("inf"):
@@ -74,15 +74,10 @@ class RowSampling:
             raise ValueError(f"top_p and min_p must lie in [0, 1], got {self.top_p}, {self.min_p}")
         if not 0 <= self.seed <= keyed.MASK64 or self.position < 0:
             raise ValueError(f"need 0 <= seed < 2^64, position >= 0: {self.seed}, {self.position}")
-        mask = self.allowed
-        if mask is not None and (mask.dtype != torch.bool or mask.dim() != 1):
-            raise ValueError("allowed must be a 1-D bool tensor over the vocabulary")
 
     @classmethod
-    def of(cls, params: SamplingParams, seed: int, position: int,
-           allowed: torch.Tensor | None = None) -> "RowSampling":
-        return cls(params.temperature, params.top_k, params.top_p, params.min_p, seed, position,
-                   allowed)
+    def of(cls, params: SamplingParams, seed: int, position: int) -> "RowSampling":
+        return cls(params.temperature, params.top_k, params.top_p, params.min_p, seed, position)
 
     def ordered(self, vocab_size: int) -> bool:
         """Whether a cut depends on the key order (top-k or top-p on), needing candidates."""
@@ -91,18 +86,14 @@ class RowSampling:
 
 # ---- per-shard arithmetic (elementwise in the token, so identical on any layout) ----
 
-def _masked(logits: torch.Tensor, rows: list[RowSampling], offset: int) -> torch.Tensor:
-    """Logits with disallowed tokens at -inf; rejects NaN."""
+def _masked(logits: torch.Tensor, bitmask: torch.Tensor | None, offset: int) -> torch.Tensor:
+    """Logits (global ids offset ..) with the tokens the bitmask clears at -inf; rejects NaN."""
     if torch.isnan(logits).any():
         raise ValueError("logits contain NaN")
-    if all(r.allowed is None for r in rows):
+    if bitmask is None:
         return logits
-    out = logits.clone()
-    width = logits.shape[1]
-    for i, r in enumerate(rows):
-        if r.allowed is not None:
-            out[i].masked_fill_(~r.allowed[offset:offset + width], float("-inf"))
-    return out
+    allowed = bits.unpack(bitmask.to(logits.device), logits.shape[1], offset)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _scaled(x: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
@@ -190,10 +181,11 @@ def _draw(keys: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> torch
 
 # ---- one shard ----
 
-def sample(logits: torch.Tensor, rows: list[RowSampling],
-           num_candidates: int = NUM_CANDIDATES) -> list[int]:
-    """One token per row of `logits` [num_rows, vocab] (the whole vocabulary in one tensor)."""
-    x, greedy, sampled = _split(logits, rows)
+def sample(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = NUM_CANDIDATES, *,
+           bitmask: torch.Tensor | None = None) -> list[int]:
+    """One token per row of `logits` [num_rows, vocab] (the whole vocabulary in one tensor);
+    `bitmask` (int32 [num_rows, >= vocab / 32]) the allowed tokens of each row."""
+    x, greedy, sampled = _split(logits, rows, 0, bitmask)
     vocab = x.shape[1]
     ids = torch.arange(vocab).reshape(1, -1)
     out = [0] * len(rows)
@@ -256,12 +248,12 @@ def _take(t: torch.Tensor, index: list[int]) -> torch.Tensor:
     return t if index == list(range(t.shape[0])) else t[index]
 
 
-def kept_mask(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+def kept_mask(logits: torch.Tensor, rows: list[RowSampling], bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's kept set as a [num_rows, vocab] bool mask (a greedy row keeps its argmax), by a
     full sort: for inspection and tests; the draw never builds it."""
-    x, greedy, sampled = _split(logits, rows)
+    x, greedy, sampled = _split(logits, rows, 0, bitmask)
     mask = torch.zeros(x.shape, dtype=torch.bool)                              # [R, vocab]
-    for i, t in zip(greedy, sample(logits[greedy], [rows[i] for i in greedy])):
+    for i, t in zip(greedy, sample(x[greedy], [rows[i] for i in greedy])):
         mask[i, t] = True
     if sampled:
         srows = [rows[i] for i in sampled]
@@ -273,16 +265,18 @@ def kept_mask(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     return mask
 
 
-def _split(logits: torch.Tensor, rows: list[RowSampling], offset: int = 0):
+def _split(logits: torch.Tensor, rows: list[RowSampling], offset: int, bitmask: torch.Tensor | None):
     """Masked logits (the columns from global id `offset` on), and the indices of the greedy and
     the sampled rows."""
     if logits.dim() != 2 or len(rows) != logits.shape[0]:
         raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
     if offset + logits.shape[1] > ID_MASK:
         raise ValueError(f"vocabulary of {offset + logits.shape[1]} tokens exceeds 2^{ID_BITS} - 1")
+    if bitmask is not None:
+        bits.check(bitmask, len(rows), offset + logits.shape[1])
     greedy = [i for i, r in enumerate(rows) if r.temperature == 0.0]
     sampled = [i for i, r in enumerate(rows) if r.temperature != 0.0]
-    return _masked(logits, rows, offset), greedy, sampled
+    return _masked(logits, bitmask, offset), greedy, sampled
 
 
 def _global_max(parts: list[torch.Tensor], ex: "Exchange | None" = None) -> torch.Tensor:
@@ -339,7 +333,7 @@ class Shard:
 
 
 def sample_sharded(shard_logits: list[torch.Tensor], rows: list[RowSampling],
-                   num_candidates: int = NUM_CANDIDATES) -> list[int]:
+                   num_candidates: int = NUM_CANDIDATES, *, bitmask: torch.Tensor | None = None) -> list[int]:
     """`sample` on a vocabulary split into contiguous shards (possibly uneven), through the
     exchange a multi-rank draw does; returns the same tokens as `sample` on the concatenation."""
     offsets = [0]
@@ -347,14 +341,15 @@ def sample_sharded(shard_logits: list[torch.Tensor], rows: list[RowSampling],
         offsets.append(offsets[-1] + x.shape[1])
     shards = [Shard(x, off) for x, off in zip(shard_logits, offsets)]
     max_width = max(x.shape[1] for x in shard_logits)
-    return _sample_shards(shards, rows, offsets[-1], max_width, LocalExchange(), num_candidates)
+    return _sample_shards(shards, rows, offsets[-1], max_width, LocalExchange(), num_candidates, bitmask)
 
 
 def _sample_shards(shards: list[Shard], rows: list[RowSampling], vocab: int, max_width: int,
-                   ex: Exchange, num_candidates: int) -> list[int]:
+                   ex: Exchange, num_candidates: int, bitmask: torch.Tensor | None = None) -> list[int]:
     """Per-rank code: `shards` are the shards this process holds; every value that crosses
-    shards goes through `ex`, so all holders reach the same decision."""
-    splits = [_split(s.logits, rows, s.offset) for s in shards]
+    shards goes through `ex`, so all holders reach the same decision. Each rank holds the whole
+    bitmask (it is small) and masks its own columns."""
+    splits = [_split(s.logits, rows, s.offset, bitmask) for s in shards]
     xs = [x for x, _, _ in splits]
     _, greedy, sampled = splits[0]
     ids = [torch.arange(s.offset, s.offset + x.shape[1]).reshape(1, -1) for s, x in zip(shards, xs)]
