@@ -75,9 +75,9 @@ setup(
         "h11",
         "gguf",
         "numpy",
+        "xgrammar",  # structured output (pulls transformers for its tokenizer table)
     ],
     extras_require={
-        "grammar": ["xgrammar"],
         # triton: kernels are tested on the CPU with TRITON_INTERPRET=1 (Linux wheels only).
         "test": ["pytest", "hypothesis", "transformers", "accelerate", "openai", "jsonschema",
                  "triton; platform_system == 'Linux'"],

@@ -56,4 +56,5 @@ def build_server(settings: ServeSettings, engine: Engine | None = None) -> HttpS
     server = HttpServer(build_router(service), settings.host, settings.port, tick=service.tick,
                         limits=settings.limits)
     server.service = service
+    service.wake = server.wake
     return server

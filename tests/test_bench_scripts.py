@@ -3,7 +3,7 @@
 bench_kernels.py --smoke runs every kernel in the interpreter at tiny sizes next to its torch
 counterpart and checks attention against its reference bitwise in each row; bench_exact.py runs
 each exact CPU op next to its stock counterpart with one timing run; bench_native.py decodes a
-few tokens next to llama.cpp (when installed).
+few tokens next to llama.cpp (when installed); bench_grammar.py runs each grammar constrained and free.
 """
 import os
 import re
@@ -41,3 +41,10 @@ def test_bench_native_runs():
                    "--repeats", "1")
     row = [line for line in out.splitlines() if line.startswith("| float32")]
     assert len(row) == 1 and "| True " in row[0], out
+
+
+def test_bench_grammar_runs_and_drafting_keeps_the_reply():
+    out = run_tool("tools/bench_grammar.py", "--repeats", "1", "--max-tokens", "12")
+    rows = [line for line in out.splitlines() if line.startswith(("| json schema", "| regex", "| choice"))]
+    assert len(rows) == 6, out  # three in the decode table, three in the compile table
+    assert all(line.rstrip().endswith("| True              |") for line in rows[:3]), out

@@ -37,6 +37,7 @@ def tensorfold_block(req: Request) -> dict:
         "prefill_s": round(s.prefill_s, 6),
         "drafted": s.drafted,
         "accepted": s.accepted,
+        **({"grammar_compile_ms": round(s.grammar_compile_s * 1e3, 3)} if s.grammar_compile_s is not None else {}),
     }
 
 

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import json
 from typing import Any
 
-from tensorfold.api import fields
+from tensorfold.api import fields, structured
 from tensorfold.api.errors import ApiError
 from tensorfold.api.messages import check_messages
+from tensorfold.grammar.spec import GrammarSpec
 from tensorfold.sampling.params import SamplingParams
 
 MAX_STOP = 16
@@ -55,14 +56,6 @@ NOT_YET = {
     "functions": ([],),
     "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (),
-    "structured_outputs": (),
     "thinking_budget": (0,),
 }
 
@@ -103,6 +96,7 @@ NOT_HONOURED = {
     "logits_processors": (),
     "vllm_xargs": (),
     "return_tokens_as_token_ids": (False,),
+    "guided_whitespace_pattern": (),  # JSON grammars allow up to 32 blanks in a row instead
     # llama.cpp extensions
     "n_predict": (),
     "typical_p": (1,),
@@ -130,7 +124,7 @@ PARSED = frozenset({
     "model", "messages", "prompt", "temperature", "top_p", "top_k", "min_p", "seed",
     "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "draft", "stream",
     "stream_options", "priority", "n", "logprobs", "chat_template_kwargs", "reasoning_effort",
-    "parallel_tool_calls",
+    "parallel_tool_calls", *structured.FIELDS,
 })
 KNOWN = PARSED | HARMLESS | NOT_YET.keys() | NOT_HONOURED.keys() | frozenset(CHAT_ONLY)
 
@@ -167,6 +161,7 @@ class GenerationRequest:
     chat_template_kwargs: dict | None
     reasoning_effort: str | None               # the top-level field, else chat_template_kwargs'
     priority: str | None                       # "foreground" | "background" | None (unset)
+    grammar: GrammarSpec | None = None         # structured output (api/structured.py)
     ignored_fields: tuple[str, ...] = ()       # unknown top-level fields, sorted, for a log line
     max_tokens_field: str = "max_tokens"       # the spelling the client used, for error messages
 
@@ -236,12 +231,17 @@ def _request(body: dict, defaults: ServerDefaults, *, kind: str, model: str,
     sampling = _sampling(body, defaults)
     stream, include_usage = _stream(body)
     priority = _priority(body.get("priority"))
+    grammar = structured.parse_grammar(body)
+    tool_choice = body.get("tool_choice")
+    if grammar is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        raise ApiError(f"'{grammar.field}' cannot be combined with tool_choice {json.dumps(tool_choice)}: "
+                       "a forced tool call has its own grammar", param="tool_choice")
     _refuse_unhonoured(body)
     return GenerationRequest(
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids,
         sampling=sampling, stream=stream, include_usage=include_usage,
         chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort,
-        priority=priority, ignored_fields=tuple(sorted(k for k in body if k not in KNOWN)),
+        priority=priority, grammar=grammar, ignored_fields=tuple(sorted(k for k in body if k not in KNOWN)),
         max_tokens_field="max_completion_tokens" if body.get("max_completion_tokens") is not None
         else "max_tokens")
 

@@ -7,6 +7,7 @@ engine round and routes each request's new text to its stream or its pending res
 """
 import logging
 import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from tensorfold.api import replies
@@ -18,10 +19,14 @@ from tensorfold.chat.messages import render_chat
 from tensorfold.chat.template import ChatTemplate, TemplateError
 from tensorfold.engine.engine import Engine, RequestOutput
 from tensorfold.engine.request import Request
+from tensorfold.grammar.compiler import GrammarCompileError, GrammarCompiler
+from tensorfold.grammar.constraint import GrammarConstraint
 from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest, HttpResponse
 from tensorfold.sampling.params import SamplingParams
 
 log = logging.getLogger("tensorfold.api")
+
+QUICK_COMPILE_S = 0.02  # a grammar compiled within this is started at once; a slower one waits off-thread
 
 
 @dataclass
@@ -30,6 +35,18 @@ class Reply:
     fmt: replies.ReplyFormat
     sink: EventStream | DeferredResponse
     pieces: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PendingGrammar:
+    """A request waiting for its grammar to compile on the worker thread; its sink is a held
+    stream or a deferred response, so a compile error can still be a 400."""
+    greq: GenerationRequest
+    fmt: replies.ReplyFormat
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: Future
+    sink: EventStream | DeferredResponse
 
 
 @dataclass
@@ -72,6 +89,14 @@ class Service:
         self.replies: dict[str, Reply] = {}
         self.counters = Counters()
         self.started = time.time()
+        tok = engine.tokenizer
+        self.grammars = GrammarCompiler(tok, engine.model.args.vocab_size)
+        self.pending: list[PendingGrammar] = []
+        self.wake = lambda: None  # set by the server: makes its poll return (any thread)
+        think_end = tok.token_to_id("</think>")
+        self.think_end = think_end if think_end is not None and tok.token_to_id("<think>") is not None else None
+        if GrammarCompiler.available():
+            self.grammars.warm()  # xgrammar and the tokenizer table, loaded off the serving thread
 
     # -- routes -----------------------------------------------------------------------------
 
@@ -121,22 +146,79 @@ class Service:
         prompt_ids = self._prompt_ids(greq)
         params = self._fit_window(greq, len(prompt_ids))
         fmt = replies.ReplyFormat(greq.kind, greq.model or self.model_names[0])
+        if greq.grammar is None:
+            return self._start(greq, fmt, prompt_ids, params)
+        if not GrammarCompiler.available():
+            raise ApiError("structured output needs xgrammar on the server: pip install xgrammar",
+                           param=greq.grammar.field)
+        future = self.grammars.compile_async(greq.grammar)
+        try:
+            compiled, seconds = future.result(timeout=QUICK_COMPILE_S)
+        except FutureTimeout:
+            sink = EventStream(held=True) if greq.stream else DeferredResponse()
+            pending = PendingGrammar(greq, fmt, prompt_ids, params, future, sink)
+            self.pending.append(pending)
+            future.add_done_callback(lambda _: self.wake())
+            return sink
+        except GrammarCompileError as e:
+            raise _compile_error(greq, e) from None
+        return self._start(greq, fmt, prompt_ids, params, self._constraint(greq, compiled, prompt_ids), seconds)
+
+    def _start(self, greq: GenerationRequest, fmt: replies.ReplyFormat, prompt_ids: list[int],
+               params: SamplingParams, constraint=None, compile_s: float | None = None, sink=None):
+        """Hand the request to the engine; returns its sink (new, or the held one to open)."""
         try:
             req_id = self.engine.add_request(prompt_ids, params, req_id=fmt.id,
-                                             priority=request_priority(greq.priority, greq.messages))
+                                             priority=request_priority(greq.priority, greq.messages),
+                                             constraint=constraint)
         except MemoryError as e:  # can never fit the KV pool, whatever else finishes
             raise ApiError(str(e), param="max_tokens", code="context_length_exceeded") from None
+        self.engine.requests[req_id].stats.grammar_compile_s = compile_s
         self.counters.requests_total += 1
         if greq.stream:
-            sink = EventStream()
+            sink = sink or EventStream()
             first = fmt.first_chunk()
             if first is not None:
                 sink.send(first)
+            sink.open()
         else:
-            sink = DeferredResponse()
+            sink = sink or DeferredResponse()
         sink.on_disconnect = lambda: self._cancel(req_id)
         self.replies[req_id] = Reply(fmt, sink)
         return sink
+
+    def _constraint(self, greq: GenerationRequest, compiled, prompt_ids: list[int]) -> GrammarConstraint:
+        """The request's grammar; with thinking on (a chat reply that opens with a think block:
+        the vocabulary has the markers and the prompt did not close one), from after </think>."""
+        start_after = None
+        if self.think_end is not None and greq.kind == "chat" and self.think_end not in prompt_ids[-8:]:
+            start_after = self.think_end
+        return GrammarConstraint(compiled, self.engine.tokenizer.eos_token_ids, start_after)
+
+    def _start_compiled(self) -> None:
+        """Start the requests whose grammar finished compiling (or answer them with a 400)."""
+        done = [p for p in self.pending if p.future.done()]
+        self.pending = [p for p in self.pending if not p.future.done()]
+        for p in done:
+            if p.sink.disconnected:
+                continue
+            try:
+                compiled, seconds = p.future.result()
+                self._start(p.greq, p.fmt, p.prompt_ids, p.params,
+                            self._constraint(p.greq, compiled, p.prompt_ids), seconds, p.sink)
+                continue
+            except GrammarCompileError as e:
+                response = HttpResponse.from_api_error(_compile_error(p.greq, e))
+            except ApiError as e:
+                response = HttpResponse.from_api_error(e)
+            except Exception as e:  # a fault of the compiler itself: this request only
+                log.exception("grammar compile failed")
+                response = HttpResponse.error(500, f"grammar compile failed: {type(e).__name__}: {e}",
+                                              type="server_error")
+            if isinstance(p.sink, EventStream):
+                p.sink.refuse(response)
+            else:
+                p.sink.resolve(response)
 
     def _prompt_ids(self, greq: GenerationRequest) -> list[int]:
         tok = self.engine.tokenizer
@@ -188,6 +270,8 @@ class Service:
 
     def tick(self) -> bool:
         """One engine round; True while work remains."""
+        if self.pending:
+            self._start_compiled()
         if not self.engine.has_work():
             return False
         try:
@@ -204,6 +288,11 @@ class Service:
     def _deliver(self, out: RequestOutput) -> None:
         reply = self.replies.get(out.req_id)
         if reply is None:
+            return
+        if out.finish_reason == "error":  # this request only: its grammar or a replay failed
+            self.replies.pop(out.req_id, None)
+            self.counters.add_finished(out.request)
+            _send_error(reply.sink, f"generation failed: {out.request.error or 'a replayed token differed'}")
             return
         if isinstance(reply.sink, EventStream):
             if out.new_text:
@@ -228,15 +317,22 @@ class Service:
             reply = self.replies.pop(req.req_id, None)
             self.counters.add_finished(req)  # keeps completion_tokens_total from going back
             self.engine.abort(req.req_id)
-            if reply is None:
-                continue
-            if isinstance(reply.sink, EventStream):
-                reply.sink.send({"error": {"message": message, "type": "server_error", "param": None,
-                                           "code": None}})
-                reply.sink.send("[DONE]")
-                reply.sink.close()
-            else:
-                reply.sink.resolve(HttpResponse.error(500, message, type="server_error"))
+            if reply is not None:
+                _send_error(reply.sink, message)
+
+
+def _send_error(sink: EventStream | DeferredResponse, message: str) -> None:
+    """A failed generation: an error event that ends the stream, or HTTP 500."""
+    if isinstance(sink, EventStream):
+        sink.send({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+        sink.send("[DONE]")
+        sink.close()
+    else:
+        sink.resolve(HttpResponse.error(500, message, type="server_error"))
+
+
+def _compile_error(greq: GenerationRequest, e: GrammarCompileError) -> ApiError:
+    return ApiError(f"'{greq.grammar.field}' could not be compiled into a grammar: {e}", param=greq.grammar.field)
 
 
 def _template_kwargs(greq: GenerationRequest) -> dict | None:

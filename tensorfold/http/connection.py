@@ -198,7 +198,10 @@ class Connection:
         except Exception:
             log.exception("router failed on %s %s", request.method, path)
             result = server_error()
-        if isinstance(result, EventStream):
+        if isinstance(result, EventStream) and result.held:
+            self.reply = result
+            result._wake = lambda: self._mark_dirty(self)
+        elif isinstance(result, EventStream):
             self._open_stream(result)
         elif isinstance(result, DeferredResponse):
             self.reply = result
@@ -245,6 +248,12 @@ class Connection:
         reply, state = self.reply, self.h11.our_state
         if isinstance(reply, DeferredResponse) and reply.finished and state is h11.SEND_RESPONSE:
             self._respond(reply.response)
+        elif isinstance(reply, EventStream) and state is h11.SEND_RESPONSE:
+            if reply.refusal is not None:
+                self._respond(reply.refusal)
+            elif not reply.held:
+                self._open_stream(reply)
+                self._feed_reply()
         elif isinstance(reply, EventStream) and state is h11.SEND_BODY:
             for chunk in reply._take():
                 self.out += self.h11.send(h11.Data(data=chunk))

@@ -140,14 +140,32 @@ class DeferredResponse(_PendingReply):
 
 class EventStream(_PendingReply):
     """A server-sent-events response. The handler returns it; the app writes events into it
-    from engine rounds (on the server's thread) and calls close() after the last one."""
+    from engine rounds (on the server's thread) and calls close() after the last one.
 
-    def __init__(self, headers: Sequence[tuple[str, str]] = ()):
+    A stream made with held=True is not opened yet: the server sends nothing until the app calls
+    open() (then the 200 and the events) or refuse() (a plain error response instead, e.g. a 400
+    for a grammar that failed to compile while the stream waited)."""
+
+    def __init__(self, headers: Sequence[tuple[str, str]] = (), *, held: bool = False):
         super().__init__()
         self.headers = list(headers)        # extra response headers
         self.closed = False                 # close() was called
+        self.held = held                    # not to be opened until open() or refuse()
+        self.refusal: HttpResponse | None = None
         self.buffered_bytes = 0             # written by the server: bytes not yet taken by the socket
         self._queue: list[bytes] = []       # encoded events the server has not picked up yet
+
+    def open(self) -> None:
+        self.held = False
+        self._poke()
+
+    def refuse(self, response: HttpResponse) -> None:
+        """Answer with `response` instead of the stream (only while held)."""
+        if not self.held:
+            raise RuntimeError("EventStream.refuse() after the stream opened")
+        self.refusal = response
+        self.closed = True
+        self._poke()
 
     @property
     def finished(self) -> bool:

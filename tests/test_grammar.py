@@ -1,0 +1,135 @@
+"""The grammar constraint against fresh xgrammar matchers: its masks are functions of the path.
+
+GrammarConstraint keeps one matcher and moves it along whatever path it is asked about (forward
+for a drafted run, back after a rejection); the oracle is a fresh xgrammar matcher fed the same
+path. Also: drafts cut at the first token the grammar rejects, the start after a think marker,
+the end token only once the value is complete, the whitespace cap of JSON grammars, the compile
+cache and its error messages. The tokenizer is SmolLM2's (the default model's).
+"""
+import random
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from tensorfold.grammar.compiler import GrammarCompileError, GrammarCompiler
+from tensorfold.grammar.constraint import GrammarConstraint
+from tensorfold.grammar.spec import MAX_WHITESPACE, GrammarSpec
+from tensorfold.models.loader import load_checkpoint
+from tensorfold.models.tokenizer import Tokenizer
+from tensorfold.sampling import bitmask as bits
+from tensorfold.sampling.constraint import ConstraintError, RowConstraint
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_checkpoint(load_checkpoint(None))
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return GrammarCompiler(tok, tok.vocab_size)
+
+
+def mask_of(constraint, path, vocab):
+    row = bits.full(1, vocab)
+    constraint.fill_mask(path, row, 0)
+    return row[0]
+
+
+def fresh_mask(compiled, path, vocab):
+    matcher = xgr.GrammarMatcher(compiled)
+    for t in path:
+        assert matcher.accept_token(t)
+    row = bits.full(1, vocab)
+    matcher.fill_next_token_bitmask(row, 0)
+    return row[0]
+
+
+def allowed(row, token):
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def test_masks_follow_any_path_forward_and_back(tok, compiler):
+    compiled, _ = compiler.compile(GrammarSpec.json_schema(SCHEMA, "t"))
+    vocab = tok.vocab_size
+    path = tok.encode('{"a": 123, "b": "yz"}', add_special_tokens=False)
+    constraint = GrammarConstraint(compiled, tok.eos_token_ids)
+    rng = random.Random(0)
+    # prefixes in a shuffled order: the matcher rolls back and forward between them
+    for n in rng.sample(range(len(path) + 1), len(path) + 1) + [3, 2, len(path), 0]:
+        assert torch.equal(mask_of(constraint, path[:n], vocab), fresh_mask(compiled, path[:n], vocab)), n
+    end = mask_of(constraint, path, vocab)
+    assert allowed(end, tok.eos_token_ids[0])  # complete: the end token is allowed ...
+    assert not allowed(mask_of(constraint, path[:-1], vocab), tok.eos_token_ids[0])  # ... only then
+
+
+def test_after_the_end_token_only_end_tokens(tok, compiler):
+    compiled, _ = compiler.compile(GrammarSpec("regex", "ab", "t"))
+    path = tok.encode("ab", add_special_tokens=False) + [tok.eos_token_ids[0]]
+    row = mask_of(GrammarConstraint(compiled, tok.eos_token_ids), path + [tok.eos_token_ids[0]], tok.vocab_size)
+    assert [t for t in range(tok.vocab_size) if allowed(row, t)] == sorted(tok.eos_token_ids)
+
+
+def test_drafts_are_cut_at_the_first_rejected_token(tok, compiler):
+    compiled, _ = compiler.compile(GrammarSpec.choice(["hello world", "help"], "t"))
+    good = tok.encode("hello world", add_special_tokens=False)
+    constraint = GrammarConstraint(compiled, tok.eos_token_ids)
+    assert constraint.num_valid_drafts([], good + [tok.eos_token_ids[0]], tok.vocab_size) == len(good) + 1
+    bad = good[:1] + tok.encode(" there", add_special_tokens=False)
+    assert constraint.num_valid_drafts([], bad, tok.vocab_size) == 1
+    assert constraint.num_valid_drafts(good[:1], bad[1:], tok.vocab_size) == 0
+    # the matcher is where the path says, whatever the drafts did
+    assert torch.equal(mask_of(constraint, good[:1], tok.vocab_size), fresh_mask(compiled, good[:1], tok.vocab_size))
+    # the generic check of RowConstraint gives the same cut through fill_mask
+    assert RowConstraint.num_valid_drafts(constraint, [], bad, tok.vocab_size) == 1
+
+
+def test_grammar_starts_after_the_think_end(tok, compiler):
+    compiled, _ = compiler.compile(GrammarSpec("regex", "[0-9]+", "t"))
+    think_end = tok.token_to_id("<|im_end|>")  # stands in for </think> (SmolLM2 has none)
+    constraint = GrammarConstraint(compiled, tok.eos_token_ids, start_after=think_end)
+    words = tok.encode("Let me think", add_special_tokens=False)
+    free = mask_of(constraint, words, tok.vocab_size)
+    assert bool((free == bits.ALL).all())  # thinking: nothing masked
+    digits = tok.encode("42", add_special_tokens=False)
+    after = mask_of(constraint, words + [think_end] + digits, tok.vocab_size)
+    assert torch.equal(after, fresh_mask(compiled, digits, tok.vocab_size))
+    assert constraint.num_valid_drafts(words, [think_end] + digits + words, tok.vocab_size) == 1 + len(digits)
+
+
+def test_a_path_the_grammar_rejects_is_a_constraint_error(tok, compiler):
+    compiled, _ = compiler.compile(GrammarSpec("regex", "[0-9]+", "t"))
+    with pytest.raises(ConstraintError):
+        mask_of(GrammarConstraint(compiled, tok.eos_token_ids), tok.encode("abc", add_special_tokens=False),
+                tok.vocab_size)
+
+
+def test_json_allows_at_most_the_whitespace_cap(tok, compiler):
+    compiled, _ = compiler.compile(GrammarSpec("json_object", "", "t"))
+    space = tok.token_to_id("Ġ")  # one blank
+    brace = tok.encode("{", add_special_tokens=False)
+    constraint = GrammarConstraint(compiled, tok.eos_token_ids)
+    assert allowed(mask_of(constraint, brace + [space] * (MAX_WHITESPACE - 1), tok.vocab_size), space)
+    assert not allowed(mask_of(constraint, brace + [space] * MAX_WHITESPACE, tok.vocab_size), space)
+
+
+def test_compile_cache_and_errors(tok):
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    spec = GrammarSpec.json_schema(SCHEMA, "t")
+    first, seconds = compiler.compile(spec)
+    assert seconds > 0 and compiler.cached(spec) is first
+    again, seconds = compiler.compile_async(GrammarSpec.json_schema(SCHEMA, "other field")).result()
+    assert again is first and seconds == 0.0  # the key is (kind, text), not the field
+    with pytest.raises(GrammarCompileError, match=r"^EBNF parser error at line 1"):
+        compiler.compile(GrammarSpec("ebnf", 'root ::= "a" | ', "t"))
+    with pytest.raises(GrammarCompileError, match="nonsense"):
+        compiler.compile(GrammarSpec("json_schema", '{"type": "nonsense"}', "t"))
+
+
+def test_choice_literals_are_escaped():
+    spec = GrammarSpec.choice(['say "hi"', "back\\slash", "tab\tnew\nline"], "t")
+    assert spec.choice_ebnf() == 'root ::= "say \\"hi\\"" | "back\\\\slash" | "tab\\tnew\\nline"'
