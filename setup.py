@@ -83,5 +83,8 @@ setup(
                  "triton; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["tensorfold=tensorfold.__main__:main"]},
+    # model cards live beside the package in a checkout; an installed wheel finds them here
+    data_files=[("share/tensorfold/model_cards", sorted(glob.glob("model_cards/*.json"))),
+                ("share/tensorfold/model_cards/templates", sorted(glob.glob("model_cards/templates/*")))],
     **extensions(),
 )

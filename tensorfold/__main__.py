@@ -4,6 +4,7 @@ import logging
 import sys
 
 from tensorfold.backends import select_backend
+from tensorfold.chat.cards import CardError
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.models.checkpoint import CheckpointError
 
@@ -28,6 +29,10 @@ def parse_args(argv=None):
                    help="most memory the prefix cache keeps in idle blocks (default: all free blocks)")
     p.add_argument("--no-drafts", action="store_true", help="turn speculative decoding off server-wide")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--model-card", default=None,
+                   help="the model card to use (model_cards/NAME.json; default: chosen from the checkpoint)")
+    p.add_argument("--reasoning-effort", default=None, choices=["none", "minimal", "low", "medium", "high", "xhigh"],
+                   help="the effort of requests that set none (default: the template's own)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -52,7 +57,8 @@ def settings_from(args, backend: str = "cpu"):
                           drafting=not args.no_drafts, num_threads=args.threads, backend=backend)
     return ServeSettings(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
-                         max_tokens=args.max_tokens, engine=engine)
+                         max_tokens=args.max_tokens, model_card=args.model_card,
+                         reasoning_effort=args.reasoning_effort, engine=engine)
 
 
 def main(argv=None) -> int:
@@ -70,6 +76,9 @@ def main(argv=None) -> int:
         server = build_server(settings_from(args, backend))
     except CheckpointError as e:
         log.error("cannot load the model: %s", e)
+        return 2
+    except CardError as e:
+        log.error("%s", e)
         return 2
     host, port = server.address
     names = server.service.model_names

@@ -23,6 +23,10 @@ def _assistant(**message):
     return [{"role": "user", "content": "u"}, {"role": "assistant", **message}]
 
 
+def _tool(name):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
 def _call(**over):
     return {"id": "call_1", "type": "function",
             "function": {"name": "f", "arguments": "{}"}, **over}
@@ -246,10 +250,28 @@ MALFORMED_CHAT_ONLY_CASES = [
     ({"reasoning_effort": 1}, "reasoning_effort"),
     ({"reasoning_effort": True}, "reasoning_effort"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tools": "f"}, "tools"),
+    ({"tools": ["f"]}, "tools[0]"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools[0].function.name"),
+    ({"tools": [_tool("f"), _tool("f")]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]},
+     "tools[0].function.parameters.properties"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "sometimes", "tools": [_tool("f")]}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [_tool("f")]},
+     "tool_choice.function.name"),
+    ({"tool_choice": {"type": "tool"}, "tools": [_tool("f")]}, "tool_choice.type"),
+    ({"messages": [{"role": "user", "content": "u"}, {"role": "tool", "content": "42", "tool_call_id": "nope"}]},
+     "messages[1].tool_call_id"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
 ]

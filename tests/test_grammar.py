@@ -88,17 +88,27 @@ def test_drafts_are_cut_at_the_first_rejected_token(tok, compiler):
     assert RowConstraint.num_valid_drafts(constraint, [], bad, tok.vocab_size) == 1
 
 
-def test_grammar_starts_after_the_think_end(tok, compiler):
+def test_grammar_starts_after_a_think_block(tok, compiler):
     compiled, _ = compiler.compile(GrammarSpec("regex", "[0-9]+", "t"))
-    think_end = tok.token_to_id("<|im_end|>")  # stands in for </think> (SmolLM2 has none)
-    constraint = GrammarConstraint(compiled, tok.eos_token_ids, start_after=think_end)
+    # two tokens stand in for <think> and </think> (SmolLM2 has none)
+    think = (tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>"))
     words = tok.encode("Let me think", add_special_tokens=False)
-    free = mask_of(constraint, words, tok.vocab_size)
-    assert bool((free == bits.ALL).all())  # thinking: nothing masked
     digits = tok.encode("42", add_special_tokens=False)
-    after = mask_of(constraint, words + [think_end] + digits, tok.vocab_size)
-    assert torch.equal(after, fresh_mask(compiled, digits, tok.vocab_size))
-    assert constraint.num_valid_drafts(words, [think_end] + digits + words, tok.vocab_size) == 1 + len(digits)
+    vocab = tok.vocab_size
+    # the prompt opened the block: free until the close, the grammar after it
+    opened = GrammarConstraint(compiled, tok.eos_token_ids, think, thinking=True)
+    assert bool((mask_of(opened, words, vocab) == bits.ALL).all())
+    assert torch.equal(mask_of(opened, words + [think[1]] + digits, vocab), fresh_mask(compiled, digits, vocab))
+    assert opened.num_valid_drafts(words, [think[1]] + digits + words, vocab) == 1 + len(digits)
+    # the prompt did not: the first token may open a block, else the grammar governs at once
+    maybe = GrammarConstraint(compiled, tok.eos_token_ids, think)
+    first = mask_of(maybe, [], vocab)
+    assert allowed(first, think[0]) and not allowed(first, think[1])
+    assert torch.equal(first & ~bits.pack(torch.arange(vocab)[None] == think[0])[0], fresh_mask(compiled, [], vocab))
+    assert bool((mask_of(maybe, [think[0]] + words, vocab) == bits.ALL).all())
+    assert torch.equal(mask_of(maybe, digits, vocab), fresh_mask(compiled, digits, vocab))
+    assert maybe.num_valid_drafts([], [think[0]] + words + [think[1]] + digits, vocab) == 2 + len(words) + len(digits)
+    assert maybe.num_valid_drafts([], words, vocab) == 0
 
 
 def test_a_path_the_grammar_rejects_is_a_constraint_error(tok, compiler):

@@ -59,7 +59,7 @@ DRAWS = [(0.0, None), (1.0, 1), (1.0, 2), (1.0, 3)]
 
 @pytest.fixture(scope="module")
 def srv():
-    with serving(ServeSettings(engine=EngineConfig(dtype="bfloat16", max_num_seqs=4, kv_cache_gib=0.25))) as s:
+    with serving(ServeSettings(port=0, engine=EngineConfig(dtype="bfloat16", max_num_seqs=4, kv_cache_gib=0.25))) as s:
         yield s
 
 
@@ -220,9 +220,9 @@ def test_a_grammar_failing_while_decoding_ends_only_its_request(srv, monkeypatch
     failing_regex = "[a-z ]+"
     real = service_module.Service._constraint
 
-    def constraint(self, greq, compiled, prompt_ids):
-        made = real(self, greq, compiled, prompt_ids)
-        if greq.grammar.text == failing_regex:
+    def constraint(self, prepared, compiled):
+        made = real(self, prepared, compiled)
+        if prepared.greq.grammar.text == failing_regex:
             made.__class__ = Failing
         return made
 

@@ -8,6 +8,7 @@ import hashlib
 import time
 import uuid
 
+from tensorfold.chat.reply_parser import ReplyDelta
 from tensorfold.engine.request import Request
 
 
@@ -22,7 +23,7 @@ def usage(req: Request) -> dict:
         "completion_tokens": completion,
         "total_tokens": req.num_prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": req.stats.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": req.stats.reasoning_tokens},
     }
 
 
@@ -42,45 +43,83 @@ def tensorfold_block(req: Request) -> dict:
 
 
 class ReplyFormat:
-    """The JSON shapes of one reply; `kind` is "chat" or "completion"."""
+    """The JSON shapes of one reply; ChatFormat and CompletionFormat below, one per endpoint.
+    Both take the reply as ReplyDelta pieces (chat/reply_parser.py): content, reasoning, calls."""
+    obj = ""            # the whole reply's object name
+    chunk_obj = ""      # a streamed chunk's
+    id_prefix = ""
 
-    def __init__(self, kind: str, model: str):
-        self.kind = kind
+    def __init__(self, model: str):
         self.model = model
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = self.id_prefix + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def final(self, text: str, finish_reason: str, req: Request) -> dict:
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
+    def final(self, reply: ReplyDelta, finish_reason: str, req: Request) -> dict:
+        body = self._envelope(self.obj, [{"index": 0, **self._whole(reply), "logprobs": None,
+                                          "finish_reason": finish_reason}])
         body["usage"] = usage(req)
         body["tensorfold"] = tensorfold_block(req)
         return body
 
     def first_chunk(self) -> dict | None:
-        if self.kind != "chat":
-            return None
-        return self.chunk("", None, role=True)
+        return None
 
-    def chunk(self, text: str, finish_reason: str | None, role: bool = False) -> dict:
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            return self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
-        return self._envelope("text_completion",
-                              [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+    def chunk(self, delta: ReplyDelta, finish_reason: str | None) -> dict:
+        return self._envelope(self.chunk_obj, [{"index": 0, **self._delta(delta), "logprobs": None,
+                                                "finish_reason": finish_reason}])
 
     def usage_chunk(self, req: Request) -> dict:
-        body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [])
+        body = self._envelope(self.chunk_obj, [])
         body["usage"] = usage(req)
         body["tensorfold"] = tensorfold_block(req)
         return body
+
+    def _whole(self, reply: ReplyDelta) -> dict:
+        raise NotImplementedError
+
+    def _delta(self, delta: ReplyDelta) -> dict:
+        raise NotImplementedError
+
+
+class ChatFormat(ReplyFormat):
+    obj, chunk_obj, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def _whole(self, reply: ReplyDelta) -> dict:
+        message = {"role": "assistant", "content": reply.content if reply.content or not reply.tool_calls else None}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = [c.as_message() for c in reply.tool_calls]
+        return {"message": message}
+
+    def first_chunk(self) -> dict:
+        return self._envelope(self.chunk_obj, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}])
+
+    def _delta(self, delta: ReplyDelta) -> dict:
+        out = {}
+        if delta.reasoning:
+            out["reasoning_content"] = delta.reasoning
+        if delta.content:
+            out["content"] = delta.content
+        if delta.tool_calls:
+            out["tool_calls"] = [{"index": c.index, **c.as_message()} for c in delta.tool_calls]
+        return {"delta": out}
+
+
+class CompletionFormat(ReplyFormat):
+    obj = chunk_obj = "text_completion"
+    id_prefix = "cmpl-"
+
+    def _whole(self, reply: ReplyDelta) -> dict:
+        return {"text": reply.content}
+
+    def _delta(self, delta: ReplyDelta) -> dict:
+        return {"text": delta.content}
+
+
+FORMATS = {"chat": ChatFormat, "completion": CompletionFormat}

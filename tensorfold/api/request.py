@@ -39,6 +39,7 @@ import json
 from typing import Any
 
 from tensorfold.api import fields, structured
+from tensorfold.api.tools import ToolRequest, parse_tools
 from tensorfold.api.errors import ApiError
 from tensorfold.api.messages import check_messages
 from tensorfold.grammar.spec import GrammarSpec
@@ -52,9 +53,7 @@ PRIORITIES = ("foreground", "background")
 # ---- Features not implemented yet. field -> the values (besides null) this server honours now,
 # i.e. the feature's off state. Later work flips an entry by deleting it and parsing the field.
 NOT_YET = {
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
     "thinking_budget": (0,),
 }
@@ -124,7 +123,7 @@ PARSED = frozenset({
     "model", "messages", "prompt", "temperature", "top_p", "top_k", "min_p", "seed",
     "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "draft", "stream",
     "stream_options", "priority", "n", "logprobs", "chat_template_kwargs", "reasoning_effort",
-    "parallel_tool_calls", *structured.FIELDS,
+    "parallel_tool_calls", "tools", "tool_choice", *structured.FIELDS,
 })
 KNOWN = PARSED | HARMLESS | NOT_YET.keys() | NOT_HONOURED.keys() | frozenset(CHAT_ONLY)
 
@@ -162,6 +161,7 @@ class GenerationRequest:
     reasoning_effort: str | None               # the top-level field, else chat_template_kwargs'
     priority: str | None                       # "foreground" | "background" | None (unset)
     grammar: GrammarSpec | None = None         # structured output (api/structured.py)
+    tools: ToolRequest | None = None           # chat: offered tools and the choice (api/tools.py)
     ignored_fields: tuple[str, ...] = ()       # unknown top-level fields, sorted, for a log line
     max_tokens_field: str = "max_tokens"       # the spelling the client used, for error messages
 
@@ -173,13 +173,13 @@ def parse_chat_request(body: Any, defaults: ServerDefaults) -> GenerationRequest
         raise ApiError("'prompt' is a /v1/completions field; a chat request sends messages",
                        param="prompt")
     messages = check_messages(body.get("messages"), vision=defaults.vision)
-    fields.boolean(body.get("parallel_tool_calls"), "parallel_tool_calls")
+    tools = parse_tools(body, messages)
     if fields.boolean(body.get("logprobs"), "logprobs"):
         raise ApiError("logprobs is not supported", param="logprobs")
     chat_template_kwargs, reasoning_effort = _template_inputs(body)
     return _request(body, defaults, kind="chat", model=model, messages=messages,
                     chat_template_kwargs=chat_template_kwargs,
-                    reasoning_effort=reasoning_effort)
+                    reasoning_effort=reasoning_effort, tools=tools)
 
 
 def parse_completion_request(body: Any, defaults: ServerDefaults) -> GenerationRequest:
@@ -226,22 +226,22 @@ def _model(body: dict, defaults: ServerDefaults) -> str:
 
 def _request(body: dict, defaults: ServerDefaults, *, kind: str, model: str,
              messages=None, prompt=None, prompt_ids=None, chat_template_kwargs=None,
-             reasoning_effort=None) -> GenerationRequest:
+             reasoning_effort=None, tools: ToolRequest | None = None) -> GenerationRequest:
     """The fields both kinds share, then the refusals, then the request."""
     sampling = _sampling(body, defaults)
     stream, include_usage = _stream(body)
     priority = _priority(body.get("priority"))
     grammar = structured.parse_grammar(body)
-    tool_choice = body.get("tool_choice")
-    if grammar is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
-        raise ApiError(f"'{grammar.field}' cannot be combined with tool_choice {json.dumps(tool_choice)}: "
-                       "a forced tool call has its own grammar", param="tool_choice")
+    if grammar is not None and tools is not None and tools.forced:
+        raise ApiError(f"'{grammar.field}' cannot be combined with tool_choice "
+                       f"{json.dumps(body.get('tool_choice'))}: a forced tool call has its own grammar",
+                       param="tool_choice")
     _refuse_unhonoured(body)
     return GenerationRequest(
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids,
         sampling=sampling, stream=stream, include_usage=include_usage,
         chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort,
-        priority=priority, grammar=grammar, ignored_fields=tuple(sorted(k for k in body if k not in KNOWN)),
+        priority=priority, grammar=grammar, tools=tools, ignored_fields=tuple(sorted(k for k in body if k not in KNOWN)),
         max_tokens_field="max_completion_tokens" if body.get("max_completion_tokens") is not None
         else "max_tokens")
 

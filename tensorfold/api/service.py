@@ -15,12 +15,16 @@ from tensorfold.api.errors import ApiError
 from tensorfold.api.priority import request_priority
 from tensorfold.api.request import (GenerationRequest, ServerDefaults, check_prompt_ids,
                                     parse_chat_request, parse_completion_request)
+from tensorfold.chat.cards import ModelCard, select_card
 from tensorfold.chat.messages import render_chat
+from tensorfold.chat.reply_parser import ReplyParser
 from tensorfold.chat.template import ChatTemplate, TemplateError
 from tensorfold.engine.engine import Engine, RequestOutput
 from tensorfold.engine.request import Request
 from tensorfold.grammar.compiler import GrammarCompileError, GrammarCompiler
 from tensorfold.grammar.constraint import GrammarConstraint
+from tensorfold.grammar.spec import GrammarSpec
+from tensorfold.grammar.tool_call import tool_call_spec
 from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest, HttpResponse
 from tensorfold.sampling.params import SamplingParams
 
@@ -30,21 +34,31 @@ QUICK_COMPILE_S = 0.02  # a grammar compiled within this is started at once; a s
 
 
 @dataclass
+class Prepared:
+    """A validated request, rendered: what starting it needs."""
+    greq: GenerationRequest
+    fmt: replies.ReplyFormat
+    prompt_ids: list[int]
+    params: SamplingParams
+    parser: ReplyParser
+    thinking: bool = False     # the prompt opened a think block
+
+
+@dataclass
 class Reply:
-    """One live request: where its text goes, and what has gone."""
+    """One live request: where its text goes, and how its text is split."""
     fmt: replies.ReplyFormat
     sink: EventStream | DeferredResponse
-    pieces: list[str] = field(default_factory=list)
+    parser: ReplyParser
+    thinking: bool = False
 
 
 @dataclass
 class PendingGrammar:
     """A request waiting for its grammar to compile on the worker thread; its sink is a held
     stream or a deferred response, so a compile error can still be a 400."""
-    greq: GenerationRequest
-    fmt: replies.ReplyFormat
-    prompt_ids: list[int]
-    params: SamplingParams
+    prepared: Prepared
+    spec: GrammarSpec
     future: Future
     sink: EventStream | DeferredResponse
 
@@ -73,13 +87,17 @@ class Counters:
 
 
 class Service:
-    def __init__(self, engine: Engine, model_names: tuple[str, ...], *, default_max_tokens: int | None = None):
+    def __init__(self, engine: Engine, model_names: tuple[str, ...], *, default_max_tokens: int | None = None,
+                 model_card: str | None = None, reasoning_effort: str | None = None):
         self.engine = engine
         self.model_names = model_names
         ckpt = engine.checkpoint
-        self.template = ChatTemplate(ckpt.chat_template, bos_token=ckpt.tokenizer_config.get("bos_token") or "",
-                                     eos_token=ckpt.tokenizer_config.get("eos_token") or "") \
-            if ckpt.chat_template else None
+        self.card: ModelCard | None = select_card(ckpt.architecture, ckpt.chat_template, model_card)
+        source = self.card.template if self.card is not None and self.card.template else ckpt.chat_template
+        self.template = ChatTemplate(source, bos_token=ckpt.tokenizer_config.get("bos_token") or "",
+                                     eos_token=ckpt.tokenizer_config.get("eos_token") or "") if source else None
+        self.reasoning_effort = reasoning_effort or (self.card.default_effort if self.card else None)
+        log.info("model card: %s", self.card.name if self.card else "none (no think markers, no tools)")
         gen = ckpt.generation_config
         self.defaults = ServerDefaults(
             temperature=float(gen.get("temperature", 1.0)) if gen.get("do_sample", True) else 0.0,
@@ -93,8 +111,9 @@ class Service:
         self.grammars = GrammarCompiler(tok, engine.model.args.vocab_size)
         self.pending: list[PendingGrammar] = []
         self.wake = lambda: None  # set by the server: makes its poll return (any thread)
-        think_end = tok.token_to_id("</think>")
-        self.think_end = think_end if think_end is not None and tok.token_to_id("<think>") is not None else None
+        think = self.card.think if self.card is not None else None
+        ids = (tok.token_to_id(think.open), tok.token_to_id(think.close)) if think else (None, None)
+        self.think_ids = ids if None not in ids else None  # the markers as single tokens, if they are
         if GrammarCompiler.available():
             self.grammars.warm()  # xgrammar and the tokenizer table, loaded off the serving thread
 
@@ -121,6 +140,7 @@ class Service:
             "exact": self.engine.exact,
             "backend": self.engine.config.backend,
             "ops": self.engine.model.ops.NAME,
+            "model_card": self.card.name if self.card else None,
             "busy": self.engine.has_work(),
             "requests_running": len(self.replies),
             "requests_total": c.requests_total,
@@ -143,32 +163,46 @@ class Service:
     def _generate(self, greq: GenerationRequest):
         if greq.ignored_fields:
             log.info("ignoring unknown request fields: %s", ", ".join(greq.ignored_fields))
-        prompt_ids = self._prompt_ids(greq)
-        params = self._fit_window(greq, len(prompt_ids))
-        fmt = replies.ReplyFormat(greq.kind, greq.model or self.model_names[0])
-        if greq.grammar is None:
-            return self._start(greq, fmt, prompt_ids, params)
+        prepared = self._prepare(greq)
+        spec = greq.grammar
+        if greq.tools is not None and greq.tools.forced:
+            spec = tool_call_spec(self.card, greq.tools.shown())
+        if spec is None:
+            return self._start(prepared)
         if not GrammarCompiler.available():
-            raise ApiError("structured output needs xgrammar on the server: pip install xgrammar",
-                           param=greq.grammar.field)
-        future = self.grammars.compile_async(greq.grammar)
+            raise ApiError("structured output needs xgrammar on the server: pip install xgrammar", param=spec.field)
+        future = self.grammars.compile_async(spec)
         try:
             compiled, seconds = future.result(timeout=QUICK_COMPILE_S)
         except FutureTimeout:
             sink = EventStream(held=True) if greq.stream else DeferredResponse()
-            pending = PendingGrammar(greq, fmt, prompt_ids, params, future, sink)
-            self.pending.append(pending)
+            self.pending.append(PendingGrammar(prepared, spec, future, sink))
             future.add_done_callback(lambda _: self.wake())
             return sink
         except GrammarCompileError as e:
-            raise _compile_error(greq, e) from None
-        return self._start(greq, fmt, prompt_ids, params, self._constraint(greq, compiled, prompt_ids), seconds)
+            raise _compile_error(spec, e) from None
+        return self._start(prepared, self._constraint(prepared, compiled), seconds)
 
-    def _start(self, greq: GenerationRequest, fmt: replies.ReplyFormat, prompt_ids: list[int],
-               params: SamplingParams, constraint=None, compile_s: float | None = None, sink=None):
+    def _prepare(self, greq: GenerationRequest) -> Prepared:
+        """Render and tokenize, check the window, make the reply's format and parser."""
+        shown = greq.tools.shown() if greq.tools is not None else None
+        if shown and (self.card is None or self.card.tool_format is None):
+            raise ApiError(f"this model's card ({self.card.name if self.card else 'none'}) declares no tool-call "
+                           "format, so it cannot be offered tools; start the server with --model-card NAME for "
+                           "a card that does", param="tools")
+        prompt_ids, thinking = self._prompt_ids(greq, shown)
+        params = self._fit_window(greq, len(prompt_ids))
+        fmt = replies.FORMATS[greq.kind](greq.model or self.model_names[0])
+        card = self.card if greq.kind == "chat" else None
+        parser = ReplyParser(card, shown, parallel_tool_calls=greq.tools.parallel if greq.tools else True,
+                             thinking=thinking, call_id_prefix=f"call_{fmt.id[-12:]}")
+        return Prepared(greq, fmt, prompt_ids, params, parser, thinking)
+
+    def _start(self, p: Prepared, constraint=None, compile_s: float | None = None, sink=None):
         """Hand the request to the engine; returns its sink (new, or the held one to open)."""
+        greq, fmt = p.greq, p.fmt
         try:
-            req_id = self.engine.add_request(prompt_ids, params, req_id=fmt.id,
+            req_id = self.engine.add_request(p.prompt_ids, p.params, req_id=fmt.id,
                                              priority=request_priority(greq.priority, greq.messages),
                                              constraint=constraint)
         except MemoryError as e:  # can never fit the KV pool, whatever else finishes
@@ -184,16 +218,13 @@ class Service:
         else:
             sink = sink or DeferredResponse()
         sink.on_disconnect = lambda: self._cancel(req_id)
-        self.replies[req_id] = Reply(fmt, sink)
+        self.replies[req_id] = Reply(fmt, sink, p.parser, p.thinking)
         return sink
 
-    def _constraint(self, greq: GenerationRequest, compiled, prompt_ids: list[int]) -> GrammarConstraint:
-        """The request's grammar; with thinking on (a chat reply that opens with a think block:
-        the vocabulary has the markers and the prompt did not close one), from after </think>."""
-        start_after = None
-        if self.think_end is not None and greq.kind == "chat" and self.think_end not in prompt_ids[-8:]:
-            start_after = self.think_end
-        return GrammarConstraint(compiled, self.engine.tokenizer.eos_token_ids, start_after)
+    def _constraint(self, p: Prepared, compiled) -> GrammarConstraint:
+        """The request's grammar; with the card's think markers, from after a think block."""
+        think = self.think_ids if p.greq.kind == "chat" else None
+        return GrammarConstraint(compiled, self.engine.tokenizer.eos_token_ids, think, p.thinking)
 
     def _start_compiled(self) -> None:
         """Start the requests whose grammar finished compiling (or answer them with a 400)."""
@@ -204,11 +235,10 @@ class Service:
                 continue
             try:
                 compiled, seconds = p.future.result()
-                self._start(p.greq, p.fmt, p.prompt_ids, p.params,
-                            self._constraint(p.greq, compiled, p.prompt_ids), seconds, p.sink)
+                self._start(p.prepared, self._constraint(p.prepared, compiled), seconds, p.sink)
                 continue
             except GrammarCompileError as e:
-                response = HttpResponse.from_api_error(_compile_error(p.greq, e))
+                response = HttpResponse.from_api_error(_compile_error(p.spec, e))
             except ApiError as e:
                 response = HttpResponse.from_api_error(e)
             except Exception as e:  # a fault of the compiler itself: this request only
@@ -220,22 +250,42 @@ class Service:
             else:
                 p.sink.resolve(response)
 
-    def _prompt_ids(self, greq: GenerationRequest) -> list[int]:
+    def _prompt_ids(self, greq: GenerationRequest, tools: list[dict] | None) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether it opened a think block the reply starts inside."""
         tok = self.engine.tokenizer
         if greq.kind == "chat":
             if self.template is None:
                 raise ApiError("this model has no chat template; use /v1/completions", param="messages")
             try:
-                text = render_chat(self.template, list(greq.messages),
-                                   template_kwargs=_template_kwargs(greq))
+                text = render_chat(self.template, list(greq.messages), tools=tools,
+                                   template_kwargs=self._template_kwargs(greq))
             except TemplateError as e:
                 raise ApiError(f"the chat template rejected the request: {e.message}", param="messages") from None
             # The template writes its own special tokens (bos included), as transformers does.
-            return tok.encode(text, add_special_tokens=False)
+            return tok.encode(text, add_special_tokens=False), self._opens_think(text)
         if greq.prompt_ids is not None:
             check_prompt_ids(greq.prompt_ids, tok.vocab_size)
-            return list(greq.prompt_ids)
-        return tok.encode(greq.prompt, add_special_tokens=True)
+            return list(greq.prompt_ids), False
+        return tok.encode(greq.prompt, add_special_tokens=True), False
+
+    def _opens_think(self, prompt: str) -> bool:
+        think = self.card.think if self.card is not None else None
+        if think is None:
+            return False
+        at = prompt.rfind(think.open)
+        return at >= 0 and not prompt[at + len(think.open):].strip()
+
+    def _template_kwargs(self, greq: GenerationRequest) -> dict | None:
+        """chat_template_kwargs, with the effort: the request's (else --reasoning-effort). "none"
+        turns thinking off; another effort turns it on and reaches the template under the card's
+        name for it; an explicit enable_thinking wins."""
+        kwargs = dict(greq.chat_template_kwargs or {})
+        effort = greq.reasoning_effort or self.reasoning_effort
+        if effort is not None:
+            kwargs.setdefault("enable_thinking", effort != "none")
+            if effort != "none":
+                kwargs["reasoning_effort"] = self.card.effort_name(effort) if self.card else effort
+        return kwargs or None
 
     def _fit_window(self, greq: GenerationRequest, num_prompt: int) -> SamplingParams:
         window = self.engine.context_length
@@ -294,22 +344,45 @@ class Service:
             self.counters.add_finished(out.request)
             _send_error(reply.sink, f"generation failed: {out.request.error or 'a replayed token differed'}")
             return
+        delta = reply.parser.push(out.new_text)
+        if out.finished:
+            delta.add(reply.parser.finish())
+            out.request.stats.reasoning_tokens = self._reasoning_tokens(reply, out.request)
+        finish = out.finish_reason
+        if out.finished and reply.parser.has_calls:
+            finish = "tool_calls"
         if isinstance(reply.sink, EventStream):
-            if out.new_text:
-                reply.sink.send(reply.fmt.chunk(out.new_text, None))
+            if delta:
+                reply.sink.send(reply.fmt.chunk(delta, None))
             if out.finished:
-                reply.sink.send(reply.fmt.chunk("", out.finish_reason))
+                reply.sink.send(reply.fmt.chunk(type(delta)(), finish))
                 reply.sink.send(reply.fmt.usage_chunk(out.request))
                 reply.sink.send("[DONE]")
                 reply.sink.close()
-        else:
-            reply.pieces.append(out.new_text)
-            if out.finished:
-                body = reply.fmt.final("".join(reply.pieces), out.finish_reason, out.request)
-                reply.sink.resolve(HttpResponse.json_response(body))
+        elif out.finished:
+            body = reply.fmt.final(reply.parser.whole, finish, out.request)
+            reply.sink.resolve(HttpResponse.json_response(body))
         if out.finished:
             self.replies.pop(out.req_id, None)
             self.counters.add_finished(out.request)
+
+    def _reasoning_tokens(self, reply: Reply, req: Request) -> int:
+        """The reply tokens through the think block's close (all of them if it never closed);
+        0 for a reply without a think block."""
+        if not reply.parser.after_think:
+            return 0
+        close = self.card.think.close
+        if self.think_ids is not None:
+            ids = req.output_ids
+            return ids.index(self.think_ids[1]) + 1 if self.think_ids[1] in ids else len(ids)
+        decode = self.engine.tokenizer.decode
+        lo, hi = 1, len(req.output_ids)
+        if close not in decode(req.output_ids):
+            return hi
+        while lo < hi:  # the shortest prefix whose text holds the close marker
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if close in decode(req.output_ids[:mid]) else (mid + 1, hi)
+        return lo
 
     def _fail_running(self, error: Exception) -> None:
         message = f"generation failed: {type(error).__name__}: {error}"
@@ -331,15 +404,5 @@ def _send_error(sink: EventStream | DeferredResponse, message: str) -> None:
         sink.resolve(HttpResponse.error(500, message, type="server_error"))
 
 
-def _compile_error(greq: GenerationRequest, e: GrammarCompileError) -> ApiError:
-    return ApiError(f"'{greq.grammar.field}' could not be compiled into a grammar: {e}", param=greq.grammar.field)
-
-
-def _template_kwargs(greq: GenerationRequest) -> dict | None:
-    kwargs = dict(greq.chat_template_kwargs or {})
-    effort = greq.reasoning_effort
-    if effort is not None:
-        kwargs.setdefault("enable_thinking", effort != "none")
-        if effort != "none":
-            kwargs["reasoning_effort"] = effort
-    return kwargs or None
+def _compile_error(spec: GrammarSpec, e: GrammarCompileError) -> ApiError:
+    return ApiError(f"'{spec.field}' could not be compiled into a grammar: {e}", param=spec.field)

@@ -33,6 +33,7 @@ class RequestStats:
     accepted: int = 0
     cached_tokens: int = 0
     grammar_compile_s: float | None = None  # structured output: seconds compiling (0.0: cached)
+    reasoning_tokens: int = 0     # reply tokens through the think block's close (set by the API)
 
 
 @dataclass

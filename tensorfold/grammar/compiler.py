@@ -13,6 +13,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tensorfold.grammar.spec import MAX_WHITESPACE, GrammarSpec
+from tensorfold.grammar.tool_call import tool_call_grammar
 
 CACHE_SIZE = 256
 _LOCATION = re.compile(r"^\[[^\]]*\] \S+:\d+: ")  # "[17:30:40] /project/cpp/x.cc:820: " before xgrammar's reason
@@ -85,6 +86,8 @@ class GrammarCompiler:
             return compiler.compile_regex(spec.text)
         if spec.kind == "choice":
             return compiler.compile_grammar(spec.choice_ebnf())
+        if spec.kind == "tool_call":
+            return compiler.compile_grammar(tool_call_grammar(spec))
         return compiler.compile_grammar(spec.text)
 
     def _xgr_compiler(self):

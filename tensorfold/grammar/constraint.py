@@ -7,8 +7,10 @@ rest. Within a round the rows of a drafted run ask for ever longer paths (accept
 the verify step the next round rolls back the rejected drafts. So the masks are the ones a
 fresh matcher fed the same path would give, whatever was drafted or batched.
 
-With thinking on, the grammar starts after the think end marker: tokens up to and including it
-are free, and the grammar's path is what follows it.
+Think blocks (`think` = the card's open and close marker ids, single tokens): when the prompt
+opened a block (`thinking`), or the reply's first token opens one, the grammar starts after the
+close marker: the tokens up to and including it are free. Otherwise it starts at once, and the
+first token may also be the open marker (so a model that thinks on its own still can).
 """
 import torch
 
@@ -16,12 +18,14 @@ from tensorfold.sampling.constraint import ConstraintError, RowConstraint
 
 
 class GrammarConstraint(RowConstraint):
-    def __init__(self, compiled, stop_ids: tuple[int, ...], start_after: int | None = None):
+    def __init__(self, compiled, stop_ids: tuple[int, ...], think: tuple[int, int] | None = None,
+                 thinking: bool = False):
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
         self._stop_ids = stop_ids
-        self._start_after = start_after  # a token id (the think end), or None: from the start
+        self._think = think        # (open id, close id), or None: the grammar governs from the start
+        self._thinking = thinking  # the prompt opened a think block
         self._path: list[int] = []
 
     def _grammar_part(self, reply_ids: list[int]) -> list[int] | None:
@@ -29,9 +33,9 @@ class GrammarConstraint(RowConstraint):
         the grammar accepted ends its part: what follows it (more end tokens, under ignore_eos)
         is not the grammar's."""
         tokens = reply_ids
-        if self._start_after is not None:
+        if self._think is not None and (self._thinking or reply_ids[:1] == [self._think[0]]):
             try:
-                tokens = reply_ids[reply_ids.index(self._start_after) + 1:]
+                tokens = reply_ids[reply_ids.index(self._think[1]) + 1:]
             except ValueError:
                 return None
         for i, token in enumerate(tokens):
@@ -63,11 +67,17 @@ class GrammarConstraint(RowConstraint):
                 bitmask[row, t // 32] |= _bit(t % 32)
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._may_open(reply_ids):
+            bitmask[row, self._think[0] // 32] |= _bit(self._think[0] % 32)
+
+    def _may_open(self, reply_ids: list[int]) -> bool:
+        """The first reply token may open a think block (the prompt did not)."""
+        return self._think is not None and not self._thinking and not reply_ids
 
     def num_valid_drafts(self, reply_ids: list[int], drafts: list[int], vocab_size: int) -> int:
         for j, token in enumerate(drafts):
             tokens = self._grammar_part(reply_ids + drafts[:j])
-            if tokens is None:
+            if tokens is None or (self._may_open(reply_ids + drafts[:j]) and token == self._think[0]):
                 continue
             self._follow(tokens)
             if self._matcher.is_terminated() or not self._matcher.accept_token(token):

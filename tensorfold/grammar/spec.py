@@ -2,14 +2,14 @@
 import json
 from dataclasses import dataclass
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "tool_call")
 MAX_WHITESPACE = 32  # blank characters a JSON grammar allows in a row (pretty-printing fits)
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """kind: one of KINDS; text: the schema as canonical JSON, the regex, the choices as a JSON
-    list, the EBNF source ("" for json_object). `field` names the request field it came from,
+    """kind: one of KINDS; text: the schema as JSON, the regex, the choices as a JSON list, the
+    EBNF source ("" for json_object), a forced tool call's format and tools (grammar/tool_call.py). `field` names the request field it came from,
     for error messages. Equal specs compile to the same grammar (the cache key)."""
     kind: str
     text: str
@@ -34,10 +34,10 @@ class GrammarSpec:
     def choice_ebnf(self) -> str:
         """The EBNF of a choice: the root is one of the literal strings."""
         options = json.loads(self.text)
-        return "root ::= " + " | ".join(_ebnf_literal(o) for o in options)
+        return "root ::= " + " | ".join(ebnf_literal(o) for o in options)
 
 
-def _ebnf_literal(text: str) -> str:
+def ebnf_literal(text: str) -> str:
     """A double-quoted EBNF string literal matching `text` exactly."""
     out = []
     for ch in text:
