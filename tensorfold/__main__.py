@@ -33,6 +33,8 @@ def parse_args(argv=None):
                    help="the model card to use (model_cards/NAME.json; default: chosen from the checkpoint)")
     p.add_argument("--reasoning-effort", default=None, choices=["none", "minimal", "low", "medium", "high", "xhigh"],
                    help="the effort of requests that set none (default: the template's own)")
+    p.add_argument("--thinking-budget", type=int, default=0,
+                   help="thinking tokens before the server closes a think block, for requests that set none")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -42,6 +44,8 @@ def settings_from(args, backend: str = "cpu"):
 
     if not 0 <= args.decode_share <= 1:
         raise SystemExit("--decode-share must lie in [0, 1]")
+    if args.thinking_budget < 0:
+        raise SystemExit("--thinking-budget must be 0 (none) or more")
     if args.parallel == "auto":
         parallel = 8
     else:
@@ -58,7 +62,8 @@ def settings_from(args, backend: str = "cpu"):
     return ServeSettings(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
                          max_tokens=args.max_tokens, model_card=args.model_card,
-                         reasoning_effort=args.reasoning_effort, engine=engine)
+                         reasoning_effort=args.reasoning_effort, thinking_budget=args.thinking_budget,
+                         engine=engine)
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ class ServeSettings:
     max_tokens: int | None = None       # default reply limit (capped to the remaining window)
     model_card: str | None = None       # model_cards/NAME.json; None: chosen from the checkpoint
     reasoning_effort: str | None = None  # the effort of requests that set none
+    thinking_budget: int = 0            # thinking tokens of requests that set no budget; 0: none
     engine: EngineConfig = EngineConfig()
     limits: Limits = Limits()
 
@@ -55,7 +56,8 @@ def build_router(service: Service) -> Router:
 def build_server(settings: ServeSettings, engine: Engine | None = None) -> HttpServer:
     engine = engine or Engine(settings.model, settings.engine)
     service = Service(engine, served_names(settings), default_max_tokens=settings.max_tokens,
-                      model_card=settings.model_card, reasoning_effort=settings.reasoning_effort)
+                      model_card=settings.model_card, reasoning_effort=settings.reasoning_effort,
+                      thinking_budget=settings.thinking_budget)
     server = HttpServer(build_router(service), settings.host, settings.port, tick=service.tick,
                         limits=settings.limits)
     server.service = service

@@ -168,9 +168,6 @@ MALFORMED_COMMON_CASES = [
     ({"guided_grammar": 7}, "guided_grammar"),
     ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs.choice"),
     ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),
-    # features later work implements: only their off state until then
-    ({"thinking_budget": 100}, "thinking_budget"),
-    ({"thinking_budget": False}, "thinking_budget"),
 ]
 
 # /v1/chat/completions only.
@@ -249,6 +246,10 @@ MALFORMED_CHAT_ONLY_CASES = [
     ({"reasoning_effort": "max"}, "reasoning_effort"),
     ({"reasoning_effort": 1}, "reasoning_effort"),
     ({"reasoning_effort": True}, "reasoning_effort"),
+    ({"thinking_budget": -1}, "thinking_budget"),
+    ({"thinking_budget": 2.5}, "thinking_budget"),
+    ({"thinking_budget": False}, "thinking_budget"),
+    ({"thinking_budget": "100"}, "thinking_budget"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": "f"}, "tools"),
     ({"tools": ["f"]}, "tools[0]"),
@@ -301,6 +302,7 @@ MALFORMED_COMPLETION_ONLY_CASES = [
     ({"tools": []}, "tools"),
     ({"tool_choice": "none"}, "tool_choice"),
     ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"thinking_budget": 100}, "thinking_budget"),
 ]
 
 MALFORMED_CHAT_CASES = MALFORMED_COMMON_CASES + MALFORMED_CHAT_ONLY_CASES

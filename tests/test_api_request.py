@@ -183,7 +183,7 @@ def test_n_above_one_says_so():
 
 
 def test_not_yet_features_say_not_available_yet():
-    err = refusal(parse_chat_request, {**BASE_CHAT_BODY, "thinking_budget": 10})
+    err = refusal(parse_chat_request, {**BASE_CHAT_BODY, "functions": [{"name": "f"}]})
     assert "not available yet" in err.message
     err = refusal(parse_chat_request, {**BASE_CHAT_BODY, "min_tokens": 2})
     assert "not supported" in err.message

@@ -1,9 +1,13 @@
 """Make tiny random checkpoints with transformers, for tests and experiments.
 
-    python tools/tiny_checkpoint.py OUT_DIR [--arch llama|qwen3]
+    python tools/tiny_checkpoint.py OUT_DIR [--arch llama|qwen3] [--plain]
 
 The tokenizer is SmolLM2's, converted by transformers from the default model's GGUF, so prompts
-and chat templates behave like the real model while the weights stay a few MB.
+and chat templates behave like the real model while the weights stay a few MB. Each family gets
+a template of its own that supports tools and thinking (family=True, the command's default):
+llama keeps SmolLM2's template, to which its model card adds tools; qwen3 gets a Qwen3-style
+template (tools/templates/qwen3.jinja) and the tokens <think>, </think>, <tool_call> and
+</tool_call> as single special tokens, as Qwen3's vocabulary has them.
 """
 import argparse
 import os
@@ -25,11 +29,23 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer=None, **overrides) -> str:
+FAMILY_TOKENS = {"qwen3": ["<think>", "</think>", "<tool_call>", "</tool_call>"]}
+TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+
+
+def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer=None, family: bool = False,
+                         **overrides) -> str:
+    import copy
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = tokenizer or smollm2_tokenizer()
+    if family and arch in FAMILY_TOKENS:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.add_special_tokens({"additional_special_tokens": FAMILY_TOKENS[arch]})
+        with open(os.path.join(TEMPLATES, f"{arch}.jinja"), encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
     params = dict(TINY, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
                   initializer_range=0.2)
@@ -54,5 +70,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
+    parser.add_argument("--plain", action="store_true", help="SmolLM2's tokenizer and template as they are")
     args = parser.parse_args()
-    print(make_tiny_checkpoint(args.out_dir, args.arch), file=sys.stderr)
+    print(make_tiny_checkpoint(args.out_dir, args.arch, family=not args.plain), file=sys.stderr)

@@ -55,7 +55,6 @@ PRIORITIES = ("foreground", "background")
 NOT_YET = {
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "thinking_budget": (0,),
 }
 
 # ---- Fields this server does not implement. field -> its neutral values (besides null).
@@ -110,7 +109,7 @@ NOT_HONOURED = {
 }
 
 # Chat fields a completions body may not carry: nothing there would hear them.
-CHAT_ONLY = ("chat_template_kwargs", "reasoning_effort", "tools", "tool_choice",
+CHAT_ONLY = ("chat_template_kwargs", "reasoning_effort", "thinking_budget", "tools", "tool_choice",
              "parallel_tool_calls", "functions", "function_call")
 
 # Fields that change no token and no reply field: ignored without comment.
@@ -123,7 +122,7 @@ PARSED = frozenset({
     "model", "messages", "prompt", "temperature", "top_p", "top_k", "min_p", "seed",
     "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "draft", "stream",
     "stream_options", "priority", "n", "logprobs", "chat_template_kwargs", "reasoning_effort",
-    "parallel_tool_calls", "tools", "tool_choice", *structured.FIELDS,
+    "parallel_tool_calls", "tools", "tool_choice", "thinking_budget", *structured.FIELDS,
 })
 KNOWN = PARSED | HARMLESS | NOT_YET.keys() | NOT_HONOURED.keys() | frozenset(CHAT_ONLY)
 
@@ -162,6 +161,7 @@ class GenerationRequest:
     priority: str | None                       # "foreground" | "background" | None (unset)
     grammar: GrammarSpec | None = None         # structured output (api/structured.py)
     tools: ToolRequest | None = None           # chat: offered tools and the choice (api/tools.py)
+    thinking_budget: int | None = None         # reply tokens of thinking before a forced close; None: server's
     ignored_fields: tuple[str, ...] = ()       # unknown top-level fields, sorted, for a log line
     max_tokens_field: str = "max_tokens"       # the spelling the client used, for error messages
 
@@ -177,9 +177,10 @@ def parse_chat_request(body: Any, defaults: ServerDefaults) -> GenerationRequest
     if fields.boolean(body.get("logprobs"), "logprobs"):
         raise ApiError("logprobs is not supported", param="logprobs")
     chat_template_kwargs, reasoning_effort = _template_inputs(body)
+    budget = fields.integer(body.get("thinking_budget"), "thinking_budget", lo=0, hi=MAX_INT32)
     return _request(body, defaults, kind="chat", model=model, messages=messages,
                     chat_template_kwargs=chat_template_kwargs,
-                    reasoning_effort=reasoning_effort, tools=tools)
+                    reasoning_effort=reasoning_effort, tools=tools, thinking_budget=budget or None)
 
 
 def parse_completion_request(body: Any, defaults: ServerDefaults) -> GenerationRequest:
@@ -226,7 +227,8 @@ def _model(body: dict, defaults: ServerDefaults) -> str:
 
 def _request(body: dict, defaults: ServerDefaults, *, kind: str, model: str,
              messages=None, prompt=None, prompt_ids=None, chat_template_kwargs=None,
-             reasoning_effort=None, tools: ToolRequest | None = None) -> GenerationRequest:
+             reasoning_effort=None, tools: ToolRequest | None = None,
+             thinking_budget: int | None = None) -> GenerationRequest:
     """The fields both kinds share, then the refusals, then the request."""
     sampling = _sampling(body, defaults)
     stream, include_usage = _stream(body)
@@ -241,7 +243,7 @@ def _request(body: dict, defaults: ServerDefaults, *, kind: str, model: str,
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids,
         sampling=sampling, stream=stream, include_usage=include_usage,
         chat_template_kwargs=chat_template_kwargs, reasoning_effort=reasoning_effort,
-        priority=priority, grammar=grammar, tools=tools, ignored_fields=tuple(sorted(k for k in body if k not in KNOWN)),
+        priority=priority, grammar=grammar, tools=tools, thinking_budget=thinking_budget, ignored_fields=tuple(sorted(k for k in body if k not in KNOWN)),
         max_tokens_field="max_completion_tokens" if body.get("max_completion_tokens") is not None
         else "max_tokens")
 

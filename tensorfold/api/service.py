@@ -25,6 +25,8 @@ from tensorfold.grammar.compiler import GrammarCompileError, GrammarCompiler
 from tensorfold.grammar.constraint import GrammarConstraint
 from tensorfold.grammar.spec import GrammarSpec
 from tensorfold.grammar.tool_call import tool_call_spec
+from tensorfold.sampling.constraint import combine
+from tensorfold.sampling.thinking_budget import ThinkingBudget
 from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest, HttpResponse
 from tensorfold.sampling.params import SamplingParams
 
@@ -88,7 +90,7 @@ class Counters:
 
 class Service:
     def __init__(self, engine: Engine, model_names: tuple[str, ...], *, default_max_tokens: int | None = None,
-                 model_card: str | None = None, reasoning_effort: str | None = None):
+                 model_card: str | None = None, reasoning_effort: str | None = None, thinking_budget: int = 0):
         self.engine = engine
         self.model_names = model_names
         ckpt = engine.checkpoint
@@ -97,6 +99,7 @@ class Service:
         self.template = ChatTemplate(source, bos_token=ckpt.tokenizer_config.get("bos_token") or "",
                                      eos_token=ckpt.tokenizer_config.get("eos_token") or "") if source else None
         self.reasoning_effort = reasoning_effort or (self.card.default_effort if self.card else None)
+        self.thinking_budget = thinking_budget  # requests without one: 0 is none
         log.info("model card: %s", self.card.name if self.card else "none (no think markers, no tools)")
         gen = ckpt.generation_config
         self.defaults = ServerDefaults(
@@ -168,7 +171,7 @@ class Service:
         if greq.tools is not None and greq.tools.forced:
             spec = tool_call_spec(self.card, greq.tools.shown())
         if spec is None:
-            return self._start(prepared)
+            return self._start(prepared, self._budget(prepared))
         if not GrammarCompiler.available():
             raise ApiError("structured output needs xgrammar on the server: pip install xgrammar", param=spec.field)
         future = self.grammars.compile_async(spec)
@@ -221,10 +224,24 @@ class Service:
         self.replies[req_id] = Reply(fmt, sink, p.parser, p.thinking)
         return sink
 
-    def _constraint(self, p: Prepared, compiled) -> GrammarConstraint:
-        """The request's grammar; with the card's think markers, from after a think block."""
+    def _constraint(self, p: Prepared, compiled):
+        """The request's grammar (with the card's think markers, from after a think block), and
+        its thinking budget."""
         think = self.think_ids if p.greq.kind == "chat" else None
-        return GrammarConstraint(compiled, self.engine.tokenizer.eos_token_ids, think, p.thinking)
+        budget = self._budget(p)
+        skip = tuple(budget.sequence[budget.sequence.index(budget.close_id) + 1:]) if budget else ()
+        grammar = GrammarConstraint(compiled, self.engine.tokenizer.eos_token_ids, think, p.thinking, skip)
+        return combine([budget, grammar])
+
+    def _budget(self, p: Prepared) -> ThinkingBudget | None:
+        """The thinking budget (the request's, else --thinking-budget), for a card with think
+        markers that are single tokens: the budget-th reply token while thinking becomes
+        "\n" + close marker + "\n\n"."""
+        budget = p.greq.thinking_budget or self.thinking_budget
+        if not budget or self.think_ids is None or p.greq.kind != "chat":
+            return None
+        close = self.engine.tokenizer.encode("\n" + self.card.think.close + "\n\n", add_special_tokens=False)
+        return ThinkingBudget(budget, *self.think_ids, close, p.thinking)
 
     def _start_compiled(self) -> None:
         """Start the requests whose grammar finished compiling (or answer them with a 400)."""

@@ -11,6 +11,8 @@ Think blocks (`think` = the card's open and close marker ids, single tokens): wh
 opened a block (`thinking`), or the reply's first token opens one, the grammar starts after the
 close marker: the tokens up to and including it are free. Otherwise it starts at once, and the
 first token may also be the open marker (so a model that thinks on its own still can).
+`skip`: tokens right after the close marker that are not the grammar's (the blank line a
+thinking budget writes after the marker it forces); the grammar starts after them.
 """
 import torch
 
@@ -19,13 +21,14 @@ from tensorfold.sampling.constraint import ConstraintError, RowConstraint
 
 class GrammarConstraint(RowConstraint):
     def __init__(self, compiled, stop_ids: tuple[int, ...], think: tuple[int, int] | None = None,
-                 thinking: bool = False):
+                 thinking: bool = False, skip: tuple[int, ...] = ()):
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
         self._stop_ids = stop_ids
         self._think = think        # (open id, close id), or None: the grammar governs from the start
         self._thinking = thinking  # the prompt opened a think block
+        self._skip = list(skip)
         self._path: list[int] = []
 
     def _grammar_part(self, reply_ids: list[int]) -> list[int] | None:
@@ -38,6 +41,8 @@ class GrammarConstraint(RowConstraint):
                 tokens = reply_ids[reply_ids.index(self._think[1]) + 1:]
             except ValueError:
                 return None
+            if self._skip and tokens[:len(self._skip)] == self._skip[:len(tokens)]:
+                tokens = tokens[len(self._skip):]
         for i, token in enumerate(tokens):
             if token in self._stop_ids:
                 return tokens[:i + 1]

@@ -39,3 +39,29 @@ class RowConstraint:
 class ConstraintError(RuntimeError):
     """A constraint that cannot go on (a grammar that rejects its own path): the request fails,
     the others continue."""
+
+
+class Constraints(RowConstraint):
+    """Several constraints on one request: a token must pass every mask, fixes apply in order,
+    and drafts are cut at the first one any of them rejects."""
+
+    def __init__(self, parts: list[RowConstraint]):
+        self.parts = parts
+
+    def fill_mask(self, reply_ids: list[int], bitmask: torch.Tensor, row: int) -> None:
+        for part in self.parts:
+            part.fill_mask(reply_ids, bitmask, row)
+
+    def fix(self, reply_ids: list[int], token: int) -> int:
+        for part in self.parts:
+            token = part.fix(reply_ids, token)
+        return token
+
+    def num_valid_drafts(self, reply_ids: list[int], drafts: list[int], vocab_size: int) -> int:
+        return min((part.num_valid_drafts(reply_ids, drafts, vocab_size) for part in self.parts), default=len(drafts))
+
+
+def combine(parts: list[RowConstraint | None]) -> RowConstraint | None:
+    """None, the one constraint, or all of them together."""
+    parts = [p for p in parts if p is not None]
+    return None if not parts else parts[0] if len(parts) == 1 else Constraints(parts)
