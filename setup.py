@@ -79,7 +79,8 @@ setup(
     ],
     extras_require={
         # triton: kernels are tested on the CPU with TRITON_INTERPRET=1 (Linux wheels only).
-        "test": ["pytest", "hypothesis", "transformers", "accelerate", "openai", "jsonschema",
+        "test": ["pytest", "hypothesis", "transformers", "accelerate", "openai", "anthropic", "prometheus_client",
+                 "jsonschema",
                  "triton; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["tensorfold=tensorfold.__main__:main"]},

@@ -1,6 +1,9 @@
 """python -m tensorfold: serve a model at http://127.0.0.1:8080/v1 (the default model with no arguments)."""
 import argparse
+import json
 import logging
+import os
+import signal
 import sys
 
 from tensorfold.backends import select_backend
@@ -35,7 +38,12 @@ def parse_args(argv=None):
                    help="the effort of requests that set none (default: the template's own)")
     p.add_argument("--thinking-budget", type=int, default=0,
                    help="thinking tokens before the server closes a think block, for requests that set none")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TENSORFOLD_API_KEY, else none)")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, how long running requests may finish before the server exits")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
     return p.parse_args(argv)
 
 
@@ -44,6 +52,8 @@ def settings_from(args, backend: str = "cpu"):
 
     if not 0 <= args.decode_share <= 1:
         raise SystemExit("--decode-share must lie in [0, 1]")
+    if args.drain_seconds < 0:
+        raise SystemExit("--drain-seconds must be 0 or more")
     if args.thinking_budget < 0:
         raise SystemExit("--thinking-budget must be 0 (none) or more")
     if args.parallel == "auto":
@@ -63,12 +73,32 @@ def settings_from(args, backend: str = "cpu"):
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
                          max_tokens=args.max_tokens, model_card=args.model_card,
                          reasoning_effort=args.reasoning_effort, thinking_budget=args.thinking_budget,
-                         engine=engine)
+                         api_key=args.api_key or os.environ.get("TENSORFOLD_API_KEY") or None, engine=engine)
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and an access line's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                 "message": record.getMessage()}
+        if getattr(record, "access", None):
+            entry.update(record.access)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("tensorfold")
     try:
         backend = select_backend(args.backend)
@@ -89,10 +119,21 @@ def main(argv=None) -> int:
     names = server.service.model_names
     log.info("backend %s; serving %s at http://%s:%d/v1 (window %d tokens)", backend, ", ".join(names),
              host, port, server.service.engine.context_length)
+    signals = []
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+        if len(signals) > 1:  # a second signal: leave now
+            log.warning("second %s: exiting at once", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s: finishing running requests (up to %.0fs), then exiting", signal.Signals(signum).name,
+                 args.drain_seconds)
+        server.drain(args.drain_seconds)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        log.info("shutting down")
     finally:
         server.shutdown()
     return 0

@@ -8,6 +8,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from tensorfold.api import anthropic
+from tensorfold.api.auth import require_key
 from tensorfold.api.service import Service
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.http.router import Router
@@ -29,6 +31,7 @@ class ServeSettings:
     model_card: str | None = None       # model_cards/NAME.json; None: chosen from the checkpoint
     reasoning_effort: str | None = None  # the effort of requests that set none
     thinking_budget: int = 0            # thinking tokens of requests that set no budget; 0: none
+    api_key: str | None = None          # every /v1 route wants "Authorization: Bearer KEY"
     engine: EngineConfig = EngineConfig()
     limits: Limits = Limits()
 
@@ -44,12 +47,22 @@ def served_names(settings: ServeSettings) -> tuple[str, ...]:
     return (name, *[a for a in settings.aliases if a != name])
 
 
-def build_router(service: Service) -> Router:
+def build_router(service: Service, api_key: str | None = None) -> Router:
+    """The routes. With an API key, the /v1 ones want it; /health, /metrics and the tokenizer
+    routes stay open (as vLLM keeps its non-/v1 routes)."""
+    guard = (lambda h: require_key(h, api_key)) if api_key else (lambda h: h)
     router = Router()
-    router.add("GET", "/v1/models", service.models)
+    router.add("GET", "/v1/models", guard(service.models))
     router.add("GET", "/health", service.health)
-    router.add("POST", "/v1/chat/completions", service.chat_completions)
-    router.add("POST", "/v1/completions", service.completions)
+    router.add("GET", "/metrics", service.metrics)
+    router.add("POST", "/tokenize", service.tokenize)
+    router.add("POST", "/detokenize", service.detokenize)
+    router.add("POST", "/v1/chat/completions", guard(service.chat_completions))
+    router.add("POST", "/v1/completions", guard(service.completions))
+    anthropic_guard = (lambda h: require_key(h, api_key, lambda m: anthropic.error_response(401, m))) \
+        if api_key else (lambda h: h)
+    router.add("POST", "/v1/messages", anthropic_guard(service.messages))
+    router.add("POST", "/v1/messages/count_tokens", anthropic_guard(service.count_tokens))
     return router
 
 
@@ -58,7 +71,10 @@ def build_server(settings: ServeSettings, engine: Engine | None = None) -> HttpS
     service = Service(engine, served_names(settings), default_max_tokens=settings.max_tokens,
                       model_card=settings.model_card, reasoning_effort=settings.reasoning_effort,
                       thinking_budget=settings.thinking_budget)
-    server = HttpServer(build_router(service), settings.host, settings.port, tick=service.tick,
+    if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who reaches this port can use the model",
+                    settings.host)
+    server = HttpServer(build_router(service, settings.api_key), settings.host, settings.port, tick=service.tick,
                         limits=settings.limits)
     server.service = service
     service.wake = server.wake

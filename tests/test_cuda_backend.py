@@ -198,6 +198,32 @@ def test_qwen3_fused_norm_and_rope_match_cpu_backend(tiny_qwen3, monkeypatch, cu
 
 # ---- invariance within the cuda backend ----
 
+def test_a_grammar_on_the_cuda_op_set_alone_batched_and_drafted(small_vocab_llama):
+    """Structured output on the cuda op set: the bitmask reaches the Triton sampler, and the
+    constrained replies match the regex and equal their solo, serial runs."""
+    import re
+
+    from tensorfold.grammar.compiler import GrammarCompiler
+    from tensorfold.grammar.constraint import GrammarConstraint
+    from tensorfold.grammar.spec import GrammarSpec
+
+    regex = "[a-z]{2,6}( [a-z]{2,6}){1,4}\\."
+    solo = cuda_engine(small_vocab_llama, drafting=False, max_num_seqs=1)
+    compiled, _ = GrammarCompiler(solo.tokenizer, solo.model.args.vocab_size).compile(GrammarSpec("regex", regex, "t"))
+    grammar = lambda: GrammarConstraint(compiled, solo.tokenizer.eos_token_ids)  # noqa: E731
+    loop = [11, 12, 13, 14] * 6
+    prompts = [loop, loop[:10] + [40, 41], loop[3:]]
+    params = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.9, seed=4, max_tokens=40),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=40)]
+    expected = [run(solo, [p], [sp], [grammar()])[0] for p, sp in zip(prompts, params)]
+    for req in expected:
+        text = solo.tokenizer.decode([t for t in req.output_ids if t not in solo.tokenizer.eos_token_ids])
+        assert re.fullmatch(regex, text) or req.finish_reason == "length", text
+    batched = cuda_engine(small_vocab_llama, drafting=True, max_num_seqs=3)
+    reqs = run(batched, prompts, params, [grammar() for _ in prompts])
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in expected]
+
+
 class EvenTokens(RowConstraint):
     """Only even token ids are allowed (the mask reaches the Triton sampler as a bitmask)."""
 

@@ -8,8 +8,10 @@ import hashlib
 import time
 import uuid
 
+from tensorfold.api.errors import ApiError
 from tensorfold.chat.reply_parser import ReplyDelta
 from tensorfold.engine.request import Request
+from tensorfold.http.messages import HttpResponse
 
 
 def token_sha(token_ids: list[int]) -> str:
@@ -43,8 +45,10 @@ def tensorfold_block(req: Request) -> dict:
 
 
 class ReplyFormat:
-    """The JSON shapes of one reply; ChatFormat and CompletionFormat below, one per endpoint.
-    Both take the reply as ReplyDelta pieces (chat/reply_parser.py): content, reasoning, calls."""
+    """The JSON shapes of one reply, one subclass per endpoint: ChatFormat and CompletionFormat
+    below, api/anthropic.py's MessagesFormat. The reply arrives as ReplyDelta pieces
+    (chat/reply_parser.py: content, reasoning, calls); a stream is a list of (event name or
+    None, data) pairs: opening() once, deltas() per piece, closing() at the end."""
     obj = ""            # the whole reply's object name
     chunk_obj = ""      # a streamed chunk's
     id_prefix = ""
@@ -65,8 +69,24 @@ class ReplyFormat:
         body["tensorfold"] = tensorfold_block(req)
         return body
 
-    def first_chunk(self) -> dict | None:
-        return None
+    def opening(self, req: Request) -> list:
+        return []
+
+    def deltas(self, delta: ReplyDelta) -> list:
+        return [(None, self.chunk(delta, None))] if delta else []
+
+    def closing(self, finish_reason: str, req: Request) -> list:
+        return [(None, self.chunk(ReplyDelta(), finish_reason)), (None, self.usage_chunk(req)), (None, "[DONE]")]
+
+    def error_events(self, message: str) -> list:
+        return [(None, {"error": {"message": message, "type": "server_error", "param": None, "code": None}}),
+                (None, "[DONE]")]
+
+    def error_response(self, status: int, message: str) -> HttpResponse:
+        return HttpResponse.error(status, message, type="server_error")
+
+    def api_error(self, err: ApiError) -> HttpResponse:
+        return HttpResponse.from_api_error(err)
 
     def chunk(self, delta: ReplyDelta, finish_reason: str | None) -> dict:
         return self._envelope(self.chunk_obj, [{"index": 0, **self._delta(delta), "logprobs": None,
@@ -96,9 +116,9 @@ class ChatFormat(ReplyFormat):
             message["tool_calls"] = [c.as_message() for c in reply.tool_calls]
         return {"message": message}
 
-    def first_chunk(self) -> dict:
-        return self._envelope(self.chunk_obj, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}])
+    def opening(self, req: Request) -> list:
+        return [(None, self._envelope(self.chunk_obj, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]))]
 
     def _delta(self, delta: ReplyDelta) -> dict:
         out = {}

@@ -11,6 +11,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from tensorfold.api import replies
+from tensorfold.api import anthropic, fields, metrics
 from tensorfold.api.errors import ApiError
 from tensorfold.api.priority import request_priority
 from tensorfold.api.request import (GenerationRequest, ServerDefaults, check_prompt_ids,
@@ -109,6 +110,7 @@ class Service:
             max_tokens=default_max_tokens, model_names=model_names)
         self.replies: dict[str, Reply] = {}
         self.counters = Counters()
+        self.latencies = metrics.Latencies()
         self.started = time.time()
         tok = engine.tokenizer
         self.grammars = GrammarCompiler(tok, engine.model.args.vocab_size)
@@ -161,12 +163,97 @@ class Service:
         }
         return HttpResponse.json_response(body)
 
+    def messages(self, http: HttpRequest):
+        """POST /v1/messages: Anthropic's Messages API through the chat path (api/anthropic.py)."""
+        try:
+            greq = parse_chat_request(anthropic.to_chat_body(http.json()), self.defaults)
+            return self._generate(greq, anthropic.MessagesFormat)
+        except ApiError as e:
+            return anthropic.api_error(e)
+
+    def count_tokens(self, http: HttpRequest) -> HttpResponse:
+        """POST /v1/messages/count_tokens: the prompt tokens the same Messages body would have."""
+        try:
+            greq = parse_chat_request(anthropic.to_chat_body(http.json(), count_only=True), self.defaults)
+            ids, _ = self._prompt_ids(greq, greq.tools.shown() if greq.tools else None)
+        except ApiError as e:
+            return anthropic.api_error(e)
+        return HttpResponse.json_response({"input_tokens": len(ids)})
+
+    def metrics(self, http: HttpRequest) -> HttpResponse:
+        c = self.counters
+        sched, pool = self.engine.scheduler, self.engine.pool
+        running = list(sched.running)
+        counters = [
+            ("tensorfold_requests_total", "Generation requests accepted.", c.requests_total),
+            ("tensorfold_prompt_tokens_total", "Prompt tokens of finished requests.", c.prompt_tokens_total),
+            ("tensorfold_generation_tokens_total", "Reply tokens, running requests' included.",
+             c.completion_tokens_total + sum(len(r.output_ids) for r in running)),
+            ("tensorfold_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.",
+             c.cached_tokens_total),
+            ("tensorfold_prefill_seconds_total", "Engine time spent in prefill rounds.", c.prefill_seconds_total),
+            ("tensorfold_decode_seconds_total", "Engine time spent in decode rounds.", c.decode_seconds_total),
+            ("tensorfold_rounds_total", "Engine rounds run.", c.rounds_total),
+            ("tensorfold_draft_tokens_total", "Drafted tokens verified.", c.drafted_total),
+            ("tensorfold_draft_accepted_tokens_total", "Drafted tokens accepted.", c.accepted_total),
+        ]
+        gauges = [
+            ("tensorfold_requests_running", "Requests in the engine's running set.", len(running)),
+            ("tensorfold_requests_waiting", "Requests waiting for a lane or memory.", len(sched.waiting)),
+            ("tensorfold_kv_cache_usage_ratio", "Share of the KV cache's blocks held by requests.",
+             1.0 - pool.num_free / pool.num_blocks),
+            ("tensorfold_draft_acceptance_ratio", "Accepted over drafted tokens so far.",
+             c.accepted_total / c.drafted_total if c.drafted_total else 0.0),
+        ]
+        text = metrics.exposition(counters, gauges, self.latencies.histograms())
+        return HttpResponse(200, text.encode(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def tokenize(self, http: HttpRequest) -> HttpResponse:
+        """{"prompt" | "content": text} or {"messages": [...]} (through the chat template, with
+        add_generation_prompt, default true) -> {"tokens", "count", "max_model_len"}."""
+        body = http.json()
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        tok = self.engine.tokenizer
+        if body.get("messages") is not None:
+            greq = parse_chat_request({"messages": body["messages"], "tools": body.get("tools"),
+                                       "chat_template_kwargs": body.get("chat_template_kwargs")}, self.defaults)
+            if self.template is None:
+                raise ApiError("this model has no chat template", param="messages")
+            shown = greq.tools.shown() if greq.tools else None
+            generation = fields.boolean(body.get("add_generation_prompt"), "add_generation_prompt")
+            try:
+                text = render_chat(self.template, list(greq.messages), tools=shown,
+                                   template_kwargs=self._template_kwargs(greq),
+                                   add_generation_prompt=generation is not False)
+            except TemplateError as e:
+                raise ApiError(f"the chat template rejected the request: {e.message}", param="messages") from None
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            key = "prompt" if "prompt" in body else "content"
+            text = fields.string(body.get(key), key, required=True)
+            special = fields.boolean(body.get("add_special_tokens"), "add_special_tokens")
+            ids = tok.encode(text, add_special_tokens=special is not False)
+        return HttpResponse.json_response({"tokens": ids, "count": len(ids),
+                                           "max_model_len": self.engine.context_length})
+
+    def detokenize(self, http: HttpRequest) -> HttpResponse:
+        """{"tokens": [ids]} -> {"prompt": text, "content": text} (vLLM's and llama-server's names)."""
+        body = http.json()
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        ids = fields.array(body.get("tokens"), "tokens", required=True)
+        ids = tuple(fields.integer(t, f"tokens[{i}]", lo=0, required=True) for i, t in enumerate(ids))
+        check_prompt_ids(ids, self.engine.tokenizer.vocab_size)
+        text = self.engine.tokenizer.decode(ids)
+        return HttpResponse.json_response({"prompt": text, "content": text})
+
     # -- one request ------------------------------------------------------------------------
 
-    def _generate(self, greq: GenerationRequest):
+    def _generate(self, greq: GenerationRequest, fmt_class=None):
         if greq.ignored_fields:
             log.info("ignoring unknown request fields: %s", ", ".join(greq.ignored_fields))
-        prepared = self._prepare(greq)
+        prepared = self._prepare(greq, fmt_class)
         spec = greq.grammar
         if greq.tools is not None and greq.tools.forced:
             spec = tool_call_spec(self.card, greq.tools.shown())
@@ -186,7 +273,7 @@ class Service:
             raise _compile_error(spec, e) from None
         return self._start(prepared, self._constraint(prepared, compiled), seconds)
 
-    def _prepare(self, greq: GenerationRequest) -> Prepared:
+    def _prepare(self, greq: GenerationRequest, fmt_class=None) -> Prepared:
         """Render and tokenize, check the window, make the reply's format and parser."""
         shown = greq.tools.shown() if greq.tools is not None else None
         if shown and (self.card is None or self.card.tool_format is None):
@@ -195,7 +282,7 @@ class Service:
                            "a card that does", param="tools")
         prompt_ids, thinking = self._prompt_ids(greq, shown)
         params = self._fit_window(greq, len(prompt_ids))
-        fmt = replies.FORMATS[greq.kind](greq.model or self.model_names[0])
+        fmt = (fmt_class or replies.FORMATS[greq.kind])(greq.model or self.model_names[0])
         card = self.card if greq.kind == "chat" else None
         parser = ReplyParser(card, shown, parallel_tool_calls=greq.tools.parallel if greq.tools else True,
                              thinking=thinking, call_id_prefix=f"call_{fmt.id[-12:]}")
@@ -214,9 +301,8 @@ class Service:
         self.counters.requests_total += 1
         if greq.stream:
             sink = sink or EventStream()
-            first = fmt.first_chunk()
-            if first is not None:
-                sink.send(first)
+            for event, data in fmt.opening(self.engine.requests[req_id]):
+                sink.send(data, event=event)
             sink.open()
         else:
             sink = sink or DeferredResponse()
@@ -255,13 +341,12 @@ class Service:
                 self._start(p.prepared, self._constraint(p.prepared, compiled), seconds, p.sink)
                 continue
             except GrammarCompileError as e:
-                response = HttpResponse.from_api_error(_compile_error(p.spec, e))
+                response = p.prepared.fmt.api_error(_compile_error(p.spec, e))
             except ApiError as e:
-                response = HttpResponse.from_api_error(e)
+                response = p.prepared.fmt.api_error(e)
             except Exception as e:  # a fault of the compiler itself: this request only
                 log.exception("grammar compile failed")
-                response = HttpResponse.error(500, f"grammar compile failed: {type(e).__name__}: {e}",
-                                              type="server_error")
+                response = p.prepared.fmt.error_response(500, f"grammar compile failed: {type(e).__name__}: {e}")
             if isinstance(p.sink, EventStream):
                 p.sink.refuse(response)
             else:
@@ -359,22 +444,23 @@ class Service:
         if out.finish_reason == "error":  # this request only: its grammar or a replay failed
             self.replies.pop(out.req_id, None)
             self.counters.add_finished(out.request)
-            _send_error(reply.sink, f"generation failed: {out.request.error or 'a replayed token differed'}")
+            _send_error(reply, f"generation failed: {out.request.error or 'a replayed token differed'}")
             return
         delta = reply.parser.push(out.new_text)
+        self.latencies.delivered(out.req_id, len(out.new_token_ids), out.request.stats.first_token_s)
         if out.finished:
             delta.add(reply.parser.finish())
             out.request.stats.reasoning_tokens = self._reasoning_tokens(reply, out.request)
+            self.latencies.finished(out.request)
+            reply.sink.access_note = _access_note(out.request)
         finish = out.finish_reason
         if out.finished and reply.parser.has_calls:
             finish = "tool_calls"
         if isinstance(reply.sink, EventStream):
-            if delta:
-                reply.sink.send(reply.fmt.chunk(delta, None))
+            events = reply.fmt.deltas(delta) + (reply.fmt.closing(finish, out.request) if out.finished else [])
+            for event, data in events:
+                reply.sink.send(data, event=event)
             if out.finished:
-                reply.sink.send(reply.fmt.chunk(type(delta)(), finish))
-                reply.sink.send(reply.fmt.usage_chunk(out.request))
-                reply.sink.send("[DONE]")
                 reply.sink.close()
         elif out.finished:
             body = reply.fmt.final(reply.parser.whole, finish, out.request)
@@ -408,17 +494,21 @@ class Service:
             self.counters.add_finished(req)  # keeps completion_tokens_total from going back
             self.engine.abort(req.req_id)
             if reply is not None:
-                _send_error(reply.sink, message)
+                _send_error(reply, message)
 
 
-def _send_error(sink: EventStream | DeferredResponse, message: str) -> None:
+def _send_error(reply: Reply, message: str) -> None:
     """A failed generation: an error event that ends the stream, or HTTP 500."""
-    if isinstance(sink, EventStream):
-        sink.send({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
-        sink.send("[DONE]")
-        sink.close()
+    if isinstance(reply.sink, EventStream):
+        for event, data in reply.fmt.error_events(message):
+            reply.sink.send(data, event=event)
+        reply.sink.close()
     else:
-        sink.resolve(HttpResponse.error(500, message, type="server_error"))
+        reply.sink.resolve(reply.fmt.error_response(500, message))
+
+
+def _access_note(req: Request) -> str:
+    return f"{req.num_prompt_tokens}+{len(req.output_ids)} tokens {req.finish_reason or ''}".rstrip()
 
 
 def _compile_error(spec: GrammarSpec, e: GrammarCompileError) -> ApiError:

@@ -295,6 +295,7 @@ class Engine:
                 pieces.append(text.push(token))
             if text.stopped or is_eos:
                 reason = "stop"
+                req.stop_string = text.matched if text.stopped else None
             elif len(req.output_ids) >= req.max_tokens:
                 reason = "length"
             if reason:

@@ -13,6 +13,7 @@ class ReplyText:
         self.stop = tuple(s for s in stop if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def push(self, token_id: int) -> str:
         """Text made final by this token; sets `stopped` when a stop string completes."""
@@ -35,9 +36,11 @@ class ReplyText:
         if not self.stop:
             self._held = ""
             return text
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        found = [(i, n, s) for n, s in enumerate(self.stop) if (i := text.find(s)) >= 0]
+        cut = min(found)[0] if found else -1
         if cut >= 0:
             self.stopped = True
+            self.matched = min(found)[2]  # the stop string that ended the reply
             self._held = ""
             return text[:cut]
         keep = self._longest_stop_prefix_suffix(text)

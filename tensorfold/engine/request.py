@@ -27,6 +27,7 @@ class Status(enum.Enum):
 class RequestStats:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    scheduled_s: float | None = None  # first admitted to a round (queue wait ends)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     drafted: int = 0
@@ -53,6 +54,7 @@ class Request:
     num_preemptions: int = 0
     constraint: RowConstraint | None = None   # per-row mask and token fix (sampling/constraint.py)
     error: str | None = None      # why a constraint failed: the request ends with "error"
+    stop_string: str | None = None  # the stop string that ended the reply, if one did
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)

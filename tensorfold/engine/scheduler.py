@@ -14,6 +14,7 @@ waits to recompute. A waiting foreground request likewise takes a running backgr
 lane or memory. Admission reuses the longest cached prefix of the request's tokens.
 """
 import itertools
+import time
 from dataclasses import dataclass
 
 from tensorfold.engine.block_pool import BlockPool
@@ -156,6 +157,8 @@ class Scheduler:
             req.num_computed_tokens = len(hits) * self.pool.block_size
             if not req.output_ids:  # what this admission found is what the prompt reuses
                 req.stats.cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+            if req.stats.scheduled_s is None:
+                req.stats.scheduled_s = time.perf_counter()
             req.status = Status.RUNNING
             self.running.append(req)
 

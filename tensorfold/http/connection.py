@@ -55,6 +55,7 @@ class Connection:
         self.sock, self.peer = sock, peer
         self.router, self.limits, self.selector = server.router, server.limits, server._selector
         self._mark_dirty = server._dirty.add
+        self._draining = lambda: server.draining
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
         self.out = bytearray()
         self.closed = False
@@ -193,6 +194,9 @@ class Connection:
         request = HttpRequest(head.method.decode("ascii"), path,
                               dict(parse_qsl(query, keep_blank_values=True)), headers, bytes(self.body))
         self.body = bytearray()
+        if self._draining():
+            return self._respond(HttpResponse.error(503, "the server is shutting down", type="server_error",
+                                                    code="shutting_down"), close=True)
         try:
             result = self.router.dispatch(request)
         except Exception:
@@ -343,9 +347,16 @@ class Connection:
             self.events = events
 
     def _log(self, status: int, note: str = "") -> None:
+        """The access log: one line per response (method, target, status, ms, and what the app
+        noted: tokens); the fields also ride along as `access` for a JSON formatter."""
+        app_note = self.reply.access_note if self.reply is not None else ""
+        note = " ".join(n for n in (app_note, note) if n)
         if self.head is None:
-            log.info("- - %d%s", status, note and " " + note)
-        else:
-            log.info("%s %s %d %.1fms%s", self.head.method.decode("ascii", "replace"),
-                     self.head.target.decode("latin-1"), status,
-                     1000 * (time.monotonic() - self.started), note and " " + note)
+            log.info("- - %d%s", status, note and " " + note,
+                     extra={"access": {"status": status, "note": note}})
+            return
+        method, target = self.head.method.decode("ascii", "replace"), self.head.target.decode("latin-1")
+        ms = 1000 * (time.monotonic() - self.started)
+        log.info("%s %s %d %.1fms%s", method, target, status, ms, note and " " + note,
+                 extra={"access": {"method": method, "path": target, "status": status, "ms": round(ms, 1),
+                                   "note": note}})

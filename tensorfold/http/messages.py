@@ -93,6 +93,7 @@ class _PendingReply:
 
     def __init__(self):
         self.on_disconnect: Callable[[], None] | None = None
+        self.access_note = ""               # what the access log line adds (the app's: tokens)
         self.disconnected = False           # the client went away before the last byte went out
         self._wake: Callable[[], None] | None = None  # set by the server while it serves us
 

@@ -50,6 +50,8 @@ class HttpServer:
         self._dirty: set[Connection] = set()   # connections whose pending reply has news
         self._stopping = False
         self._closed = False
+        self.draining = False                  # no new connections or requests; in-flight ones finish
+        self._drain_deadline: float | None = None
         self._state_lock = threading.Lock()   # serve_forever starting vs shutdown from another thread
         self._loop_thread: int | None = None
         self._loop_done = threading.Event()
@@ -68,6 +70,8 @@ class HttpServer:
         try:
             while not self._stopping:
                 busy = self._run_tick()
+                if self._drain_deadline is not None and self._drained(busy):
+                    break
                 self.poll_once(0.0 if busy else IDLE_POLL_S)
         finally:
             self._close_all()
@@ -104,6 +108,34 @@ class HttpServer:
                 self._guarded(conn, conn.check_deadlines, now)
             if conn.closed:
                 self._conns.discard(conn)
+
+    def drain(self, seconds: float) -> None:
+        """Stop taking connections and requests (any thread): what is in flight may finish for up
+        to `seconds`, then serve_forever() returns. New requests on open connections get 503."""
+        with self._state_lock:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + seconds
+        self.wake()
+
+    def _drained(self, busy: bool) -> bool:
+        """Called by the loop while draining: close the listener once, then say when to stop."""
+        if not self.draining:
+            self.draining = True
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            log.info("draining: no new connections; waiting up to %.0fs for %d running request(s)",
+                     max(0.0, self._drain_deadline - time.monotonic()),
+                     sum(1 for c in self._conns if c.reply is not None and not c.reply.finished))
+        in_flight = busy or bool(self._dirty) or any(
+            not c.closed and ((c.reply is not None and not c.reply.finished) or c.out) for c in self._conns)
+        if in_flight and time.monotonic() < self._drain_deadline:
+            return False
+        if in_flight:
+            log.warning("drain time is up; closing the requests still running")
+        for conn in list(self._conns):  # let the last bytes of finished replies go out
+            if not conn.closed:
+                conn._write()
+        return True
 
     def wake(self) -> None:
         """Make a waiting poll return now (any thread)."""
@@ -173,8 +205,9 @@ class HttpServer:
         if self._closed:
             return
         self._closed = True
-        self._selector.unregister(self._listener)
-        self._listener.close()
+        if not self.draining:
+            self._selector.unregister(self._listener)
+            self._listener.close()
         for conn in list(self._conns):
             if not conn.closed:
                 conn._write()        # last chance for what is already buffered

@@ -5,6 +5,7 @@ import torch
 
 from tensorfold.models.checkpoint import Checkpoint, CheckpointError
 from tensorfold.models.config import ModelArgs
+from tensorfold.models.progress import LoadProgress
 from tensorfold.models.registry import model_class
 
 
@@ -27,4 +28,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     """The checkpoint's model class over `ops`, the backend's op set (backends.backend_ops)."""
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     cls = model_class(ckpt.architecture, ckpt.path)
-    return cls(args, ckpt.tensors, dtype, ops, device=device)
+    tensors = LoadProgress(ckpt.tensors)
+    model = cls(args, tensors, dtype, ops, device=device)
+    tensors.finish()
+    return model
