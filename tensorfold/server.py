@@ -59,6 +59,10 @@ def build_router(service: Service, api_key: str | None = None) -> Router:
     router.add("POST", "/detokenize", service.detokenize)
     router.add("POST", "/v1/chat/completions", guard(service.chat_completions))
     router.add("POST", "/v1/completions", guard(service.completions))
+    router.add("POST", "/v1/responses", guard(service.create_response))
+    router.add("GET", "/v1/responses/{id}", guard(service.get_response))
+    router.add("DELETE", "/v1/responses/{id}", guard(service.delete_response))
+    router.add("GET", "/v1/responses/{id}/input_items", guard(service.response_input_items))
     anthropic_guard = (lambda h: require_key(h, api_key, lambda m: anthropic.error_response(401, m))) \
         if api_key else (lambda h: h)
     router.add("POST", "/v1/messages", anthropic_guard(service.messages))

@@ -204,11 +204,9 @@ def test_an_alias_is_accepted_as_model_and_an_unknown_model_is_404(served):
         assert check_error(r, 404, "model")["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("method,path", [("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
-                                         ("DELETE", "/v1/responses/resp_1")])
-def test_responses_routes_are_404_for_now(served, method, path):
-    r = served.http.request(method, path, json={"model": NAME, "input": "hi"} if method == "POST" else None)
-    check_error(r, 404, None)
+def test_an_unknown_stored_response_is_404_and_a_wrong_method_405(served):
+    for method in ("GET", "DELETE"):
+        check_error(served.http.request(method, "/v1/responses/resp_1"), 404, "response_id")
     r = served.http.get("/v1/chat/completions")
     check_error(r, 405, None)
     assert "POST" in r.headers["allow"]

@@ -11,7 +11,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from tensorfold.api import replies
-from tensorfold.api import anthropic, fields, metrics
+from tensorfold.api import anthropic, fields, metrics, responses
 from tensorfold.api.errors import ApiError
 from tensorfold.api.priority import request_priority
 from tensorfold.api.request import (GenerationRequest, ServerDefaults, check_prompt_ids,
@@ -111,6 +111,7 @@ class Service:
         self.replies: dict[str, Reply] = {}
         self.counters = Counters()
         self.latencies = metrics.Latencies()
+        self.response_store = responses.ResponseStore()
         self.started = time.time()
         tok = engine.tokenizer
         self.grammars = GrammarCompiler(tok, engine.model.args.vocab_size)
@@ -162,6 +163,41 @@ class Service:
                         "maximum": self.engine.config.max_num_seqs},
         }
         return HttpResponse.json_response(body)
+
+    def create_response(self, http: HttpRequest):
+        """POST /v1/responses: the Responses API through the chat path (api/responses.py)."""
+        rreq = responses.to_chat_body(http.json(), self.response_store)
+        greq = parse_chat_request(rreq.chat, self.defaults)
+
+        def stored(response: dict) -> None:  # before the last event or the body goes out
+            if rreq.echo["store"]:
+                items = [{"id": f"item_{response['id'][5:]}_{i}", **item} for i, item in enumerate(rreq.input_items)]
+                self.response_store.put(responses.StoredResponse(
+                    response, items, rreq.conversation + [responses.assistant_message(response)]))
+
+        return self._generate(greq, lambda model: responses.ResponsesFormat(model, rreq.echo, stored))
+
+    def get_response(self, http: HttpRequest) -> HttpResponse:
+        return HttpResponse.json_response(self._stored(http).response)
+
+    def delete_response(self, http: HttpRequest) -> HttpResponse:
+        entry = self._stored(http)
+        self.response_store.delete(entry.response["id"])
+        return HttpResponse.json_response({"id": entry.response["id"], "object": "response", "deleted": True})
+
+    def response_input_items(self, http: HttpRequest) -> HttpResponse:
+        items = self._stored(http).input_items
+        return HttpResponse.json_response({"object": "list", "data": items, "has_more": False,
+                                           "first_id": items[0]["id"] if items else None,
+                                           "last_id": items[-1]["id"] if items else None})
+
+    def _stored(self, http: HttpRequest) -> responses.StoredResponse:
+        response_id = http.path_params["id"]
+        entry = self.response_store.get(response_id)
+        if entry is None:
+            raise ApiError(f"No response found with id '{response_id}'", status=404, param="response_id",
+                           code="not_found")
+        return entry
 
     def messages(self, http: HttpRequest):
         """POST /v1/messages: Anthropic's Messages API through the chat path (api/anthropic.py)."""
