@@ -40,6 +40,8 @@ def parse_args(argv=None):
                    help="thinking tokens before the server closes a think block, for requests that set none")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TENSORFOLD_API_KEY, else none)")
+    p.add_argument("--response-store", default=None, metavar="PATH",
+                   help="keep stored Responses in this SQLite file (default: in memory, lost on restart)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long running requests may finish before the server exits")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -73,7 +75,8 @@ def settings_from(args, backend: str = "cpu"):
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
                          max_tokens=args.max_tokens, model_card=args.model_card,
                          reasoning_effort=args.reasoning_effort, thinking_budget=args.thinking_budget,
-                         api_key=args.api_key or os.environ.get("TENSORFOLD_API_KEY") or None, engine=engine)
+                         api_key=args.api_key or os.environ.get("TENSORFOLD_API_KEY") or None,
+                         response_store=args.response_store, engine=engine)
 
 
 class JsonLogFormatter(logging.Formatter):

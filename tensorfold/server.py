@@ -32,6 +32,7 @@ class ServeSettings:
     reasoning_effort: str | None = None  # the effort of requests that set none
     thinking_budget: int = 0            # thinking tokens of requests that set no budget; 0: none
     api_key: str | None = None          # every /v1 route wants "Authorization: Bearer KEY"
+    response_store: str | None = None   # an SQLite file for stored responses; None: in memory
     engine: EngineConfig = EngineConfig()
     limits: Limits = Limits()
 
@@ -74,7 +75,7 @@ def build_server(settings: ServeSettings, engine: Engine | None = None) -> HttpS
     engine = engine or Engine(settings.model, settings.engine)
     service = Service(engine, served_names(settings), default_max_tokens=settings.max_tokens,
                       model_card=settings.model_card, reasoning_effort=settings.reasoning_effort,
-                      thinking_budget=settings.thinking_budget)
+                      thinking_budget=settings.thinking_budget, response_store=settings.response_store)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who reaches this port can use the model",
                     settings.host)

@@ -123,8 +123,40 @@ def test_text_format_json_schema_and_incomplete_replies(srv):
     ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata.k"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format"),
+     "text.format"),
     ({}, "input"),
 ])
 def test_malformed_input_is_400_naming_the_field(srv, body, param):
     check_error(post(srv, "/v1/responses", {"model": MODEL, **body}), 400, param)
+
+
+def test_an_sqlite_store_survives_a_restart(tiny_llama, tmp_path):
+    path = str(tmp_path / "responses.sqlite")
+    settings = ServeSettings(model=tiny_llama, port=0, response_store=path,
+                             engine=EngineConfig(max_num_seqs=1, probe=False))
+    with serving(settings) as s:
+        kept = s.client.responses.create(model="", input="Hi", max_output_tokens=4)
+        dropped = s.client.responses.create(model="", input="Hi again", max_output_tokens=4)
+        s.client.responses.delete(dropped.id)
+    with serving(settings) as s:
+        assert s.client.responses.retrieve(kept.id).output_text == kept.output_text
+        with pytest.raises(openai.NotFoundError):
+            s.client.responses.retrieve(dropped.id)
+        more = s.client.responses.create(model="", input="More", previous_response_id=kept.id, max_output_tokens=4)
+        assert more.usage.input_tokens > kept.usage.input_tokens
+
+
+def test_reasoning_items_whole_and_streamed(tiny_qwen3_family):
+    with serving(ServeSettings(model=tiny_qwen3_family, port=0, served_model_name="tiny",
+                               engine=EngineConfig(max_num_seqs=1, probe=False))) as s:
+        body = {"model": "tiny", "input": "Think.", "max_output_tokens": 30, "temperature": 1.0, "seed": 2,
+                "thinking_budget": 5, "reasoning": {"effort": "high", "summary": "auto"}}
+        whole = post(s, "/v1/responses", body).json()
+        assert [item["type"] for item in whole["output"]][:2] == ["reasoning", "message"]
+        assert whole["output"][0]["summary"] == [] and whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 6
+        events = [json.loads(line[6:]) for line in post(s, "/v1/responses", {**body, "stream": True}).text.splitlines()
+                  if line.startswith("data: ")]
+        reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        assert reasoning == whole["output"][0]["content"][0]["text"]
+        texts = lambda output: [(i["type"], [c["text"] for c in i["content"]]) for i in output]  # noqa: E731
+        assert texts(events[-1]["response"]["output"]) == texts(whole["output"])  # ids differ, items do not

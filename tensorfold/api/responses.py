@@ -51,30 +51,58 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The newest responses, by id, within an entry and a byte budget (in memory)."""
+    """The newest responses, by id, within an entry and a byte budget: in memory, or in an
+    SQLite file (`path`, the standard library's sqlite3) that survives a restart."""
 
-    def __init__(self, max_entries: int = STORE_ENTRIES, max_bytes: int = STORE_BYTES):
+    def __init__(self, max_entries: int = STORE_ENTRIES, max_bytes: int = STORE_BYTES, path: str | None = None):
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+        self._db = None
+        if path is not None:
+            import sqlite3
+
+            self._db = sqlite3.connect(path, check_same_thread=False)
+            self._db.execute("CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                             "id TEXT UNIQUE, data TEXT)")
+            for (data,) in self._db.execute("SELECT data FROM responses ORDER BY seq"):
+                self._remember(StoredResponse(**json.loads(data)))
 
     def put(self, entry: StoredResponse) -> None:
-        entry.size = len(json.dumps([entry.response, entry.input_items, entry.conversation]))
         self.delete(entry.response["id"])
+        data = json.dumps({"response": entry.response, "input_items": entry.input_items,
+                           "conversation": entry.conversation})
+        entry.size = len(data)
+        evicted = self._remember(entry)
+        if self._db is not None:
+            with self._db:
+                self._db.execute("INSERT INTO responses (id, data) VALUES (?, ?)", (entry.response["id"], data))
+                self._db.executemany("DELETE FROM responses WHERE id = ?", [(i,) for i in evicted])
+
+    def _remember(self, entry: StoredResponse) -> list[str]:
+        """Keep `entry` in memory; returns the ids evicted to stay within the budgets."""
+        entry.size = entry.size or len(json.dumps([entry.response, entry.input_items, entry.conversation]))
         self._items[entry.response["id"]] = entry
         self._bytes += entry.size
+        evicted = []
         while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
-            _, old = self._items.popitem(last=False)
+            old_id, old = self._items.popitem(last=False)
             self._bytes -= old.size
+            evicted.append(old_id)
+        return evicted
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         old = self._items.pop(response_id, None)
-        if old is not None:
-            self._bytes -= old.size
-        return old is not None
+        if old is None:
+            return False
+        self._bytes -= old.size
+        if self._db is not None:
+            with self._db:
+                self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+        return True
 
 
 @dataclass
@@ -392,10 +420,30 @@ class ResponsesFormat(ReplyFormat):
         kind = "response.incomplete" if finish_reason == "length" else "response.completed"
         return events + [self._event(kind, response=response)]
 
+    def api_error(self, err: ApiError):
+        return super().api_error(responses_error(err))
+
     def error_events(self, message: str) -> list:
         response = self._response("failed", list(self.items))
         response["error"] = {"code": "server_error", "message": message}
         return [self._event("response.failed", response=response)]
+
+
+# chat fields a Responses error may name, and what the Responses body calls them
+CHAT_PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input",
+               "reasoning_effort": "reasoning.effort"}
+
+
+def responses_error(err: ApiError) -> ApiError:
+    """An error raised on the translated chat body, naming the Responses field instead."""
+    if err.param:
+        head, dot, rest = err.param.partition(".")
+        name = head.split("[")[0]
+        if name in CHAT_PARAMS and name != "messages":
+            err.param = CHAT_PARAMS[name] + (head[len(name):] + dot + rest if head != name or dot else "")
+        elif name == "messages":
+            err.param = "input"
+    return err
 
 
 def _usage(req: Request) -> dict:

@@ -91,7 +91,8 @@ class Counters:
 
 class Service:
     def __init__(self, engine: Engine, model_names: tuple[str, ...], *, default_max_tokens: int | None = None,
-                 model_card: str | None = None, reasoning_effort: str | None = None, thinking_budget: int = 0):
+                 model_card: str | None = None, reasoning_effort: str | None = None, thinking_budget: int = 0,
+                 response_store: str | None = None):
         self.engine = engine
         self.model_names = model_names
         ckpt = engine.checkpoint
@@ -111,7 +112,7 @@ class Service:
         self.replies: dict[str, Reply] = {}
         self.counters = Counters()
         self.latencies = metrics.Latencies()
-        self.response_store = responses.ResponseStore()
+        self.response_store = responses.ResponseStore(path=response_store)
         self.started = time.time()
         tok = engine.tokenizer
         self.grammars = GrammarCompiler(tok, engine.model.args.vocab_size)
@@ -167,7 +168,6 @@ class Service:
     def create_response(self, http: HttpRequest):
         """POST /v1/responses: the Responses API through the chat path (api/responses.py)."""
         rreq = responses.to_chat_body(http.json(), self.response_store)
-        greq = parse_chat_request(rreq.chat, self.defaults)
 
         def stored(response: dict) -> None:  # before the last event or the body goes out
             if rreq.echo["store"]:
@@ -175,7 +175,11 @@ class Service:
                 self.response_store.put(responses.StoredResponse(
                     response, items, rreq.conversation + [responses.assistant_message(response)]))
 
-        return self._generate(greq, lambda model: responses.ResponsesFormat(model, rreq.echo, stored))
+        try:
+            greq = parse_chat_request(rreq.chat, self.defaults)
+            return self._generate(greq, lambda model: responses.ResponsesFormat(model, rreq.echo, stored))
+        except ApiError as e:
+            raise responses.responses_error(e) from None
 
     def get_response(self, http: HttpRequest) -> HttpResponse:
         return HttpResponse.json_response(self._stored(http).response)
