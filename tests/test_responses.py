@@ -160,3 +160,54 @@ def test_reasoning_items_whole_and_streamed(tiny_qwen3_family):
         assert reasoning == whole["output"][0]["content"][0]["text"]
         texts = lambda output: [(i["type"], [c["text"] for c in i["content"]]) for i in output]  # noqa: E731
         assert texts(events[-1]["response"]["output"]) == texts(whole["output"])  # ids differ, items do not
+
+
+def test_the_sdk_streaming_helper_parses_every_event(srv):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    kwargs = dict(model=MODEL, input="Pick a colour.", max_output_tokens=40,
+                  text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+    with srv.client.responses.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert json.loads(final.output_text)["colour"] in ("red", "green", "blue")
+    with srv.client.responses.stream(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
+                                     max_output_tokens=60) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and final.output[0].type == "function_call"
+
+
+def test_a_tool_conversation_via_previous_response_id_equals_the_chat_one(srv):
+    first = srv.client.responses.create(model=MODEL, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+                                        max_output_tokens=60, temperature=0.0)
+    call = first.output[0]
+    second = srv.client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER],
+                                         max_output_tokens=16, temperature=0.0, input=[
+                                             {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}])
+    chat_tools = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
+    chat = srv.client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0.0, tools=chat_tools, messages=[
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "21 C"}])
+    assert sha(second) == sha(chat) and second.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_the_store_evicts_the_oldest_by_count_and_by_bytes():
+    from tensorfold.api.responses import ResponseStore, StoredResponse
+
+    def entry(i, pad=0):
+        return StoredResponse({"id": f"resp_{i}", "pad": "x" * pad}, [], [])
+
+    by_count = ResponseStore(max_entries=3)
+    for i in range(5):
+        by_count.put(entry(i))
+    assert [by_count.get(f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    by_bytes = ResponseStore(max_bytes=3000)
+    for i in range(5):
+        by_bytes.put(entry(i, pad=900))
+    kept = [by_bytes.get(f"resp_{i}") is not None for i in range(5)]
+    assert kept == [False, False, True, True, True] and by_bytes._bytes <= 3000
+    assert by_bytes.delete("resp_4") and not by_bytes.delete("resp_4")
