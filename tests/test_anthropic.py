@@ -4,7 +4,7 @@ equivalent chat completion; count_tokens; 400s in Anthropic's error shape."""
 import anthropic
 import pytest
 
-from test_server import serving
+from serving import serving
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.server import ServeSettings
 

@@ -26,6 +26,7 @@ import openai
 import pytest
 import torch
 
+from serving import running
 from tensorfold.api.replies import token_sha
 from tensorfold.api.service import Service
 from tensorfold.chat.messages import render_chat
@@ -302,19 +303,17 @@ def serving(engine: Engine, name="tiny"):
     engine.runner.execute = spy
     server = HttpServer(build_router(service), port=0,
                         tick=lambda: service.tick() if gate.is_set() else False)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    client = openai.OpenAI(base_url="http://%s:%d/v1" % server.address, api_key="none",
-                           max_retries=0, timeout=120)
     try:
-        yield Served(server, service, engine, client, gate, plans)
+        with running(server):
+            client = openai.OpenAI(base_url="http://%s:%d/v1" % server.address, api_key="none",
+                                   max_retries=0, timeout=120)
+            try:
+                yield Served(server, service, engine, client, gate, plans)
+            finally:
+                gate.set()
+                client.close()
     finally:
-        gate.set()
-        client.close()
-        server.shutdown()
-        thread.join(10)
         del engine.runner.execute  # the class's method again
-        assert not thread.is_alive()
 
 
 EXTRA = ("top_k", "min_p", "ignore_eos", "draft", "priority")

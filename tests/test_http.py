@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from serving import running
+
 from tensorfold.api.errors import ApiError
 from tensorfold.http.messages import (DeferredResponse, EventStream, HttpRequest, HttpResponse,
                                       encode_event)
@@ -105,26 +107,8 @@ def make_router(app: FakeApp | None = None) -> Router:
 
 @contextlib.contextmanager
 def serving(router, tick=None, **limits):
-    server = HttpServer(router, port=0, tick=tick, limits=Limits(**limits))
-    crashed = []
-
-    def run():
-        try:
-            server.serve_forever()
-        except BaseException as e:
-            crashed.append(e)
-            raise
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
+    with running(HttpServer(router, port=0, tick=tick, limits=Limits(**limits)), max_shutdown_s=1) as server:
         yield server
-    finally:
-        t0 = time.monotonic()
-        server.shutdown()
-        thread.join(5)
-        assert not thread.is_alive() and not crashed
-        assert time.monotonic() - t0 < 1
 
 
 def connect(server, rcvbuf=None) -> socket.socket:

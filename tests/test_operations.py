@@ -16,7 +16,7 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_server import check_error, post, serving
+from serving import check_error, post, serving
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.server import ServeSettings, build_server
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_server import check_error, post, serving
+from serving import check_error, post, serving
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.server import ServeSettings
 

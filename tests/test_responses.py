@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_server import check_error, post, serving
+from serving import check_error, post, serving
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.server import ServeSettings
 

@@ -1,7 +1,7 @@
 """The whole server over a real loopback socket, spoken to by the official `openai` client.
 
-build_server() runs serve_forever() in a daemon thread of the test process (the loop itself is
-single-threaded; the thread exists only so the test can be the client). The model is a tiny
+tests/serving.py runs the server (serve_forever on a daemon thread of the test process, the
+loop itself single-threaded) and gives the clients. The model is a tiny
 random checkpoint: it writes gibberish, which is all a protocol test needs. Raw httpx (the
 openai client's own HTTP library) reads the SSE framing and sends the malformed bodies.
 
@@ -10,7 +10,6 @@ Two servers:
 - `eos_served`: a tiny qwen3 whose weights are edited so it often writes its end token (the
   random model almost never does), with a 64-token window, for ignore_eos and the window rules.
 """
-import contextlib
 import hashlib
 import json
 import math
@@ -20,18 +19,17 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-import httpx2 as httpx
 import openai
 import pytest
 
 from malformed_cases import (ACCEPTED_CHAT_CASES, BASE_CHAT_BODY, BASE_COMPLETION_BODY,
                              MALFORMED_CHAT_CASES, MALFORMED_COMPLETION_CASES)
+from serving import Served, check_error, post, serving
 from tensorfold.backends import backend_ops
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.sampling.params import SamplingParams
-from tensorfold.server import ServeSettings, build_server
+from tensorfold.server import ServeSettings
 
 NAME = "tiny-llama"
 ALIASES = ("alias-a", "alias-b")
@@ -41,42 +39,6 @@ HEALTH_COUNTERS = ("requests_total", "completion_tokens_total", "prompt_tokens_t
                    "cached_tokens_total", "prefill_seconds_total", "decode_seconds_total",
                    "rounds_total", "drafted_total", "accepted_total")
 CHAT = [{"role": "user", "content": "Say hi."}]
-
-
-@dataclass
-class Served:
-    server: object
-    client: openai.OpenAI
-    http: httpx.Client
-    root: str
-
-    @property
-    def engine(self):
-        return self.server.service.engine
-
-    def health(self) -> dict:
-        r = self.http.get("/health")
-        assert r.status_code == 200
-        return r.json()
-
-
-@contextlib.contextmanager
-def serving(settings: ServeSettings):
-    server = build_server(settings)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    host, port = server.address
-    root = f"http://{host}:{port}"
-    client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=60)
-    http = httpx.Client(base_url=root, timeout=60)
-    try:
-        yield Served(server, client, http, root)
-    finally:
-        http.close()
-        client.close()
-        server.shutdown()
-        thread.join(timeout=10)
-        assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -155,22 +117,6 @@ def sse_data(text: str) -> list[str]:
         assert all(line.startswith("data: ") for line in lines), block
         events.append("\n".join(line[len("data: "):] for line in lines))
     return events
-
-
-def post(s: Served, path: str, body: dict) -> httpx.Response:
-    # json.dumps allows NaN and Infinity: the malformed tables send them on purpose.
-    return s.http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
-
-
-def check_error(r: httpx.Response, status: int, param, *, type_="invalid_request_error") -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    err = body["error"]
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["type"] == type_ and err["param"] == param
-    return err
 
 
 def chat_stream(s: Served, **kwargs):

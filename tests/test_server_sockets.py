@@ -10,12 +10,12 @@ import contextlib
 import json
 import socket
 import struct
-import threading
 import time
 
 import h11
 import pytest
 
+from serving import running
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.http.server import Limits
 from tensorfold.server import ServeSettings, build_server
@@ -26,14 +26,9 @@ CHAT = {"messages": [{"role": "user", "content": "Say hi."}]}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = build_server(ServeSettings(model=tiny_llama, port=0, served_model_name="tiny",
-                                     limits=LIMITS, engine=EngineConfig(probe=False)))
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    with running(build_server(ServeSettings(model=tiny_llama, port=0, served_model_name="tiny",
+                                            limits=LIMITS, engine=EngineConfig(probe=False)))) as srv:
+        yield srv
 
 
 def chunked(data: bytes) -> bytes:

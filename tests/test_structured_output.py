@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from test_server import check_error, post, serving
+from serving import check_error, post, serving
 from tensorfold.api import service as service_module
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.grammar.constraint import GrammarConstraint

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from test_server import check_error, post, serving
+from serving import check_error, post, serving
 from tensorfold.chat.messages import render_chat
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.server import ServeSettings
