@@ -140,8 +140,7 @@ class Service:
 
     def health(self, http: HttpRequest) -> HttpResponse:
         c = self.counters
-        running = [r for r in self.engine.scheduler.running]
-        decoding = sum(1 for r in running if r.output_ids)
+        load = self.engine.load()
         body = {
             "status": "ok",
             "exact": self.engine.exact,
@@ -151,7 +150,7 @@ class Service:
             "busy": self.engine.has_work(),
             "requests_running": len(self.replies),
             "requests_total": c.requests_total,
-            "completion_tokens_total": c.completion_tokens_total + sum(len(r.output_ids) for r in running),
+            "completion_tokens_total": c.completion_tokens_total + load.running_reply_tokens,
             "prompt_tokens_total": c.prompt_tokens_total,
             "cached_tokens_total": c.cached_tokens_total,
             "prefill_seconds_total": round(c.prefill_seconds_total, 6),
@@ -160,8 +159,7 @@ class Service:
             "drafted_total": c.drafted_total,
             "accepted_total": c.accepted_total,
             "context_length": self.engine.context_length,
-            "streams": {"decoding": decoding, "prefilling": len(running) - decoding,
-                        "maximum": self.engine.config.max_num_seqs},
+            "streams": {"decoding": load.decoding, "prefilling": load.prefilling, "maximum": load.max_running},
         }
         return HttpResponse.json_response(body)
 
@@ -222,13 +220,12 @@ class Service:
 
     def metrics(self, http: HttpRequest) -> HttpResponse:
         c = self.counters
-        sched, pool = self.engine.scheduler, self.engine.pool
-        running = list(sched.running)
+        load = self.engine.load()
         counters = [
             ("tensorfold_requests_total", "Generation requests accepted.", c.requests_total),
             ("tensorfold_prompt_tokens_total", "Prompt tokens of finished requests.", c.prompt_tokens_total),
             ("tensorfold_generation_tokens_total", "Reply tokens, running requests' included.",
-             c.completion_tokens_total + sum(len(r.output_ids) for r in running)),
+             c.completion_tokens_total + load.running_reply_tokens),
             ("tensorfold_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.",
              c.cached_tokens_total),
             ("tensorfold_prefill_seconds_total", "Engine time spent in prefill rounds.", c.prefill_seconds_total),
@@ -238,10 +235,9 @@ class Service:
             ("tensorfold_draft_accepted_tokens_total", "Drafted tokens accepted.", c.accepted_total),
         ]
         gauges = [
-            ("tensorfold_requests_running", "Requests in the engine's running set.", len(running)),
-            ("tensorfold_requests_waiting", "Requests waiting for a lane or memory.", len(sched.waiting)),
-            ("tensorfold_kv_cache_usage_ratio", "Share of the KV cache's blocks held by requests.",
-             1.0 - pool.num_free / pool.num_blocks),
+            ("tensorfold_requests_running", "Requests in the engine's running set.", load.decoding + load.prefilling),
+            ("tensorfold_requests_waiting", "Requests waiting for a lane or memory.", load.waiting),
+            ("tensorfold_kv_cache_usage_ratio", "Share of the KV cache's blocks held by requests.", load.kv_used_ratio),
             ("tensorfold_draft_acceptance_ratio", "Accepted over drafted tokens so far.",
              c.accepted_total / c.drafted_total if c.drafted_total else 0.0),
         ]
@@ -529,10 +525,10 @@ class Service:
 
     def _fail_running(self, error: Exception) -> None:
         message = f"generation failed: {type(error).__name__}: {error}"
-        for req in list(self.engine.scheduler.running):
-            reply = self.replies.pop(req.req_id, None)
-            self.counters.add_finished(req)  # keeps completion_tokens_total from going back
-            self.engine.abort(req.req_id)
+        for req_id in self.engine.running_ids():
+            reply = self.replies.pop(req_id, None)
+            self.counters.add_finished(self.engine.requests[req_id])  # keeps completion_tokens_total from going back
+            self.engine.abort(req_id)
             if reply is not None:
                 _send_error(reply, message)
 

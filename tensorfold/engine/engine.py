@@ -73,6 +73,17 @@ class RequestOutput:
     request: Request
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the engine holds now, for /health and /metrics."""
+    decoding: int            # running requests that have reply tokens
+    prefilling: int          # running requests still on their prompt
+    waiting: int             # queued for a lane or memory
+    running_reply_tokens: int
+    kv_used_ratio: float     # share of the KV blocks held by requests
+    max_running: int
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -166,6 +177,16 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def load(self) -> Load:
+        running = self.scheduler.running
+        decoding = sum(1 for r in running if r.output_ids)
+        return Load(decoding, len(running) - decoding, len(self.scheduler.waiting),
+                    sum(len(r.output_ids) for r in running), 1.0 - self.pool.num_free / self.pool.num_blocks,
+                    self.config.max_num_seqs)
+
+    def running_ids(self) -> list[str]:
+        return [r.req_id for r in self.scheduler.running]
 
     @property
     def exact(self) -> bool:
