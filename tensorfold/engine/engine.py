@@ -6,61 +6,26 @@ Acceptance is the exactness rule of ARCHITECTURE.md: a drafted token is kept iff
 keyed draw at its position; the first mismatch is replaced by that draw, and a fully accepted
 run earns the bonus draw. So a drafted reply equals its serial one, token for token.
 """
-import ctypes
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from tensorfold.backends import backend_ops
-from tensorfold.engine.block_pool import BlockPool
+from tensorfold.engine.config import EngineConfig  # noqa: F401 (importers take it from here)
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
-from tensorfold.engine.probes import probe_ops
+from tensorfold.engine.loading import allocate_memory, load_model
 from tensorfold.engine.reply_text import ReplyText
 from tensorfold.engine.request import Request, Status
 from tensorfold.engine.runner import ModelRunner
 from tensorfold.engine.scheduler import Scheduler, SchedulerConfig
-from tensorfold.models.forward_batch import KVCache
-from tensorfold.models.loader import build_model, load_checkpoint
-from tensorfold.models.tokenizer import Tokenizer
 from tensorfold.sampling import bitmask as bits
 from tensorfold.sampling.constraint import ConstraintError
 from tensorfold.sampling.keyed import request_seed
 from tensorfold.sampling.params import SamplingParams
 
 log = logging.getLogger("tensorfold.engine")
-
-
-def _return_freed_heap() -> None:
-    """Give glibc's freed heap back to the OS (no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    dtype: str = "float32"
-    context: int | None = None       # served window; None = the model's max_position_embeddings
-    max_num_seqs: int = 8
-    max_tokens_per_step: int = 512   # the prefill chunk
-    decode_share: float = 0.25       # decode-only time after each prefill chunk, as its fraction
-    kv_cache_gib: float = 1.0
-    prompt_cache_gib: float | None = None  # cap on cached free blocks; None = all free blocks
-    block_size: int = 32             # also the attention split: blocks align to absolute positions
-    drafting: bool = True
-    max_draft: int = 7
-    default_max_tokens: int = 4096
-    num_threads: int | None = None
-    probe: bool = True               # check batch invariance on the model's shapes at startup
-    backend: str = "cpu"             # op set: "cpu" (torch references) or "cuda" (Triton kernels)
-    device: str | None = None        # torch device; None = the backend's. Tests set "cpu" to run
-                                     # the cuda op set on CPU tensors under TRITON_INTERPRET=1
 
 
 @dataclass
@@ -97,30 +62,12 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         started = time.perf_counter()
-        self.config = config
-        self.checkpoint = load_checkpoint(model_path)
-        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
-        ops = backend_ops(config.backend)
-        device = torch.device(config.device or config.backend)
-        self.model = build_model(self.checkpoint, DTYPES[config.dtype], ops, device)
-        self.checkpoint.tensors = {}  # the model holds its own (converted) copies
-        _return_freed_heap()  # the dequantization's scratch (~0.4 GiB for the default model)
-        self.probe_failures = probe_ops(self.model, self.model.ops) if config.probe else []
-        if self.probe_failures:
-            # Without a batch-invariant forward, batching, chunking and drafting could change a
-            # reply: serve one request at a time, whole prompts, no drafts.
-            log.error("EXACT MODE REFUSED: batch-invariance probes failed on this machine: %s. "
-                      "Serving one request at a time without drafts.", "; ".join(self.probe_failures))
-            config = replace(config, max_num_seqs=1, drafting=False, max_tokens_per_step=1 << 30)
-            self.config = config
-        args = self.model.args
-        self.context_length = min(config.context or args.max_position, args.max_position)
-        num_blocks = self._num_blocks(config, args)
-        cached = None if config.prompt_cache_gib is None else int(
-            config.prompt_cache_gib * 2**30 // (self._bytes_per_token(config, args) * config.block_size))
-        self.pool = BlockPool(num_blocks, config.block_size, max_cached_blocks=cached)
-        self.cache = KVCache.allocate(args.num_layers, num_blocks, config.block_size,
-                                      args.num_kv_heads, args.head_dim, DTYPES[config.dtype], device)
+        loaded = load_model(model_path, config)
+        self.config = config = loaded.config  # one request at a time if the probes failed
+        self.checkpoint, self.tokenizer, self.model = loaded.checkpoint, loaded.tokenizer, loaded.model
+        self.probe_failures = loaded.probe_failures
+        memory = allocate_memory(config, self.model.args, loaded.device)
+        self.context_length, self.pool, self.cache = memory.context_length, memory.pool, memory.cache
         self.runner = ModelRunner(self.model, self.cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,
                                                    config.decode_share), self.pool)
@@ -130,20 +77,11 @@ class Engine:
         self._drafts: dict[str, DraftState] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
+        args = self.model.args
         log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, KV pool %d blocks x %d",
                  self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
-                 self.load_seconds, device, ops.NAME, self.context_length, num_blocks,
+                 self.load_seconds, loaded.device, self.model.ops.NAME, self.context_length, self.pool.num_blocks,
                  config.block_size)
-
-    @staticmethod
-    def _bytes_per_token(config: EngineConfig, args) -> int:
-        return KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[config.dtype])
-
-    def _num_blocks(self, config: EngineConfig, args) -> int:
-        per_token = self._bytes_per_token(config, args)
-        budget = int(config.kv_cache_gib * 2**30) // (per_token * config.block_size)
-        one_window = -(-self.context_length // config.block_size)
-        return max(budget, one_window)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -272,25 +210,15 @@ class Engine:
         return [req.constraint.fix(path[:base + j], d) for j, d in enumerate(draws)]
 
     def _accept(self, req: Request, scheduled, draws: list[int]) -> RequestOutput | None:
-        if req.error is not None:
-            self._finish(req, "error")
-            return RequestOutput(req.req_id, [], "", True, "error", req)
+        """A request's draws of this round: replayed positions checked, fixes applied, drafts
+        accepted up to the first mismatch, the new tokens appended."""
         fed = scheduled.token_ids
         drafts = fed[len(fed) - scheduled.num_drafts:]
         first_pos = scheduled.start_position + len(fed) - len(draws)  # the first row with a draw
-        # Rows drawing a token the request already holds (recomputing after a preemption): the
-        # fresh draw must equal what was sent, or the exactness promise is broken.
         num_checks = max(0, min(len(draws), req.num_tokens - 1 - first_pos))
-        for j in range(num_checks):
-            pos = first_pos + 1 + j
-            draw = draws[j]
-            if req.constraint is not None:
-                draw = req.constraint.fix(req.output_ids[:pos - req.num_prompt_tokens], draw)
-            if draw != req.token_at(pos):
-                log.error("%s: replayed token at position %d differs (%d, sent %d): exactness violated",
-                          req.req_id, pos, draw, req.token_at(pos))
-                self._finish(req, "error")
-                return RequestOutput(req.req_id, [], "", True, "error", req)
+        if req.error is not None or not self._replay_holds(req, first_pos, draws[:num_checks]):
+            self._finish(req, "error")
+            return RequestOutput(req.req_id, [], "", True, "error", req)
         live = self._fixed(req, drafts, draws[num_checks:])
         if not live:  # a prompt (or replay) chunk short of the end
             req.num_computed_tokens += len(fed)
@@ -298,16 +226,31 @@ class Engine:
         accepted = 0
         while accepted < len(drafts) and live[accepted] == drafts[accepted]:
             accepted += 1
-        new_tokens = live[:accepted + 1]
         req.num_computed_tokens += len(fed) - len(drafts) + accepted
         req.stats.drafted += len(drafts)
         req.stats.accepted += accepted
         self.drafter.update(self._drafts[req.req_id], len(drafts), accepted)
         if req.stats.first_token_s is None:
             req.stats.first_token_s = time.perf_counter()
+        return self._append(req, live[:accepted + 1])
 
-        text, appended, reason = self._texts[req.req_id], [], None
-        pieces = []
+    def _replay_holds(self, req: Request, first_pos: int, draws: list[int]) -> bool:
+        """Rows drawing a token the request already holds (recomputing after a preemption): each
+        fresh draw must equal what was sent, or the exactness promise is broken."""
+        for j, draw in enumerate(draws):
+            pos = first_pos + 1 + j
+            if req.constraint is not None:
+                draw = req.constraint.fix(req.output_ids[:pos - req.num_prompt_tokens], draw)
+            if draw != req.token_at(pos):
+                log.error("%s: replayed token at position %d differs (%d, sent %d): exactness violated",
+                          req.req_id, pos, draw, req.token_at(pos))
+                return False
+        return True
+
+    def _append(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        """The accepted tokens onto the reply, token by token: text, stop strings, end tokens and
+        the limit are checked on each, so a drafted reply ends where the serial one does."""
+        text, appended, pieces, reason = self._texts[req.req_id], [], [], None
         for token in new_tokens:
             req.output_ids.append(token)
             appended.append(token)

@@ -1,0 +1,22 @@
+"""EngineConfig: what an engine is built with (parsed once by the CLI, or made by tests)."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    context: int | None = None       # served window; None = the model's max_position_embeddings
+    max_num_seqs: int = 8
+    max_tokens_per_step: int = 512   # the prefill chunk
+    decode_share: float = 0.25       # decode-only time after each prefill chunk, as its fraction
+    kv_cache_gib: float = 1.0
+    prompt_cache_gib: float | None = None  # cap on cached free blocks; None = all free blocks
+    block_size: int = 32             # also the attention split: blocks align to absolute positions
+    drafting: bool = True
+    max_draft: int = 7
+    default_max_tokens: int = 4096
+    num_threads: int | None = None
+    probe: bool = True               # check batch invariance on the model's shapes at startup
+    backend: str = "cpu"             # op set: "cpu" (torch references) or "cuda" (Triton kernels)
+    device: str | None = None        # torch device; None = the backend's. Tests set "cpu" to run
+                                     # the cuda op set on CPU tensors under TRITON_INTERPRET=1

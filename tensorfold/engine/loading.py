@@ -1,0 +1,77 @@
+"""What an engine runs on, built from a checkpoint and an EngineConfig: the model on its
+backend's op set and device (checked by the batch-invariance probes), and the memory it decodes
+into (the KV cache and its block pool). Engine.__init__ composes the two; a backend with a
+runner of its own would provide its own load_model.
+"""
+import ctypes
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from tensorfold.backends import backend_ops
+from tensorfold.engine.block_pool import BlockPool
+from tensorfold.engine.probes import probe_ops
+from tensorfold.models.forward_batch import KVCache
+from tensorfold.models.loader import build_model, load_checkpoint
+from tensorfold.models.tokenizer import Tokenizer
+
+log = logging.getLogger("tensorfold.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    checkpoint: object
+    tokenizer: Tokenizer
+    model: object
+    device: torch.device
+    config: object                # the EngineConfig to serve with (narrowed if the probes failed)
+    probe_failures: list[str]
+
+
+@dataclass
+class Memory:
+    context_length: int           # the served window
+    pool: BlockPool
+    cache: KVCache
+
+
+def load_model(model_path: str | None, config) -> LoadedModel:
+    checkpoint = load_checkpoint(model_path)
+    tokenizer = Tokenizer.from_checkpoint(checkpoint)
+    device = torch.device(config.device or config.backend)
+    model = build_model(checkpoint, DTYPES[config.dtype], backend_ops(config.backend), device)
+    checkpoint.tensors = {}  # the model holds its own (converted) copies
+    _return_freed_heap()     # the dequantization's scratch (~0.4 GiB for the default model)
+    failures = probe_ops(model, model.ops) if config.probe else []
+    if failures:
+        # Without a batch-invariant forward, batching, chunking and drafting could change a
+        # reply: serve one request at a time, whole prompts, no drafts.
+        log.error("EXACT MODE REFUSED: batch-invariance probes failed on this machine: %s. "
+                  "Serving one request at a time without drafts.", "; ".join(failures))
+        config = replace(config, max_num_seqs=1, drafting=False, max_tokens_per_step=1 << 30)
+    return LoadedModel(checkpoint, tokenizer, model, device, config, failures)
+
+
+def allocate_memory(config, args, device: torch.device) -> Memory:
+    """The KV cache within --kv-cache-gib (at least one full window), and its block pool."""
+    context_length = min(config.context or args.max_position, args.max_position)
+    per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[config.dtype])
+    budget = int(config.kv_cache_gib * 2**30) // (per_token * config.block_size)
+    num_blocks = max(budget, -(-context_length // config.block_size))
+    cached = None if config.prompt_cache_gib is None else int(
+        config.prompt_cache_gib * 2**30 // (per_token * config.block_size))
+    pool = BlockPool(num_blocks, config.block_size, max_cached_blocks=cached)
+    cache = KVCache.allocate(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim,
+                             DTYPES[config.dtype], device)
+    return Memory(context_length, pool, cache)
+
+
+def _return_freed_heap() -> None:
+    """Give glibc's freed heap back to the OS (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
