@@ -1,0 +1,135 @@
+"""The exact quantized GEMM's torch reference (kernels/quant_gemm.py), which the C++ and Triton
+kernels will have to equal bitwise, checked against:
+- a spelled-out oracle in Python integers, step by step from the module docstring (bitwise);
+- its own invariances: a row alone equals the row among others, and shuffling the K blocks (the
+  same way in x and w) changes no bit, since every sum is an exact integer sum;
+- GGUF's meaning of the blocks (QuantWeight.dequantize equals the gguf-package-checked
+  dequantizer on the same bytes) and the float64 product of the dequantized weights, within the
+  activation quantization's error."""
+import math
+import random
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from tensorfold.kernels import quant_gemm as qg
+from tensorfold.models import gguf_quants
+
+
+def random_weight(rng: torch.Generator, kind: str, n: int, k: int) -> qg.QuantWeight:
+    if kind == "q8_0":
+        codes = torch.randint(-127, 128, (n, k), generator=rng, dtype=torch.int8)
+    else:
+        codes = torch.randint(0, 16, (n, k), generator=rng, dtype=torch.uint8)
+    # scales over several binades, a zero and a subnormal among them
+    d = (torch.rand(n, k // 32, generator=rng) * 2.0 ** torch.randint(-14, 2, (n, k // 32), generator=rng)).half()
+    d[0, 0] = 0.0
+    d[-1, -1] = 2.0 ** -20
+    m = -(torch.rand(n, k // 32, generator=rng) * 0.5).half() if kind == "q4_1" else None
+    return qg.QuantWeight(kind, codes, d, m)
+
+
+def random_x(rng: torch.Generator, m: int, k: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=rng) * 2.0 ** torch.randint(-6, 6, (m, 1), generator=rng)
+    x[0, :32] = 0.0                     # an all-zero block
+    x[-1, 5] = 1e4                      # an outlier
+    return x
+
+
+def oracle(x: torch.Tensor, w: qg.QuantWeight) -> list[list[float]]:
+    """Steps 1-5 of the module docstring in plain Python integers."""
+    n, kdim = w.shape
+    nb = kdim // 32
+    out = []
+    for row in x.float().tolist():
+        xq, ks = [], []
+        for b in range(nb):
+            block = row[32 * b:32 * (b + 1)]
+            amax = max(abs(v) for v in block)
+            e = math.floor(math.log2(amax)) if amax > 0 else -127
+            xq += [max(-127, min(127, round(v * 2.0 ** (6 - e)))) for v in block]  # round(): half to even
+            ks.append(e - 6)
+        line = []
+        for j in range(n):
+            terms = []
+            for b in range(nb):
+                c = w.codes[j, 32 * b:32 * (b + 1)].tolist()
+                q = xq[32 * b:32 * (b + 1)]
+                offset = 8 if w.kind == "q4_0" else 0
+                a = sum((ci - offset) * qi for ci, qi in zip(c, q))
+                dm, de = frexp16(float(w.d[j, b]))
+                terms.append((dm * a, de + ks[b]))
+                if w.kind == "q4_1":
+                    mm, me = frexp16(float(w.m[j, b]))
+                    terms.append((mm * sum(q), me + ks[b]))
+            g = max(s for _, s in terms) + 31 - 62 + math.ceil(math.log2(len(terms)))
+            total = sum(shift_round(i, s - g) for i, s in terms)
+            line.append(float(torch.tensor(float(total) * 2.0 ** g, dtype=torch.float32)))
+        out.append(line)
+    return out
+
+
+def frexp16(h: float) -> tuple[int, int]:
+    """h (a float16 value) = dm 2^de with dm the 11-bit significand."""
+    if h == 0:
+        return 0, -24
+    e = max(math.floor(math.log2(abs(h))), -14)
+    de = e - 10
+    return int(h / 2.0 ** de), de
+
+
+def shift_round(i: int, s: int) -> int:
+    if s >= 0:
+        return i << s
+    q, r = divmod(i, 1 << -s)
+    half = 1 << (-s - 1)
+    return q + (1 if r > half or (r == half and q & 1) else 0)
+
+
+@pytest.mark.parametrize("kind", qg.TYPES)
+def test_reference_equals_the_integer_oracle(kind):
+    rng = torch.Generator().manual_seed(1)
+    w = random_weight(rng, kind, 5, 96)
+    x = random_x(rng, 3, 96)
+    assert qg.linear(x, w).tolist() == oracle(x, w)
+
+
+@pytest.mark.parametrize("kind", qg.TYPES)
+def test_rows_alone_and_block_order_change_no_bit(kind):
+    rng = torch.Generator().manual_seed(2)
+    w = random_weight(rng, kind, 16, 256)
+    x = random_x(rng, 9, 256)
+    y = qg.linear(x, w)
+    for i in range(x.shape[0]):
+        assert torch.equal(qg.linear(x[i:i + 1], w), y[i:i + 1])
+    order = list(range(256 // 32))
+    random.Random(3).shuffle(order)
+    cols = torch.cat([torch.arange(32 * b, 32 * b + 32) for b in order])
+    shuffled = qg.QuantWeight(kind, w.codes[:, cols], w.d[:, order], w.m[:, order] if w.m is not None else None)
+    assert torch.equal(qg.linear(x[:, cols], shuffled), y)
+
+
+@pytest.mark.parametrize("kind,qtype", [("q8_0", QType.Q8_0), ("q4_0", QType.Q4_0), ("q4_1", QType.Q4_1)])
+def test_blocks_mean_what_gguf_says_and_the_product_is_close(kind, qtype):
+    rng = torch.Generator().manual_seed(4)
+    w = random_weight(rng, kind, 12, 128)
+    assert torch.equal(w.dequantize(), gguf_quants.dequantize(gguf_bytes(w), qtype, w.shape))
+    x = torch.randn(4, 128, generator=rng)
+    exact = x.double() @ w.dequantize().double().T
+    got = qg.linear(x, w).double()
+    # 7-bit activations: each block's error is at most half a step of 2^k, times the block's |w|
+    bound = (w.dequantize().double().abs() @ (x.abs().double() * 2.0 ** -6).T).T
+    assert bool(((got - exact).abs() <= bound + 1e-6).all())
+
+
+def gguf_bytes(w: qg.QuantWeight) -> torch.Tensor:
+    """The GGUF encoding of w's blocks (a packed byte j holds weight j low, weight j + 16 high)."""
+    n, k = w.shape
+    d = w.d.reshape(-1, 1).view(torch.uint8)
+    if w.kind == "q8_0":
+        return torch.cat([d, w.codes.reshape(-1, 32).view(torch.uint8)], dim=1).reshape(-1)
+    codes = w.codes.reshape(-1, 32)
+    packed = (codes[:, :16] | (codes[:, 16:] << 4)).to(torch.uint8)
+    head = [d] if w.kind == "q4_0" else [d, w.m.reshape(-1, 1).view(torch.uint8)]
+    return torch.cat([*head, packed], dim=1).reshape(-1)
