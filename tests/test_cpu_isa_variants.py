@@ -57,6 +57,14 @@ for dtype in (torch.float32, torch.bfloat16):
     got = cpu.paged_attention(q, k_cache, v_cache, torch.arange(100), table[None], torch.tensor([0, 100]), 0.125, 0)
     want = attention_ref.paged_attention_ref(q, k_cache, v_cache, torch.arange(100), table, 0.125)
     assert torch.equal(got, want), "attention"
+    from tensorfold.kernels import quant_gemm
+    for kind in quant_gemm.TYPES:
+        codes = (torch.randint(-127, 128, (24, 96), generator=g, dtype=torch.int8) if kind == "q8_0"
+                 else torch.randint(0, 16, (24, 96), generator=g, dtype=torch.uint8))
+        w = quant_gemm.QuantWeight(kind, codes, (torch.rand(24, 3, generator=g) * 0.05).half(),
+                                   (-torch.rand(24, 3, generator=g)).half() if kind == "q4_1" else None)
+        x = torch.randn(3, 96, generator=g).to(dtype)
+        assert torch.equal(cpu.quant_linear(x, w.codes, w.d, w.m, kind), quant_gemm.linear(x, w)), kind
 print("bitwise")
 """
 

@@ -304,3 +304,21 @@ def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dt
         rows = slice(starts[i], starts[i + 1])
         want = attention_ref.paged_attention_ref(q[rows], k_cache, v_cache, positions[rows], table, 0.125, window)
         assert_bitwise(got[rows], want, draw, f"sequence {i}")
+
+
+# ---- the exact quantized GEMM (kernels/quant_gemm.py) ------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (5, 16, 32), (19, 45, 576)])
+def test_quant_linear_equals_its_reference(draw, threads, dtype, kind, rows, n, k):
+    from test_quant_gemm import random_weight, random_x
+
+    from tensorfold.kernels import quant_gemm
+
+    w = random_weight(draw.gen, kind, n, k)
+    x = random_x(draw.gen, rows, k).to(dtype)
+    want = quant_gemm.linear(x, w)
+    got = _cpu.quant_linear(x, w.codes, w.d, w.m, kind, out=poisoned(want))
+    assert_bitwise(got, want, draw, f"{kind} x [{rows}, {k}]")
+    assert_bitwise(_cpu.quant_linear(x[-1:], w.codes, w.d, w.m, kind), want[-1:], draw, "the last row alone")

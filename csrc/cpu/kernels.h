@@ -15,6 +15,12 @@ int64_t packed_numel(int64_t N, int64_t K);
 void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K);
 void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads);
 
+// The exact quantized GEMM (kernels/quant_gemm.py): x [M, K] against GGUF blocks of 32 of
+// w [N, K]: `codes` one byte per weight (kind 0 q8_0: int8; 1 q4_0, 2 q4_1: uint8 0..15), `d`
+// [N, K / 32] float16 bits, `m` the q4_1 minimums (else null). out [M, N] in x's dtype.
+void quant_linear(int dtype, int kind, const void* x, const void* codes, const uint16_t* d, const uint16_t* m,
+                  void* out, int64_t M, int64_t N, int64_t K, int threads);
+
 // Row-wise ops over `rows` vectors of `width` elements.
 // rms_norm: out = norm(x) * weight; with `residual` (may be null), h = residual + x is written to
 // `h_out` first and normalized. Strides are in elements, between rows.

@@ -51,6 +51,31 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
   return linear_packed(x, pack_weight(weight), weight.size(0), weight.size(1), out);
 }
 
+// kernels/quant_gemm.linear: kind "q8_0" | "q4_0" | "q4_1"; codes [N, K] int8 (q8_0) or uint8,
+// d and m [N, K / 32] float16 (m only for q4_1).
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+                           const c10::optional<torch::Tensor>& m, const std::string& kind, const Out& out_arg) {
+  check_cpu(x, "quant_linear: x");
+  const int code = dtype_code(x, "quant_linear");
+  const int k = kind == "q8_0" ? 0 : kind == "q4_0" ? 1 : kind == "q4_1" ? 2 : -1;
+  TORCH_CHECK(k >= 0, "quant_linear: kind must be q8_0, q4_0 or q4_1, got ", kind);
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) && x.size(1) % 32 == 0,
+              "quant_linear: x [M, K] and codes [N, K] with K a multiple of 32 expected");
+  TORCH_CHECK(codes.scalar_type() == (k == 0 ? torch::kInt8 : torch::kUInt8), "quant_linear: codes dtype");
+  const int64_t n = codes.size(0), blocks = x.size(1) / 32;
+  TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.numel() == n * blocks, "quant_linear: d [N, K / 32] float16");
+  TORCH_CHECK((k == 2) == (m.has_value() && m->defined()), "quant_linear: m is given for q4_1 only");
+  if (k == 2) TORCH_CHECK(m->scalar_type() == torch::kFloat16 && m->numel() == n * blocks, "quant_linear: m");
+  auto xc = x.contiguous(), cc = codes.contiguous(), dc = d.contiguous();
+  torch::Tensor mc = k == 2 ? m->contiguous() : torch::Tensor();
+  auto out = output(out_arg, {x.size(0), n}, x, "quant_linear");
+  if (out.numel() > 0)
+    tf::quant_linear(code, k, xc.data_ptr(), cc.data_ptr(), reinterpret_cast<const uint16_t*>(dc.data_ptr()),
+                     k == 2 ? reinterpret_cast<const uint16_t*>(mc.data_ptr()) : nullptr, out.data_ptr(), x.size(0),
+                     n, x.size(1), threads());
+  return out;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_impl(const torch::Tensor& x, const Out& residual,
                                                            const torch::Tensor& weight, double eps, const Out& out_arg) {
   check_cpu(x, "rms_norm: x");
@@ -285,6 +310,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto out = py::arg("out") = py::none();
   m.def("linear", &linear, "x [M, K] @ weight[N, K]^T, each output summed in one order fixed by K",
         py::arg("x"), py::arg("weight"), out);
+  m.def("quant_linear", &quant_linear, "kernels/quant_gemm.linear: x against GGUF blocks, exact",
+        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("kind"), out);
   m.def("pack_weight", &pack_weight, "weight [N, K] in the GEMM's tile layout (1-D)", py::arg("weight"));
   m.def("linear_packed", &linear_packed, "linear with a weight from pack_weight, of shape [n, k]", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("k"), out);

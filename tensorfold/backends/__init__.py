@@ -51,6 +51,8 @@ def select_backend(requested: str) -> str:
 
 def native_problem() -> str | None:
     """Why the C++ cpu kernels cannot run here, or None when they can."""
+    import torch  # noqa: F401 (the extension links against torch's libraries: load them first)
+
     try:
         from tensorfold import _cpu  # noqa: F401
     except ImportError as e:
