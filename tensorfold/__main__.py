@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     except CardError as e:
         log.error("%s", e)
         return 2
+    if server.service.grammars.available():
+        server.service.grammars.warm()  # xgrammar and its tokenizer table, loaded off the serving thread
     host, port = server.address
     names = server.service.model_names
     log.info("backend %s; serving %s at http://%s:%d/v1 (window %d tokens)", backend, ", ".join(names),

@@ -121,8 +121,6 @@ class Service:
         think = self.card.think if self.card is not None else None
         ids = (tok.token_to_id(think.open), tok.token_to_id(think.close)) if think else (None, None)
         self.think_ids = ids if None not in ids else None  # the markers as single tokens, if they are
-        if GrammarCompiler.available():
-            self.grammars.warm()  # xgrammar and the tokenizer table, loaded off the serving thread
 
     # -- routes -----------------------------------------------------------------------------
 
