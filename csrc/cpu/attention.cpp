@@ -154,14 +154,19 @@ void prepare(ItemState& s, const T* q, int64_t d, const int64_t* positions, int6
 
 // The rows of keys [c0, c0 + n) for the item's KV heads, from `base` (the K or V cache), as
 // float64 [head][key][d]; each key's rows of all the heads are one contiguous run, and the next
-// chunk's runs (up to k_end) are asked for while this one is converted. `each(hh, j, row)` sees
-// every row in its cache dtype.
+// chunk's runs (up to k_end) are asked for while this one is converted, in `base` and, if given,
+// in `also` (the other cache, when the caller reads both). `each(hh, j, row)` sees every row in
+// its cache dtype.
 template <typename T, typename Each>
-void load_chunk(const ItemState& s, const Cache<T>& c, const T* base, int64_t c0, int64_t n, int64_t k_end,
-                double* out, Each each) {
+void load_chunk(const ItemState& s, const Cache<T>& c, const T* base, const T* also, int64_t c0, int64_t n,
+                int64_t k_end, double* out, Each each) {
   const int64_t d = c.head_dim, run = s.heads() * d * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < n; ++j) {
-    if (c0 + KEY_CHUNK + j < k_end) prefetch_row(base + c.offset(s.table, c0 + KEY_CHUNK + j, s.h0), run);
+    if (c0 + KEY_CHUNK + j < k_end) {
+      const int64_t ahead = c.offset(s.table, c0 + KEY_CHUNK + j, s.h0);
+      prefetch_row(base + ahead, run);
+      if (also != nullptr) prefetch_row(also + ahead, run);
+    }
     const T* row = base + c.offset(s.table, c0 + j, s.h0);
     for (int64_t hh = 0; hh < s.heads(); ++hh) {
       row_to_f64(row + hh * d, out + (hh * KEY_CHUNK + j) * d, d);
@@ -180,10 +185,7 @@ void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t 
   double* kf = t.rows.data();
   for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
     const int64_t n = std::min(KEY_CHUNK, k1 - c0);
-    if (c0 + KEY_CHUNK < k1)
-      for (int64_t j = 0; j < std::min(KEY_CHUNK, k1 - c0 - KEY_CHUNK); ++j)
-        prefetch_row(c.v + c.offset(s.table, c0 + KEY_CHUNK + j, s.h0), s.heads() * d * static_cast<int64_t>(sizeof(T)));
-    load_chunk(s, c, c.k, c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {
+    load_chunk(s, c, c.k, c.v, c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {  // V for its exponents
       s.v_exp[hh * s.keys + c0 - s.first + j] = exponent(max_abs(c.v + (k_row - c.k), d));
     });
     for (int64_t hh = 0; hh < s.heads(); ++hh)  // a short chunk's last eight: their dots are not used
@@ -241,7 +243,7 @@ void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t sp
       std::fill(t.num_part.begin(), t.num_part.end(), 0.0);
     }
     std::fill(t.scales.begin(), t.scales.end(), 1.0);  // past the keys p = 0, so w = 0
-    load_chunk(s, c, c.v, c0, n, k1, vf, [&](int64_t hh, int64_t j, const T*) {
+    load_chunk(s, c, c.v, static_cast<const T*>(nullptr), c0, n, k1, vf, [&](int64_t hh, int64_t j, const T*) {
       const int e = s.v_exp[hh * s.keys + c0 - s.first + j];
       t.scales[(hh * 2) * KEY_CHUNK + j] = pow2(e);
       t.scales[(hh * 2 + 1) * KEY_CHUNK + j] = pow2(V_BITS - 1 - e);

@@ -116,21 +116,16 @@ void quant_linear_impl(const T* x, const C* codes, const uint16_t* d, const uint
 void quant_linear(int dtype, int kind, const void* x, const void* codes, const uint16_t* d, const uint16_t* m,
                   void* out, int64_t M, int64_t N, int64_t K, int threads) {
   const int offset = kind == 1 ? 8 : 0;  // q4_0 codes are q - 8
-  if (dtype == 0) {
+  auto run = [&](auto* x_typed, auto* out_typed) {
     if (kind == 0)
-      quant_linear_impl(static_cast<const float*>(x), static_cast<const int8_t*>(codes), d, m,
-                        static_cast<float*>(out), M, N, K, offset, threads);
+      quant_linear_impl(x_typed, static_cast<const int8_t*>(codes), d, m, out_typed, M, N, K, offset, threads);
     else
-      quant_linear_impl(static_cast<const float*>(x), static_cast<const uint8_t*>(codes), d, m,
-                        static_cast<float*>(out), M, N, K, offset, threads);
-  } else {
-    if (kind == 0)
-      quant_linear_impl(static_cast<const bf16*>(x), static_cast<const int8_t*>(codes), d, m,
-                        static_cast<bf16*>(out), M, N, K, offset, threads);
-    else
-      quant_linear_impl(static_cast<const bf16*>(x), static_cast<const uint8_t*>(codes), d, m,
-                        static_cast<bf16*>(out), M, N, K, offset, threads);
-  }
+      quant_linear_impl(x_typed, static_cast<const uint8_t*>(codes), d, m, out_typed, M, N, K, offset, threads);
+  };
+  if (dtype == 0)
+    run(static_cast<const float*>(x), static_cast<float*>(out));
+  else
+    run(static_cast<const bf16*>(x), static_cast<bf16*>(out));
 }
 
 }  // namespace tf

@@ -61,6 +61,10 @@ class Latencies:
         if num_tokens:
             self._last[req_id] = now
 
+    def forget(self, req_id: str) -> None:
+        """A request that ends without a finished reply (cancelled, failed)."""
+        self._last.pop(req_id, None)
+
     def finished(self, req) -> None:
         s = req.stats
         now = time.perf_counter()

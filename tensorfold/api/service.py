@@ -53,7 +53,6 @@ class Reply:
     fmt: replies.ReplyFormat
     sink: EventStream | DeferredResponse
     parser: ReplyParser
-    thinking: bool = False
 
 
 @dataclass
@@ -121,6 +120,9 @@ class Service:
         think = self.card.think if self.card is not None else None
         ids = (tok.token_to_id(think.open), tok.token_to_id(think.close)) if think else (None, None)
         self.think_ids = ids if None not in ids else None  # the markers as single tokens, if they are
+        # what a thinking budget writes at its cut: a newline, the close marker, a blank line
+        self.think_close_sequence = tok.encode("\n" + think.close + "\n\n", add_special_tokens=False) \
+            if self.think_ids else None
 
     # -- routes -----------------------------------------------------------------------------
 
@@ -295,6 +297,9 @@ class Service:
             return self._start(prepared, self._budget(prepared))
         if not GrammarCompiler.available():
             raise ApiError("structured output needs xgrammar on the server: pip install xgrammar", param=spec.field)
+        compiled = self.grammars.cached(spec)
+        if compiled is not None:  # no hop to the worker thread for a grammar already compiled
+            return self._start(prepared, self._constraint(prepared, compiled), 0.0)
         future = self.grammars.compile_async(spec)
         try:
             compiled, seconds = future.result(timeout=QUICK_COMPILE_S)
@@ -341,7 +346,7 @@ class Service:
         else:
             sink = sink or DeferredResponse()
         sink.on_disconnect = lambda: self._cancel(req_id)
-        self.replies[req_id] = Reply(fmt, sink, p.parser, p.thinking)
+        self.replies[req_id] = Reply(fmt, sink, p.parser)
         return sink
 
     def _constraint(self, p: Prepared, compiled):
@@ -360,8 +365,7 @@ class Service:
         budget = p.greq.thinking_budget or self.thinking_budget
         if not budget or self.think_ids is None or p.greq.kind != "chat":
             return None
-        close = self.engine.tokenizer.encode("\n" + self.card.think.close + "\n\n", add_special_tokens=False)
-        return ThinkingBudget(budget, *self.think_ids, close, p.thinking)
+        return ThinkingBudget(budget, *self.think_ids, self.think_close_sequence, p.thinking)
 
     def _start_compiled(self) -> None:
         """Start the requests whose grammar finished compiling (or answer them with a 400)."""
@@ -444,6 +448,7 @@ class Service:
         return SamplingParams(**{**params.__dict__, "max_tokens": min(default, room)})
 
     def _cancel(self, req_id: str) -> None:
+        self.latencies.forget(req_id)
         reply = self.replies.pop(req_id, None)
         req = self.engine.requests.get(req_id)
         if req is not None:
@@ -476,6 +481,7 @@ class Service:
         if reply is None:
             return
         if out.finish_reason == "error":  # this request only: its grammar or a replay failed
+            self.latencies.forget(out.req_id)
             self.replies.pop(out.req_id, None)
             self.counters.add_finished(out.request)
             _send_error(reply, f"generation failed: {out.request.error or 'a replayed token differed'}")
@@ -524,6 +530,7 @@ class Service:
     def _fail_running(self, error: Exception) -> None:
         message = f"generation failed: {type(error).__name__}: {error}"
         for req_id in self.engine.running_ids():
+            self.latencies.forget(req_id)
             reply = self.replies.pop(req_id, None)
             self.counters.add_finished(self.engine.requests[req_id])  # keeps completion_tokens_total from going back
             self.engine.abort(req_id)

@@ -49,10 +49,14 @@ class GrammarConstraint(RowConstraint):
         return tokens
 
     def _follow(self, tokens: list[int]) -> None:
-        common = 0
-        limit = min(len(tokens), len(self._path))
-        while common < limit and tokens[common] == self._path[common]:
-            common += 1
+        n = len(self._path)
+        if len(tokens) >= n and tokens[:n] == self._path:  # the usual case: the path only grew
+            common = n
+        else:
+            common = 0
+            limit = min(len(tokens), n)
+            while common < limit and tokens[common] == self._path[common]:
+                common += 1
         if common < len(self._path):
             self._matcher.rollback(len(self._path) - common)
             del self._path[common:]
