@@ -2,22 +2,27 @@
 summed so that no order is left to depend on. It defines the bits; the C++ and Triton kernels
 that follow it must equal it bitwise (this module is their oracle).
 
-Weights stay in their GGUF blocks of 32 (QuantWeight: Q8_0, Q4_0 or Q4_1 codes and float16
-scales). The arithmetic, per output y[m, n] = sum_k x[m, k] w[n, k]:
+Every GGUF block type the project keeps is brought to one form (QuantWeight): per weight a small
+signed integer code c, per sub-block of 32 (16 for q6_k) an integer scale S, per block of 32 an
+exponent E, and for the types with a minimum an integer M and exponent F per block of 32, so that
+a weight is w = S c 2^E (+ M 2^F). Both S 2^E and M 2^F are the file's own float16 scales
+(times the K-quants' 6- or 8-bit sub-block scales), exactly. The arithmetic, per output
+y[r, n] = sum_k x[r, k] w[n, k]:
 
 1. Activations, per row and block of 32 (row-local, deterministic): e = exponent(max |x|) (the
    project's exponent: floor(log2) from the float bits, -127 for zero), xq = round_even(x 2^(6-e))
-   clamped to [-127, 127] (int8: |xq| < 2^7), so x ~ xq 2^k with k = e - 6; and xsum = sum xq.
-2. A weight scale d (float16) is dm 2^de with dm its integer significand (< 2^11) (zero: dm = 0).
-3. Per block b, an integer dot A = sum_i c_i xq_i of the block's codes (Q8_0: q; Q4_0: q - 8;
-   Q4_1: q) -- |A| < 2^19 -- and the block's terms, each an integer I times a power of two:
-   dm A 2^(de + k), and for Q4_1 also mm xsum 2^(me + k). Every |I| < 2^31.
-4. The terms of one output are summed on one integer grid 2^g: mu = max over its terms of
-   (exponent + 31), an upper bound of every |term|, and g = mu - 62 + ceil(log2(#terms)), so the
-   whole sum stays below 2^62. A term is I shifted to that grid, rounded half to even where the
-   shift drops bits (it keeps at least 2^-52 of the largest possible term: far past float32).
-   The int64 sum is exact in any order.
-5. y = float32(float64(total) 2^g), then the output dtype: two roundings, the same everywhere.
+   clamped to [-127, 127] (int8), so x ~ xq 2^k with k = e - 6; and xsum = sum xq.
+2. Per block b an integer dot for each sub-block h, A[b, h] = sum c xq, and the block's terms,
+   each an integer I times a power of two: (sum_h S[b, h] A[b, h]) 2^(E[b] + k[b]), and with a
+   minimum also M[b] xsum[b] 2^(F[b] + k[b]). Every |I| < 2^T, T the type's TERM_BITS.
+3. The terms of one output are summed on one integer grid 2^g, g = top[n] + kmax[r] + T - 62 +
+   ceil(log2(#terms)), where top[n] is the largest E or F of weight row n and kmax[r] the largest
+   k of activation row r: every term is below 2^(top + kmax + T), so the whole sum stays below
+   2^62. Both maxima are per row of one operand, so a kernel knows g before it sees a block. A
+   term is I shifted to that grid, rounded half to even where the shift drops bits (the grid
+   keeps ~50 bits below the largest possible term: far past float32). The int64 sum is exact in
+   any order.
+4. y = float32(float64(total) 2^g), then the output dtype: two roundings, the same everywhere.
 
 So a row's result does not depend on the other rows, the tiling, split-K, threads or device:
 every step is integer arithmetic or a fixed rounding of one value.
@@ -31,33 +36,99 @@ from tensorfold.kernels.exact import exponent, pow2
 
 BLOCK = 32
 X_BITS = 7            # |xq| < 2^X_BITS
-TERM_BITS = 31        # |I| < 2^TERM_BITS for every block term
-TYPES = ("q8_0", "q4_0", "q4_1")
+ROW_CHUNK = 8
+
+
+@dataclass(frozen=True)
+class Kind:
+    sub: int          # weights per scale S: 32, or 16 (q6_k)
+    term_bits: int    # T: every block term's |I| < 2^T
+    has_min: bool     # w = S c 2^E + M 2^F
+    code_bits: int    # codes as stored: q8_0 8 (signed), q4_* 4, q5_k 5, q6_k 6
+
+
+# Term bounds: |S| < 2^11 (a float16 significand) times the K-quants' sub-block scale (6 bits, or
+# 8 signed for q6_k); |A| <= 32 max|c| 127. q8_0: 2^11 * 128*127*32 < 2^31; q4_k: 2^17 * 15*127*32
+# < 2^33; q5_k: 2^17 * 31*127*32 < 2^34; q6_k: two halves of 2^18 * 32*127*16 < 2^35.
+KINDS = {
+    "q8_0": Kind(32, 31, False, 8),
+    "q4_0": Kind(32, 31, False, 4),
+    "q4_1": Kind(32, 31, True, 4),
+    "q4_k": Kind(32, 33, True, 4),
+    "q5_k": Kind(32, 34, True, 5),
+    "q6_k": Kind(16, 35, False, 6),
+}
+TYPES = tuple(KINDS)
 
 
 @dataclass
 class QuantWeight:
-    """A [N, K] matrix kept in GGUF blocks of 32: codes [N, K] (int8 for q8_0, uint8 0..15 for
-    q4_0/q4_1, unpacked here; kernels pack them), scales d [N, K / 32] float16, and for q4_1 the
-    minimums m [N, K / 32] float16."""
+    """A [N, K] matrix in blocks: codes [N, K] int8 (the signed c: q4_0's q - 8, q6_k's q - 32),
+    scale [N, K / sub] int32 (S), scale_exp [N, K / 32] int32 (E), and for the types with a
+    minimum min [N, K / 32] int32 (M) and min_exp [N, K / 32] int32 (F)."""
     kind: str
     codes: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None = None
+    scale: torch.Tensor
+    scale_exp: torch.Tensor
+    min: torch.Tensor | None = None
+    min_exp: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weights the blocks stand for (what --dtype float32 serves)."""
-        n, k = self.shape
-        d = self.d.float().repeat_interleave(BLOCK, dim=1)
-        codes = self.codes.float() - (8.0 if self.kind == "q4_0" else 0.0)
-        w = codes * d
-        if self.kind == "q4_1":
-            w = w + self.m.float().repeat_interleave(BLOCK, dim=1)
+        """The float32 weights the blocks stand for, as gguf computes them: S c 2^E (exact in
+        float32), plus M 2^F (exact) in one float32 add."""
+        sub = KINDS[self.kind].sub
+        w = self.codes.double() * self.scale.double().repeat_interleave(sub, dim=1)
+        w = (w * pow2(self.scale_exp.repeat_interleave(BLOCK, dim=1))).float()
+        if self.min is not None:
+            w = w + (self.min.double() * pow2(self.min_exp)).float().repeat_interleave(BLOCK, dim=1)
         return w
+
+    def rows(self, ids: torch.Tensor) -> "QuantWeight":
+        """The weight rows `ids` (an embedding lookup: rows(ids).dequantize())."""
+        pick = (lambda t: None if t is None else t[ids])
+        return QuantWeight(self.kind, self.codes[ids], self.scale[ids], self.scale_exp[ids], pick(self.min),
+                           pick(self.min_exp))
+
+    def top(self) -> torch.Tensor:
+        """top[n]: the largest exponent of weight row n's terms (step 3)."""
+        t = self.scale_exp.amax(dim=1)
+        return t if self.min_exp is None else torch.maximum(t, self.min_exp.amax(dim=1))
+
+
+def cat(parts: list[QuantWeight]) -> QuantWeight:
+    """Weights stacked along N (fused Q/K/V, gate/up); all parts of one type."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot stack blocks of different types {sorted(kinds)}")
+    both = (lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts]))
+    return QuantWeight(parts[0].kind, *(both(f) for f in ("codes", "scale", "scale_exp", "min", "min_exp")))
+
+
+def significand(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 h -> (dm, de) int32 with h == dm 2^de exactly, |dm| < 2^11 (zero: dm = 0, de = -24)."""
+    bits = h.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    sign = torch.where(bits >> 15 == 1, -1, 1)
+    exp = (bits >> 10) & 0x1F
+    frac = bits & 0x3FF
+    normal = exp > 0
+    dm = torch.where(normal, frac | 0x400, frac) * sign
+    de = torch.where(normal, exp - 25, torch.full_like(exp, -24))  # 2^(exp-15) * 2^-10; subnormal 2^-24
+    return dm.to(torch.int32), de.to(torch.int32)
+
+
+def from_legacy(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> QuantWeight:
+    """q8_0 / q4_0 / q4_1 blocks as GGUF stores them: q [N, K] (int8, or the 4-bit values 0..15),
+    d (and q4_1's m) [N, K / 32] float16."""
+    if kind not in ("q8_0", "q4_0", "q4_1"):
+        raise ValueError(f"not a 32-weight block type: {kind!r}")
+    codes = q.to(torch.int8) - (8 if kind == "q4_0" else 0)
+    dm, de = significand(d)
+    mm, me = significand(m) if kind == "q4_1" else (None, None)
+    return QuantWeight(kind, codes.to(torch.int8), dm, de, mm, me)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,50 +141,40 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq.to(torch.int8).reshape(m, kdim), (e - (X_BITS - 1)).to(torch.int32)
 
 
-def significand(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 h -> (dm, de) int64 with h == dm 2^de exactly, |dm| < 2^11 (zero: dm = 0)."""
-    bits = h.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    sign = torch.where(bits >> 15 == 1, -1, 1)
-    exp = (bits >> 10) & 0x1F
-    frac = bits & 0x3FF
-    normal = exp > 0
-    dm = torch.where(normal, frac | 0x400, frac) * sign
-    de = torch.where(normal, exp - 25, torch.full_like(exp, -24))  # 2^(exp-15) * 2^-10; subnormal 2^-24
-    return dm, de
-
-
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] @ w^T -> [M, N] in x's dtype, by the steps of the module docstring."""
-    if w.kind not in TYPES:
+    if w.kind not in KINDS:
         raise ValueError(f"unknown quantized type {w.kind!r}")
+    kind = KINDS[w.kind]
     n, kdim = w.shape
     if x.dim() != 2 or x.shape[1] != kdim or kdim % BLOCK:
         raise ValueError(f"x {tuple(x.shape)} against weights {w.shape} (K a multiple of {BLOCK})")
-    m, nb = x.shape[0], kdim // BLOCK
+    if x.shape[0] > ROW_CHUNK:  # rows are independent: chunks only bound the scratch memory
+        return torch.cat([linear(part, w) for part in x.split(ROW_CHUNK)])
+    m, nb, per = x.shape[0], kdim // BLOCK, BLOCK // kind.sub
     xq, k = quantize_activations(x)
-    xb = xq.double().reshape(m, nb, BLOCK)
-    codes = w.codes.double() - (8.0 if w.kind == "q4_0" else 0.0)
-    a = torch.einsum("mbi,nbi->mnb", xb, codes.reshape(n, nb, BLOCK)).to(torch.int64)  # exact: < 2^19
-    dm, de = significand(w.d)                                                           # [N, B]
-    ints = [dm.unsqueeze(0) * a]                                                        # [M, N, B]
-    exps = [de.unsqueeze(0) + k.to(torch.int64).unsqueeze(1)]
-    if w.kind == "q4_1":
-        mm, me = significand(w.m)
-        xsum = xb.sum(dim=-1).to(torch.int64)                                          # [M, B]
-        ints.append(mm.unsqueeze(0) * xsum.unsqueeze(1))
-        exps.append(me.unsqueeze(0) + k.to(torch.int64).unsqueeze(1))
-    ints, exps = torch.cat(ints, dim=-1), torch.cat(exps, dim=-1)                       # [M, N, T]
-    terms = ints.shape[-1]
-    g = exps.amax(dim=-1, keepdim=True) + TERM_BITS - 62 + math.ceil(math.log2(terms))
-    total = _on_grid(ints, exps - g).sum(dim=-1)                                        # exact int64
-    y = (total.double() * pow2(g.squeeze(-1))).float()
+    k = k.to(torch.int64)
+    xs = xq.double().reshape(m, nb * per, kind.sub)
+    a = torch.einsum("msi,nsi->mns", xs, w.codes.double().reshape(n, nb * per, kind.sub))      # exact: < 2^19
+    scaled = (a.to(torch.int64) * w.scale.to(torch.int64).unsqueeze(0)).reshape(m, n, nb, per).sum(-1)
+    ints = [scaled]                                                                           # [M, N, B]
+    exps = [w.scale_exp.to(torch.int64).unsqueeze(0) + k.unsqueeze(1)]
+    if kind.has_min:
+        xsum = xq.to(torch.int64).reshape(m, nb, BLOCK).sum(dim=-1)                          # [M, B]
+        ints.append(w.min.to(torch.int64).unsqueeze(0) * xsum.unsqueeze(1))
+        exps.append(w.min_exp.to(torch.int64).unsqueeze(0) + k.unsqueeze(1))
+    ints, exps = torch.cat(ints, dim=-1), torch.cat(exps, dim=-1)                             # [M, N, T]
+    top = w.top().to(torch.int64).unsqueeze(0) + k.amax(dim=1).unsqueeze(1)                  # [M, N]
+    g = top + kind.term_bits - 62 + math.ceil(math.log2(ints.shape[-1]))
+    total = _on_grid(ints, exps - g.unsqueeze(-1), kind.term_bits).sum(dim=-1)               # exact int64
+    y = (total.double() * pow2(g)).float()
     return y.to(x.dtype)
 
 
-def _on_grid(ints: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _on_grid(ints: torch.Tensor, shift: torch.Tensor, term_bits: int) -> torch.Tensor:
     """ints 2^shift as integers: a left shift, or a right shift rounded half to even."""
     up = shift.clamp(min=0)
-    down = (-shift).clamp(min=0, max=TERM_BITS + 1)  # past 2^32 every |int| < 2^31 rounds to 0
+    down = (-shift).clamp(min=0, max=term_bits + 1)  # past 2^(T+1) every |int| < 2^T rounds to 0
     floor = ints >> down
     rem = ints - (floor << down)
     half = torch.where(down > 0, torch.ones_like(down) << (down - 1).clamp(min=0), torch.zeros_like(down))
