@@ -14,16 +14,23 @@ What runs where, and why:
   so invariant as it stands).
 - sample (the engine's draw; Python ints back), verify, apply_token_bitmask: Triton keyed
   sampling and grammar-masked verification.
-- linear, silu_and_mul, pad_rows, rope_table: the torch reference ops on CUDA tensors, shared by
-  both op sets rather than mirrored. silu_and_mul is elementwise (invariant on a GPU as it is).
-  linear relies on cuBLAS after padding rows to 8, which is not a documented batch-invariance
-  guarantee on GPUs (cuBLAS may pick a split-K kernel by shape): the engine's startup probes
-  vouch for it on a given device; a fixed-tile Triton GEMM without split-K is the next kernel
-  (docs/kernels.md).
+- linear with a quantized weight (a QuantWeight from kernels/quant_gemm.py, packed once by
+  pack_weight): the Triton exact quantized GEMM (kernels/quant_gemm_triton.py: int8 activation
+  blocks, integer block dots, an int64 sum on a grid known before any block), bitwise
+  quant_gemm.linear for every kind, fixed tiles whatever M, so a row's bits never depend on the
+  batch; on CUDA tensors and, in tests, on CPU tensors under the interpreter alike.
+- linear with a dense weight, silu_and_mul, pad_rows, rope_table: the torch reference ops on CUDA
+  tensors, shared by both op sets rather than mirrored. silu_and_mul is elementwise (invariant on
+  a GPU as it is). Dense linear relies on cuBLAS after padding rows to 8, which is not a
+  documented batch-invariance guarantee on GPUs (cuBLAS may pick a split-K kernel by shape): the
+  engine's startup probes vouch for it on a given device; a fixed-tile Triton GEMM without
+  split-K is the next kernel (docs/kernels.md).
 """
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
+from tensorfold.kernels.quant_gemm import QuantWeight
+from tensorfold.kernels.quant_gemm_triton import PackedQuantWeight, pack_quant_weight, quant_linear
 from tensorfold.kernels.reference import linear_padded
 from tensorfold.kernels.reference import pad_rows, rope_table, silu_and_mul  # noqa: F401
 from tensorfold.kernels.rms_norm_triton import add_rms_norm, apply_rope, rms_norm, rms_norm_rope  # noqa: F401
@@ -34,8 +41,15 @@ NAME = "triton"
 
 
 def linear(x, weight, bias=None):
-    """cuBLAS with the rows padded to 8 on a GPU. On CPU tensors (the tests, under the Triton
-    interpreter) the cpu backend's GEMM, so the two op sets are compared on equal GEMMs."""
+    """x [M, K] @ weight^T (+ bias). A quantized weight (pack_weight's PackedQuantWeight, or a
+    QuantWeight, packed per call): the Triton quantized GEMM, on any device. A dense one: cuBLAS
+    with the rows padded to 8 on a GPU; on CPU tensors (the tests, under the Triton interpreter)
+    the cpu backend's GEMM, so the two op sets are compared on equal GEMMs."""
+    if isinstance(weight, QuantWeight):
+        weight = pack_quant_weight(weight)
+    if isinstance(weight, PackedQuantWeight):
+        out = quant_linear(x, weight)
+        return out if bias is None else out + bias
     if x.device.type != "cpu":
         return linear_padded(x, weight, bias)
     from tensorfold.backends import native_problem
@@ -46,7 +60,10 @@ def linear(x, weight, bias=None):
 
 
 def pack_weight(weight):
-    """GEMM weights stay as they are: cuBLAS takes them [N, K]."""
+    """A QuantWeight becomes the quantized GEMM's PackedQuantWeight (.shape (N, K), .kind), once
+    at load; dense GEMM weights stay as they are: cuBLAS takes them [N, K]."""
+    if isinstance(weight, QuantWeight):
+        return pack_quant_weight(weight)
     return weight
 
 

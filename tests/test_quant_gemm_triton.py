@@ -1,0 +1,233 @@
+"""The exact quantized GEMM in Triton (kernels/quant_gemm_triton.py) against its torch reference
+(kernels/quant_gemm.py's `linear`), bitwise, for every kind, and the cuda op set's wiring.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by kernel_inputs
+before anything imports triton) with tests/triton_interpreter.py's GPU semantics (its rounding
+fp32 -> bf16 cast; its sequential dot, exact on these int8 blocks); with a GPU the same tests
+run compiled on "cuda" and the reference on the CPU copies. Weights are random valid fields of
+each kind built directly (codes in the kind's stored range made signed, scales within the bounds
+above quant_gemm.KINDS, exponents -24..5 as float16 significands give, zero scales and minima
+among them); activations have rows and blocks over many binades, an all-zero block, an outlier.
+Outputs are NaN-filled before each launch, so an element the kernel forgot to write shows.
+"""
+import torch
+
+from kernel_inputs import DEVICE, NAN  # first: sets TRITON_INTERPRET without a GPU
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tensorfold.kernels import quant_gemm as qg  # noqa: E402
+from tensorfold.kernels import quant_gemm_triton as qt  # noqa: E402
+from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
+
+DTYPES = (torch.float32, torch.bfloat16)
+# signed codes as QuantWeight holds them: q8_0 int8 (-128 kept: the bound above KINDS allows it),
+# q4_0 q - 8, q4_1 / q4_k 0..15, q5_k 0..31, q6_k q - 32
+CODES = {"q8_0": (-128, 127), "q4_0": (-8, 7), "q4_1": (0, 15), "q4_k": (0, 15), "q5_k": (0, 31), "q6_k": (-32, 31)}
+# |S| bounds: a float16 significand (< 2^11), times a 6-bit sub-block scale (K-quants), or an
+# 8-bit signed one (q6_k)
+SCALE_BOUND = {"q8_0": 2 ** 11, "q4_0": 2 ** 11, "q4_1": 2 ** 11, "q4_k": 2 ** 11 * 63, "q5_k": 2 ** 11 * 63,
+               "q6_k": 2 ** 11 * 128}
+
+
+def random_weight(gen: torch.Generator, kind: str, n: int, k: int) -> qg.QuantWeight:
+    """Random valid fields of `kind`: every bound at its edge somewhere, zero scales and minima."""
+    spec = qg.KINDS[kind]
+    lo, hi = CODES[kind]
+    codes = torch.randint(lo, hi + 1, (n, k), generator=gen, dtype=torch.int8)
+    codes[0, :16] = lo                   # the codes' extremes
+    codes[-1, :16] = hi
+    bound = SCALE_BOUND[kind]
+
+    def ints(shape):
+        v = torch.randint(-bound + 1, bound, shape, generator=gen, dtype=torch.int32)
+        small = torch.rand(shape, generator=gen) < 0.3      # also small ones: a spread of term sizes
+        v = torch.where(small, v >> torch.randint(0, 16, shape, generator=gen, dtype=torch.int32), v)
+        v[torch.rand(shape, generator=gen) < 0.1] = 0        # zero scales
+        v.view(-1)[0] = bound - 1                            # the largest allowed
+        v.view(-1)[-1] = -(bound - 1)
+        return v
+
+    def exps(shape):
+        e = torch.randint(-24, 6, shape, generator=gen, dtype=torch.int32)
+        e.view(-1)[0] = 5
+        e.view(-1)[-1] = -24
+        return e
+
+    nb = k // 32
+    scale, scale_exp = ints((n, k // spec.sub)), exps((n, nb))
+    if not spec.has_min:
+        return qg.QuantWeight(kind, codes, scale, scale_exp)
+    return qg.QuantWeight(kind, codes, scale, scale_exp, ints((n, nb)), exps((n, nb)))
+
+
+def random_x(gen: torch.Generator, m: int, k: int, dtype) -> torch.Tensor:
+    """Rows over ~60 binades, blocks within a row over ~16 (so some terms round onto the grid),
+    an all-zero block, an outlier, and (from 3 rows) an all-zero row."""
+    row_scale = 2.0 ** torch.randint(-30, 31, (m, 1), generator=gen).double()
+    block_scale = 2.0 ** torch.randint(-8, 9, (m, k // 32), generator=gen).double().repeat_interleave(32, dim=1)
+    x = (torch.randn(m, k, generator=gen, dtype=torch.float64) * row_scale * block_scale).float()
+    x[0, :32] = 0.0
+    x[-1, 5] = 1e4 * x[-1].abs().max()
+    if m >= 3:
+        x[1] = 0.0
+    return x.to(dtype)
+
+
+def run(x: torch.Tensor, w: qg.QuantWeight) -> torch.Tensor:
+    """The Triton kernel on DEVICE into a NaN-filled output, back on the CPU."""
+    packed = qt.pack_quant_weight(_to(w, DEVICE))
+    out = torch.full((x.shape[0], w.shape[0]), NAN, dtype=x.dtype, device=DEVICE)
+    y = qt.quant_linear(x.to(DEVICE), packed, out=out)
+    assert y is out
+    return y.cpu()
+
+
+def _to(w: qg.QuantWeight, device) -> qg.QuantWeight:
+    move = (lambda t: None if t is None else t.to(device))
+    return qg.QuantWeight(w.kind, *(move(getattr(w, f)) for f in ("codes", "scale", "scale_exp", "min", "min_exp")))
+
+
+def same(y: torch.Tensor, ref: torch.Tensor, what: str):
+    assert y.dtype == ref.dtype and y.shape == ref.shape, what
+    diff = (y.float() != ref.float()) & ~(y.isnan() & ref.isnan())
+    assert torch.equal(y.view(torch.int16) if y.dtype == torch.bfloat16 else y.view(torch.int32),
+                       ref.view(torch.int16) if ref.dtype == torch.bfloat16 else ref.view(torch.int32)), \
+        f"{what}: {int(diff.sum())} of {y.numel()} differ, first at {diff.nonzero()[:3].tolist()}"
+
+
+@pytest.mark.parametrize("kind", qg.TYPES)
+def test_quantize_activations_kernel(kind, draw):
+    """Step 1 alone: xq and k as the reference's, xsum and kmax as their sums and maxima."""
+    x = random_x(draw.gen, 5, 160, torch.float32)
+    x[2, 40] = 2.0 ** -140                  # a subnormal block maximum (exponent -127)
+    x[3, 64:96] = 1.5 * 2.0 ** -127
+    xq, k, xsum, kmax = (t.cpu() for t in qt.quantize_activations(x.to(DEVICE)))
+    ref_xq, ref_k = qg.quantize_activations(x)
+    assert torch.equal(xq, ref_xq) and torch.equal(k, ref_k), str(draw)
+    assert torch.equal(xsum, ref_xq.to(torch.int32).reshape(5, 5, 32).sum(-1, dtype=torch.int32)), str(draw)
+    assert torch.equal(kmax, ref_k.amax(dim=1)), str(draw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
+@pytest.mark.parametrize("kind", qg.TYPES)
+@pytest.mark.parametrize("m", (1, 3, 17, 64))
+def test_bitwise_reference(kind, dtype, m, draw):
+    """Every kind, fp32 and bf16, M from 1 to 64 (one to four row tiles), N odd over two column
+    tiles, K = 192 (six blocks of 32): bitwise quant_gemm.linear."""
+    n, k = 67, 192
+    w = random_weight(draw.gen, kind, n, k)
+    x = random_x(draw.gen, m, k, dtype)
+    same(run(x, w), qg.linear(x, w), f"{kind} {dtype} M={m} {draw}")
+
+
+@pytest.mark.parametrize("kind", qg.TYPES)
+def test_row_alone_equals_row_among_others(kind, draw):
+    """A row's bits do not depend on how many rows share the call or where it sits among them."""
+    n, k = 37, 96
+    w = random_weight(draw.gen, kind, n, k)
+    row = random_x(draw.gen, 1, k, torch.bfloat16)
+    alone = run(row, w)
+    same(alone, qg.linear(row, w), f"{kind} alone {draw}")
+    for size in (2, 19, 64):
+        others = random_x(draw.gen, size, k, torch.bfloat16)
+        place = int(torch.randint(0, size, (1,), generator=draw.gen))
+        others[place] = row[0]
+        same(run(others, w)[place:place + 1], alone, f"{kind} row {place} of {size} {draw}")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy, past float32
+@pytest.mark.parametrize("kind", qg.TYPES)
+def test_extremes(kind, draw):
+    """All-zero activations; the tiniest scales (2^-24) against float32 subnormal and tiny
+    activations; huge activations against the largest scales (results past float32: inf); a row
+    with one tiny block beside a huge one (its terms round to zero on the grid)."""
+    n, k = 33, 128
+    w = random_weight(draw.gen, kind, n, k)
+    zero = torch.zeros(2, k)
+    same(run(zero, w), qg.linear(zero, w), f"{kind} zeros {draw}")
+
+    tiny_w = random_weight(draw.gen, kind, n, k)
+    tiny_w.scale_exp.fill_(-24)
+    tiny_w.scale.clamp_(-3, 3)
+    if tiny_w.min is not None:
+        tiny_w.min_exp.fill_(-24)
+        tiny_w.min.clamp_(-3, 3)
+    x = torch.randn(4, k, generator=draw.gen)
+    x[0] *= 2.0 ** -140                               # subnormal float32
+    x[1] *= 2.0 ** -120
+    x[2] *= 2.0 ** 120
+    x[3, :32] *= 2.0 ** 100                           # one huge block, the rest far below the grid
+    x[3, 32:] *= 2.0 ** -100
+    for weight in (w, tiny_w):
+        y = run(x, weight)
+        same(y, qg.linear(x, weight), f"{kind} extremes {draw}")
+    big = random_weight(draw.gen, kind, n, k)
+    big.scale_exp.fill_(5)
+    huge = torch.randn(2, k, generator=draw.gen) * 2.0 ** 126
+    y = run(huge, big)
+    assert y.isinf().any(), "expected results past float32's range"
+    same(y, qg.linear(huge, big), f"{kind} overflow {draw}")
+    same(run(huge.bfloat16(), big), qg.linear(huge.bfloat16(), big), f"{kind} overflow bf16 {draw}")
+
+
+def test_pack_refuses_malformed():
+    w = random_weight(torch.Generator().manual_seed(0), "q4_1", 3, 64)
+    with pytest.raises(ValueError, match="minimum"):
+        qt.pack_quant_weight(qg.QuantWeight("q4_1", w.codes, w.scale, w.scale_exp))
+    with pytest.raises(ValueError, match="unknown"):
+        qt.pack_quant_weight(qg.QuantWeight("q2_k", w.codes, w.scale, w.scale_exp))
+    with pytest.raises(ValueError, match="scales"):
+        qt.pack_quant_weight(qg.QuantWeight("q6_k", w.codes, w.scale, w.scale_exp))
+    with pytest.raises(ValueError, match="against"):
+        qt.quant_linear(torch.zeros(2, 32), qt.pack_quant_weight(w))
+
+
+def test_cuda_ops_wiring(draw):
+    """cuda_ops.pack_weight / linear take a QuantWeight to the Triton kernel (bias added in x's
+    dtype, as for dense weights); dense weights still take the dense path."""
+    from tensorfold.backends import cuda_ops
+    w = random_weight(draw.gen, "q6_k", 21, 64)
+    packed = cuda_ops.pack_weight(_to(w, DEVICE))
+    assert packed.shape == (21, 64) and packed.kind == "q6_k"
+    x = random_x(draw.gen, 3, 64, torch.bfloat16)
+    bias = torch.randn(21, generator=draw.gen).bfloat16()
+    same(cuda_ops.linear(x.to(DEVICE), packed).cpu(), qg.linear(x, w), f"no bias {draw}")
+    same(cuda_ops.linear(x.to(DEVICE), packed, bias.to(DEVICE)).cpu(), qg.linear(x, w) + bias, f"bias {draw}")
+    dense = torch.randn(21, 64, generator=draw.gen).to(DEVICE)
+    assert cuda_ops.pack_weight(dense) is dense
+    assert cuda_ops.linear(x.float().to(DEVICE), dense).shape == (3, 21)
+
+
+@triton.jit
+def _on_grid_kernel(ints_ptr, shift_ptr, out_ptr, COUNT: tl.constexpr, TERM_BITS: tl.constexpr):
+    i = tl.arange(0, COUNT)
+    tl.store(out_ptr + i, qt.on_grid(tl.load(ints_ptr + i), tl.load(shift_ptr + i), TERM_BITS))
+
+
+@pytest.mark.parametrize("term_bits", sorted({kind.term_bits for kind in qg.KINDS.values()}))
+def test_on_grid(term_bits, draw):
+    """Step 3's shift onto the grid, the kernel's device function against quant_gemm._on_grid:
+    every shift from far below the clamp at T + 1 to the largest left shift, ties (odd and even
+    floors, both signs), the largest |I| < 2^T, zeros."""
+    shifts = torch.arange(-(term_bits + 6), 62 - term_bits + 1)
+    top = 2 ** term_bits - 1
+    ints = [0, 1, -1, 2, -2, 3, -3, top, -top, top - 1, -(top - 1), 2 ** (term_bits - 1), -2 ** (term_bits - 1)]
+    pairs = [(i, s) for s in shifts.tolist() for i in ints]
+    for s in range(1, term_bits + 1):  # ties at every right shift: (2j + 1) 2^(s-1), j odd and even
+        pairs += [(v, -s) for v in (2 ** (s - 1), 3 * 2 ** (s - 1), 5 * 2 ** (s - 1), -(2 ** (s - 1)),
+                                    -3 * 2 ** (s - 1), -5 * 2 ** (s - 1)) if abs(v) < 2 ** term_bits]
+    pairs += [(int(v), int(s)) for v, s in zip(torch.randint(-top, top + 1, (512,), generator=draw.gen),
+                                                torch.randint(-(term_bits + 3), 63 - term_bits, (512,),
+                                                              generator=draw.gen))]
+    count = triton.next_power_of_2(len(pairs))
+    pairs += [(0, 0)] * (count - len(pairs))
+    ints_t = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    shift_t = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    out = torch.full((count,), -12345, dtype=torch.int64, device=DEVICE)
+    _on_grid_kernel[(1,)](ints_t.to(DEVICE), shift_t.to(DEVICE), out, COUNT=count, TERM_BITS=term_bits)
+    ref = qg._on_grid(ints_t, shift_t, term_bits)
+    bad = (out.cpu() != ref).nonzero().flatten()[:5].tolist()
+    assert not bad, [(pairs[i], int(out[i]), int(ref[i])) for i in bad]
