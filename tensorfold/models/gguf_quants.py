@@ -1,20 +1,38 @@
-"""Dequantizing GGUF tensor data to float32 torch tensors.
+"""GGUF tensor data: dequantized to float32 torch tensors, or kept in its blocks as a QuantWeight.
 
-One function per storage type, each vectorized over all blocks at once (no Python loop over
-blocks). Every block type stores 32 weights; a block's scale `d` (and minimum `m`) are float16
-values widened to float32 before use, so the results equal the `gguf` package's reference
-dequantizer bit for bit (tests/models/test_gguf.py checks this).
+One function per block type unpacks the bytes of all blocks at once (no Python loop over blocks)
+into GGUF's own values: the codes q and the float16 scales (and the K-quants' sub-block scales
+and minimums). From those, `dequantize` computes the float32 weights in the `gguf` package's
+order of operations, so the results equal its reference dequantizer bit for bit
+(tests/models/test_gguf.py and test_gguf_blocks.py check this), and `quant_weight` builds the
+exact integer form of kernels/quant_gemm.py (its dequantize() gives the same floats, up to the
+sign of a zero: the integer scales have no -0).
 
-Block layouts (bytes, little-endian):
-    Q8_0  [d:f16][q:int8 x 32]                 x = q * d
-    Q4_0  [d:f16][q:u4 x 32 packed in 16]      x = (q - 8) * d
-    Q4_1  [d:f16][m:f16][q:u4 x 32 in 16]      x = q * d + m
-A packed byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+Block layouts (bytes, little-endian; QK = 256 weights per K-quant super-block):
+    Q8_0  [d:f16][q:int8 x 32]                         x = q * d
+    Q4_0  [d:f16][q:u4 x 32 in 16]                     x = (q - 8) * d
+    Q4_1  [d:f16][m:f16][q:u4 x 32 in 16]              x = q * d + m
+    Q4_K  [d:f16][dmin:f16][scales:12][q:u4 x 256 in 128]
+    Q5_K  [d:f16][dmin:f16][scales:12][qh:32][q:u4 x 256 in 128]
+                                                       x = d sc_j q - dmin m_j, j = the 32-weight sub-block
+    Q6_K  [ql:128][qh:64][sc:int8 x 16][d:f16]         x = d sc_j (q - 32), j = the 16-weight sub-block
+Packing, within a block:
+- Q8_0..Q4_1: a packed byte j holds weight j in its low nibble and weight j + 16 in its high one.
+- Q4_K/Q5_K: q byte 32 c + i holds weight i of sub-block 2c (low nibble) and of 2c + 1 (high);
+  Q5_K's fifth bit of weight i of sub-block j is bit j of qh byte i. The 12 scale bytes hold eight
+  6-bit (sc_j, m_j): bytes 0-3 and 4-7 the low 6 bits of sc_0..3 and m_0..3, their top 2 bits the
+  bits 4-5 of sc_4..7 and m_4..7, whose low 4 bits are the nibbles of bytes 8-11 (sc low, m high).
+- Q6_K: the super-block is two halves of 128; weight h 128 + 64 s + i (i < 64) has its low
+  4 bits in nibble s of ql byte 64 h + i, and weight h 128 + 32 t + i (i < 32) its top 2 bits in
+  bits 2t..2t+1 of qh byte 32 h + i.
 """
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from tensorfold.kernels.quant_gemm import QuantWeight, from_legacy, significand
+
 BLOCK_SIZE = 32
+QK = 256  # weights per K-quant super-block
 
 
 def _blocks(raw: torch.Tensor, type_size: int) -> torch.Tensor:
@@ -22,41 +40,91 @@ def _blocks(raw: torch.Tensor, type_size: int) -> torch.Tensor:
 
 
 def _f16(column_bytes: torch.Tensor) -> torch.Tensor:
-    return column_bytes.contiguous().view(torch.float16).to(torch.float32)  # [num_blocks, 1]
+    return column_bytes.contiguous().view(torch.float16)  # [num_blocks, 1]
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.cat([packed & 0x0F, packed >> 4], dim=1)  # [num_blocks, 32] uint8
+    """[B, n] bytes -> [B, 2n]: all low nibbles, then all high nibbles."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
 
 
-def _q8_0(raw: torch.Tensor) -> torch.Tensor:
+# --- one unpacker per block type: GGUF's values, q unsigned as stored (int8 for Q8_0) ----------
+
+def _q8_0(raw):
     blocks = _blocks(raw, 2 + BLOCK_SIZE)
-    d = _f16(blocks[:, :2])
-    q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
-    return q * d
+    return blocks[:, 2:].contiguous().view(torch.int8), _f16(blocks[:, :2])
 
 
-def _q4_0(raw: torch.Tensor) -> torch.Tensor:
+def _q4_0(raw):
     blocks = _blocks(raw, 2 + BLOCK_SIZE // 2)
-    d = _f16(blocks[:, :2])
-    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8
-    return q.to(torch.float32) * d
+    return _nibbles(blocks[:, 2:]), _f16(blocks[:, :2])
 
 
-def _q4_1(raw: torch.Tensor) -> torch.Tensor:
+def _q4_1(raw):
     blocks = _blocks(raw, 4 + BLOCK_SIZE // 2)
-    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    q = _nibbles(blocks[:, 4:]).to(torch.float32)
-    return q * d + m
+    return _nibbles(blocks[:, 4:]), _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 scale bytes [B, 12] -> (sc, m) [B, 8], 6-bit each."""
+    low_sc, low_m, rest = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = torch.cat([low_sc & 0x3F, (rest & 0x0F) | ((low_sc >> 2) & 0x30)], dim=1)
+    m = torch.cat([low_m & 0x3F, (rest >> 4) | ((low_m >> 2) & 0x30)], dim=1)
+    return sc, m
+
+
+def _k_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[B, 128] -> [B, 256]: per 32-byte chunk c, sub-block 2c (low nibbles) then 2c + 1 (high)."""
+    chunks = packed.reshape(-1, 4, 1, 32)
+    return ((chunks >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, QK)
+
+
+def _q4_k(raw):
+    blocks = _blocks(raw, 4 + 12 + QK // 2)
+    sc, m = _k_scales(blocks[:, 4:16])
+    return _k_nibbles(blocks[:, 16:]), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4]), sc, m
+
+
+def _q5_k(raw):
+    blocks = _blocks(raw, 4 + 12 + QK // 8 + QK // 2)
+    sc, m = _k_scales(blocks[:, 4:16])
+    qh = blocks[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    q = _k_nibbles(blocks[:, 48:]) | ((qh & 1) << 4).reshape(-1, QK)
+    return q, _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4]), sc, m
+
+
+def _q6_k(raw):
+    blocks = _blocks(raw, QK // 2 + QK // 4 + QK // 16 + 2)
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    q = (ql & 0x0F).reshape(-1, QK) | ((qh & 0x03) << 4).reshape(-1, QK)
+    return q, _f16(blocks[:, 208:210]), blocks[:, 192:208].contiguous().view(torch.int8)
+
+
+# --- float32 weights, in gguf's order of operations ---------------------------------------------
+
+def _deq_with_min(q, d, dmin, sc, m):
+    """Q4_K/Q5_K: (d sc_j) q - (dmin m_j); both products are exact in float32."""
+    scale = (d.float() * sc.float()).unsqueeze(-1)  # [B, 8, 1]
+    low = (dmin.float() * m.float()).unsqueeze(-1)
+    return (scale * q.float().reshape(-1, 8, 32) - low).reshape(-1, QK)
+
+
+def _deq_q6_k(q, d, sc):
+    scale = (d.float() * sc.float()).unsqueeze(-1)  # [B, 16, 1]
+    return (scale * (q.to(torch.int8) - 32).float().reshape(-1, 16, 16)).reshape(-1, QK)
 
 
 DEQUANTIZERS = {
     QType.F32: lambda raw: raw.view(torch.float32),
     QType.F16: lambda raw: raw.view(torch.float16).to(torch.float32),
     QType.BF16: lambda raw: raw.view(torch.bfloat16).to(torch.float32),  # exact: bf16 is f32's top half
-    QType.Q8_0: _q8_0,
-    QType.Q4_0: _q4_0,
-    QType.Q4_1: _q4_1,
+    QType.Q8_0: lambda raw: (lambda q, d: q.float() * d.float())(*_q8_0(raw)),
+    QType.Q4_0: lambda raw: (lambda q, d: (q.to(torch.int8) - 8).float() * d.float())(*_q4_0(raw)),
+    QType.Q4_1: lambda raw: (lambda q, d, m: q.float() * d.float() + m.float())(*_q4_1(raw)),
+    QType.Q4_K: lambda raw: _deq_with_min(*_q4_k(raw)),
+    QType.Q5_K: lambda raw: _deq_with_min(*_q5_k(raw)),
+    QType.Q6_K: lambda raw: _deq_q6_k(*_q6_k(raw)),
 }
 
 
@@ -66,3 +134,38 @@ def dequantize(raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torch
     Raises KeyError for a type not in DEQUANTIZERS; the caller names the file and tensor.
     """
     return DEQUANTIZERS[qtype](raw).reshape(shape)
+
+
+# --- kept in blocks ------------------------------------------------------------------------------
+
+KINDS = {QType.Q8_0: "q8_0", QType.Q4_0: "q4_0", QType.Q4_1: "q4_1",
+         QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k"}  # quant_gemm's names
+KEPT_TYPES = frozenset(KINDS)
+_UNPACK = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1,
+           QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q6_K: _q6_k}
+
+
+def quant_weight(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> QuantWeight:
+    """A 2-D tensor's bytes (1-D uint8, rows of blocks) as quant_gemm's QuantWeight [N, K].
+
+    K-quants: per 32 weights S = dm sc_j and E = de from d = dm 2^de, and M = -(dminm m_j),
+    F = dmine from dmin; Q6_K: S = dm sc_j per 16 weights, E = de per 32.
+    """
+    if qtype not in KEPT_TYPES:
+        raise ValueError(f"{getattr(qtype, 'name', qtype)} tensors are not kept in blocks")
+    n, k = shape
+    kind = KINDS[qtype]
+    fields = _UNPACK[qtype](raw)
+    if kind in ("q8_0", "q4_0", "q4_1"):
+        q, *scales = fields
+        return from_legacy(kind, q.reshape(n, k), *(s.reshape(n, k // BLOCK_SIZE) for s in scales))
+    per_32 = (lambda t: t.expand(-1, QK // BLOCK_SIZE).reshape(n, k // BLOCK_SIZE))  # [B, 1] -> [N, K / 32]
+    dm, de = significand(fields[1])
+    if kind == "q6_k":
+        q, _, sc = fields
+        return QuantWeight(kind, (q.to(torch.int8) - 32).reshape(n, k),
+                           (dm * sc.to(torch.int32)).reshape(n, k // 16), per_32(de))
+    q, _, dmin, sc, m = fields
+    mm, me = significand(dmin)
+    return QuantWeight(kind, q.to(torch.int8).reshape(n, k), (dm * sc.to(torch.int32)).reshape(n, k // BLOCK_SIZE),
+                       per_32(de), (-(mm * m.to(torch.int32))).reshape(n, k // BLOCK_SIZE), per_32(me))
