@@ -58,13 +58,16 @@ for dtype in (torch.float32, torch.bfloat16):
     want = attention_ref.paged_attention_ref(q, k_cache, v_cache, torch.arange(100), table, 0.125)
     assert torch.equal(got, want), "attention"
     from tensorfold.kernels import quant_gemm
-    for kind in quant_gemm.TYPES:
-        codes = (torch.randint(-127, 128, (24, 96), generator=g, dtype=torch.int8) if kind == "q8_0"
-                 else torch.randint(0, 16, (24, 96), generator=g, dtype=torch.uint8))
-        w = quant_gemm.QuantWeight(kind, codes, (torch.rand(24, 3, generator=g) * 0.05).half(),
-                                   (-torch.rand(24, 3, generator=g)).half() if kind == "q4_1" else None)
+    for kind, info in quant_gemm.KINDS.items():  # every kind's fields drawn within their bounds
+        low, high = {"q8_0": (-128, 128), "q4_0": (-8, 8), "q5_k": (0, 32), "q6_k": (-32, 32)}.get(kind, (0, 16))
+        codes = torch.randint(low, high, (24, 96), generator=g, dtype=torch.int8)
+        ints = (lambda cols: torch.randint(-2047, 2048, (24, cols), generator=g, dtype=torch.int32))
+        exps = (lambda: torch.randint(-24, 6, (24, 3), generator=g, dtype=torch.int32))
+        mins = (ints(3), exps()) if info.has_min else (None, None)
+        w = quant_gemm.QuantWeight(kind, codes, ints(96 // info.sub), exps(), *mins)
         x = torch.randn(3, 96, generator=g).to(dtype)
-        assert torch.equal(cpu.quant_linear(x, w.codes, w.d, w.m, kind), quant_gemm.linear(x, w)), kind
+        packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+        assert torch.equal(cpu.quant_linear(x, packed, 24, 96), quant_gemm.linear(x, w)), kind
 print("bitwise")
 """
 

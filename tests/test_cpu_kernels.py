@@ -309,16 +309,47 @@ def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dt
 # ---- the exact quantized GEMM (kernels/quant_gemm.py) ------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
-@pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (5, 16, 32), (19, 45, 576)])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (5, 16, 32), (19, 45, 576), (4, 3, 64)])
 def test_quant_linear_equals_its_reference(draw, threads, dtype, kind, rows, n, k):
-    from test_quant_gemm import random_weight, random_x
+    from test_quant_gemm import random_generic, random_x
 
     from tensorfold.kernels import quant_gemm
 
-    w = random_weight(draw.gen, kind, n, k)
+    w = random_generic(draw.gen, kind, n, k)
     x = random_x(draw.gen, rows, k).to(dtype)
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     want = quant_gemm.linear(x, w)
-    got = _cpu.quant_linear(x, w.codes, w.d, w.m, kind, out=poisoned(want))
+    got = _cpu.quant_linear(x, packed, n, k, out=poisoned(want))
     assert_bitwise(got, want, draw, f"{kind} x [{rows}, {k}]")
-    assert_bitwise(_cpu.quant_linear(x[-1:], w.codes, w.d, w.m, kind), want[-1:], draw, "the last row alone")
+    assert_bitwise(_cpu.quant_linear(x[-1:], packed, n, k), want[-1:], draw, "the last row alone")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
+def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
+    from test_quant_gemm import random_generic, random_x
+
+    w = random_generic(draw.gen, kind, 40, 512)
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    probe = random_x(draw.gen, 1, 512)
+    alone = _cpu.quant_linear(probe, packed, 40, 512)
+    for m in (2, 3, 5, 17, 64):
+        batch = random_x(draw.gen, m, 512)
+        place = int(torch.randint(0, m, (1,), generator=draw.gen))
+        batch[place] = probe[0]
+        assert_bitwise(_cpu.quant_linear(batch, packed, 40, 512)[place], alone[0], draw, f"row {place} of {m}")
+
+
+def test_quant_linear_rejects_what_is_not_its_packed_weight():
+    from test_quant_gemm import random_generic
+
+    w = random_generic(torch.Generator().manual_seed(0), "q4_1", 8, 64)
+    packed = _cpu.pack_quant("q4_1", w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    with pytest.raises(RuntimeError, match="not a packed quantized weight"):
+        _cpu.quant_linear(torch.randn(2, 96), packed, 8, 96)
+    with pytest.raises(RuntimeError, match="min and min_exp"):
+        _cpu.pack_quant("q4_1", w.codes, w.scale, w.scale_exp)
+    with pytest.raises(RuntimeError, match=r"q4_0 codes must lie in \[-8, 7\]"):
+        _cpu.pack_quant("q4_0", w.codes, w.scale, w.scale_exp)
+    with pytest.raises(RuntimeError, match="unknown kind"):
+        _cpu.pack_quant("iq2_xs", w.codes, w.scale, w.scale_exp)

@@ -15,11 +15,27 @@ int64_t packed_numel(int64_t N, int64_t K);
 void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K);
 void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads);
 
-// The exact quantized GEMM (kernels/quant_gemm.py): x [M, K] against GGUF blocks of 32 of
-// w [N, K]: `codes` one byte per weight (kind 0 q8_0: int8; 1 q4_0, 2 q4_1: uint8 0..15), `d`
-// [N, K / 32] float16 bits, `m` the q4_1 minimums (else null). out [M, N] in x's dtype.
-void quant_linear(int dtype, int kind, const void* x, const void* codes, const uint16_t* d, const uint16_t* m,
-                  void* out, int64_t M, int64_t N, int64_t K, int threads);
+// The exact quantized GEMM (kernels/quant_gemm.py): x [M, K] against w [N, K] in blocks, packed
+// once by pack_quant from the reference's QuantWeight fields (kind: the index in
+// quant_gemm.TYPES; codes [N, K], scale [N, K / sub], scale_exp, min, min_exp [N, K / 32]; min and
+// min_exp null for the types without a minimum) into quant_packed_bytes(kind, N, K) bytes, which
+// carry their kind and shape (quant_packed_matches checks them). out [M, N] in x's dtype.
+int64_t quant_packed_bytes(int kind, int64_t N, int64_t K);
+void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
+                const int32_t* min_exp, uint8_t* packed, int64_t N, int64_t K);
+bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64_t K);
+void quant_linear(int dtype, const void* x, const uint8_t* packed, void* out, int64_t M, int64_t N, int64_t K,
+                  int threads);
+
+// One GEMM of either kind: `w` a dense packed weight (pack_weight) when `quant` is false, else a
+// packed quantized one.
+inline void matmul(int dtype, const void* x, const void* w, bool quant, void* out, int64_t M, int64_t N, int64_t K,
+                   int threads) {
+  if (quant)
+    quant_linear(dtype, x, static_cast<const uint8_t*>(w), out, M, N, K, threads);
+  else
+    linear(dtype, x, w, out, M, N, K, threads);
+}
 
 // Row-wise ops over `rows` vectors of `width` elements.
 // rms_norm: out = norm(x) * weight; with `residual` (may be null), h = residual + x is written to

@@ -14,6 +14,20 @@ using namespace tf_binding;
 
 const void* ptr_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->data_ptr() : nullptr; }
 
+// A GEMM weight is packed dense (x's dtype, pack_weight) or packed quantized (uint8, pack_quant).
+bool is_quant(const torch::Tensor& w) { return w.scalar_type() == torch::kUInt8; }
+
+void check_weight(const torch::Tensor& w, int64_t n, int64_t k, const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(w.is_contiguous(), "decoder_layer: ", name, " weight is not contiguous");
+  if (is_quant(w)) {
+    TORCH_CHECK(tf::quant_packed_matches(w.data_ptr<uint8_t>(), w.numel(), n, k), "decoder_layer: ", name,
+                " is not a packed quantized weight of [", n, ", ", k, "]");
+  } else {
+    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.numel() == tf::packed_numel(n, k), "decoder_layer: ", name,
+                " does not match the layer's shape [", n, ", ", k, "] or x's dtype");
+  }
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
@@ -37,10 +51,10 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
               "[tokens, head_dim] expected");
   TORCH_CHECK(d % 2 == 0 && d <= 256 && heads % kv_heads == 0,
               "decoder_layer: head_dim must be even and at most 256, heads a multiple of kv_heads");
-  TORCH_CHECK(qkv_w.numel() == tf::packed_numel(qkv_width, hidden) && o_w.numel() == tf::packed_numel(hidden, q_size) &&
-                  gate_up_w.numel() == tf::packed_numel(2 * intermediate, hidden) &&
-                  down_w.numel() == tf::packed_numel(hidden, intermediate),
-              "decoder_layer: packed weights do not match the layer's shapes");
+  check_weight(qkv_w, qkv_width, hidden, x, "qkv");
+  check_weight(o_w, hidden, q_size, x, "o_proj");
+  check_weight(gate_up_w, 2 * intermediate, hidden, x, "gate_up");
+  check_weight(down_w, hidden, intermediate, x, "down");
   auto pos = positions.contiguous(), sl = slots.contiguous(), tab = tables.contiguous(), st = row_starts.contiguous();
   TORCH_CHECK(pos.scalar_type() == torch::kInt64 && sl.scalar_type() == torch::kInt64 &&
                   tab.scalar_type() == torch::kInt64 && st.scalar_type() == torch::kInt64 && pos.numel() == tokens &&
@@ -66,7 +80,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   const size_t el = x.element_size();
   char* qkv_p = static_cast<char*>(qkv.data_ptr());
 
-  tf::linear(code, x.data_ptr(), qkv_w.data_ptr(), qkv_p, tokens, qkv_width, hidden, nt);
+  tf::matmul(code, x.data_ptr(), qkv_w.data_ptr(), is_quant(qkv_w), qkv_p, tokens, qkv_width, hidden, nt);
   tf::rope(code, qkv_p, qkv_width, q.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads, d,
            ptr_or_null(q_norm), eps, nt);
   tf::rope(code, qkv_p + q_size * el, qkv_width, k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens,
@@ -77,13 +91,13 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   tf::paged_attention(code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), attn.data_ptr(),
                       pos.data_ptr<int64_t>(), tp, tab.size(1), st.data_ptr<int64_t>(), tab.size(0), heads, kv_heads, d,
                       k_cache.size(1), scale, window, nt);
-  tf::linear(code, attn.data_ptr(), o_w.data_ptr(), o.data_ptr(), tokens, hidden, q_size, nt);
+  tf::matmul(code, attn.data_ptr(), o_w.data_ptr(), is_quant(o_w), o.data_ptr(), tokens, hidden, q_size, nt);
   tf::rms_norm(code, o.data_ptr(), hidden, residual.data_ptr(), hidden, h.data_ptr(), post_norm.data_ptr(),
                x2.data_ptr(), tokens, hidden, eps, nt);
-  tf::linear(code, x2.data_ptr(), gate_up_w.data_ptr(), gate_up.data_ptr(), tokens, 2 * intermediate, hidden, nt);
+  tf::matmul(code, x2.data_ptr(), gate_up_w.data_ptr(), is_quant(gate_up_w), gate_up.data_ptr(), tokens, 2 * intermediate, hidden, nt);
   char* gu = static_cast<char*>(gate_up.data_ptr());
   tf::silu_and_mul(code, gu, gu + intermediate * el, 2 * intermediate, act.data_ptr(), tokens, intermediate, nt);
-  tf::linear(code, act.data_ptr(), down_w.data_ptr(), mlp.data_ptr(), tokens, hidden, intermediate, nt);
+  tf::matmul(code, act.data_ptr(), down_w.data_ptr(), is_quant(down_w), mlp.data_ptr(), tokens, hidden, intermediate, nt);
   if (next_norm) {  // the residual add and the next layer's norm
     tf::rms_norm(code, mlp.data_ptr(), hidden, h.data_ptr(), hidden, h_next.data_ptr(), next_norm->data_ptr(),
                  x_next.data_ptr(), tokens, hidden, eps, nt);

@@ -51,28 +51,68 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
   return linear_packed(x, pack_weight(weight), weight.size(0), weight.size(1), out);
 }
 
-// kernels/quant_gemm.linear: kind "q8_0" | "q4_0" | "q4_1"; codes [N, K] int8 (q8_0) or uint8,
-// d and m [N, K / 32] float16 (m only for q4_1).
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                           const c10::optional<torch::Tensor>& m, const std::string& kind, const Out& out_arg) {
+const char* const QUANT_KINDS[] = {"q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"};  // quant_gemm.TYPES
+
+int quant_kind(const std::string& kind) {
+  for (int i = 0; i < 6; ++i)
+    if (kind == QUANT_KINDS[i]) return i;
+  TORCH_CHECK(false, "quantized weights: unknown kind ", kind, " (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k)");
+}
+
+torch::Tensor int32_field(const torch::Tensor& t, int64_t numel, const char* what) {
+  check_cpu(t, what);
+  TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.numel() == numel, "pack_quant: ", what, " int32 of ", numel,
+              " elements expected, got ", t.scalar_type(), " ", t.sizes());
+  return t.contiguous();
+}
+
+// quant_gemm.QuantWeight's fields -> the kernel's packed bytes (uint8 [quant_packed_bytes]).
+torch::Tensor pack_quant(const std::string& kind, const torch::Tensor& codes, const torch::Tensor& scale,
+                         const torch::Tensor& scale_exp, const c10::optional<torch::Tensor>& min,
+                         const c10::optional<torch::Tensor>& min_exp) {
+  const int k = quant_kind(kind);
+  check_cpu(codes, "pack_quant: codes");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.size(1) % 32 == 0,
+              "pack_quant: codes [N, K] int8 with K a multiple of 32 expected, got ", codes.sizes());
+  const int64_t n = codes.size(0), kk = codes.size(1), blocks = kk / 32, sub = kind == "q6_k" ? 16 : 32;
+  const bool has_min = kind == "q4_1" || kind == "q4_k" || kind == "q5_k";
+  TORCH_CHECK(has_min == (min.has_value() && min->defined()) && has_min == (min_exp.has_value() && min_exp->defined()),
+              "pack_quant: min and min_exp are given exactly for q4_1, q4_k and q5_k");
+  auto cc = codes.contiguous();
+  const int64_t code_min[] = {-128, -8, 0, 0, 0, -32}, code_max[] = {127, 7, 15, 15, 31, 31};
+  if (cc.numel() > 0) {
+    auto [lo, hi] = torch::aminmax(cc);
+    TORCH_CHECK(lo.item<int64_t>() >= code_min[k] && hi.item<int64_t>() <= code_max[k], "pack_quant: ", kind,
+                " codes must lie in [", code_min[k], ", ", code_max[k], "], got [", lo.item<int64_t>(), ", ",
+                hi.item<int64_t>(), "]");
+  }
+  auto sc = int32_field(scale, n * kk / sub, "scale");
+  auto se = int32_field(scale_exp, n * blocks, "scale_exp");
+  torch::Tensor mc, me;
+  if (has_min) {
+    mc = int32_field(*min, n * blocks, "min");
+    me = int32_field(*min_exp, n * blocks, "min_exp");
+  }
+  auto packed = torch::empty({tf::quant_packed_bytes(k, n, kk)}, torch::kUInt8);
+  tf::pack_quant(k, cc.data_ptr<int8_t>(), sc.data_ptr<int32_t>(), se.data_ptr<int32_t>(),
+                 has_min ? mc.data_ptr<int32_t>() : nullptr, has_min ? me.data_ptr<int32_t>() : nullptr,
+                 packed.data_ptr<uint8_t>(), n, kk);
+  return packed;
+}
+
+// kernels/quant_gemm.linear over a packed weight of [n, k].
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t k,
+                           const Out& out_arg) {
   check_cpu(x, "quant_linear: x");
   const int code = dtype_code(x, "quant_linear");
-  const int k = kind == "q8_0" ? 0 : kind == "q4_0" ? 1 : kind == "q4_1" ? 2 : -1;
-  TORCH_CHECK(k >= 0, "quant_linear: kind must be q8_0, q4_0 or q4_1, got ", kind);
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) && x.size(1) % 32 == 0,
-              "quant_linear: x [M, K] and codes [N, K] with K a multiple of 32 expected");
-  TORCH_CHECK(codes.scalar_type() == (k == 0 ? torch::kInt8 : torch::kUInt8), "quant_linear: codes dtype");
-  const int64_t n = codes.size(0), blocks = x.size(1) / 32;
-  TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.numel() == n * blocks, "quant_linear: d [N, K / 32] float16");
-  TORCH_CHECK((k == 2) == (m.has_value() && m->defined()), "quant_linear: m is given for q4_1 only");
-  if (k == 2) TORCH_CHECK(m->scalar_type() == torch::kFloat16 && m->numel() == n * blocks, "quant_linear: m");
-  auto xc = x.contiguous(), cc = codes.contiguous(), dc = d.contiguous();
-  torch::Tensor mc = k == 2 ? m->contiguous() : torch::Tensor();
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "quant_linear: x [M, ", k, "] expected, got ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  tf::quant_packed_matches(packed.data_ptr<uint8_t>(), packed.numel(), n, k),
+              "quant_linear: not a packed quantized weight of [", n, ", ", k, "]");
+  auto xc = x.contiguous();
   auto out = output(out_arg, {x.size(0), n}, x, "quant_linear");
   if (out.numel() > 0)
-    tf::quant_linear(code, k, xc.data_ptr(), cc.data_ptr(), reinterpret_cast<const uint16_t*>(dc.data_ptr()),
-                     k == 2 ? reinterpret_cast<const uint16_t*>(mc.data_ptr()) : nullptr, out.data_ptr(), x.size(0),
-                     n, x.size(1), threads());
+    tf::quant_linear(code, xc.data_ptr(), packed.data_ptr<uint8_t>(), out.data_ptr(), x.size(0), n, k, threads());
   return out;
 }
 
@@ -310,8 +350,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto out = py::arg("out") = py::none();
   m.def("linear", &linear, "x [M, K] @ weight[N, K]^T, each output summed in one order fixed by K",
         py::arg("x"), py::arg("weight"), out);
-  m.def("quant_linear", &quant_linear, "kernels/quant_gemm.linear: x against GGUF blocks, exact",
-        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("kind"), out);
+  m.def("pack_quant", &pack_quant, "quant_gemm.QuantWeight's fields in the quantized GEMM's packed layout",
+        py::arg("kind"), py::arg("codes"), py::arg("scale"), py::arg("scale_exp"), py::arg("min") = py::none(),
+        py::arg("min_exp") = py::none());
+  m.def("quant_linear", &quant_linear, "kernels/quant_gemm.linear with a weight from pack_quant, of shape [n, k]",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("k"), out);
   m.def("pack_weight", &pack_weight, "weight [N, K] in the GEMM's tile layout (1-D)", py::arg("weight"));
   m.def("linear_packed", &linear_packed, "linear with a weight from pack_weight, of shape [n, k]", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("k"), out);

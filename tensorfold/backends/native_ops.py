@@ -1,13 +1,15 @@
 """The cpu backend's compiled op set: csrc/cpu's exact kernels (the extension tensorfold._cpu).
 
 Every op is bitwise its torch reference (kernels/reference.py, kernels/paged_attention.py),
-including the GEMM, whose order of summation is fixed by K alone: no BLAS runs on the token
+including the GEMMs: the dense one's order of summation is fixed by K alone, the quantized one
+(kernels/quant_gemm.py) sums integers: no BLAS runs on the token
 path, so exactness holds whatever CPU this is. Importing this module fails (ImportError) when
 the extension was not built; backends.backend_ops then falls back to cpu_ops.
 """
 import torch
 
 from tensorfold import _cpu
+from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.sampling.sampler import sample  # noqa: F401
@@ -28,15 +30,30 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor):
         self.data = _cpu.pack_weight(weight)
         self.shape = tuple(weight.shape)
+        self.format = str(weight.dtype).removeprefix("torch.")
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    return PackedWeight(weight)
+class PackedQuant:
+    """A quantized GEMM weight (kernels/quant_gemm.QuantWeight) in the quantized kernel's layout:
+    one byte tensor that carries its kind and shape."""
+
+    def __init__(self, weight: QuantWeight):
+        self.data = _cpu.pack_quant(weight.kind, weight.codes, weight.scale, weight.scale_exp, weight.min,
+                                    weight.min_exp)
+        self.shape = weight.shape
+        self.format = weight.kind
+
+
+def pack_weight(weight):
+    return PackedQuant(weight) if isinstance(weight, QuantWeight) else PackedWeight(weight)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight^T with a PackedWeight (or a plain [N, K] tensor, packed per call)."""
-    if isinstance(weight, PackedWeight):
+    """x [M, K] @ weight^T with a PackedWeight or PackedQuant (or a plain [N, K] tensor, packed
+    per call)."""
+    if isinstance(weight, PackedQuant):
+        out = _cpu.quant_linear(x, weight.data, *weight.shape)
+    elif isinstance(weight, PackedWeight):
         out = _cpu.linear_packed(x, weight.data, *weight.shape)
     else:
         out = _cpu.linear(x, weight)

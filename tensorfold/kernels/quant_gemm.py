@@ -87,6 +87,10 @@ class QuantWeight:
             w = w + (self.min.double() * pow2(self.min_exp)).float().repeat_interleave(BLOCK, dim=1)
         return w
 
+    def to(self, device) -> "QuantWeight":
+        move = (lambda t: None if t is None else t.to(device))
+        return QuantWeight(self.kind, *(move(getattr(self, f)) for f in ("codes", "scale", "scale_exp", "min", "min_exp")))
+
     def rows(self, ids: torch.Tensor) -> "QuantWeight":
         """The weight rows `ids` (an embedding lookup: rows(ids).dequantize())."""
         pick = (lambda t: None if t is None else t[ids])

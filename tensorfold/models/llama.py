@@ -1,12 +1,14 @@
 """Llama-family decoder (SmolLM2, Llama 2/3): GQA, RMSNorm, SwiGLU, rope, optional tied head.
 
 Weights arrive as a dict of Hugging Face parameter names; Q/K/V and gate/up are fused into one
-GEMM each. Every op comes from `ops` (the backend's batch-invariant set), so the same file runs
-the cpu reference and the cuda kernels; weights and rope tables live on `device`.
+GEMM each. A GEMM weight is a dense tensor or a quantized one (kernels/quant_gemm.QuantWeight:
+GGUF blocks kept as stored); the op set packs either. Every op comes from `ops` (the backend's
+batch-invariant set), so the same file runs the cpu reference and the cuda kernels; weights and
+rope tables live on `device`.
 """
 import torch
 
-from tensorfold.kernels import reference
+from tensorfold.kernels import quant_gemm, reference
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.forward_batch import ForwardBatch, KVCache
@@ -21,18 +23,25 @@ class Layer:
         def maybe(name):
             return get(name) if prefix + name in tensors else None
 
+        def gemm(*names):  # one GEMM weight in the op set's layout (pack), fused along N
+            parts = [_take_matrix(tensors, prefix + n, dtype, device) for n in names]
+            if len({_format(p) for p in parts}) > 1:  # a Q4_K_M file's Q6_K v beside Q4_K q, k
+                return tuple(pack(p) for p in parts)  # (N-concatenated outputs: Model._linear)
+            return pack(parts[0] if len(parts) == 1 else _stack(parts))
+
         attn, mlp = "self_attn.", "mlp."
         self.input_norm = get("input_layernorm.weight")
         self.post_attn_norm = get("post_attention_layernorm.weight")
-        # GEMM weights in the op set's layout (pack): the C++ GEMM's tiles, or as they are.
-        self.qkv = pack(torch.cat([get(attn + "q_proj.weight"), get(attn + "k_proj.weight"),
-                                   get(attn + "v_proj.weight")]))
+        self.qkv = gemm(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")
         biases = [maybe(attn + f"{p}_proj.bias") for p in "qkv"]
         self.qkv_bias = torch.cat(biases) if biases[0] is not None else None
-        self.o = pack(get(attn + "o_proj.weight"))
+        self.o = gemm(attn + "o_proj.weight")
         self.o_bias = maybe(attn + "o_proj.bias")
-        self.gate_up = pack(torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]))
-        self.down = pack(get(mlp + "down_proj.weight"))
+        self.gate_up = gemm(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+        self.down = gemm(mlp + "down_proj.weight")
+        # The op set's one-call layer takes single weights and no biases.
+        self.fusable = self.qkv_bias is None and self.o_bias is None and not any(
+            isinstance(w, tuple) for w in (self.qkv, self.o, self.gate_up, self.down))
         self.q_norm = maybe(attn + "q_norm.weight")  # qwen3
         self.k_norm = maybe(attn + "k_norm.weight")
         self.window = window
@@ -46,15 +55,15 @@ class Model:
         self.dtype = dtype
         self.ops = ops
         self.device = device = torch.device(device)
-        self.embed = _take(tensors, "model.embed_tokens.weight", dtype, device)
-        if self.embed.shape != (args.vocab_size, args.hidden_size):
+        self.embed = _take_matrix(tensors, "model.embed_tokens.weight", dtype, device)
+        if tuple(self.embed.shape) != (args.vocab_size, args.hidden_size):
             raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
                                   f"config says ({args.vocab_size}, {args.hidden_size})")
         self.layers = [Layer(tensors, f"model.layers.{i}.", args, dtype, args.layer_windows[i], device,
                              ops.pack_weight) for i in range(args.num_layers)]
         self.norm = _take(tensors, "model.norm.weight", dtype, device)
         if "lm_head.weight" in tensors:
-            self.lm_head = ops.pack_weight(_take(tensors, "lm_head.weight", dtype, device))
+            self.lm_head = ops.pack_weight(_take_matrix(tensors, "lm_head.weight", dtype, device))
         elif args.tie_word_embeddings:  # a packed copy where the op set packs (the lookup reads embed)
             self.lm_head = ops.pack_weight(self.embed)
         else:
@@ -67,21 +76,21 @@ class Model:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         a = self.args
-        h = self.embed[batch.input_ids]  # [num_rows, hidden]
+        h = self._embed(batch.input_ids)  # [num_rows, hidden]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [num_rows, head_dim]
         residual = h
         x = self.ops.rms_norm(h, self.layers[0].input_norm, a.rms_norm_eps)
         fused = getattr(self.ops, "decoder_layer", None)  # an op set that runs a whole layer
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            if fused is not None and layer.qkv_bias is None and layer.o_bias is None:
+            if fused is not None and layer.fusable:
                 x, residual = fused(self, layer, x, residual, next_norm, batch, cos, sin, cache.k[i], cache.v[i])
                 continue
             attn = self._attention(layer, x, batch, cos, sin, cache.k[i], cache.v[i])
             x, residual = self.ops.add_rms_norm(attn, residual, layer.post_attn_norm, a.rms_norm_eps)
-            gate_up = self.ops.linear(x, layer.gate_up)  # [num_rows, 2 * intermediate]
+            gate_up = self._linear(x, layer.gate_up)  # [num_rows, 2 * intermediate]
             gate, up = gate_up.split(a.intermediate_size, dim=-1)
-            mlp = self.ops.linear(self.ops.silu_and_mul(gate, up), layer.down)
+            mlp = self._linear(self.ops.silu_and_mul(gate, up), layer.down)
             if next_norm is not None:  # the add and the next layer's norm, in one op
                 x, residual = self.ops.add_rms_norm(mlp, residual, next_norm, a.rms_norm_eps)
             else:
@@ -89,10 +98,24 @@ class Model:
         last = self.ops.rms_norm(residual[batch.logits_rows], self.norm, a.rms_norm_eps)
         return self.ops.linear(last, self.lm_head).float()  # [num_logits, vocab]
 
+    def weight_formats(self) -> dict[str, int]:
+        """How many GEMM matrices use each weight format (float32, bfloat16, q4_1, ...)."""
+        gemms = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        gemms = [part for w in gemms for part in (w if isinstance(w, tuple) else (w,))]
+        formats: dict[str, int] = {}
+        for w in gemms:
+            formats[_format(w)] = formats.get(_format(w), 0) + 1
+        return formats
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, quant_gemm.QuantWeight):  # the rows' blocks, dequantized
+            return self.embed.rows(ids).dequantize().to(self.dtype)
+        return self.embed[ids]
+
     def _attention(self, layer: Layer, x, batch: ForwardBatch, cos, sin, k_cache, v_cache):
         a = self.args
         num_rows = x.shape[0]
-        qkv = self.ops.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         q = qkv[:, :q_size].reshape(num_rows, a.num_heads, a.head_dim)
         k = qkv[:, q_size:q_size + kv_size].reshape(num_rows, a.num_kv_heads, a.head_dim)
@@ -106,7 +129,32 @@ class Model:
         self.ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         # Every row of every sequence in one call: each row's result is the one it gets alone.
         out = self.ops.attention(q, k_cache, v_cache, batch, self.scale, layer.window)
-        return self.ops.linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
+        return self._linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
+
+    def _linear(self, x, weight, bias=None):
+        if isinstance(weight, tuple):  # parts of different formats: their outputs side by side
+            out = torch.cat([self.ops.linear(x, part) for part in weight], dim=1)
+            return out if bias is None else out + bias
+        return self.ops.linear(x, weight, bias)
+
+
+def _take_matrix(tensors: dict, name: str, dtype: torch.dtype, device: torch.device):
+    """A GEMM weight: quantized blocks stay blocks (on `device`), dense ones become `dtype`."""
+    if isinstance(tensors.get(name), quant_gemm.QuantWeight):
+        return tensors[name].to(device)
+    return _take(tensors, name, dtype, device)
+
+
+def _stack(parts: list):
+    """Weights of one format fused along N."""
+    if isinstance(parts[0], quant_gemm.QuantWeight):
+        return quant_gemm.cat(parts)
+    return torch.cat(parts)
+
+
+def _format(weight) -> str:
+    fmt = getattr(weight, "format", None) or getattr(weight, "kind", None)
+    return fmt or str(weight.dtype).removeprefix("torch.")
 
 
 def _take(tensors: dict, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
