@@ -18,7 +18,11 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "mlx", "cpu"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: a GGUF's quantized matrices served in their blocks, float32 activations; "
+                        "float32/bfloat16: every weight dequantized to it")
+    p.add_argument("--quantize", default=None, choices=["q8_0", "q4_0"],
+                   help="quantize a Hugging Face checkpoint's matrices at load (the exact quantized GEMM)")
     p.add_argument("--context", type=int, default=None, help="served window in tokens (default: the model's)")
     p.add_argument("--parallel", default="auto", help="'auto' or N: requests sharing a round")
     p.add_argument("--served-model-name", default=None)
@@ -67,7 +71,7 @@ def settings_from(args, backend: str = "cpu"):
             raise SystemExit(f"--parallel: expected 'auto' or a positive integer, got {args.parallel!r}")
         if parallel < 1:
             raise SystemExit("--parallel must be at least 1")
-    engine = EngineConfig(dtype=args.dtype, context=args.context, max_num_seqs=parallel,
+    engine = EngineConfig(dtype=args.dtype, quantize=args.quantize, context=args.context, max_num_seqs=parallel,
                           max_tokens_per_step=args.prefill_chunk, decode_share=args.decode_share,
                           kv_cache_gib=args.kv_cache_gib, prompt_cache_gib=args.prompt_cache_gib,
                           drafting=not args.no_drafts, num_threads=args.threads, backend=backend)

@@ -68,6 +68,13 @@ for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(3, 96, generator=g).to(dtype)
         packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
         assert torch.equal(cpu.quant_linear(x, packed, 24, 96), quant_gemm.linear(x, w)), kind
+    for kind in ("q8_0", "q4_0", "q4_1"):  # as GGUF stores them: float16 scales, packed as their bits
+        q = torch.randint(-127, 128, (24, 96), generator=g) if kind == "q8_0" else torch.randint(0, 16, (24, 96), generator=g)
+        d = (torch.randn(24, 3, generator=g) * 0.05).half()
+        w = quant_gemm.from_legacy(kind, q, d, (-torch.rand(24, 3, generator=g)).half() if kind == "q4_1" else None)
+        x = torch.randn(3, 96, generator=g).to(dtype)
+        packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+        assert torch.equal(cpu.quant_linear(x, packed, 24, 96), quant_gemm.linear(x, w)), kind + " (float16 scales)"
 print("bitwise")
 """
 

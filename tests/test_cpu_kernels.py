@@ -325,6 +325,34 @@ def test_quant_linear_equals_its_reference(draw, threads, dtype, kind, rows, n, 
     assert_bitwise(_cpu.quant_linear(x[-1:], packed, n, k), want[-1:], draw, "the last row alone")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (6, 16, 576)])
+def test_quant_linear_with_gguf_scales_equals_its_reference(draw, threads, dtype, kind, rows, n, k):
+    """The 32-weight types as GGUF stores them (float16 scales: packed as their bits and decoded
+    in registers), zero, subnormal and negative scales among them."""
+    from test_quant_gemm import random_blocks, random_x
+
+    from tensorfold.kernels import quant_gemm
+
+    q, d, m = random_blocks(draw.gen, kind, n, k)
+    d[1::3] = -d[1::3]
+    w = quant_gemm.from_legacy(kind, q, d, m)
+    x = random_x(draw.gen, rows, k).to(dtype)
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    want = quant_gemm.linear(x, w)
+    assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{kind} x [{rows}, {k}]")
+    wide = not_float16(w)  # the same values, not in float16 form: the other packing
+    assert_bitwise(_cpu.quant_linear(x, _cpu.pack_quant(kind, *wide), n, k),
+                   quant_gemm.linear(x, quant_gemm.QuantWeight(kind, *wide)), draw, "wide packing")
+
+
+def not_float16(w):
+    """w's fields with every scale written as (2 S, E - 1): equal values, no float16 form."""
+    pair = (lambda s, e: (None, None) if s is None else (s * 2, e - 1))
+    return (w.codes, *pair(w.scale, w.scale_exp), *pair(w.min, w.min_exp))
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
 def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
     from test_quant_gemm import random_generic, random_x

@@ -2,11 +2,13 @@
 
     python tools/bench_native.py                       # fp32 and bf16, 2 threads
     python tools/bench_native.py --dtypes bfloat16 --long 3514
+    python tools/bench_native.py --dtypes auto          # the Q4_1 file served in its blocks
 
 For each dtype: TensorFold's engine on the default model (the compiled op set, exact mode)
 next to llama.cpp (llama-cpp-python, a peer only; the column is skipped with a message when it
 is not installed) on a GGUF of the same weights in the same precision (tools/peer_gguf.py writes
-the F32 and BF16 files from the default Q4_1 one). Best of --repeats runs each (other processes
+the F32 and BF16 files from the default Q4_1 one; `auto`, the blocks as stored, runs against the
+Q4_1 file itself). Best of --repeats runs each (other processes
 only ever slow a run down). Columns:
 - decode: single-stream greedy tokens/s after a short prompt, drafting off on both sides;
 - prefill: a --prefill-token prompt (one 512-row chunk), tokens/s;
@@ -113,9 +115,11 @@ def llama_cpp_runs(dtype: str, args) -> dict | None:
     if not peer_llama_cpp.available():
         print(peer_llama_cpp.SKIP_MESSAGE)
         return None
+    from tensorfold.models.gguf_file import default_model_path
     from tools.peer_gguf import peer_gguf
 
-    llm = peer_llama_cpp.load(peer_gguf(dtype), n_ctx=max(2048, args.long + args.tokens + 16), threads=args.threads)
+    path = default_model_path() if dtype == "auto" else peer_gguf(dtype)  # auto: the Q4_1 file as it is
+    llm = peer_llama_cpp.load(path, n_ctx=max(2048, args.long + args.tokens + 16), threads=args.threads)
     out = {}
     for _ in range(args.repeats):
         out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))

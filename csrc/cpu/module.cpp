@@ -93,7 +93,10 @@ torch::Tensor pack_quant(const std::string& kind, const torch::Tensor& codes, co
     mc = int32_field(*min, n * blocks, "min");
     me = int32_field(*min_exp, n * blocks, "min_exp");
   }
-  auto packed = torch::empty({tf::quant_packed_bytes(k, n, kk)}, torch::kUInt8);
+  const int32_t* mp = has_min ? mc.data_ptr<int32_t>() : nullptr;
+  const int32_t* mep = has_min ? me.data_ptr<int32_t>() : nullptr;
+  auto packed = torch::empty(
+      {tf::quant_packed_bytes(k, sc.data_ptr<int32_t>(), se.data_ptr<int32_t>(), mp, mep, n, kk)}, torch::kUInt8);
   tf::pack_quant(k, cc.data_ptr<int8_t>(), sc.data_ptr<int32_t>(), se.data_ptr<int32_t>(),
                  has_min ? mc.data_ptr<int32_t>() : nullptr, has_min ? me.data_ptr<int32_t>() : nullptr,
                  packed.data_ptr<uint8_t>(), n, kk);

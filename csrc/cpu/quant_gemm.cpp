@@ -1,9 +1,12 @@
 // The exact quantized GEMM: kernels/quant_gemm.py's steps, bitwise its torch reference.
 //
 // Weights are packed once (pack_quant) from the reference's form (signed codes c, integer scales
-// S with exponents E, optional minimums M 2^F) into column groups of 16: per group and block of
-// 32, the codes as unsigned bytes u = c + offset (4-bit types two to a byte), then S, E - top,
-// M, F - top for the 16 columns. Activations are quantized per row and block to int8 against a
+// S with exponents E, optional minimums M 2^F) into column groups of 16. A group is one run of
+// records, one per block of 32 (what a thread streams front to back): the codes as unsigned
+// bytes u = c + offset (4-bit types two to a byte), then the 16 columns' scales, either as the
+// float16 bits the file stored (q8_0, q4_0, q4_1: S 2^E is a float16's significand and exponent,
+// decoded in registers; the bytes per weight are the file's) or wide (S int32, E - top int8,
+// M, F - top; the K-quants, whose S is the super-block scale times a sub-block one). Activations are quantized per row and block to int8 against a
 // power of two. A block's dot is an integer (sum u xq - offset sum xq); each term an integer
 // times a power of two, shifted onto the output's grid and summed in int64. Integer arithmetic
 // throughout, so threads, tiling and the other rows cannot change a bit.
@@ -13,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "exact.h"
@@ -29,7 +33,7 @@ namespace {
 constexpr int BLOCK = 32;
 constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
 constexpr int X_BITS = 7;     // |xq| < 2^7
-constexpr int64_t MAGIC = 0x544651554e540001;  // "TFQUNT" v1
+constexpr int64_t MAGIC = 0x544651554e540002;  // "TFQUNT" v2
 
 struct QKind {
   int sub;         // weights per scale S
@@ -44,30 +48,55 @@ constexpr QKind KINDS[] = {{32, 31, false, 128, false}, {32, 31, false, 8, true}
 
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
-// Where each section of a packed weight starts (bytes from the blob's start).
+// Where things sit in a packed weight: the header, then group g's records at g * blocks * record,
+// then top [groups][16] int32 (the largest E or F of each column).
 struct Layout {
   QKind kind;
-  int64_t groups, blocks, per, code_bytes;  // per: scales per block (32 / sub)
-  int64_t codes, scale, sexp, min, mexp, top, total;
-  Layout(int kind_id, int64_t N, int64_t K) : kind(KINDS[kind_id]) {
+  bool f16;                                    // scales as float16 bits (else wide)
+  int64_t groups, blocks, per, code_bytes;     // per: scales per block (32 / sub)
+  int64_t min_at, sexp_at, mexp_at, record;    // offsets inside a record
+  int64_t top, total;
+  Layout(int kind_id, bool f16_scales, int64_t N, int64_t K) : kind(KINDS[kind_id]), f16(f16_scales) {
     groups = (N + GROUP - 1) / GROUP;
     blocks = K / BLOCK;
     per = BLOCK / kind.sub;
     code_bytes = kind.nibbles ? GROUP * BLOCK / 2 : GROUP * BLOCK;
-    const int64_t gb = groups * blocks;
-    codes = 64;
-    scale = codes + align64(gb * code_bytes);
-    sexp = scale + align64(gb * per * GROUP * 4);
-    min = sexp + align64(gb * GROUP);
-    mexp = min + (kind.has_min ? align64(gb * GROUP * 4) : 0);
-    top = mexp + (kind.has_min ? align64(gb * GROUP) : 0);
+    if (f16) {  // d [16] u16, then m [16] u16
+      min_at = code_bytes + 2 * GROUP;
+      sexp_at = mexp_at = 0;
+      record = code_bytes + 2 * GROUP * (kind.has_min ? 2 : 1);
+    } else {    // S [per][16] i32, E - top [16] i8, then M [16] i32, F - top [16] i8
+      sexp_at = code_bytes + 4 * GROUP * per;
+      min_at = sexp_at + GROUP;
+      mexp_at = min_at + 4 * GROUP;
+      record = kind.has_min ? mexp_at + GROUP : min_at;
+    }
+    top = 64 + align64(groups * blocks * record);
     total = top + align64(groups * GROUP * 4);
   }
 };
 
 struct Header {
-  int64_t magic, kind, N, K;
+  int64_t magic, kind, N, K, f16;
 };
+
+// A float16 (its bits) as dm 2^de, dm its integer significand (quant_gemm.significand).
+inline void significand16(uint16_t bits, int32_t* dm, int32_t* de) {
+  const int32_t frac = bits & 0x3FF;
+  const int exp = (bits >> 10) & 0x1F;
+  const int32_t magnitude = exp > 0 ? (frac | 0x400) : frac;
+  *dm = (bits >> 15) ? -magnitude : magnitude;
+  *de = exp > 0 ? exp - 25 : -24;
+}
+
+// The float16 whose significand() is (dm, de), or -1 when there is none.
+inline int32_t float16_bits(int32_t dm, int32_t de) {
+  const int32_t mag = dm < 0 ? -dm : dm, sign = dm < 0 ? 0x8000 : 0;
+  if (mag == 0) return de == -24 ? 0 : -1;
+  if (mag < 0x400) return de == -24 ? sign | mag : -1;      // subnormal
+  if (mag < 0x800 && de + 25 >= 1 && de + 25 <= 31) return sign | ((de + 25) << 10) | (mag - 0x400);
+  return -1;
+}
 
 // Where code u of column j (0..15) at k (0..31) of a block sits: quads of 4 consecutive k per
 // column, 16 columns to a 64-byte row; 4-bit codes hold quad q + 4 in the high nibble of quad q.
@@ -131,54 +160,67 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   row->kmax = kmax;
 }
 
-// The packed sections of one group and block.
-struct GroupBlock {
-  const uint8_t* codes;
-  const int32_t* scale;  // [per][16]
-  const int8_t* sexp;    // [16]: E - top
-  const int32_t* min;    // [16] or null
-  const int8_t* mexp;
+// Block b of group g: its record, and column j's scales as the reference's integers.
+inline const uint8_t* record_at(const uint8_t* packed, const Layout& L, int64_t g, int64_t b) {
+  return packed + 64 + (g * L.blocks + b) * L.record;
+}
+
+struct ColumnScales {
+  int32_t s[2], sexp, min, mexp;  // S per half, E - top, M, F - top
 };
 
-inline GroupBlock group_block(const uint8_t* packed, const Layout& L, int64_t g, int64_t b) {
-  const int64_t gb = g * L.blocks + b;
-  GroupBlock p;
-  p.codes = packed + L.codes + gb * L.code_bytes;
-  p.scale = reinterpret_cast<const int32_t*>(packed + L.scale) + gb * L.per * GROUP;
-  p.sexp = reinterpret_cast<const int8_t*>(packed + L.sexp) + gb * GROUP;
-  p.min = L.kind.has_min ? reinterpret_cast<const int32_t*>(packed + L.min) + gb * GROUP : nullptr;
-  p.mexp = L.kind.has_min ? reinterpret_cast<const int8_t*>(packed + L.mexp) + gb * GROUP : nullptr;
-  return p;
+inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int j, int32_t top) {
+  ColumnScales c{{0, 0}, 0, 0, 0};
+  if (L.f16) {
+    uint16_t bits;
+    std::memcpy(&bits, rec + L.code_bytes + 2 * j, 2);
+    significand16(bits, &c.s[0], &c.sexp);
+    c.sexp -= top;
+    if (L.kind.has_min) {
+      std::memcpy(&bits, rec + L.min_at + 2 * j, 2);
+      significand16(bits, &c.min, &c.mexp);
+      c.mexp -= top;
+    }
+    return c;
+  }
+  for (int h = 0; h < L.per; ++h) std::memcpy(&c.s[h], rec + L.code_bytes + 4 * (h * GROUP + j), 4);
+  c.sexp = static_cast<int8_t>(rec[L.sexp_at + j]);
+  if (L.kind.has_min) {
+    std::memcpy(&c.min, rec + L.min_at + 4 * j, 4);
+    c.mexp = static_cast<int8_t>(rec[L.mexp_at + j]);
+  }
+  return c;
 }
 
 // Rows [r0, r1) of the output against column group g, in plain C++: acc[r][j] the int64 sums.
-[[maybe_unused]] void group_scalar(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1, int64_t g,
-                  int shift0, int64_t* acc) {
+[[maybe_unused]] void group_scalar(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0,
+                                   int64_t r1, int64_t g, int shift0, const int32_t* top, int64_t* acc) {
   const QKind& kd = L.kind;
   for (int64_t r = r0; r < r1; ++r) {
     const RowQ& row = rows[r];
     int64_t* a = acc + (r - r0) * GROUP;
     for (int j = 0; j < GROUP; ++j) a[j] = 0;
     for (int64_t b = 0; b < L.blocks; ++b) {
-      const GroupBlock p = group_block(packed, L, g, b);
+      const uint8_t* rec = record_at(packed, L, g, b);
       const int8_t* xq = row.xq.data() + b * BLOCK;
       const int kd_b = row.kdelta[b] + shift0;
       for (int j = 0; j < GROUP; ++j) {
+        const ColumnScales c = column_scales(rec, L, j, top[j]);
         int64_t term = 0;
         for (int h = 0; h < L.per; ++h) {
           int32_t dot = 0;
           for (int k = h * kd.sub; k < (h + 1) * kd.sub; ++k) {
-            const uint8_t byte = p.codes[code_index(kd.nibbles, j, k)];
+            const uint8_t byte = rec[code_index(kd.nibbles, j, k)];
             const int u = kd.nibbles ? (k / 4 >= 4 ? byte >> 4 : byte & 0x0F) : byte;
             dot += u * static_cast<int32_t>(xq[k]);
           }
           dot -= kd.offset * row.xsum[b * L.per + h];
-          term += static_cast<int64_t>(p.scale[h * GROUP + j]) * dot;
+          term += static_cast<int64_t>(c.s[h]) * dot;
         }
-        a[j] += on_grid(term, p.sexp[j] + kd_b, kd.term_bits);
-        if (p.min != nullptr) {
+        a[j] += on_grid(term, c.sexp + kd_b, kd.term_bits);
+        if (kd.has_min) {
           const int64_t xsum = L.per == 1 ? row.xsum[b] : row.xsum[2 * b] + row.xsum[2 * b + 1];
-          a[j] += on_grid(static_cast<int64_t>(p.min[j]) * xsum, p.mexp[j] + kd_b, kd.term_bits);
+          a[j] += on_grid(static_cast<int64_t>(c.min) * xsum, c.mexp + kd_b, kd.term_bits);
         }
       }
     }
@@ -205,71 +247,101 @@ inline void add_terms(__m512i* lo, __m512i* hi, __m512i ilo, __m512i ihi, __m512
   *hi = _mm512_add_epi64(*hi, _mm512_load_si512(fix + 8));
 }
 
+// 16 float16 scales (their bits) as significands dm and shifts de - top (significand16).
+inline void decode_f16(const uint8_t* p, __m512i top, __m512i* dm, __m512i* shift) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(v, 10), _mm512_set1_epi32(0x1F));
+  const __m512i f = _mm512_and_si512(v, _mm512_set1_epi32(0x3FF));
+  const __mmask16 normal = _mm512_test_epi32_mask(e, e);
+  const __m512i mag = _mm512_mask_or_epi32(f, normal, f, _mm512_set1_epi32(0x400));
+  const __mmask16 negative = _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x8000));
+  *dm = _mm512_mask_sub_epi32(mag, negative, _mm512_setzero_si512(), mag);
+  const __m512i de = _mm512_mask_sub_epi32(_mm512_set1_epi32(-24), normal, e, _mm512_set1_epi32(25));
+  *shift = _mm512_sub_epi32(de, top);
+}
+
+inline __m512i load_i8x16(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline __m512i widen_lo(__m512i v) { return _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)); }
 inline __m512i widen_hi(__m512i v) { return _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1)); }
 
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
-template <int R>
+// The kind's traits are template parameters, so the block loop has no branch left; each block
+// dot runs as two independent vpdpbusd chains (an integer sum: any split gives the same value).
+template <int R, bool F16, bool NIBBLES, int PER, bool HAS_MIN, int OFFSET>
 void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
-                int64_t* acc) {
-  const QKind& kd = L.kind;
+                const int32_t* top, int64_t* acc) {
+  const int term_bits = L.kind.term_bits;
   __m512i lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  const int8_t* xq_rows[R];
+  const int32_t* kdelta[R];
+  const int32_t* xsums[R];
+  for (int r = 0; r < R; ++r) {
+    xq_rows[r] = rows[r0 + r].xq.data();
+    kdelta[r] = rows[r0 + r].kdelta.data();
+    xsums[r] = rows[r0 + r].xsum.data();
+  }
+  const __m512i topv = _mm512_loadu_si512(top);
   for (int64_t b = 0; b < L.blocks; ++b) {
-    const GroupBlock p = group_block(packed, L, g, b);
+    const uint8_t* rec = record_at(packed, L, g, b);
     __m512i u[8];
-    if (kd.nibbles) {
+    if constexpr (NIBBLES) {
       for (int q = 0; q < 4; ++q) {
-        const __m512i v = _mm512_loadu_si512(p.codes + q * 64);
+        const __m512i v = _mm512_loadu_si512(rec + q * 64);
         u[q] = _mm512_and_si512(v, nib);
         u[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       }
     } else {
-      for (int q = 0; q < 8; ++q) u[q] = _mm512_loadu_si512(p.codes + q * 64);
+      for (int q = 0; q < 8; ++q) u[q] = _mm512_loadu_si512(rec + q * 64);
     }
-    const __m512i s0 = _mm512_loadu_si512(p.scale);
+    __m512i s0, sexp, mv = _mm512_setzero_si512(), mexp = mv;
+    if constexpr (F16) {
+      decode_f16(rec + L.code_bytes, topv, &s0, &sexp);
+      if constexpr (HAS_MIN) decode_f16(rec + L.min_at, topv, &mv, &mexp);
+    } else {
+      s0 = _mm512_loadu_si512(rec + L.code_bytes);
+      sexp = load_i8x16(rec + L.sexp_at);
+      if constexpr (HAS_MIN) {
+        mv = _mm512_loadu_si512(rec + L.min_at);
+        mexp = load_i8x16(rec + L.mexp_at);
+      }
+    }
     const __m512i s0lo = widen_lo(s0), s0hi = widen_hi(s0);
-    __m512i s1lo = s0lo, s1hi = s0hi;
-    if (L.per == 2) {
-      const __m512i s1 = _mm512_loadu_si512(p.scale + GROUP);
-      s1lo = widen_lo(s1);
-      s1hi = widen_hi(s1);
-    }
-    const __m512i sexp = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sexp)));
-    __m512i mlo = _mm512_setzero_si512(), mhi = mlo, mexp = mlo;
-    if (p.min != nullptr) {
-      const __m512i mv = _mm512_loadu_si512(p.min);
-      mlo = widen_lo(mv);
-      mhi = widen_hi(mv);
-      mexp = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mexp)));
-    }
+    const __m512i mlo = widen_lo(mv), mhi = widen_hi(mv);
     for (int r = 0; r < R; ++r) {
-      const RowQ& row = rows[r0 + r];
-      const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq.data() + b * BLOCK);
-      const int32_t* xsum = row.xsum.data() + b * L.per;
-      const __m512i kshift = _mm512_set1_epi32(row.kdelta[b] + shift0);
+      const int32_t* xq = reinterpret_cast<const int32_t*>(xq_rows[r] + b * BLOCK);
+      const int32_t* xsum = xsums[r] + b * PER;
+      const __m512i kshift = _mm512_set1_epi32(kdelta[r][b] + shift0);
+      // Quads c and c + 2 share a chain: four chains of two, summed per half (PER == 2) or whole.
+      __m512i d[4];
+      for (int c = 0; c < 4; ++c) {
+        const int q = (c & 1) + (c >> 1) * 4;  // chains start at quads 0, 1, 4, 5
+        d[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[q], _mm512_set1_epi32(xq[q]));
+        d[c] = _mm512_dpbusd_epi32(d[c], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
+      }
+      __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
       __m512i ilo, ihi;
-      if (L.per == 1) {
-        __m512i dot = _mm512_setzero_si512();
-        for (int q = 0; q < 8; ++q) dot = _mm512_dpbusd_epi32(dot, u[q], _mm512_set1_epi32(xq[q]));
-        if (kd.offset) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kd.offset * xsum[0]));
+      if constexpr (PER == 1) {
+        __m512i dot = _mm512_add_epi32(h0, h1);
+        if constexpr (OFFSET != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(OFFSET * xsum[0]));
         ilo = _mm512_mul_epi32(widen_lo(dot), s0lo);
         ihi = _mm512_mul_epi32(widen_hi(dot), s0hi);
-      } else {
-        __m512i d0 = _mm512_setzero_si512(), d1 = d0;
-        for (int q = 0; q < 4; ++q) d0 = _mm512_dpbusd_epi32(d0, u[q], _mm512_set1_epi32(xq[q]));
-        for (int q = 4; q < 8; ++q) d1 = _mm512_dpbusd_epi32(d1, u[q], _mm512_set1_epi32(xq[q]));
-        d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(kd.offset * xsum[0]));
-        d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(kd.offset * xsum[1]));
-        ilo = _mm512_add_epi64(_mm512_mul_epi32(widen_lo(d0), s0lo), _mm512_mul_epi32(widen_lo(d1), s1lo));
-        ihi = _mm512_add_epi64(_mm512_mul_epi32(widen_hi(d0), s0hi), _mm512_mul_epi32(widen_hi(d1), s1hi));
+      } else {  // two halves of 16, each with its own scale
+        h0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(OFFSET * xsum[0]));
+        h1 = _mm512_sub_epi32(h1, _mm512_set1_epi32(OFFSET * xsum[1]));
+        const __m512i s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);
+        ilo = _mm512_add_epi64(_mm512_mul_epi32(widen_lo(h0), s0lo), _mm512_mul_epi32(widen_lo(h1), widen_lo(s1)));
+        ihi = _mm512_add_epi64(_mm512_mul_epi32(widen_hi(h0), s0hi), _mm512_mul_epi32(widen_hi(h1), widen_hi(s1)));
       }
-      add_terms(&lo[r], &hi[r], ilo, ihi, _mm512_add_epi32(sexp, kshift), kd.term_bits);
-      if (p.min != nullptr) {
-        const __m512i xs = _mm512_set1_epi64(L.per == 1 ? xsum[0] : xsum[0] + xsum[1]);
+      add_terms(&lo[r], &hi[r], ilo, ihi, _mm512_add_epi32(sexp, kshift), term_bits);
+      if constexpr (HAS_MIN) {
+        const __m512i xs = _mm512_set1_epi64(xsum[0]);
         add_terms(&lo[r], &hi[r], _mm512_mul_epi32(mlo, xs), _mm512_mul_epi32(mhi, xs),
-                  _mm512_add_epi32(mexp, kshift), kd.term_bits);
+                  _mm512_add_epi32(mexp, kshift), term_bits);
       }
     }
   }
@@ -278,31 +350,53 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
     _mm512_storeu_si512(acc + r * GROUP + 8, hi[r]);
   }
 }
-#endif
 
-constexpr int ROW_TILE = 4;
-
-// Rows [r0, r1) against group g into acc [r1 - r0][16].
-void group_rows(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1, int64_t g,
-                int shift0, int64_t* acc) {
-#if defined(TF_QUANT_VNNI)
+template <bool F16, bool NIBBLES, int PER, bool HAS_MIN, int OFFSET>
+void group_rows_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1, int64_t g,
+                     int shift0, const int32_t* top, int64_t* acc) {
+  constexpr int TILE = 4;
   int64_t r = r0;
-  for (; r + ROW_TILE <= r1; r += ROW_TILE) group_vnni<ROW_TILE>(L, packed, rows, r, g, shift0, acc + (r - r0) * GROUP);
+  for (; r + TILE <= r1; r += TILE)
+    group_vnni<TILE, F16, NIBBLES, PER, HAS_MIN, OFFSET>(L, packed, rows, r, g, shift0, top, acc + (r - r0) * GROUP);
+  int64_t* tail = acc + (r - r0) * GROUP;
   switch (r1 - r) {
-    case 3: group_vnni<3>(L, packed, rows, r, g, shift0, acc + (r - r0) * GROUP); break;
-    case 2: group_vnni<2>(L, packed, rows, r, g, shift0, acc + (r - r0) * GROUP); break;
-    case 1: group_vnni<1>(L, packed, rows, r, g, shift0, acc + (r - r0) * GROUP); break;
+    case 3: group_vnni<3, F16, NIBBLES, PER, HAS_MIN, OFFSET>(L, packed, rows, r, g, shift0, top, tail); break;
+    case 2: group_vnni<2, F16, NIBBLES, PER, HAS_MIN, OFFSET>(L, packed, rows, r, g, shift0, top, tail); break;
+    case 1: group_vnni<1, F16, NIBBLES, PER, HAS_MIN, OFFSET>(L, packed, rows, r, g, shift0, top, tail); break;
     default: break;
   }
+}
+#endif
+
+// Rows [r0, r1) against group g into acc [r1 - r0][16]; top: the group's 16 column tops.
+void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1,
+                int64_t g, int shift0, const int32_t* top, int64_t* acc) {
+#if defined(TF_QUANT_VNNI)
+  const auto run = [&](auto f16) {
+    constexpr bool F = decltype(f16)::value;
+    switch (kind) {  // quant_gemm.TYPES order; the traits as in KINDS
+      case 0: return group_rows_vnni<F, false, 1, false, 128>(L, packed, rows, r0, r1, g, shift0, top, acc);
+      case 1: return group_rows_vnni<F, true, 1, false, 8>(L, packed, rows, r0, r1, g, shift0, top, acc);
+      case 2: return group_rows_vnni<F, true, 1, true, 0>(L, packed, rows, r0, r1, g, shift0, top, acc);
+      case 3: return group_rows_vnni<F, true, 1, true, 0>(L, packed, rows, r0, r1, g, shift0, top, acc);
+      case 4: return group_rows_vnni<F, false, 1, true, 0>(L, packed, rows, r0, r1, g, shift0, top, acc);
+      default: return group_rows_vnni<F, false, 2, false, 32>(L, packed, rows, r0, r1, g, shift0, top, acc);
+    }
+  };
+  if (L.f16)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
 #else
-  group_scalar(L, packed, rows, r0, r1, g, shift0, acc);
+  (void)kind;
+  group_scalar(L, packed, rows, r0, r1, g, shift0, top, acc);
 #endif
 }
 
 template <typename T>
 void quant_linear_impl(const T* x, const uint8_t* packed, T* out, int64_t M, int64_t N, int64_t K, int threads) {
   const Header* h = reinterpret_cast<const Header*>(packed);
-  const Layout L(static_cast<int>(h->kind), N, K);
+  const Layout L(static_cast<int>(h->kind), h->f16 != 0, N, K);
   const QKind& kd = L.kind;
   std::vector<RowQ> rows(M);
   for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, L.blocks, kd.sub, &rows[r]);
@@ -310,33 +404,55 @@ void quant_linear_impl(const T* x, const uint8_t* packed, T* out, int64_t M, int
   const int shift0 = 62 - log_terms - kd.term_bits;  // a term's shift: (E - top) + (k - kmax) + shift0
   const int32_t* top = reinterpret_cast<const int32_t*>(packed + L.top);
   constexpr int64_t ROWS_PER_PASS = 64;  // rows whose activations stay in cache while a group runs
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && L.groups > 1)
-  for (int64_t g = 0; g < L.groups; ++g) {
+  // Tasks are runs of neighbouring groups (records back to back: one stream per thread); a few
+  // per thread, taken dynamically, so a thread the OS parks takes fewer instead of stalling all.
+  const int64_t tasks = std::min<int64_t>(L.groups, threads > 1 ? 4 * threads : 1);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
     int64_t acc[ROWS_PER_PASS * GROUP];
-    const int64_t cols = std::min<int64_t>(GROUP, N - g * GROUP);
-    for (int64_t r0 = 0; r0 < M; r0 += ROWS_PER_PASS) {
-      const int64_t r1 = std::min(M, r0 + ROWS_PER_PASS);
-      group_rows(L, packed, rows.data(), r0, r1, g, shift0, acc);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t j = 0; j < cols; ++j) {
-          const int grid = top[g * GROUP + j] + rows[r].kmax + kd.term_bits - 62 + log_terms;
-          const double y = static_cast<double>(acc[(r - r0) * GROUP + j]) * pow2(grid);
-          out[r * N + g * GROUP + j] = from_f32<T>(static_cast<float>(y));
-        }
+    for (int64_t g = t * L.groups / tasks; g < (t + 1) * L.groups / tasks; ++g) {
+      const int64_t cols = std::min<int64_t>(GROUP, N - g * GROUP);
+      for (int64_t r0 = 0; r0 < M; r0 += ROWS_PER_PASS) {
+        const int64_t r1 = std::min(M, r0 + ROWS_PER_PASS);
+        group_rows(L, static_cast<int>(h->kind), packed, rows.data(), r0, r1, g, shift0, top + g * GROUP, acc);
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t j = 0; j < cols; ++j) {
+            const int grid = top[g * GROUP + j] + rows[r].kmax + kd.term_bits - 62 + log_terms;
+            const double y = static_cast<double>(acc[(r - r0) * GROUP + j]) * pow2(grid);
+            out[r * N + g * GROUP + j] = from_f32<T>(static_cast<float>(y));
+          }
+      }
     }
   }
 }
 
+// Whether every scale of the weight is a float16's significand and exponent (so the packed form
+// can keep the float16 bits): the 32-weight types as GGUF stores them.
+bool f16_scales(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min, const int32_t* min_exp,
+                int64_t N, int64_t K) {
+  if (kind > 2) return false;
+  const int64_t count = N * (K / BLOCK);
+  for (int64_t i = 0; i < count; ++i) {
+    if (float16_bits(scale[i], scale_exp[i]) < 0) return false;
+    if (min != nullptr && float16_bits(min[i], min_exp[i]) < 0) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
-int64_t quant_packed_bytes(int kind, int64_t N, int64_t K) { return Layout(kind, N, K).total; }
+int64_t quant_packed_bytes(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
+                           const int32_t* min_exp, int64_t N, int64_t K) {
+  return Layout(kind, f16_scales(kind, scale, scale_exp, min, min_exp, N, K), N, K).total;
+}
 
 void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
                 const int32_t* min_exp, uint8_t* packed, int64_t N, int64_t K) {
-  const Layout L(kind, N, K);
+  const bool f16 = f16_scales(kind, scale, scale_exp, min, min_exp, N, K);
+  const Layout L(kind, f16, N, K);
   const QKind& kd = L.kind;
   std::memset(packed, 0, L.total);
-  const Header h{MAGIC, kind, N, K};
+  const Header h{MAGIC, kind, N, K, f16 ? 1 : 0};
   std::memcpy(packed, &h, sizeof(h));
   int32_t* top = reinterpret_cast<int32_t*>(packed + L.top);
   const int64_t scales_per_row = K / kd.sub;
@@ -350,19 +466,27 @@ void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32
     const int64_t g = n / GROUP;
     const int j = static_cast<int>(n % GROUP);
     for (int64_t b = 0; b < L.blocks; ++b) {
-      const int64_t gb = g * L.blocks + b;
-      uint8_t* c = packed + L.codes + gb * L.code_bytes;
+      uint8_t* rec = packed + 64 + (g * L.blocks + b) * L.record;
       for (int k = 0; k < BLOCK; ++k) {
         const uint8_t u = static_cast<uint8_t>(codes[n * K + b * BLOCK + k] + kd.offset);
-        const int64_t at = code_index(kd.nibbles, j, k);
-        c[at] |= kd.nibbles && k / 4 >= 4 ? static_cast<uint8_t>(u << 4) : u;
+        rec[code_index(kd.nibbles, j, k)] |= kd.nibbles && k / 4 >= 4 ? static_cast<uint8_t>(u << 4) : u;
       }
-      int32_t* s = reinterpret_cast<int32_t*>(packed + L.scale) + gb * L.per * GROUP;
-      for (int hh = 0; hh < L.per; ++hh) s[hh * GROUP + j] = scale[n * scales_per_row + b * L.per + hh];
-      reinterpret_cast<int8_t*>(packed + L.sexp)[gb * GROUP + j] = static_cast<int8_t>(scale_exp[n * L.blocks + b] - t);
+      const int64_t nb = n * L.blocks + b;
+      if (f16) {
+        const uint16_t d = static_cast<uint16_t>(float16_bits(scale[nb], scale_exp[nb]));
+        std::memcpy(rec + L.code_bytes + 2 * j, &d, 2);
+        if (kd.has_min) {
+          const uint16_t m = static_cast<uint16_t>(float16_bits(min[nb], min_exp[nb]));
+          std::memcpy(rec + L.min_at + 2 * j, &m, 2);
+        }
+        continue;
+      }
+      for (int hh = 0; hh < L.per; ++hh)
+        std::memcpy(rec + L.code_bytes + 4 * (hh * GROUP + j), &scale[n * scales_per_row + b * L.per + hh], 4);
+      rec[L.sexp_at + j] = static_cast<uint8_t>(static_cast<int8_t>(scale_exp[nb] - t));
       if (kd.has_min) {
-        reinterpret_cast<int32_t*>(packed + L.min)[gb * GROUP + j] = min[n * L.blocks + b];
-        reinterpret_cast<int8_t*>(packed + L.mexp)[gb * GROUP + j] = static_cast<int8_t>(min_exp[n * L.blocks + b] - t);
+        std::memcpy(rec + L.min_at + 4 * j, &min[nb], 4);
+        rec[L.mexp_at + j] = static_cast<uint8_t>(static_cast<int8_t>(min_exp[nb] - t));
       }
     }
   }
@@ -371,8 +495,8 @@ void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32
 bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64_t K) {
   if (bytes < static_cast<int64_t>(sizeof(Header))) return false;
   const Header* h = reinterpret_cast<const Header*>(packed);
-  return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < 6 &&
-         bytes == quant_packed_bytes(static_cast<int>(h->kind), N, K);
+  return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < 6 && (h->f16 == 0 || h->f16 == 1) &&
+         bytes == Layout(static_cast<int>(h->kind), h->f16 != 0, N, K).total;
 }
 
 void quant_linear(int dtype, const void* x, const uint8_t* packed, void* out, int64_t M, int64_t N, int64_t K,

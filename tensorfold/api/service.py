@@ -146,6 +146,7 @@ class Service:
             "exact": self.engine.exact,
             "backend": self.engine.config.backend,
             "ops": self.engine.model.ops.NAME,
+            "weights": self.engine.model.weight_formats(),
             "model_card": self.card.name if self.card else None,
             "busy": self.engine.has_work(),
             "requests_running": len(self.replies),

@@ -4,7 +4,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "float32"
+    dtype: str = "auto"              # auto: GGUF blocks kept as stored, float32 activations;
+                                     # float32 / bfloat16: every weight dequantized to it
+    quantize: str | None = None      # q8_0 / q4_0: a Hugging Face checkpoint's GEMM weights
+                                     # quantized at load
     context: int | None = None       # served window; None = the model's max_position_embeddings
     max_num_seqs: int = 8
     max_tokens_per_step: int = 512   # the prefill chunk

@@ -13,12 +13,12 @@ from tensorfold.backends import backend_ops
 from tensorfold.engine.block_pool import BlockPool
 from tensorfold.engine.probes import probe_ops
 from tensorfold.models.forward_batch import KVCache
-from tensorfold.models.loader import build_model, load_checkpoint
+from tensorfold.models.loader import build_model, load_checkpoint, quantize_checkpoint
 from tensorfold.models.tokenizer import Tokenizer
 
 log = logging.getLogger("tensorfold.engine")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}  # activations, KV cache
 
 
 @dataclass
@@ -39,12 +39,16 @@ class Memory:
 
 
 def load_model(model_path: str | None, config) -> LoadedModel:
-    checkpoint = load_checkpoint(model_path)
+    checkpoint = load_checkpoint(model_path, keep_quantized=config.dtype == "auto")
+    if config.quantize:
+        quantize_checkpoint(checkpoint, config.quantize)
     tokenizer = Tokenizer.from_checkpoint(checkpoint)
     device = torch.device(config.device or config.backend)
     model = build_model(checkpoint, DTYPES[config.dtype], backend_ops(config.backend), device)
     checkpoint.tensors = {}  # the model holds its own (converted) copies
-    _return_freed_heap()     # the dequantization's scratch (~0.4 GiB for the default model)
+    _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)
+    formats = model.weight_formats()
+    log.info("GEMM weights: %s", ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items())))
     failures = probe_ops(model, model.ops) if config.probe else []
     if failures:
         # Without a batch-invariant forward, batching, chunking and drafting could change a

@@ -9,7 +9,8 @@ from tensorfold.models.progress import LoadProgress
 from tensorfold.models.registry import model_class
 
 
-def load_checkpoint(path: str | None = None) -> Checkpoint:
+def load_checkpoint(path: str | None = None, keep_quantized: bool = False) -> Checkpoint:
+    """keep_quantized: a GGUF's block-quantized matrices stay QuantWeights (else dequantized)."""
     from tensorfold.models import gguf_file
     from tensorfold.models.hf_dir import load_hf_dir
 
@@ -20,8 +21,28 @@ def load_checkpoint(path: str | None = None) -> Checkpoint:
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
     if path.endswith(".gguf"):
-        return gguf_file.load_gguf(path)
+        return gguf_file.load_gguf(path, keep_quantized=keep_quantized)
     raise CheckpointError(f"{path}: expected a Hugging Face directory or a .gguf file")
+
+
+QUANTIZABLE = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")  # the GEMM matrices (and the tied head)
+
+
+def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
+    """--quantize: every dense GEMM matrix of `ckpt` to `kind` blocks, in place (deterministic:
+    gguf's quantizer, byte for byte). A checkpoint already in blocks is refused."""
+    from tensorfold.kernels.quant_gemm import QuantWeight
+    from tensorfold.models.quantize import quantize
+
+    if any(isinstance(t, QuantWeight) for t in ckpt.tensors.values()):
+        raise CheckpointError(f"{ckpt.path}: --quantize is for dense checkpoints; this one is already in blocks "
+                              "(served as stored)")
+    for name, tensor in list(ckpt.tensors.items()):
+        if name.endswith(QUANTIZABLE) and tensor.dim() == 2:
+            if tensor.shape[1] % 32:
+                raise CheckpointError(f"{ckpt.path}: --quantize {kind}: {name} has {tensor.shape[1]} columns, "
+                                      "not a multiple of 32")
+            ckpt.tensors[name] = quantize(tensor, kind)
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu"):
