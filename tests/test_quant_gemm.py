@@ -51,13 +51,21 @@ def oracle(x: torch.Tensor, kind: str, q: torch.Tensor, d: torch.Tensor, m) -> l
     offset = 8 if kind == "q4_0" else 0
     out = []
     for row in x.float().tolist():
-        xq, ks = [], []
+        xq, ms, ks = [], [], []
         for b in range(nb):
             block = row[32 * b:32 * (b + 1)]
             amax = max(abs(v) for v in block)
-            e = math.floor(math.log2(amax)) if amax > 0 else -127
-            xq += [max(-127, min(127, round(v * 2.0 ** (6 - e)))) for v in block]  # round(): half to even
-            ks.append(e - 6)
+            if amax < 2.0 ** -126:
+                xq += [0] * 32
+                ms.append(0)
+                ks.append(-141)
+                continue
+            e = math.frexp(amax)[1] - 1                    # floor(log2(amax)), exactly
+            sig = int(amax * 2.0 ** (23 - e))              # the 24-bit significand
+            m_b = -(-sig // (127 * 512))                   # ceil
+            xq += [max(-127, min(127, round(v * 2.0 ** (14 - e) / m_b))) for v in block]  # round(): half to even
+            ms.append(m_b)
+            ks.append(e - 14)
         line = []
         for j in range(n):
             terms, top = [], []
@@ -66,13 +74,13 @@ def oracle(x: torch.Tensor, kind: str, q: torch.Tensor, d: torch.Tensor, m) -> l
                 xb = xq[32 * b:32 * (b + 1)]
                 a = sum((ci - offset) * qi for ci, qi in zip(c, xb))
                 dm, de = frexp16(float(d[j, b]))
-                terms.append((dm * a, de + ks[b]))
+                terms.append((dm * a * ms[b], de + ks[b]))
                 top.append(de)
                 if kind == "q4_1":
                     mm, me = frexp16(float(m[j, b]))
-                    terms.append((mm * sum(xb), me + ks[b]))
+                    terms.append((mm * sum(xb) * ms[b], me + ks[b]))
                     top.append(me)
-            g = max(top) + max(ks) + 31 - 62 + math.ceil(math.log2(len(terms)))
+            g = max(top) + max(ks) + 40 - 62 + math.ceil(math.log2(len(terms)))
             total = sum(shift_round(i, s - g) for i, s in terms)
             line.append(float(torch.tensor(float(total) * 2.0 ** g, dtype=torch.float32)))
         out.append(line)
@@ -129,8 +137,9 @@ def test_blocks_mean_what_gguf_says_and_the_product_is_close(kind, qtype):
     x = torch.randn(4, 128, generator=rng)
     exact = x.double() @ w.dequantize().double().T
     got = qg.linear(x, w).double()
-    # 7-bit activations: each block's error is at most half a step of 2^k, times the block's |w|
-    bound = (w.dequantize().double().abs() @ (x.abs().double() * 2.0 ** -6).T).T
+    # int8 activations: each block's error is at most half a step, m 2^k <= amax / 127 (1 + 1/129)
+    amax = x.abs().reshape(4, -1, 32).amax(-1).repeat_interleave(32, dim=1).double()
+    bound = (w.dequantize().double().abs() @ (amax / 127 * (1 + 1 / 129) / 2).T).T
     assert bool(((got - exact).abs() <= bound + 1e-6).all())
 
 
@@ -160,3 +169,11 @@ def random_generic(rng: torch.Generator, kind: str, n: int, k: int) -> qg.QuantW
         return qg.QuantWeight(kind, codes, scale, exps())
     mins = torch.randint(-bound, bound + 1, (n, k // 32), generator=rng, dtype=torch.int32)
     return qg.QuantWeight(kind, codes, scale, exps(), mins, exps())
+
+
+def test_an_infinite_or_nan_scale_is_refused():
+    q = torch.zeros(2, 32, dtype=torch.uint8)
+    for bad in (float("inf"), float("nan")):
+        d = torch.tensor([[1.0], [bad]]).half()
+        with pytest.raises(ValueError, match="infinite or NaN"):
+            qg.from_legacy("q4_0", q, d)

@@ -25,6 +25,8 @@ int64_t quant_packed_bytes(int kind, const int32_t* scale, const int32_t* scale_
 void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
                 const int32_t* min_exp, uint8_t* packed, int64_t N, int64_t K);
 bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64_t K);
+// Rows `ids` of a packed weight as float32 [count, K] (QuantWeight.rows(ids).dequantize()).
+void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float* out, int64_t N, int64_t K);
 void quant_linear(int dtype, const void* x, const uint8_t* packed, void* out, int64_t M, int64_t N, int64_t K,
                   int threads);
 

@@ -119,6 +119,21 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   return out;
 }
 
+// QuantWeight.rows(ids).dequantize() from a packed weight of [n, k]: an embedding lookup.
+torch::Tensor quant_rows(const torch::Tensor& packed, const torch::Tensor& ids, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  tf::quant_packed_matches(packed.data_ptr<uint8_t>(), packed.numel(), n, k),
+              "quant_rows: not a packed quantized weight of [", n, ", ", k, "]");
+  check_cpu(ids, "quant_rows: ids");
+  auto idc = ids.to(torch::kInt64).contiguous().view({-1});
+  const int64_t* p = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idc.numel(); ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < n, "quant_rows: id ", p[i], " outside [0, ", n, ")");
+  auto out = torch::empty({idc.numel(), k}, torch::kFloat32);
+  tf::quant_rows(packed.data_ptr<uint8_t>(), p, idc.numel(), out.data_ptr<float>(), n, k);
+  return out;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_impl(const torch::Tensor& x, const Out& residual,
                                                            const torch::Tensor& weight, double eps, const Out& out_arg) {
   check_cpu(x, "rms_norm: x");
@@ -356,6 +371,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quant", &pack_quant, "quant_gemm.QuantWeight's fields in the quantized GEMM's packed layout",
         py::arg("kind"), py::arg("codes"), py::arg("scale"), py::arg("scale_exp"), py::arg("min") = py::none(),
         py::arg("min_exp") = py::none());
+  m.def("quant_rows", &quant_rows, "rows of a packed quantized weight, dequantized to float32 (an embedding)",
+        py::arg("packed"), py::arg("ids"), py::arg("n"), py::arg("k"));
   m.def("quant_linear", &quant_linear, "kernels/quant_gemm.linear with a weight from pack_quant, of shape [n, k]",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("k"), out);
   m.def("pack_weight", &pack_weight, "weight [N, K] in the GEMM's tile layout (1-D)", py::arg("weight"));

@@ -32,7 +32,8 @@ namespace {
 
 constexpr int BLOCK = 32;
 constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
-constexpr int X_BITS = 7;     // |xq| < 2^7
+constexpr int X_MAX = 127;    // |xq| <= 127
+constexpr int ZERO_K = -141;  // k of a zero block (its m is 0)
 constexpr int64_t MAGIC = 0x544651554e540002;  // "TFQUNT" v2
 
 struct QKind {
@@ -43,8 +44,8 @@ struct QKind {
   bool nibbles;    // u < 16: two codes to a byte
 };
 // In quant_gemm.KINDS order: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k.
-constexpr QKind KINDS[] = {{32, 31, false, 128, false}, {32, 31, false, 8, true}, {32, 31, true, 0, true},
-                           {32, 33, true, 0, true},     {32, 34, true, 0, false}, {16, 35, false, 32, false}};
+constexpr QKind KINDS[] = {{32, 40, false, 128, false}, {32, 40, false, 8, true}, {32, 40, true, 0, true},
+                           {32, 42, true, 0, true},     {32, 43, true, 0, false}, {16, 44, false, 32, false}};
 
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
@@ -121,11 +122,12 @@ inline int64_t on_grid(int64_t value, int shift, int term_bits) {
   return floor + ((rem > half || (rem == half && (floor & 1))) ? 1 : 0);
 }
 
-// One row's activations: xq = clamp(round_even(x 2^(6 - e)), -127, 127) per block of 32,
-// k - kmax per block (kmax the row's largest k = e - 6), and sums of xq per sub-block.
+// One row's activations (quant_gemm.quantize_activations): per block of 32, xq int8 against
+// m 2^k, m = ceil(sig(amax) / (127 2^9)), k = e - 14, xq = round_even(x 2^-k / m); here k - kmax
+// (kmax the row's largest k), the sums of xq per sub-block, and the whole block's sum times m.
 struct RowQ {
   std::vector<int8_t> xq;
-  std::vector<int32_t> kdelta, xsum;
+  std::vector<int32_t> m, kdelta, xsum, xsum_m;
   int kmax = 0;
 };
 
@@ -133,8 +135,10 @@ template <typename T>
 void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   const int per = BLOCK / sub;
   row->xq.resize(blocks * BLOCK);
+  row->m.resize(blocks);
   row->kdelta.resize(blocks);
   row->xsum.resize(blocks * per);
+  row->xsum_m.resize(blocks);
   std::vector<int> k(blocks);
   int kmax = -(1 << 20);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -142,18 +146,30 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
     uint32_t top = 0;
     for (int i = 0; i < BLOCK; ++i) top = std::max(top, f32_bits(to_f32(v[i])) & 0x7FFFFFFFu);
     const int e = exponent(f32_from_bits(top));
-    const double scale = pow2(X_BITS - 1 - e);
-    for (int h = 0; h < per; ++h) {
-      int32_t sum = 0;
-      for (int i = h * sub; i < (h + 1) * sub; ++i) {
-        double r = round_even(static_cast<double>(to_f32(v[i])) * scale);
-        r = std::min(127.0, std::max(-127.0, r));
-        row->xq[b * BLOCK + i] = static_cast<int8_t>(r);
-        sum += static_cast<int32_t>(r);
+    int32_t m = 0, total = 0;
+    if (e == -127) {  // zero or subnormal: a zero block
+      std::memset(row->xq.data() + b * BLOCK, 0, BLOCK);
+      for (int h = 0; h < per; ++h) row->xsum[b * per + h] = 0;
+      k[b] = ZERO_K;
+    } else {
+      const int32_t sig = static_cast<int32_t>((top & 0x7FFFFFu) | 0x800000u);
+      m = (sig + X_MAX * 512 - 1) / (X_MAX * 512);
+      k[b] = e - 14;
+      const double up = pow2(14 - e), md = static_cast<double>(m);
+      for (int h = 0; h < per; ++h) {
+        int32_t sum = 0;
+        for (int i = h * sub; i < (h + 1) * sub; ++i) {
+          double r = round_even((static_cast<double>(to_f32(v[i])) * up) / md);
+          r = std::min(127.0, std::max(-127.0, r));
+          row->xq[b * BLOCK + i] = static_cast<int8_t>(r);
+          sum += static_cast<int32_t>(r);
+        }
+        row->xsum[b * per + h] = sum;
+        total += sum;
       }
-      row->xsum[b * per + h] = sum;
     }
-    k[b] = e - (X_BITS - 1);
+    row->m[b] = m;
+    row->xsum_m[b] = total * m;
     kmax = std::max(kmax, k[b]);
   }
   for (int64_t b = 0; b < blocks; ++b) row->kdelta[b] = std::max(k[b] - kmax, -1000);
@@ -215,13 +231,11 @@ inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int j, in
             dot += u * static_cast<int32_t>(xq[k]);
           }
           dot -= kd.offset * row.xsum[b * L.per + h];
-          term += static_cast<int64_t>(c.s[h]) * dot;
+          term += static_cast<int64_t>(c.s[h]) * (dot * row.m[b]);
         }
         a[j] += on_grid(term, c.sexp + kd_b, kd.term_bits);
-        if (kd.has_min) {
-          const int64_t xsum = L.per == 1 ? row.xsum[b] : row.xsum[2 * b] + row.xsum[2 * b + 1];
-          a[j] += on_grid(static_cast<int64_t>(c.min) * xsum, c.mexp + kd_b, kd.term_bits);
-        }
+        if (kd.has_min)
+          a[j] += on_grid(static_cast<int64_t>(c.min) * row.xsum_m[b], c.mexp + kd_b, kd.term_bits);
       }
     }
   }
@@ -280,10 +294,14 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
   const int8_t* xq_rows[R];
   const int32_t* kdelta[R];
   const int32_t* xsums[R];
+  const int32_t* ms[R];
+  const int32_t* xsums_m[R];
   for (int r = 0; r < R; ++r) {
     xq_rows[r] = rows[r0 + r].xq.data();
     kdelta[r] = rows[r0 + r].kdelta.data();
     xsums[r] = rows[r0 + r].xsum.data();
+    ms[r] = rows[r0 + r].m.data();
+    xsums_m[r] = rows[r0 + r].xsum_m.data();
   }
   const __m512i topv = _mm512_loadu_si512(top);
   for (int64_t b = 0; b < L.blocks; ++b) {
@@ -324,22 +342,24 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
         d[c] = _mm512_dpbusd_epi32(d[c], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
       }
       __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
+      const __m512i m = _mm512_set1_epi32(ms[r][b]);  // A m < 2^19 2^9: int32
       __m512i ilo, ihi;
       if constexpr (PER == 1) {
         __m512i dot = _mm512_add_epi32(h0, h1);
         if constexpr (OFFSET != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(OFFSET * xsum[0]));
+        dot = _mm512_mullo_epi32(dot, m);
         ilo = _mm512_mul_epi32(widen_lo(dot), s0lo);
         ihi = _mm512_mul_epi32(widen_hi(dot), s0hi);
       } else {  // two halves of 16, each with its own scale
-        h0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(OFFSET * xsum[0]));
-        h1 = _mm512_sub_epi32(h1, _mm512_set1_epi32(OFFSET * xsum[1]));
+        h0 = _mm512_mullo_epi32(_mm512_sub_epi32(h0, _mm512_set1_epi32(OFFSET * xsum[0])), m);
+        h1 = _mm512_mullo_epi32(_mm512_sub_epi32(h1, _mm512_set1_epi32(OFFSET * xsum[1])), m);
         const __m512i s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);
         ilo = _mm512_add_epi64(_mm512_mul_epi32(widen_lo(h0), s0lo), _mm512_mul_epi32(widen_lo(h1), widen_lo(s1)));
         ihi = _mm512_add_epi64(_mm512_mul_epi32(widen_hi(h0), s0hi), _mm512_mul_epi32(widen_hi(h1), widen_hi(s1)));
       }
       add_terms(&lo[r], &hi[r], ilo, ihi, _mm512_add_epi32(sexp, kshift), term_bits);
       if constexpr (HAS_MIN) {
-        const __m512i xs = _mm512_set1_epi64(xsum[0]);
+        const __m512i xs = _mm512_set1_epi64(xsums_m[r][b]);
         add_terms(&lo[r], &hi[r], _mm512_mul_epi32(mlo, xs), _mm512_mul_epi32(mhi, xs),
                   _mm512_add_epi32(mexp, kshift), term_bits);
       }
@@ -497,6 +517,30 @@ bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64
   const Header* h = reinterpret_cast<const Header*>(packed);
   return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < 6 && (h->f16 == 0 || h->f16 == 1) &&
          bytes == Layout(static_cast<int>(h->kind), h->f16 != 0, N, K).total;
+}
+
+void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float* out, int64_t N, int64_t K) {
+  const Header* h = reinterpret_cast<const Header*>(packed);
+  const Layout L(static_cast<int>(h->kind), h->f16 != 0, N, K);
+  const QKind& kd = L.kind;
+  const int32_t* top = reinterpret_cast<const int32_t*>(packed + L.top);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = ids[i], g = n / GROUP;
+    const int j = static_cast<int>(n % GROUP);
+    for (int64_t b = 0; b < L.blocks; ++b) {
+      const uint8_t* rec = record_at(packed, L, g, b);
+      const ColumnScales c = column_scales(rec, L, j, top[n]);
+      const float low = kd.has_min ? static_cast<float>(static_cast<double>(c.min) * pow2(c.mexp + top[n])) : 0.0f;
+      for (int k = 0; k < BLOCK; ++k) {
+        const uint8_t byte = rec[code_index(kd.nibbles, j, k)];
+        const int code = (kd.nibbles ? (k / 4 >= 4 ? byte >> 4 : byte & 0x0F) : byte) - kd.offset;
+        const int64_t sc = c.s[k / kd.sub];
+        float w = static_cast<float>(static_cast<double>(sc * code) * pow2(c.sexp + top[n]));
+        if (kd.has_min) w = w + low;
+        out[i * K + b * BLOCK + k] = w;
+      }
+    }
+  }
 }
 
 void quant_linear(int dtype, const void* x, const uint8_t* packed, void* out, int64_t M, int64_t N, int64_t K,

@@ -9,12 +9,17 @@ a weight is w = S c 2^E (+ M 2^F). Both S 2^E and M 2^F are the file's own float
 (times the K-quants' 6- or 8-bit sub-block scales), exactly. The arithmetic, per output
 y[r, n] = sum_k x[r, k] w[n, k]:
 
-1. Activations, per row and block of 32 (row-local, deterministic): e = exponent(max |x|) (the
-   project's exponent: floor(log2) from the float bits, -127 for zero), xq = round_even(x 2^(6-e))
-   clamped to [-127, 127] (int8), so x ~ xq 2^k with k = e - 6; and xsum = sum xq.
+1. Activations, per row and block of 32 (row-local, deterministic), to int8 against a scale
+   m 2^k with a 9-bit integer m, so that the codes fill [-127, 127] (a power of two alone would
+   leave up to a bit unused, and the small models notice: docs/kernels.md). With amax = max |x|
+   (float32), e = exponent(amax) and sig its 24-bit significand: m = ceil(sig / (127 * 2^9)) (an
+   integer in [130, 258]), k = e - 14, so m 2^k >= amax / 127 by the least step; then
+   xq = round_even(float64(x 2^-k) / m) (one IEEE division, the same everywhere), clamped to
+   [-127, 127]; xsum = sum xq. A block whose amax is below 2^-126 (zero, or subnormal) is zero:
+   xq = 0, m = 0, k = -141.
 2. Per block b an integer dot for each sub-block h, A[b, h] = sum c xq, and the block's terms,
-   each an integer I times a power of two: (sum_h S[b, h] A[b, h]) 2^(E[b] + k[b]), and with a
-   minimum also M[b] xsum[b] 2^(F[b] + k[b]). Every |I| < 2^T, T the type's TERM_BITS.
+   each an integer I times a power of two: (sum_h S[b, h] A[b, h]) m[b] 2^(E[b] + k[b]), and with
+   a minimum also M[b] xsum[b] m[b] 2^(F[b] + k[b]). Every |I| < 2^T, T the type's TERM_BITS.
 3. The terms of one output are summed on one integer grid 2^g, g = top[n] + kmax[r] + T - 62 +
    ceil(log2(#terms)), where top[n] is the largest E or F of weight row n and kmax[r] the largest
    k of activation row r: every term is below 2^(top + kmax + T), so the whole sum stays below
@@ -35,7 +40,8 @@ import torch
 from tensorfold.kernels.exact import exponent, pow2
 
 BLOCK = 32
-X_BITS = 7            # |xq| < 2^X_BITS
+X_MAX = 127           # |xq| <= X_MAX
+ZERO_K = -141         # k of a zero block (its m is 0)
 ROW_CHUNK = 8
 
 
@@ -48,15 +54,16 @@ class Kind:
 
 
 # Term bounds: |S| < 2^11 (a float16 significand) times the K-quants' sub-block scale (6 bits, or
-# 8 signed for q6_k); |A| <= 32 max|c| 127. q8_0: 2^11 * 128*127*32 < 2^31; q4_k: 2^17 * 15*127*32
-# < 2^33; q5_k: 2^17 * 31*127*32 < 2^34; q6_k: two halves of 2^18 * 32*127*16 < 2^35.
+# 8 signed for q6_k); |A| <= 32 max|c| 127; m < 2^9. q8_0: 2^11 * 128*127*32 * 2^9 < 2^40; q4_k:
+# 2^17 * 15*127*32 * 2^9 < 2^42; q5_k: 2^17 * 31*127*32 * 2^9 < 2^43; q6_k: two halves of
+# 2^18 * 32*127*16 * 2^9 < 2^44. Minimum terms stay below: 2^17 * 127*32 * 2^9 < 2^38.
 KINDS = {
-    "q8_0": Kind(32, 31, False, 8),
-    "q4_0": Kind(32, 31, False, 4),
-    "q4_1": Kind(32, 31, True, 4),
-    "q4_k": Kind(32, 33, True, 4),
-    "q5_k": Kind(32, 34, True, 5),
-    "q6_k": Kind(16, 35, False, 6),
+    "q8_0": Kind(32, 40, False, 8),
+    "q4_0": Kind(32, 40, False, 4),
+    "q4_1": Kind(32, 40, True, 4),
+    "q4_k": Kind(32, 42, True, 4),
+    "q5_k": Kind(32, 43, True, 5),
+    "q6_k": Kind(16, 44, False, 6),
 }
 TYPES = tuple(KINDS)
 
@@ -113,8 +120,11 @@ def cat(parts: list[QuantWeight]) -> QuantWeight:
 
 
 def significand(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 h -> (dm, de) int32 with h == dm 2^de exactly, |dm| < 2^11 (zero: dm = 0, de = -24)."""
+    """float16 h -> (dm, de) int32 with h == dm 2^de exactly, |dm| < 2^11 (zero: dm = 0, de = -24).
+    An infinite or NaN scale has no such form: ValueError."""
     bits = h.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    if bool(((bits >> 10) & 0x1F).eq(0x1F).any()):
+        raise ValueError("a block scale is infinite or NaN")
     sign = torch.where(bits >> 15 == 1, -1, 1)
     exp = (bits >> 10) & 0x1F
     frac = bits & 0x3FF
@@ -135,14 +145,21 @@ def from_legacy(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     return QuantWeight(kind, codes.to(torch.int8), dm, de, mm, me)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> (xq [M, K] int8, k [M, K / 32] int32): x ~ xq 2^k."""
-    m, kdim = x.shape
-    blocks = x.float().reshape(m, kdim // BLOCK, BLOCK)
-    e = exponent(blocks.abs().amax(dim=-1))                                   # [M, B]
-    scaled = blocks.double() * pow2(X_BITS - 1 - e).unsqueeze(-1)
-    xq = torch.round(scaled).clamp_(-(2 ** X_BITS - 1), 2 ** X_BITS - 1)     # round half to even
-    return xq.to(torch.int8).reshape(m, kdim), (e - (X_BITS - 1)).to(torch.int32)
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) -> (xq [M, K] int8, m [M, K / 32] int32, k [M, K / 32] int32):
+    x ~ xq m 2^k (step 1)."""
+    rows, kdim = x.shape
+    blocks = x.float().reshape(rows, kdim // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1)                                          # [M, B] float32
+    e = exponent(amax)
+    zero = e == -127
+    sig = (amax.view(torch.int32) & 0x7FFFFF) | 0x800000
+    m = torch.where(zero, 0, (sig + X_MAX * 512 - 1) // (X_MAX * 512))
+    k = torch.where(zero, ZERO_K, e - 14)
+    scaled = blocks.double() * pow2(-k).unsqueeze(-1)                         # exact
+    q = scaled / torch.where(zero, 1, m).double().unsqueeze(-1)               # one IEEE division
+    xq = torch.round(q).clamp_(-X_MAX, X_MAX).masked_fill_(zero.unsqueeze(-1), 0)  # round half to even
+    return xq.to(torch.int8).reshape(rows, kdim), m.to(torch.int32), k.to(torch.int32)
 
 
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -156,16 +173,16 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if x.shape[0] > ROW_CHUNK:  # rows are independent: chunks only bound the scratch memory
         return torch.cat([linear(part, w) for part in x.split(ROW_CHUNK)])
     m, nb, per = x.shape[0], kdim // BLOCK, BLOCK // kind.sub
-    xq, k = quantize_activations(x)
-    k = k.to(torch.int64)
+    xq, xm, k = quantize_activations(x)
+    xm, k = xm.to(torch.int64).unsqueeze(1), k.to(torch.int64)                               # [M, 1, B]
     xs = xq.double().reshape(m, nb * per, kind.sub)
     a = torch.einsum("msi,nsi->mns", xs, w.codes.double().reshape(n, nb * per, kind.sub))      # exact: < 2^19
     scaled = (a.to(torch.int64) * w.scale.to(torch.int64).unsqueeze(0)).reshape(m, n, nb, per).sum(-1)
-    ints = [scaled]                                                                           # [M, N, B]
+    ints = [scaled * xm]                                                                      # [M, N, B]
     exps = [w.scale_exp.to(torch.int64).unsqueeze(0) + k.unsqueeze(1)]
     if kind.has_min:
         xsum = xq.to(torch.int64).reshape(m, nb, BLOCK).sum(dim=-1)                          # [M, B]
-        ints.append(w.min.to(torch.int64).unsqueeze(0) * xsum.unsqueeze(1))
+        ints.append(w.min.to(torch.int64).unsqueeze(0) * xsum.unsqueeze(1) * xm)
         exps.append(w.min_exp.to(torch.int64).unsqueeze(0) + k.unsqueeze(1))
     ints, exps = torch.cat(ints, dim=-1), torch.cat(exps, dim=-1)                             # [M, N, T]
     top = w.top().to(torch.int64).unsqueeze(0) + k.amax(dim=1).unsqueeze(1)                  # [M, N]

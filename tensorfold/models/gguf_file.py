@@ -315,7 +315,10 @@ def _tensors(
             )
         raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
         if keep_quantized and len(shape) == 2 and info.tensor_type in KEPT_TYPES:
-            weight = quant_weight(raw, info.tensor_type, shape)
+            try:
+                weight = quant_weight(raw, info.tensor_type, shape)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: tensor {info.name} ({info.tensor_type.name}): {e}") from e
         else:
             weight = dequantize(raw, info.tensor_type, shape).to(dtype)
         proj = name.split(".")[-2]
