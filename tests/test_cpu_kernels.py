@@ -381,3 +381,19 @@ def test_quant_linear_rejects_what_is_not_its_packed_weight():
         _cpu.pack_quant("q4_0", w.codes, w.scale, w.scale_exp)
     with pytest.raises(RuntimeError, match="unknown kind"):
         _cpu.pack_quant("iq2_xs", w.codes, w.scale, w.scale_exp)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1", "q6_k"])
+def test_quant_rows_equal_the_reference_dequantization(draw, kind):
+    """An embedding lookup from a packed weight: QuantWeight.rows(ids).dequantize(), bitwise."""
+    from test_quant_gemm import random_blocks, random_generic
+
+    from tensorfold.kernels import quant_gemm
+
+    w = quant_gemm.from_legacy(kind, *random_blocks(draw.gen, kind, 37, 96)) if kind != "q6_k" else \
+        random_generic(draw.gen, kind, 37, 96)
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    ids = torch.tensor([0, 36, 5, 5, 17])
+    assert_bitwise(_cpu.quant_rows(packed, ids, 37, 96), w.rows(ids).dequantize(), draw, f"{kind} rows")
+    with pytest.raises(RuntimeError, match="outside"):
+        _cpu.quant_rows(packed, torch.tensor([37]), 37, 96)

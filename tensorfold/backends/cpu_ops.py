@@ -30,6 +30,13 @@ def pack_weight(weight):
     return weight
 
 
+def embedding(table, ids):
+    """Rows of an embedding table: dense, or blocks dequantized (float32)."""
+    if isinstance(table, quant_gemm.QuantWeight):
+        return table.rows(ids).dequantize()
+    return table[ids]
+
+
 def linear(x, weight, bias=None):
     """torch's GEMM padded to 8 rows, or for blocks the exact quantized GEMM's reference."""
     if isinstance(weight, quant_gemm.QuantWeight):

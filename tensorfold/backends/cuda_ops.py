@@ -59,6 +59,14 @@ def linear(x, weight, bias=None):
     return linear_padded(x, weight, bias)
 
 
+def embedding(table, ids):
+    """Rows of an embedding table: dense, or a packed quantized table's rows dequantized (float32)."""
+    if isinstance(table, PackedQuantWeight):
+        return QuantWeight(table.kind, table.codes, table.scale, table.scale_exp, table.min, table.min_exp
+                           ).rows(ids).dequantize()
+    return table[ids]
+
+
 def pack_weight(weight):
     """A QuantWeight becomes the quantized GEMM's PackedQuantWeight (.shape (N, K), .kind), once
     at load; dense GEMM weights stay as they are: cuBLAS takes them [N, K]."""

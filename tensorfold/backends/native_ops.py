@@ -48,6 +48,13 @@ def pack_weight(weight):
     return PackedQuant(weight) if isinstance(weight, QuantWeight) else PackedWeight(weight)
 
 
+def embedding(table, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of an embedding table: dense, or a PackedQuant's rows dequantized (float32)."""
+    if isinstance(table, PackedQuant):
+        return _cpu.quant_rows(table.data, ids, *table.shape)
+    return table[ids]
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight^T with a PackedWeight or PackedQuant (or a plain [N, K] tensor, packed
     per call)."""

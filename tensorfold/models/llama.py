@@ -55,17 +55,21 @@ class Model:
         self.dtype = dtype
         self.ops = ops
         self.device = device = torch.device(device)
-        self.embed = _take_matrix(tensors, "model.embed_tokens.weight", dtype, device)
-        if tuple(self.embed.shape) != (args.vocab_size, args.hidden_size):
-            raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
+        embed = _take_matrix(tensors, "model.embed_tokens.weight", dtype, device)
+        if tuple(embed.shape) != (args.vocab_size, args.hidden_size):
+            raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, "
                                   f"config says ({args.vocab_size}, {args.hidden_size})")
+        quantized = isinstance(embed, quant_gemm.QuantWeight)
+        # A quantized table is kept once, in the op set's layout, and looked up from there
+        # (ops.embedding); a tied head then is the same object.
+        self.embed = ops.pack_weight(embed) if quantized else embed
         self.layers = [Layer(tensors, f"model.layers.{i}.", args, dtype, args.layer_windows[i], device,
                              ops.pack_weight) for i in range(args.num_layers)]
         self.norm = _take(tensors, "model.norm.weight", dtype, device)
         if "lm_head.weight" in tensors:
             self.lm_head = ops.pack_weight(_take_matrix(tensors, "lm_head.weight", dtype, device))
-        elif args.tie_word_embeddings:  # a packed copy where the op set packs (the lookup reads embed)
-            self.lm_head = ops.pack_weight(self.embed)
+        elif args.tie_word_embeddings:  # dense: a packed copy where the op set packs (the lookup reads embed)
+            self.lm_head = self.embed if quantized else ops.pack_weight(embed)
         else:
             raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
         inv_freq, rope_scale = rope_inv_freq(args.rope, args.head_dim)
@@ -108,9 +112,7 @@ class Model:
         return formats
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed, quant_gemm.QuantWeight):  # the rows' blocks, dequantized
-            return self.embed.rows(ids).dequantize().to(self.dtype)
-        return self.embed[ids]
+        return self.ops.embedding(self.embed, ids).to(self.dtype)
 
     def _attention(self, layer: Layer, x, batch: ForwardBatch, cos, sin, k_cache, v_cache):
         a = self.args
