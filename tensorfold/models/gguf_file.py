@@ -73,7 +73,8 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZER_SPLITS = {"gpt-2": None, "smollm": None, "qwen2": QWEN2_SPLIT}
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}", r"|\p{N}{1,3}")  # Llama 3: digits in runs of up to three
+PRE_TOKENIZER_SPLITS = {"gpt-2": None, "smollm": None, "qwen2": QWEN2_SPLIT, "llama-bpe": LLAMA3_SPLIT}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4  # tokenizer.ggml.token_type values
 _REQUIRED = object()
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: llama.cpp's per-frequency rope divisors

@@ -209,7 +209,7 @@ def test_config_reads_rope_scaling_and_defaults(tmp_path):
 
 # --- tokenizer against transformers' GGUF tokenizer -------------------------------------------
 
-@pytest.mark.parametrize("arch,pre", [("llama", "smollm"), ("qwen3", "qwen2")])
+@pytest.mark.parametrize("arch,pre", [("llama", "smollm"), ("qwen3", "qwen2"), ("llama", "llama-bpe")])
 def test_tiny_tokenizer_matches_transformers(tmp_path, arch, pre):
     from transformers import AutoTokenizer
     head_dim = 128 if arch == "qwen3" else 16
@@ -224,13 +224,15 @@ def test_tiny_tokenizer_matches_transformers(tmp_path, arch, pre):
 
 
 def test_pre_tokenizer_choice_matters(tmp_path):
-    """GPT-2's split keeps digit runs together, qwen2's splits every digit: the table is used."""
+    """GPT-2's split keeps digit runs together, qwen2's splits every digit, Llama 3's (llama-bpe)
+    splits them in threes: the table is used."""
     encode = {}
-    for pre in ("smollm", "qwen2"):
+    for pre in ("smollm", "qwen2", "llama-bpe"):
         tensors = _tiny_tensors(np.random.default_rng(0))
         path = _write_gguf(tmp_path / f"{pre}.gguf", "llama", _tiny_meta(pre=pre), tensors)
         encode[pre] = load_gguf(path).tokenizer.encode
     assert encode["smollm"]("2048 4096").ids != encode["qwen2"]("2048 4096").ids
+    assert len({tuple(encode[p]("1234567").ids) for p in encode}) == 3
 
 
 def test_add_bos_token_adds_bos(tmp_path):
