@@ -7,7 +7,8 @@ fp32 -> bf16 cast; its sequential dot, exact on these int8 blocks); with a GPU t
 run compiled on "cuda" and the reference on the CPU copies. Weights are random valid fields of
 each kind built directly (codes in the kind's stored range made signed, scales within the bounds
 above quant_gemm.KINDS, exponents -24..5 as float16 significands give, zero scales and minima
-among them); activations have rows and blocks over many binades, an all-zero block, an outlier.
+among them); activations have rows and blocks over many binades, an all-zero block, a subnormal
+block (a zero block: m = 0, k = quant_gemm.ZERO_K), an outlier.
 Outputs are NaN-filled before each launch, so an element the kernel forgot to write shows.
 """
 import torch
@@ -65,11 +66,13 @@ def random_weight(gen: torch.Generator, kind: str, n: int, k: int) -> qg.QuantWe
 
 def random_x(gen: torch.Generator, m: int, k: int, dtype) -> torch.Tensor:
     """Rows over ~60 binades, blocks within a row over ~16 (so some terms round onto the grid),
-    an all-zero block, an outlier, and (from 3 rows) an all-zero row."""
+    an all-zero block, a subnormal block (K >= 96), an outlier, and (from 3 rows) an all-zero row."""
     row_scale = 2.0 ** torch.randint(-30, 31, (m, 1), generator=gen).double()
     block_scale = 2.0 ** torch.randint(-8, 9, (m, k // 32), generator=gen).double().repeat_interleave(32, dim=1)
     x = (torch.randn(m, k, generator=gen, dtype=torch.float64) * row_scale * block_scale).float()
     x[0, :32] = 0.0
+    if k >= 96:                                  # a subnormal block: zero (m = 0) however large its row
+        x[-1, 64:96] = torch.randn(32, generator=gen, dtype=torch.float64).float() * 2.0 ** -135
     x[-1, 5] = 1e4 * x[-1].abs().max()
     if m >= 3:
         x[1] = 0.0
@@ -98,17 +101,40 @@ def same(y: torch.Tensor, ref: torch.Tensor, what: str):
         f"{what}: {int(diff.sum())} of {y.numel()} differ, first at {diff.nonzero()[:3].tolist()}"
 
 
+def m_edges_and_ties() -> torch.Tensor:
+    """Blocks at the edges of step 1: amax a power of two (sig 2^23: m = 130), the largest
+    significand (sig 2^24 - 1: m = 259), sig an exact multiple of 127 2^9 (m = 200, amax's code
+    exactly 127), exact ties of the division x 2^-k / m = j + 1/2 (j odd and even, both signs:
+    half to even), amax = 2^-126 (the least normal: not a zero block), and a zero block whose
+    amax is just below 2^-126 (subnormal) beside normal ones."""
+    one = 2.0 ** -14                                         # x 2^-k for amax in [1, 2): k = -14
+    ties = [(200 * j + 100) * one for j in (0, 1, 2, 3, 10, 11, 63, 64, 125)]
+    rows = [
+        [1.0] + [0.3, -0.7, 2.0 ** -9, -(2.0 ** -30)] * 7 + [0.5, -1.0, 0.0],
+        [2.0 - 2.0 ** -23, -(2.0 - 2.0 ** -23)] + [1.0 - 2.0 ** -23, 0.123456] * 15,
+        [13004800 * 2.0 ** -23] + ties + [-t for t in ties] + [0.0] * 9 + [-13004800 * 2.0 ** -23] * 4,
+        [2.0 ** -126] + [-(2.0 ** -127), 2.0 ** -149, 0.0, 2.0 ** -126] * 7 + [0.0, 0.0, 0.0],
+        [2.0 ** -126 - 2.0 ** -149] + [-(2.0 ** -128), 2.0 ** -149, 0.0, -(2.0 ** -140)] * 7 + [0.0] * 3,
+    ]
+    return torch.tensor(rows, dtype=torch.float64).float()
+
+
 @pytest.mark.parametrize("kind", qg.TYPES)
 def test_quantize_activations_kernel(kind, draw):
-    """Step 1 alone: xq and k as the reference's, xsum and kmax as their sums and maxima."""
+    """Step 1 alone: xq, m and k as the reference's (zero and subnormal blocks, m's edges, exact
+    ties of the division), xsum and kmax as their sums and maxima."""
     x = random_x(draw.gen, 5, 160, torch.float32)
-    x[2, 40] = 2.0 ** -140                  # a subnormal block maximum (exponent -127)
-    x[3, 64:96] = 1.5 * 2.0 ** -127
-    xq, k, xsum, kmax = (t.cpu() for t in qt.quantize_activations(x.to(DEVICE)))
-    ref_xq, ref_k = qg.quantize_activations(x)
-    assert torch.equal(xq, ref_xq) and torch.equal(k, ref_k), str(draw)
-    assert torch.equal(xsum, ref_xq.to(torch.int32).reshape(5, 5, 32).sum(-1, dtype=torch.int32)), str(draw)
+    x[2, 40] = 2.0 ** -140                  # a subnormal element in a normal block
+    x[3, 64:96] = 1.5 * 2.0 ** -127         # a subnormal block: zero
+    x = torch.cat([x, m_edges_and_ties().reshape(1, 160)])
+    xq, xm, k, xsum, kmax = (t.cpu() for t in qt.quantize_activations(x.to(DEVICE)))
+    ref_xq, ref_m, ref_k = qg.quantize_activations(x)
+    assert torch.equal(xq, ref_xq) and torch.equal(xm, ref_m) and torch.equal(k, ref_k), str(draw)
+    assert torch.equal(xsum, ref_xq.to(torch.int32).reshape(6, 5, 32).sum(-1, dtype=torch.int32)), str(draw)
     assert torch.equal(kmax, ref_k.amax(dim=1)), str(draw)
+    edges = xm[5].tolist()
+    assert edges == [130, 259, 200, 130, 0] and k[5, 4] == qg.ZERO_K and k[3, 2] == qg.ZERO_K, edges
+    assert xq[5, 64:74].tolist() == [127, 0, 2, 2, 4, 10, 12, 64, 64, 126], xq[5, 64:74].tolist()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))

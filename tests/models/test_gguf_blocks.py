@@ -119,9 +119,13 @@ def test_quantize_gives_ggufs_bytes(kind):
     assert ours.dtype == torch.uint8
     np.testing.assert_array_equal(ours.numpy(), expected)
     bf16 = torch.from_numpy(w).bfloat16()  # as a Hugging Face checkpoint would hold them
+    if kind == "q4_0":  # row 5's scales (amax / -8) overflow float16: inf, which a QuantWeight refuses
+        with pytest.raises(ValueError, match="infinite or NaN"):
+            quantize(bf16, kind)
+        bf16 = bf16[[i for i in range(bf16.shape[0]) if i != 5]]
     with np.errstate(over="ignore"):
         blocks = gguf.quants.quantize(bf16.float().numpy(), QTYPES[kind])
-    got, want = quantize(bf16, kind), quant_weight(as_torch(blocks), QTYPES[kind], w.shape)
+    got, want = quantize(bf16, kind), quant_weight(as_torch(blocks), QTYPES[kind], tuple(bf16.shape))
     for field in ("codes", "scale", "scale_exp", "min", "min_exp"):
         assert (getattr(got, field) is None and getattr(want, field) is None) or torch.equal(
             getattr(got, field), getattr(want, field)), field
@@ -213,10 +217,15 @@ def shift_round(i: int, s: int) -> int:
 
 def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]]:
     """quant_gemm's steps 1-4 in Python integers from the super-blocks' own values: per 32-block
-    b of row n the terms (sum over its sub-blocks of dm sc_j A_j) 2^(de + k_b) and, with a minimum,
-    -(dminm m_b) xsum_b 2^(dmine + k_b); grid g = top + kmax + T - 62 + ceil(log2 #terms)."""
+    b of the activations amax's exponent e and 24-bit significand sig, the 9-bit mu_b =
+    ceil(sig / (127 2^9)), k_b = e - 14, xq = round(x 2^-k_b / mu_b) clamped to [-127, 127] (a
+    block with amax < 2^-126: xq = 0, mu_b = 0, k_b = -141); per 32-block b of row n the terms
+    (sum over its sub-blocks of dm sc_j A_j) mu_b 2^(de + k_b) and, with a minimum,
+    -(dminm m_b) xsum_b mu_b 2^(dmine + k_b); grid g = top + kmax + T - 62 + ceil(log2 #terms),
+    T the kind's term bound (|A| <= 32 max|c| 127, |dm sc| < 2^17 (2^18 for q6_k's signed sc),
+    mu_b < 2^9)."""
     n, kdim = raw.shape[0], x.shape[1]
-    term_bits = {QType.Q4_K: 33, QType.Q5_K: 34, QType.Q6_K: 35}[qtype]
+    term_bits = {QType.Q4_K: 42, QType.Q5_K: 43, QType.Q6_K: 44}[qtype]
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     rows = []
     for r in range(n):
@@ -224,13 +233,21 @@ def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]
         rows.append(weights)
     out = []
     for line in x.float().tolist():
-        xq, ks = [], []
+        xq, mus, ks = [], [], []
         for b in range(kdim // 32):
             block = line[32 * b:32 * (b + 1)]
             amax = max(abs(v) for v in block)
-            e = math.floor(math.log2(amax)) if amax > 0 else -127
-            xq += [max(-127, min(127, round(v * 2.0 ** (6 - e)))) for v in block]
-            ks.append(e - 6)
+            if amax < 2.0 ** -126:                                   # zero or subnormal: a zero block
+                xq += [0] * 32
+                mus.append(0)
+                ks.append(-141)
+                continue
+            e = math.frexp(amax)[1] - 1                              # floor(log2(amax)), exactly
+            sig = int(amax * 2.0 ** (23 - e))                        # the 24-bit significand
+            mu = -(-sig // (127 * 512))                              # ceil
+            xq += [max(-127, min(127, round(v * 2.0 ** (14 - e) / mu))) for v in block]  # half to even
+            mus.append(mu)
+            ks.append(e - 14)
         result = []
         for weights in rows:
             terms, top = [], []
@@ -244,11 +261,11 @@ def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]
                         total = sum(dm * sc[2 * j + h] * sum((ci - 32) * xi for ci, xi in
                                                             zip(c[16 * h:16 * (h + 1)], xb[16 * h:16 * (h + 1)]))
                                     for h in range(2))
-                        terms.append((total, de + ks[b]))
+                        terms.append((total * mus[b], de + ks[b]))
                     else:
-                        terms.append((dm * sc[j] * sum(ci * xi for ci, xi in zip(c, xb)), de + ks[b]))
+                        terms.append((dm * sc[j] * sum(ci * xi for ci, xi in zip(c, xb)) * mus[b], de + ks[b]))
                         mm, me = frexp16(dmin)
-                        terms.append((-(mm * m[j]) * sum(xb), me + ks[b]))
+                        terms.append((-(mm * m[j]) * sum(xb) * mus[b], me + ks[b]))
                         top.append(me)
             g = max(top) + max(ks) + term_bits - 62 + math.ceil(math.log2(len(terms)))
             total = sum(shift_round(i, s - g) for i, s in terms)
@@ -270,6 +287,8 @@ def test_k_quant_linear_equals_the_integer_oracle(qtype):
     g = torch.Generator().manual_seed(int(qtype))
     x = torch.randn(3, 512, generator=g) * 2.0 ** torch.randint(-6, 6, (3, 1), generator=g)
     x[0, :32] = 0.0
+    x[1, 64:96] = torch.randn(32, generator=g) * 2.0 ** -135      # subnormal: a zero block
+    x[1, 96:128] *= 2.0 ** -120                                   # tiny but normal
     x[-1, 5] = 1e4
     got = qg.linear(x, quant_weight(as_torch(raw), qtype, (3, 512)))
     assert got.tolist() == k_oracle(x, qtype, raw)
