@@ -13,7 +13,7 @@ y[r, n] = sum_k x[r, k] w[n, k]:
    m 2^k with a 9-bit integer m, so that the codes fill [-127, 127] (a power of two alone would
    leave up to a bit unused, and the small models notice: docs/kernels.md). With amax = max |x|
    (float32), e = exponent(amax) and sig its 24-bit significand: m = ceil(sig / (127 * 2^9)) (an
-   integer in [130, 258]), k = e - 14, so m 2^k >= amax / 127 by the least step; then
+   integer in [130, 259]), k = e - 14, so m 2^k >= amax / 127 by the least step; then
    xq = round_even(float64(x 2^-k) / m) (one IEEE division, the same everywhere), clamped to
    [-127, 127]; xsum = sum xq. A block whose amax is below 2^-126 (zero, or subnormal) is zero:
    xq = 0, m = 0, k = -141.
