@@ -38,7 +38,11 @@ def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
     layer = model.layers[0]
     gemms = {"qkv": layer.qkv, "o_proj": layer.o, "gate_up": layer.gate_up, "down": layer.down,
              "lm_head": model.lm_head}
+    parts = {}  # a fused GEMM of mixed formats (a Q4_K_M file's qkv) is probed part by part
     for name, weight in gemms.items():
+        for i, part in enumerate(weight if isinstance(weight, tuple) else (weight,)):
+            parts[f"{name}[{i}]" if isinstance(weight, tuple) else name] = part
+    for name, weight in parts.items():
         _rows_invariant(lambda x, w=weight: ops.linear(x, w), lambda m, k=weight.shape[1]: randn(m, k),
                         f"linear {name} {tuple(weight.shape)}", failures)
     _rows_invariant(lambda x: ops.rms_norm(x, layer.input_norm, a.rms_norm_eps),
@@ -47,13 +51,14 @@ def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
                     "silu_and_mul", failures)
     _probe_attention(model, ops, randn, failures)
     before = torch.get_num_threads()
+    gate_up = parts.get("gate_up", parts.get("gate_up[0]"))
     try:
         for n in threads:
             torch.set_num_threads(n)
-            x = torch.randn(5, layer.qkv.shape[1], generator=torch.Generator().manual_seed(7)).to(device, dtype)
+            x = torch.randn(5, gate_up.shape[1], generator=torch.Generator().manual_seed(7)).to(device, dtype)
             if n == threads[0]:
-                reference = ops.linear(x, layer.gate_up)
-            elif not torch.equal(ops.linear(x, layer.gate_up), reference):
+                reference = ops.linear(x, gate_up)
+            elif not torch.equal(ops.linear(x, gate_up), reference):
                 failures.append(f"linear gate_up: result depends on the thread count ({threads})")
     finally:
         torch.set_num_threads(before)
