@@ -3,7 +3,8 @@
 bench_kernels.py --smoke runs every kernel in the interpreter at tiny sizes next to its torch
 counterpart and checks attention against its reference bitwise in each row; bench_exact.py runs
 each exact CPU op next to its stock counterpart with one timing run; bench_native.py decodes a
-few tokens next to llama.cpp (when installed); bench_grammar.py runs each grammar constrained and free.
+few tokens next to llama.cpp (when installed); bench_quant.py runs its four sections (speed, memory,
+agreement, K-quants) at tiny sizes; bench_grammar.py runs each grammar constrained and free.
 """
 import os
 import re
@@ -41,6 +42,17 @@ def test_bench_native_runs():
                    "--repeats", "1")
     row = [line for line in out.splitlines() if line.startswith("| float32")]
     assert len(row) == 1 and "| True " in row[0], out
+
+
+def test_bench_quant_runs():
+    """Every section at tiny sizes; without llama.cpp its columns read n/a."""
+    out = run_tool("tools/bench_quant.py", "--tokens", "4", "--prefill-tokens", "16", "--repeats", "1",
+                   "--rss-context", "256", "--agree-tokens", "4", "--agree-prompts", "1")
+    starts = ("| Q4_1 (token_embd Q8_0)", "| TensorFold (dtype auto)", "| Write a short story", "| tiny Q4_K_M")
+    rows = {start: [line for line in out.splitlines() if line.startswith(start)] for start in starts}
+    assert all(len(found) == 1 for found in rows.values()), out
+    assert "| True " in rows["| Q4_1 (token_embd Q8_0)"][0], out
+    assert "failed" not in rows["| tiny Q4_K_M"][0].split("|")[3], out  # our decode column
 
 
 def test_bench_grammar_runs_and_drafting_keeps_the_reply():
