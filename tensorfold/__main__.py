@@ -21,6 +21,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: a GGUF's quantized matrices served in their blocks, float32 activations; "
                         "float32/bfloat16: every weight dequantized to it")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the KV cache's dtype; auto: bfloat16 under --dtype auto, else the --dtype")
     p.add_argument("--quantize", default=None, choices=["q8_0", "q4_0"],
                    help="quantize a Hugging Face checkpoint's matrices at load (the exact quantized GEMM)")
     p.add_argument("--context", type=int, default=None, help="served window in tokens (default: the model's)")
@@ -71,8 +73,9 @@ def settings_from(args, backend: str = "cpu"):
             raise SystemExit(f"--parallel: expected 'auto' or a positive integer, got {args.parallel!r}")
         if parallel < 1:
             raise SystemExit("--parallel must be at least 1")
-    engine = EngineConfig(dtype=args.dtype, quantize=args.quantize, context=args.context, max_num_seqs=parallel,
-                          max_tokens_per_step=args.prefill_chunk, decode_share=args.decode_share,
+    engine = EngineConfig(dtype=args.dtype, kv_dtype=args.kv_dtype, quantize=args.quantize, context=args.context,
+                          max_num_seqs=parallel, max_tokens_per_step=args.prefill_chunk,
+                          decode_share=args.decode_share,
                           kv_cache_gib=args.kv_cache_gib, prompt_cache_gib=args.prompt_cache_gib,
                           drafting=not args.no_drafts, num_threads=args.threads, backend=backend)
     return ServeSettings(model=args.model, host=args.host, port=args.port,

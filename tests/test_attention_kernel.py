@@ -50,15 +50,19 @@ def attend_ref(q, k, v, positions, block_table, window):
                                window).to(q.device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (q, KV cache): the cache's dtype is its own (EngineConfig.kv_dtype)
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=["f32", "bf16", "f32-bf16cache", "bf16-f32cache"])
 @pytest.mark.parametrize("window", [None, 13])
 @pytest.mark.parametrize("num_rows,start", [(1, 70), (4, 41), (11, 0)])  # decode, verify, prefill
-def test_kernel_equals_reference_bitwise(draw, dtype, window, num_rows, start):
-    k, v, block_table = make_cache(draw, dtype=dtype)
+def test_kernel_equals_reference_bitwise(draw, dtype, kv_dtype, window, num_rows, start):
+    k, v, block_table = make_cache(draw, dtype=kv_dtype)
     q = draw.randn(num_rows, 6, 16, dtype=dtype)  # 6 heads over 2 KV heads: GQA group 3
     positions = torch.arange(start, start + num_rows, device=DEVICE)
     got = attend(q, k, v, positions, block_table, window)
     want = attend_ref(q, k, v, positions, block_table, window)
+    assert got.dtype == want.dtype == dtype  # the output is q's
     assert torch.equal(got, want), f"{draw}: max diff {(got.float() - want.float()).abs().max()}"
 
 

@@ -1,10 +1,11 @@
 """The C++ cpu kernels (csrc/cpu, tensorfold._cpu) against their torch references, bit for bit.
 
 Fresh random inputs every run (the seed is in the failure message), outputs NaN-poisoned
-before each call, odd shapes, float32 and bfloat16, 1 and 2 threads. The GEMM is also checked
-for what makes it exact: a row alone equals the same row among 2..64 others, at any place. The
-sampler's vocabulary-wide steps (exp64, log64, Gumbel noise, weights and order keys, the head
-selection) are checked against their torch steps too.
+before each call, odd shapes, float32 and bfloat16 (the KV cache's dtype also apart from the
+activations'), 1 and 2 threads. The GEMM is also checked for what makes it exact: a row alone
+equals the same row among 2..64 others, at any place. The sampler's vocabulary-wide steps
+(exp64, log64, Gumbel noise, weights and order keys, the head selection) are checked against
+their torch steps too.
 """
 import pytest
 import torch
@@ -21,6 +22,10 @@ if native_problem() is None:
     from tensorfold import _cpu
 
 DTYPES = (torch.float32, torch.bfloat16)
+# (activations, KV cache): the cache's dtype is its own (EngineConfig.kv_dtype)
+KV_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+            (torch.bfloat16, torch.float32)]
+KV_IDS = ["f32", "bf16", "f32-bf16cache", "bf16-f32cache"]
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -152,11 +157,12 @@ def test_silu_reference_is_silu(draw):
 
 # ---- cache write and attention ------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_write_kv_puts_each_vector_on_its_grid(draw, threads, dtype, head_dim):
+def test_write_kv_puts_each_vector_on_its_grid(draw, threads, dtype, kv_dtype, head_dim):
+    """k, v of the activations' dtype into a cache of its own dtype: rounded to it, then on the grid."""
     blocks, block_size, kv_heads, tokens = 6, 16, 2, 70
-    k_ref = torch.full((blocks, block_size, kv_heads, head_dim), NAN, dtype=dtype)
+    k_ref = torch.full((blocks, block_size, kv_heads, head_dim), NAN, dtype=kv_dtype)
     v_ref = k_ref.clone()
     k_got, v_got = k_ref.clone(), v_ref.clone()
     slots = torch.randperm(blocks * block_size, generator=draw.gen)[:tokens]
@@ -164,15 +170,38 @@ def test_write_kv_puts_each_vector_on_its_grid(draw, threads, dtype, head_dim):
     v = randn(draw, tokens, kv_heads, head_dim, dtype=dtype) * draw.rand(tokens, kv_heads, 1).to(dtype) * 64
     k[0, 0] = 0.0                       # a zero vector
     k[1, 0, 0] = 1.99999988079071044921875  # rounds up to 2: the grid's exponent is lifted
+    k[2, 1, :2] = torch.tensor([1.00390625, 1.01171875])  # ties in bfloat16: to even, down and up
+    v[3, 0, 5] = -1.99609375            # rounds to -2 in bfloat16: the grid's exponent lifted there
     attention_ref.write_kv_ref(k_ref, v_ref, k, v, slots)
     _cpu.write_kv(k_got, v_got, k, v, slots)
     assert torch.equal(k_got.nan_to_num(7.0), k_ref.nan_to_num(7.0)), str(draw)
     assert torch.equal(v_got.nan_to_num(7.0), v_ref.nan_to_num(7.0)), str(draw)
 
 
-def _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim):
-    """A NaN-poisoned pool whose first `blocks` are written through write_kv_ref (as the engine fills it)."""
-    k_cache = torch.full((blocks + 2, block_size, kv_heads, head_dim), NAN, dtype=dtype)
+def test_write_kv_from_the_fused_qkv_rows_rounds_to_a_bfloat16_cache(draw):
+    """The cache write of strided k, v views (the fused layer's qkv rows) into a bfloat16 cache
+    from float32: what the reference writes, and the bits differ from the float32 cache's."""
+    tokens, kv_heads, head_dim = 9, 2, 64
+    qkv = randn(draw, tokens, 3 * kv_heads * head_dim)
+    k = qkv[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 2 * kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.arange(tokens)
+    caches = {}
+    for kv_dtype in (torch.bfloat16, torch.float32):
+        want = [torch.full((2, 16, kv_heads, head_dim), NAN, dtype=kv_dtype) for _ in range(2)]
+        got = [t.clone() for t in want]
+        attention_ref.write_kv_ref(*want, k, v, slots)
+        _cpu.write_kv(*got, k, v, slots)
+        for g, w in zip(got, want):
+            assert g.dtype == kv_dtype and torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), str(draw)
+        caches[kv_dtype] = got
+    assert not torch.equal(caches[torch.bfloat16][0][0, :tokens].float(), caches[torch.float32][0][0, :tokens])
+
+
+def _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype=None):
+    """A NaN-poisoned pool (of kv_dtype, default dtype) whose first `blocks` are written through
+    write_kv_ref from k, v of `dtype` (as the engine fills it)."""
+    k_cache = torch.full((blocks + 2, block_size, kv_heads, head_dim), NAN, dtype=kv_dtype or dtype)
     v_cache = k_cache.clone()
     slots = torch.arange(blocks * block_size)
     attention_ref.write_kv_ref(k_cache, v_cache, randn(draw, len(slots), kv_heads, head_dim, dtype=dtype, scale=2.0),
@@ -187,12 +216,12 @@ ATTENTION_SHAPES = [(9, 3, 64, None, 16), (4, 4, 128, None, 16), (2, 1, 256, 7, 
                     (4, 2, 80, None, 12)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window,block_size", ATTENTION_SHAPES)
-def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, heads, kv_heads, head_dim, window,
-                                                         block_size):
+def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, kv_dtype, heads, kv_heads, head_dim,
+                                                         window, block_size):
     blocks = 12 * 16 // block_size
-    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
     table = torch.randperm(blocks, generator=draw.gen)  # blocks shuffled in the pool
     num_rows = blocks * block_size
     q = randn(draw, num_rows, heads, head_dim, dtype=dtype, scale=3.0)
@@ -206,13 +235,14 @@ def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, h
         assert_bitwise(got, want, draw, f"attention rows [{start}, {end})")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window,block_size", ATTENTION_SHAPES)
-def test_attention_many_sequences_in_one_call(draw, threads, dtype, heads, kv_heads, head_dim, window, block_size):
+def test_attention_many_sequences_in_one_call(draw, threads, dtype, kv_dtype, heads, kv_heads, head_dim, window,
+                                              block_size):
     """Decode rows, a verify run and a prefill chunk of four sequences at once: each row equals the
     reference of its own sequence."""
     blocks = 10 * 16 // block_size + 1
-    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
     tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(4)]
     runs = [(37, 38), (120, 128), (5, 6), (60, 95)]  # [first, last + 1) positions per sequence
     q = randn(draw, sum(e - s for s, e in runs), heads, head_dim, dtype=dtype, scale=3.0)
@@ -227,6 +257,16 @@ def test_attention_many_sequences_in_one_call(draw, threads, dtype, heads, kv_he
         rows = slice(starts[i], starts[i + 1])
         want = attention_ref.paged_attention_ref(q[rows], k_cache, v_cache, positions[rows], table, scale, window)
         assert_bitwise(got[rows], want, draw, f"sequence {i}")
+
+
+def test_attention_and_cache_write_reject_caches_of_two_dtypes(draw):
+    k_cache, v_cache = _filled_cache(draw, torch.float32, 2, 16, 1, 64)
+    q = randn(draw, 1, 1, 64)
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        _cpu.paged_attention(q, k_cache, v_cache.bfloat16(), torch.tensor([3]), torch.tensor([[0, 1]]),
+                             torch.tensor([0, 1]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        _cpu.write_kv(k_cache, v_cache.bfloat16(), q, q, torch.tensor([0]))
 
 
 def test_attention_rejects_a_position_past_its_table(draw):
@@ -286,13 +326,13 @@ def test_sample_keys_and_top_keys_equal_the_torch_steps(draw, threads):
         assert torch.equal(index[drawable], want_index[drawable]), (k, str(draw))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
 @pytest.mark.parametrize("window,head_dim", [(None, 64), (700, 64), (None, 80)])
-def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dtype, window, head_dim):
+def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dtype, kv_dtype, window, head_dim):
     """Rows of a few queries over thousands of keys are split over the keys (two passes: maxima,
     then exact sums): each row still equals its reference."""
     block_size, blocks, kv_heads = 32, 100, 3
-    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
     tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(3)]
     runs = [(3100, 3101), (1500, 1504), (1030, 1031)]  # decode, a 4-row verify run, decode
     q = randn(draw, sum(e - s for s, e in runs), 9, head_dim, dtype=dtype, scale=3.0)

@@ -196,6 +196,27 @@ def test_qwen3_fused_norm_and_rope_match_cpu_backend(tiny_qwen3, monkeypatch, cu
         assert torch.equal(got.draws[key], logits), f"draw {key}"
 
 
+def test_a_bfloat16_cache_under_float32_activations_matches_cpu_backend(tiny_llama):
+    """--dtype float32 --kv-dtype bfloat16: both backends allocate a bfloat16 cache, round K/V to
+    it before their grid (the cuda op set's write_kv is the reference) and attend over it in the
+    activations' dtype; every draw's logits row stays the cpu backend's bits."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(49152) for _ in range(19)], [rng.randrange(49152) for _ in range(6)]]
+    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=3, ignore_eos=True)]
+    config = dict(dtype="float32", kv_dtype="bfloat16", drafting=False, max_tokens_per_step=16)
+    cpu = Engine(tiny_llama, EngineConfig(**SMALL, **config))
+    want = Recorder(cpu)
+    expected = [r.output_ids for r in run(cpu, prompts, params)]
+    gpu = cuda_engine(tiny_llama, **config)
+    assert gpu.cache.dtype == cpu.cache.dtype == torch.bfloat16 and gpu.model.dtype == torch.float32
+    got = Recorder(gpu)
+    assert [r.output_ids for r in run(gpu, prompts, params)] == expected
+    assert len(want.draws) == 6 and want.draws.keys() == got.draws.keys()
+    for key, logits in want.draws.items():
+        assert torch.equal(got.draws[key], logits), f"draw {key}: max diff {(got.draws[key] - logits).abs().max()}"
+
+
 # ---- invariance within the cuda backend ----
 
 def test_a_grammar_on_the_cuda_op_set_alone_batched_and_drafted(small_vocab_llama):

@@ -32,6 +32,7 @@ from tensorfold.api.service import Service
 from tensorfold.chat.messages import render_chat
 from tensorfold.chat.template import ChatTemplate
 from tensorfold.engine.engine import Engine, EngineConfig
+from tensorfold.engine.loading import kv_cache_dtype
 from tensorfold.engine.request import Status
 from tensorfold.http.server import HttpServer
 from tensorfold.models.forward_batch import KVCache
@@ -556,9 +557,10 @@ def test_a_prompt_whose_reply_ends_in_its_first_round_is_cached(tiny_llama):
 
 
 def _tiny_bytes_per_block(path, block_size=32):
+    """A block's bytes in the cache tiny_engine allocates (--kv-dtype auto under --dtype auto)."""
     cfg = json.load(open(os.path.join(path, "config.json")))
     return KVCache.bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"],
-                                   torch.float32) * block_size
+                                   kv_cache_dtype(EngineConfig())) * block_size
 
 
 def test_eviction_under_a_tiny_cache_budget_keeps_replies_exact(tiny_llama, solo):

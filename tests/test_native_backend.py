@@ -1,5 +1,7 @@
 """The cpu backend on its compiled op set (csrc/cpu): the same logits and token_sha as the torch
-references end to end, and exact mode granted on the default model, fp32 and bf16.
+references end to end, and exact mode granted on the default model, fp32 and bf16; with the KV
+cache's dtype apart from the activations' too (a bfloat16 cache under float32 activations, the
+default engine's, and the reverse).
 
 The exactness suite (test_exactness.py, test_server*.py) runs on whatever op set the cpu backend
 picks, which is this one wherever the extension is built; this module pins what the compiled
@@ -31,10 +33,11 @@ def reference_ops():
     return types.SimpleNamespace(**ops)
 
 
-def greedy_run(model, prompts: list[list[int]], steps: int):
-    """Prefill the prompts together, then decode them together greedily; every forward's logits."""
+def greedy_run(model, prompts: list[list[int]], steps: int, kv_dtype: torch.dtype | None = None):
+    """Prefill the prompts together, then decode them together greedily; every forward's logits.
+    The cache is of kv_dtype (default: the model's dtype)."""
     a = model.args
-    cache = KVCache.allocate(a.num_layers, 64, BLOCK, a.num_kv_heads, a.head_dim, model.dtype)
+    cache = KVCache.allocate(a.num_layers, 64, BLOCK, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype)
     tables = [torch.arange(s * 8, s * 8 + 8).flip(0) for s in range(len(prompts))]  # shuffled-ish blocks
     seqs = [list(p) for p in prompts]
     fed = [0] * len(prompts)
@@ -58,20 +61,36 @@ def greedy_run(model, prompts: list[list[int]], steps: int):
     return all_logits, [token_sha(s[len(p):]) for s, p in zip(seqs, prompts)]
 
 
+# (activations, KV cache): the cache's dtype is its own (EngineConfig.kv_dtype)
+KV_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+            (torch.bfloat16, torch.float32)]
+KV_IDS = ["f32", "bf16", "f32-bf16cache", "bf16-f32cache"]
+
+
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_op_set_equals_references_end_to_end(request, arch, dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
+def test_compiled_op_set_equals_references_end_to_end(request, arch, dtype, kv_dtype):
     ckpt_dir = request.getfixturevalue(arch)
     native = backend_ops("cpu")
     assert native.NAME.startswith("native-")
     compiled = build_model(load_hf_dir(ckpt_dir), dtype, native)
     oracle = build_model(load_hf_dir(ckpt_dir), dtype, reference_ops())
     prompts = [[1, 5, 9, 200, 31, 7, 7, 64] * 3, [3, 4], list(range(40, 77))]
-    got_logits, got_sha = greedy_run(compiled, prompts, steps=6)
-    want_logits, want_sha = greedy_run(oracle, prompts, steps=6)
+    got_logits, got_sha = greedy_run(compiled, prompts, steps=6, kv_dtype=kv_dtype)
+    want_logits, want_sha = greedy_run(oracle, prompts, steps=6, kv_dtype=kv_dtype)
     for step, (got, want) in enumerate(zip(got_logits, want_logits)):
-        assert torch.equal(got, want), f"{arch} {dtype}: logits differ at step {step}"
+        assert torch.equal(got, want), f"{arch} {dtype} {kv_dtype} cache: logits differ at step {step}"
     assert got_sha == want_sha
+
+
+def test_the_cache_dtype_reaches_the_logits(tiny_llama):
+    """Negative control for the pairs above: under float32 activations a bfloat16 cache gives
+    other logits than a float32 one, so a path that ignored the cache's dtype would show."""
+    model = build_model(load_hf_dir(tiny_llama), torch.float32, backend_ops("cpu"))
+    prompts = [list(range(7, 47)), [9, 8, 7]]
+    half, _ = greedy_run(model, prompts, steps=2, kv_dtype=torch.bfloat16)
+    full, _ = greedy_run(model, prompts, steps=2, kv_dtype=torch.float32)
+    assert not torch.equal(half[0], full[0])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -80,12 +99,34 @@ def test_default_model_is_exact_on_the_compiled_op_set(dtype):
     SiLU, attention) pass on this CPU: if they did not, the server would refuse exact mode."""
     engine = Engine(None, EngineConfig(dtype=dtype, probe=False, context=256, kv_cache_gib=0.01))
     assert engine.model.ops.NAME.startswith("native-")
-    assert probe_ops(engine.model, engine.model.ops) == []
+    assert engine.cache.dtype == getattr(torch, dtype)  # --kv-dtype auto: the activations' dtype
+    assert probe_ops(engine.model, engine.model.ops, kv_dtype=engine.cache.dtype) == []
+
+
+def test_default_engine_serves_a_bfloat16_cache_in_exact_mode():
+    """EngineConfig() (dtype auto: the default GGUF's blocks, float32 activations) allocates a
+    bfloat16 KV cache, half the float32 one, and the startup probes (run on that cache's dtype)
+    pass: exact mode is granted."""
+    engine = Engine(None, EngineConfig(context=256, kv_cache_gib=0.05))  # probe=True, the default
+    assert engine.model.ops.NAME.startswith("native-") and engine.model.dtype == torch.float32
+    assert all(t.dtype == torch.bfloat16 for t in (*engine.cache.k, *engine.cache.v))
+    assert engine.exact, engine.probe_failures
+    a = engine.model.args
+
+    def blocks(kv_dtype):  # what --kv-cache-gib 0.05 buys (above the one-window minimum here)
+        per_token = KVCache.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, kv_dtype)
+        return int(0.05 * 2**30) // (per_token * engine.config.block_size)
+    assert engine.pool.num_blocks == engine.cache.num_blocks == blocks(torch.bfloat16) > 256 // 32
+    forced = Engine(None, EngineConfig(kv_dtype="float32", probe=False, context=256, kv_cache_gib=0.05))
+    assert forced.cache.dtype == torch.float32 and forced.pool.num_blocks == blocks(torch.float32)
+    assert blocks(torch.float32) * 2 in (blocks(torch.bfloat16), blocks(torch.bfloat16) - 1)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        Engine(None, EngineConfig(kv_dtype="float16", probe=False))
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_call_per_layer_equals_the_op_by_op_layer(request, arch, dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
+def test_one_call_per_layer_equals_the_op_by_op_layer(request, arch, dtype, kv_dtype):
     """decoder_layer (one native call per layer) against the same kernels called op by op by the
     model: the same logits, and the same cache contents."""
     native = backend_ops("cpu")
@@ -94,6 +135,6 @@ def test_one_call_per_layer_equals_the_op_by_op_layer(request, arch, dtype):
     op_by_op.ops = types.SimpleNamespace(**{n: getattr(native, n) for n in dir(native)
                                             if not n.startswith("_") and n != "decoder_layer"})
     prompts = [list(range(7, 47)), [9, 8, 7]]
-    got, got_sha = greedy_run(fused, prompts, steps=4)
-    want, want_sha = greedy_run(op_by_op, prompts, steps=4)
+    got, got_sha = greedy_run(fused, prompts, steps=4, kv_dtype=kv_dtype)
+    want, want_sha = greedy_run(op_by_op, prompts, steps=4, kv_dtype=kv_dtype)
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and got_sha == want_sha

@@ -17,14 +17,14 @@ the machine line:
 2. memory: resident set size (VmRSS of /proc/self/status, MiB) of the weights plus a cache of
    --rss-context (4096) tokens, each side in a fresh child process (`--rss-child ours|llama`).
    Ours: the engine with dtype auto, context 4096, kv_cache_gib sized to exactly 4096 tokens of
-   its float32 cache, prompt_cache_gib 0; llama.cpp: the same Q4_1 file with n_ctx 4096 (its
-   default f16 cache). Both then prefill the same ~4000-token prompt and decode a few tokens, so
-   the cache is touched. Columns: runtime (RSS right after the child's imports: torch and the
-   engine for ours, llama_cpp for the peer), loaded (after the weights and cache are allocated;
-   cache pages not yet written are not resident), after N tok (after the prefill and decode),
-   peak (VmHWM), model + cache (after N tok minus runtime: what the weights, cache and
-   activations add to the runtime), the KV cache's own size, and the ratios ours / llama.cpp of
-   after N tok and of model + cache (target <= 1.2x).
+   its cache (bfloat16: --kv-dtype auto under dtype auto), prompt_cache_gib 0; llama.cpp: the
+   same Q4_1 file with n_ctx 4096 (its default f16 cache). Both then prefill the same ~4000-token
+   prompt and decode a few tokens, so the cache is touched. Columns: runtime (RSS right after the
+   child's imports: torch and the engine for ours, llama_cpp for the peer), loaded (after the
+   weights and cache are allocated; cache pages not yet written are not resident), after N tok
+   (after the prefill and decode), peak (VmHWM), model + cache (after N tok minus runtime: what
+   the weights, cache and activations add to the runtime), the KV cache's own size, and the
+   ratios ours / llama.cpp of after N tok and of model + cache (target <= 1.2x).
 3. agreement: greedy replies on the default model to --agree-prompts chat prompts (the model's
    chat template, rendered as the server does), --agree-tokens (256) new tokens, end tokens
    ignored, drafting off. llama.cpp's reply is argmax of its logits token by token from the
@@ -84,12 +84,14 @@ def speed_section(args) -> None:
 # -- 2. memory: each side in a fresh child process -------------------------------------------
 
 def kv_cache_gib(tokens: int) -> float:
-    """The default model's float32 cache for exactly `tokens` tokens (loading.allocate_memory's sizing)."""
-    import torch
-
+    """The default model's cache under dtype auto (its dtype: loading.kv_cache_dtype) for exactly
+    `tokens` tokens (loading.allocate_memory's sizing)."""
+    from tensorfold.engine.engine import EngineConfig
+    from tensorfold.engine.loading import kv_cache_dtype
     from tensorfold.models.forward_batch import KVCache
 
-    return KVCache.bytes_per_token(dtype=torch.float32, **DEFAULT_SHAPE) * tokens / 2**30
+    dtype = kv_cache_dtype(EngineConfig(dtype="auto"))
+    return KVCache.bytes_per_token(dtype=dtype, **DEFAULT_SHAPE) * tokens / 2**30
 
 
 def rss_child_ours(context: int, threads: int) -> dict:

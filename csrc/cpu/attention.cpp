@@ -7,11 +7,15 @@
 //   3. w_j = round(p_j 2^(e_j - E + W_BITS)) with e_j the exponent of v_j and E the largest e_j seen:
 //      sum_j w_j v_j is a sum of integers on one grid, exact in float64 per SPLIT_SIZE keys and in
 //      int64 across them; the denominator sum_j round(p_j 2^L_BITS) is exact too;
-//   4. out = num / den * 2^(E - V_BITS - W_BITS + 1 + L_BITS), rounded to float32, then to the dtype.
+//   4. out = num / den * 2^(E - V_BITS - W_BITS + 1 + L_BITS), rounded to float32, then to q's dtype.
+// The cache's dtype C may differ from the activations' T (a bfloat16 cache under float32
+// activations): write_kv rounds k, v to C (nearest even, as torch's .to) before the grid, and
+// attention widens the cache's values exactly, so the arithmetic is the same for every pair.
 // Every sum is exact, so the order keys are visited in, the lanes a thread takes and the rows
 // that share the call cannot change a bit.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "dot64.h"
@@ -295,8 +299,8 @@ inline void split_range(const ItemState& s, int64_t split, int64_t* k0, int64_t*
   *k1 = s.splits == 1 ? s.last + 1 : std::min(s.last + 1, *k0 + SPLIT_KEYS);
 }
 
-template <typename T>
-void attention_items(const T* q, const Cache<T>& cache, T* out, const int64_t* positions, const int64_t* tables,
+template <typename T, typename C>
+void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* positions, const int64_t* tables,
                      int64_t table_width, const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t window,
                      float scale, int threads) {
   const int64_t d = cache.head_dim, group = heads / cache.kv_heads;
@@ -343,7 +347,7 @@ void attention_items(const T* q, const Cache<T>& cache, T* out, const int64_t* p
         ItemState& s = split_items[tasks[i].first];
         int64_t k0, k1;
         split_range(s, tasks[i].second, &k0, &k1);
-        scores_of<T>(s, cache, k0, k1, tasks[i].second, scale64, t);
+        scores_of<C>(s, cache, k0, k1, tasks[i].second, scale64, t);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < num_tasks; ++i) {  // pass 2: each run's exact sums, the runs pass 1
@@ -351,7 +355,7 @@ void attention_items(const T* q, const Cache<T>& cache, T* out, const int64_t* p
         ItemState& s = split_items[task.first];
         int64_t k0, k1;
         split_range(s, task.second, &k0, &k1);
-        sums_of<T>(s, cache, k0, k1, task.second, t);
+        sums_of<C>(s, cache, k0, k1, task.second, t);
       }
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t i = 0; i < num_split; ++i) finish(split_items[i], out, d, group, heads);
@@ -365,60 +369,87 @@ void attention_items(const T* q, const Cache<T>& cache, T* out, const int64_t* p
       s.h1 = whole_items[i].h1;
       s.table = whole_items[i].table;
       prepare(s, q, d, positions, group, heads, window, false);
-      scores_of<T>(s, cache, s.first, s.last + 1, 0, scale64, t);
-      sums_of<T>(s, cache, s.first, s.last + 1, 0, t);
+      scores_of<C>(s, cache, s.first, s.last + 1, 0, scale64, t);
+      sums_of<C>(s, cache, s.first, s.last + 1, 0, t);
       finish(s, out, d, group, heads);
     }
   }
 }
 
-template <typename T>
-void attention_impl(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* positions,
+template <typename T, typename C>
+void attention_impl(const T* q, const C* k_cache, const C* v_cache, T* out, const int64_t* positions,
                     const int64_t* tables, int64_t table_width, const int64_t* row_starts, int64_t num_seqs,
                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, double scale,
                     int64_t window, int threads) {
-  const Cache<T> cache{k_cache, v_cache, block_size, kv_heads, head_dim};
+  const Cache<C> cache{k_cache, v_cache, block_size, kv_heads, head_dim};
   const float scale32 = static_cast<float>(scale);  // the kernels take scale as float32
   attention_items(q, cache, out, positions, tables, table_width, row_starts, num_seqs, heads, window, scale32, threads);
 }
 
-template <typename T>
-void write_kv_impl(T* k_cache, T* v_cache, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+// One vector of the activations' dtype T onto its grid in the cache's dtype C: first rounded to C
+// (write_kv_ref's .to(cache dtype); nothing to do when T is C, exact when C is wider), then the
+// grid of those values.
+template <typename T, typename C>
+void store_on_grid(const T* x, C* out, int64_t n, int bits) {
+  if constexpr (std::is_same_v<T, C>) {
+    on_grid(x, out, n, bits);
+  } else {
+    C narrowed[256];
+    for (int64_t i = 0; i < n; ++i) narrowed[i] = from_f32<C>(to_f32(x[i]));
+    on_grid(narrowed, out, n, bits);
+  }
+}
+
+template <typename T, typename C>
+void write_kv_impl(C* k_cache, C* v_cache, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
                    const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads) {
   const bool parallel = threads > 1 && tokens * kv_heads >= 64;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t dst = (slots[t] * kv_heads + h) * head_dim;
-      on_grid(k + t * k_stride + h * head_dim, k_cache + dst, head_dim, QK_BITS);
-      on_grid(v + t * v_stride + h * head_dim, v_cache + dst, head_dim, V_BITS);
+      store_on_grid(k + t * k_stride + h * head_dim, k_cache + dst, head_dim, QK_BITS);
+      store_on_grid(v + t * v_stride + h * head_dim, v_cache + dst, head_dim, V_BITS);
     }
+}
+
+// Calls f with a null pointer of the element type of each dtype code (0: float32, 1: bfloat16),
+// activations first, then the cache.
+template <typename F>
+void dispatch(int dtype, int cache_dtype, F f) {
+  if (dtype == 0) {
+    if (cache_dtype == 0) f(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+    else f(static_cast<float*>(nullptr), static_cast<bf16*>(nullptr));
+  } else {
+    if (cache_dtype == 0) f(static_cast<bf16*>(nullptr), static_cast<float*>(nullptr));
+    else f(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
+  }
 }
 
 }  // namespace
 
-void write_kv(int dtype, void* k_cache, void* v_cache, const void* k, int64_t k_stride, const void* v,
-              int64_t v_stride, const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads) {
-  if (dtype == 0)
-    write_kv_impl(static_cast<float*>(k_cache), static_cast<float*>(v_cache), static_cast<const float*>(k), k_stride,
-                  static_cast<const float*>(v), v_stride, slots, tokens, kv_heads, head_dim, threads);
-  else
-    write_kv_impl(static_cast<bf16*>(k_cache), static_cast<bf16*>(v_cache), static_cast<const bf16*>(k), k_stride,
-                  static_cast<const bf16*>(v), v_stride, slots, tokens, kv_heads, head_dim, threads);
+void write_kv(int dtype, int cache_dtype, void* k_cache, void* v_cache, const void* k, int64_t k_stride,
+              const void* v, int64_t v_stride, const int64_t* slots, int64_t tokens, int64_t kv_heads,
+              int64_t head_dim, int threads) {
+  dispatch(dtype, cache_dtype, [&](auto* t, auto* c) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using C = std::remove_pointer_t<decltype(c)>;
+    write_kv_impl(static_cast<C*>(k_cache), static_cast<C*>(v_cache), static_cast<const T*>(k), k_stride,
+                  static_cast<const T*>(v), v_stride, slots, tokens, kv_heads, head_dim, threads);
+  });
 }
 
-void paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
+void paged_attention(int dtype, int cache_dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
                      const int64_t* positions, const int64_t* tables, int64_t table_width,
                      const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, int64_t block_size, double scale, int64_t window, int threads) {
-  if (dtype == 0)
-    attention_impl(static_cast<const float*>(q), static_cast<const float*>(k_cache),
-                   static_cast<const float*>(v_cache), static_cast<float*>(out), positions, tables, table_width,
-                   row_starts, num_seqs, heads, kv_heads, head_dim, block_size, scale, window, threads);
-  else
-    attention_impl(static_cast<const bf16*>(q), static_cast<const bf16*>(k_cache),
-                   static_cast<const bf16*>(v_cache), static_cast<bf16*>(out), positions, tables, table_width,
-                   row_starts, num_seqs, heads, kv_heads, head_dim, block_size, scale, window, threads);
+  dispatch(dtype, cache_dtype, [&](auto* t, auto* c) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using C = std::remove_pointer_t<decltype(c)>;
+    attention_impl(static_cast<const T*>(q), static_cast<const C*>(k_cache), static_cast<const C*>(v_cache),
+                   static_cast<T*>(out), positions, tables, table_width, row_starts, num_seqs, heads, kv_heads,
+                   head_dim, block_size, scale, window, threads);
+  });
 }
 
 }  // namespace tf

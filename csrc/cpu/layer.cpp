@@ -40,14 +40,16 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     double scale, int64_t window) {
   check_cpu(x, "decoder_layer: x");
   const int code = dtype_code(x, "decoder_layer");
+  const int cache_code = dtype_code(k_cache, "decoder_layer: the cache");  // may differ from x's
   const int64_t tokens = x.size(0), hidden = x.size(1), kv_heads = k_cache.size(2), d = k_cache.size(3);
   const int64_t q_size = heads * d, kv_size = kv_heads * d, qkv_width = q_size + 2 * kv_size;
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
                   residual.scalar_type() == x.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == x.scalar_type() && cos.is_contiguous() && sin.is_contiguous() &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.sizes() == k_cache.sizes() &&
+                  cos.is_contiguous() && sin.is_contiguous() &&
                   cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
                   cos.size(0) == tokens && cos.size(1) == d,
-              "decoder_layer: contiguous x/residual [tokens, hidden], caches of x's dtype, float32 cos/sin "
+              "decoder_layer: contiguous x/residual [tokens, hidden], caches of one shape and dtype, float32 cos/sin "
               "[tokens, head_dim] expected");
   TORCH_CHECK(d % 2 == 0 && d <= 256 && heads % kv_heads == 0,
               "decoder_layer: head_dim must be even and at most 256, heads a multiple of kv_heads");
@@ -85,10 +87,10 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
            ptr_or_null(q_norm), eps, nt);
   tf::rope(code, qkv_p + q_size * el, qkv_width, k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens,
            kv_heads, d, ptr_or_null(k_norm), eps, nt);
-  tf::write_kv(code, k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), kv_size, qkv_p + (q_size + kv_size) * el,
-               qkv_width, sl.data_ptr<int64_t>(), tokens, kv_heads, d, nt);
+  tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), kv_size,
+               qkv_p + (q_size + kv_size) * el, qkv_width, sl.data_ptr<int64_t>(), tokens, kv_heads, d, nt);
   const int64_t* tp = tab.data_ptr<int64_t>();
-  tf::paged_attention(code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), attn.data_ptr(),
+  tf::paged_attention(code, cache_code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), attn.data_ptr(),
                       pos.data_ptr<int64_t>(), tp, tab.size(1), st.data_ptr<int64_t>(), tab.size(0), heads, kv_heads, d,
                       k_cache.size(1), scale, window, nt);
   tf::matmul(code, attn.data_ptr(), o_w.data_ptr(), is_quant(o_w), o.data_ptr(), tokens, hidden, q_size, nt);

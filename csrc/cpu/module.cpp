@@ -220,12 +220,18 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate, const torch::Tensor& up, c
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& slots) {
   check_cpu(k_cache, "write_kv: k_cache");
-  const int code = dtype_code(k_cache, "write_kv");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "write_kv: caches must be contiguous and of one shape");
+  const int cache_code = dtype_code(k_cache, "write_kv");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv: caches must be contiguous and of one shape and dtype");
   const int64_t kv_heads = k_cache.size(2), d = k_cache.size(3);
   TORCH_CHECK(d <= 256, "write_kv: head_dim must be at most 256");
-  auto kc = k.to(k_cache.scalar_type()).contiguous(), vc = v.to(k_cache.scalar_type()).contiguous();
+  // k and v in their own dtype when the kernels take it (the kernel rounds them to the cache's),
+  // else converted to the cache's dtype here
+  const auto kv_type = k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16
+                           ? k.scalar_type() : k_cache.scalar_type();
+  auto kc = k.to(kv_type).contiguous(), vc = v.to(kv_type).contiguous();
+  const int code = dtype_code(kc, "write_kv");
   auto sl = slots.to(torch::kInt64).contiguous();
   const int64_t tokens = sl.numel();
   TORCH_CHECK(kc.numel() == tokens * kv_heads * d && vc.numel() == kc.numel(),
@@ -233,8 +239,8 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* s = sl.data_ptr<int64_t>();
   check_slots(s, tokens, num_slots);
-  tf::write_kv(code, k_cache.data_ptr(), v_cache.data_ptr(), kc.data_ptr(), kv_heads * d, vc.data_ptr(), kv_heads * d, s,
-               tokens, kv_heads, d, threads());
+  tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), kc.data_ptr(), kv_heads * d, vc.data_ptr(),
+               kv_heads * d, s, tokens, kv_heads, d, threads());
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -242,9 +248,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& row_starts, double scale, int64_t window, const Out& out_arg) {
   check_cpu(q, "paged_attention: q");
   const int code = dtype_code(q, "paged_attention");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.scalar_type() == q.scalar_type() &&
+  const int cache_code = dtype_code(k_cache, "paged_attention: the cache");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.scalar_type() == k_cache.scalar_type() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
-              "paged_attention: q [rows, heads, head_dim] and contiguous caches of q's dtype expected");
+              "paged_attention: q [rows, heads, head_dim] and contiguous caches of one shape and dtype expected");
   const int64_t heads = q.size(1), d = q.size(2), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && d <= 256 && heads % kv_heads == 0, "paged_attention: head shapes disagree");
   auto qc = q.contiguous();
@@ -260,8 +267,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   check_rows(st, num_seqs, q.size(0), p, t, width, block_size, num_blocks);
   auto out = output(out_arg, qc.sizes(), qc, "paged_attention");
   if (q.numel() > 0)
-    tf::paged_attention(code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), p, t, width, st,
-                        num_seqs, heads, kv_heads, d, block_size, scale, window, threads());
+    tf::paged_attention(code, cache_code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), p, t,
+                        width, st, num_seqs, heads, kv_heads, d, block_size, scale, window, threads());
   return out;
 }
 

@@ -147,6 +147,7 @@ class Service:
             "backend": self.engine.config.backend,
             "ops": self.engine.model.ops.NAME,
             "weights": self.engine.model.weight_formats(),
+            "kv_dtype": str(self.engine.cache.dtype).removeprefix("torch."),
             "model_card": self.card.name if self.card else None,
             "busy": self.engine.has_work(),
             "requests_running": len(self.replies),

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 class EngineConfig:
     dtype: str = "auto"              # auto: GGUF blocks kept as stored, float32 activations;
                                      # float32 / bfloat16: every weight dequantized to it
+    kv_dtype: str = "auto"           # the KV cache's: auto (bfloat16 under dtype auto, else the
+                                     # activations' dtype), float32 or bfloat16
     quantize: str | None = None      # q8_0 / q4_0: a Hugging Face checkpoint's GEMM weights
                                      # quantized at load
     context: int | None = None       # served window; None = the model's max_position_embeddings

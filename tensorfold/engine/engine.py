@@ -78,10 +78,11 @@ class Engine:
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
         args = self.model.args
-        log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, KV pool %d blocks x %d",
-                 self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
+        log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, KV pool %d blocks x %d "
+                 "(%s, %.1f MiB)", self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
                  self.load_seconds, loaded.device, self.model.ops.NAME, self.context_length, self.pool.num_blocks,
-                 config.block_size)
+                 config.block_size, str(self.cache.dtype).removeprefix("torch."),
+                 sum(t.numel() * t.element_size() for t in (*self.cache.k, *self.cache.v)) / 2**20)
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -18,7 +18,19 @@ from tensorfold.models.tokenizer import Tokenizer
 
 log = logging.getLogger("tensorfold.engine")
 
-DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}  # activations, KV cache
+DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}  # activations
+
+
+def kv_cache_dtype(config) -> torch.dtype:
+    """The KV cache's dtype: config.kv_dtype, where "auto" is bfloat16 under dtype "auto" (a GGUF's
+    blocks with float32 activations: half the float32 cache, as llama.cpp's f16 one) and the
+    activations' dtype otherwise. Exact either way: write_kv rounds K/V to the cache's dtype
+    before their grid, and attention widens the cache's values exactly."""
+    if config.kv_dtype == "auto":
+        return torch.bfloat16 if config.dtype == "auto" else DTYPES[config.dtype]
+    if config.kv_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"kv_dtype {config.kv_dtype!r}: expected auto, float32 or bfloat16")
+    return DTYPES[config.kv_dtype]
 
 
 @dataclass
@@ -39,6 +51,7 @@ class Memory:
 
 
 def load_model(model_path: str | None, config) -> LoadedModel:
+    kv_dtype = kv_cache_dtype(config)  # a bad value fails before the load
     checkpoint = load_checkpoint(model_path, keep_quantized=config.dtype == "auto")
     if config.quantize:
         quantize_checkpoint(checkpoint, config.quantize)
@@ -49,7 +62,7 @@ def load_model(model_path: str | None, config) -> LoadedModel:
     _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)
     formats = model.weight_formats()
     log.info("GEMM weights: %s", ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items())))
-    failures = probe_ops(model, model.ops) if config.probe else []
+    failures = probe_ops(model, model.ops, kv_dtype=kv_dtype) if config.probe else []
     if failures:
         # Without a batch-invariant forward, batching, chunking and drafting could change a
         # reply: serve one request at a time, whole prompts, no drafts.
@@ -62,14 +75,15 @@ def load_model(model_path: str | None, config) -> LoadedModel:
 def allocate_memory(config, args, device: torch.device) -> Memory:
     """The KV cache within --kv-cache-gib (at least one full window), and its block pool."""
     context_length = min(config.context or args.max_position, args.max_position)
-    per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[config.dtype])
+    kv_dtype = kv_cache_dtype(config)
+    per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype)
     budget = int(config.kv_cache_gib * 2**30) // (per_token * config.block_size)
     num_blocks = max(budget, -(-context_length // config.block_size))
     cached = None if config.prompt_cache_gib is None else int(
         config.prompt_cache_gib * 2**30 // (per_token * config.block_size))
     pool = BlockPool(num_blocks, config.block_size, max_cached_blocks=cached)
     cache = KVCache.allocate(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim,
-                             DTYPES[config.dtype], device)
+                             kv_dtype, device)
     return Memory(context_length, pool, cache)
 
 

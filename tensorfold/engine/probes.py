@@ -25,8 +25,9 @@ def _rows_invariant(fn, make_rows, name: str, failures: list[str]) -> None:
                 return
 
 
-def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
-    """Run every probe; returns the failures (empty when the path is batch-invariant)."""
+def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -> list[str]:
+    """Run every probe; returns the failures (empty when the path is batch-invariant). kv_dtype:
+    the KV cache's dtype the engine serves with (default: the model's)."""
     a = model.args
     dtype, device = model.dtype, model.device
     gen = torch.Generator().manual_seed(1234)  # drawn on the CPU, the same inputs on every device
@@ -49,7 +50,7 @@ def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
                     lambda m: randn(m, a.hidden_size), "rms_norm", failures)
     _rows_invariant(lambda x: ops.silu_and_mul(x, x), lambda m: randn(m, a.intermediate_size),
                     "silu_and_mul", failures)
-    _probe_attention(model, ops, randn, failures)
+    _probe_attention(model, ops, randn, kv_dtype or dtype, failures)
     before = torch.get_num_threads()
     gate_up = parts.get("gate_up", parts.get("gate_up[0]"))
     try:
@@ -65,12 +66,13 @@ def probe_ops(model, ops, threads=(1, 2)) -> list[str]:
     return failures
 
 
-def _probe_attention(model, ops, randn, failures: list[str]) -> None:
-    """A query row alone vs inside a prefill chunk of other rows of the same sequence."""
+def _probe_attention(model, ops, randn, kv_dtype: torch.dtype, failures: list[str]) -> None:
+    """A query row alone vs inside a prefill chunk of other rows of the same sequence, over a
+    cache of the engine's KV dtype."""
     a = model.args
     block_size = 32
     num_blocks = 6
-    k_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim)
+    k_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim).to(kv_dtype)
     v_cache = torch.empty_like(k_cache)
     slots = torch.arange(num_blocks * block_size, device=model.device)
     ops.write_kv(k_cache, v_cache, randn(len(slots), a.num_kv_heads, a.head_dim),

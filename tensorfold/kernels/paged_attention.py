@@ -6,7 +6,9 @@ A sequence's block table lists its blocks in order, so block j holds absolute po
 
 The arithmetic (kernels/exact.py has the rule; attention_triton.py does the same steps):
 0. `write_kv_ref` stores each k vector on its fixed-point grid (QK_BITS significant bits against
-   its largest element) and each v vector likewise (V_BITS), in the cache's own dtype.
+   its largest element) and each v vector likewise (V_BITS), in the cache's own dtype, which may
+   differ from the activations' (EngineConfig.kv_dtype): k, v are rounded to it first, and the
+   grid of those values fits it. Attention widens the cached values exactly, whatever q's dtype.
 1. q is put on its grid per call; the score q.k is then an exact float64 dot product (every
    product is a multiple of one power of two and the total stays below 2^53), times `scale`,
    rounded once to float32.

@@ -44,7 +44,8 @@ class ForwardBatch:
 
 @dataclass
 class KVCache:
-    """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+    """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each, in the
+    cache's dtype (EngineConfig.kv_dtype), which may differ from the activations'."""
     k: list[torch.Tensor]
     v: list[torch.Tensor]
 
@@ -62,6 +63,10 @@ class KVCache:
     @property
     def num_blocks(self) -> int:
         return self.k[0].shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
