@@ -348,7 +348,7 @@ bread in the morning, the noise of the market, the quiet afternoons by the river
 the evening.
 """
 POSITIONS = 500
-MIN_AGREEMENT = 480  # measured: 482 of 500 (0.964); the bits are the same on every machine
+MIN_AGREEMENT = 484  # measured: 486 of 500 (0.972); the bits are the same on every machine
 
 
 @pytest.mark.slow

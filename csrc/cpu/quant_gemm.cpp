@@ -32,8 +32,8 @@ namespace {
 
 constexpr int BLOCK = 32;
 constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
-constexpr int X_MAX = 127;    // |xq| <= 127
-constexpr int ZERO_K = -141;  // k of a zero block (its m is 0)
+constexpr float X_MAX = 127.0f;     // |xq| <= 127
+constexpr float F16_MAX = 65504.0f;  // float16 scales saturate here
 constexpr int64_t MAGIC = 0x544651554e540002;  // "TFQUNT" v2
 
 struct QKind {
@@ -44,8 +44,8 @@ struct QKind {
   bool nibbles;    // u < 16: two codes to a byte
 };
 // In quant_gemm.KINDS order: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k.
-constexpr QKind KINDS[] = {{32, 40, false, 128, false}, {32, 40, false, 8, true}, {32, 40, true, 0, true},
-                           {32, 42, true, 0, true},     {32, 43, true, 0, false}, {16, 44, false, 32, false}};
+constexpr QKind KINDS[] = {{32, 41, false, 128, false}, {32, 41, false, 8, true}, {32, 41, true, 0, true},
+                           {32, 44, true, 0, true},     {32, 45, true, 0, false}, {16, 46, false, 32, false}};
 
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
@@ -122,12 +122,26 @@ inline int64_t on_grid(int64_t value, int shift, int term_bits) {
   return floor + ((rem > half || (rem == half && (floor & 1))) ? 1 : 0);
 }
 
-// One row's activations (quant_gemm.quantize_activations): per block of 32, xq int8 against
-// m 2^k, m = ceil(sig(amax) / (127 2^9)), k = e - 14, xq = round_even(x 2^-k / m); here k - kmax
-// (kmax the row's largest k), the sums of xq per sub-block, and the whole block's sum times m.
+// float32 -> float16 bits, rounded to nearest even (|f| <= 65504: no overflow).
+inline uint16_t float16_from(float f) {
+  const uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  if (a >= 0x38800000u) {  // >= 2^-14: a normal float16
+    const uint32_t mant = a & 0x7FFFFFu, rem = mant & 0x1FFFu;
+    uint32_t r = ((((a >> 23) - 112u) << 10) | (mant >> 13));
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r += 1;  // a carry moves to the exponent
+    return static_cast<uint16_t>(sign | r);
+  }
+  const double units = round_even(static_cast<double>(f32_from_bits(a)) * pow2(24));  // subnormal: 2^-24 steps
+  return static_cast<uint16_t>(sign | static_cast<uint32_t>(units));
+}
+
+// One row's activations (quant_gemm.quantize_activations): per block of 32, xq int8 as llama.cpp
+// rounds it (float32: d = amax / 127, xq = round_even(x (127 / amax))), the scale float16(d) =
+// m 2^k with k - kmax kept (kmax the row's largest k), the sums of xq per sub-block, and the
+// minimum term's float16(d sum xq) = sm 2^se (se - kmax kept).
 struct RowQ {
   std::vector<int8_t> xq;
-  std::vector<int32_t> m, kdelta, xsum, xsum_m;
+  std::vector<int32_t> m, kdelta, xsum, sm, sdelta;
   int kmax = 0;
 };
 
@@ -138,41 +152,39 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   row->m.resize(blocks);
   row->kdelta.resize(blocks);
   row->xsum.resize(blocks * per);
-  row->xsum_m.resize(blocks);
-  std::vector<int> k(blocks);
+  row->sm.resize(blocks);
+  row->sdelta.resize(blocks);
+  std::vector<int32_t> k(blocks), se(blocks);
   int kmax = -(1 << 20);
   for (int64_t b = 0; b < blocks; ++b) {
     const T* v = x + b * BLOCK;
     uint32_t top = 0;
     for (int i = 0; i < BLOCK; ++i) top = std::max(top, f32_bits(to_f32(v[i])) & 0x7FFFFFFFu);
-    const int e = exponent(f32_from_bits(top));
-    int32_t m = 0, total = 0;
-    if (e == -127) {  // zero or subnormal: a zero block
-      std::memset(row->xq.data() + b * BLOCK, 0, BLOCK);
-      for (int h = 0; h < per; ++h) row->xsum[b * per + h] = 0;
-      k[b] = ZERO_K;
-    } else {
-      const int32_t sig = static_cast<int32_t>((top & 0x7FFFFFu) | 0x800000u);
-      m = (sig + X_MAX * 512 - 1) / (X_MAX * 512);
-      k[b] = e - 14;
-      const double up = pow2(14 - e), md = static_cast<double>(m);
-      for (int h = 0; h < per; ++h) {
-        int32_t sum = 0;
-        for (int i = h * sub; i < (h + 1) * sub; ++i) {
-          double r = round_even((static_cast<double>(to_f32(v[i])) * up) / md);
-          r = std::min(127.0, std::max(-127.0, r));
-          row->xq[b * BLOCK + i] = static_cast<int8_t>(r);
-          sum += static_cast<int32_t>(r);
-        }
-        row->xsum[b * per + h] = sum;
-        total += sum;
+    const float amax = f32_from_bits(top);
+    const bool zero = exponent(amax) == -127;  // zero or subnormal: a zero block
+    const float d = zero ? 0.0f : amax / X_MAX, inverse = zero ? 0.0f : X_MAX / amax;
+    int32_t total = 0;
+    for (int h = 0; h < per; ++h) {
+      int32_t sum = 0;
+      for (int i = h * sub; i < (h + 1) * sub; ++i) {
+        const float scaled = to_f32(v[i]) * inverse;
+        double r = zero ? 0.0 : round_even(static_cast<double>(scaled));
+        r = std::min(127.0, std::max(-127.0, r));
+        row->xq[b * BLOCK + i] = static_cast<int8_t>(r);
+        sum += static_cast<int32_t>(r);
       }
+      row->xsum[b * per + h] = sum;
+      total += sum;
     }
-    row->m[b] = m;
-    row->xsum_m[b] = total * m;
+    significand16(float16_from(std::min(d, F16_MAX)), &row->m[b], &k[b]);
+    const float s = d * static_cast<float>(total);
+    significand16(float16_from(std::min(F16_MAX, std::max(-F16_MAX, s))), &row->sm[b], &se[b]);
     kmax = std::max(kmax, k[b]);
   }
-  for (int64_t b = 0; b < blocks; ++b) row->kdelta[b] = std::max(k[b] - kmax, -1000);
+  for (int64_t b = 0; b < blocks; ++b) {
+    row->kdelta[b] = std::max(k[b] - kmax, -1000);
+    row->sdelta[b] = std::max(se[b] - kmax, -1000);
+  }
   row->kmax = kmax;
 }
 
@@ -235,7 +247,7 @@ inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int j, in
         }
         a[j] += on_grid(term, c.sexp + kd_b, kd.term_bits);
         if (kd.has_min)
-          a[j] += on_grid(static_cast<int64_t>(c.min) * row.xsum_m[b], c.mexp + kd_b, kd.term_bits);
+          a[j] += on_grid(static_cast<int64_t>(c.min) * row.sm[b], c.mexp + row.sdelta[b] + shift0, kd.term_bits);
       }
     }
   }
@@ -295,13 +307,15 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
   const int32_t* kdelta[R];
   const int32_t* xsums[R];
   const int32_t* ms[R];
-  const int32_t* xsums_m[R];
+  const int32_t* sms[R];
+  const int32_t* sdeltas[R];
   for (int r = 0; r < R; ++r) {
     xq_rows[r] = rows[r0 + r].xq.data();
     kdelta[r] = rows[r0 + r].kdelta.data();
     xsums[r] = rows[r0 + r].xsum.data();
     ms[r] = rows[r0 + r].m.data();
-    xsums_m[r] = rows[r0 + r].xsum_m.data();
+    sms[r] = rows[r0 + r].sm.data();
+    sdeltas[r] = rows[r0 + r].sdelta.data();
   }
   const __m512i topv = _mm512_loadu_si512(top);
   for (int64_t b = 0; b < L.blocks; ++b) {
@@ -342,7 +356,7 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
         d[c] = _mm512_dpbusd_epi32(d[c], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
       }
       __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
-      const __m512i m = _mm512_set1_epi32(ms[r][b]);  // A m < 2^19 2^9: int32
+      const __m512i m = _mm512_set1_epi32(ms[r][b]);  // A m < 2^19 2^11: int32
       __m512i ilo, ihi;
       if constexpr (PER == 1) {
         __m512i dot = _mm512_add_epi32(h0, h1);
@@ -359,9 +373,9 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
       }
       add_terms(&lo[r], &hi[r], ilo, ihi, _mm512_add_epi32(sexp, kshift), term_bits);
       if constexpr (HAS_MIN) {
-        const __m512i xs = _mm512_set1_epi64(xsums_m[r][b]);
+        const __m512i xs = _mm512_set1_epi64(sms[r][b]);
         add_terms(&lo[r], &hi[r], _mm512_mul_epi32(mlo, xs), _mm512_mul_epi32(mhi, xs),
-                  _mm512_add_epi32(mexp, kshift), term_bits);
+                  _mm512_add_epi32(mexp, _mm512_set1_epi32(sdeltas[r][b] + shift0)), term_bits);
       }
     }
   }

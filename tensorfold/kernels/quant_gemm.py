@@ -9,17 +9,17 @@ a weight is w = S c 2^E (+ M 2^F). Both S 2^E and M 2^F are the file's own float
 (times the K-quants' 6- or 8-bit sub-block scales), exactly. The arithmetic, per output
 y[r, n] = sum_k x[r, k] w[n, k]:
 
-1. Activations, per row and block of 32 (row-local, deterministic), to int8 against a scale
-   m 2^k with a 9-bit integer m, so that the codes fill [-127, 127] (a power of two alone would
-   leave up to a bit unused, and the small models notice: docs/kernels.md). With amax = max |x|
-   (float32), e = exponent(amax) and sig its 24-bit significand: m = ceil(sig / (127 * 2^9)) (an
-   integer in [130, 259]), k = e - 14, so m 2^k >= amax / 127 by the least step; then
-   xq = round_even(float64(x 2^-k) / m) (one IEEE division, the same everywhere), clamped to
-   [-127, 127]; xsum = sum xq. A block whose amax is below 2^-126 (zero, or subnormal) is zero:
-   xq = 0, m = 0, k = -141.
+1. Activations, per row and block of 32 (row-local, deterministic), to int8 the way llama.cpp's
+   Q8_0/Q8_1 blocks do it, in float32 IEEE operations: amax = max |x|, d = amax / 127,
+   id = 127 / amax, xq = round_even(x id) clamped to [-127, 127]; the block's scale is float16(d)
+   = m 2^k (m its 11-bit significand, as `significand` gives it), and for the types with a
+   minimum also the float16 of d sum(xq) = sm 2^se. A block whose amax is below 2^-126 (zero,
+   or subnormal) is zero: xq = 0, d = 0. (llama.cpp's own rounding of a block; its sums of the
+   terms are float, ours exact: docs/kernels.md on what that means for agreement.)
 2. Per block b an integer dot for each sub-block h, A[b, h] = sum c xq, and the block's terms,
    each an integer I times a power of two: (sum_h S[b, h] A[b, h]) m[b] 2^(E[b] + k[b]), and with
-   a minimum also M[b] xsum[b] m[b] 2^(F[b] + k[b]). Every |I| < 2^T, T the type's TERM_BITS.
+   a minimum also M[b] sm[b] 2^(F[b] + se[b]). Every term is below 2^(E or F + k + T), T the
+   type's TERM_BITS (se <= k + 13).
 3. The terms of one output are summed on one integer grid 2^g, g = top[n] + kmax[r] + T - 62 +
    ceil(log2(#terms)), where top[n] is the largest E or F of weight row n and kmax[r] the largest
    k of activation row r: every term is below 2^(top + kmax + T), so the whole sum stays below
@@ -41,7 +41,7 @@ from tensorfold.kernels.exact import exponent, pow2
 
 BLOCK = 32
 X_MAX = 127           # |xq| <= X_MAX
-ZERO_K = -141         # k of a zero block (its m is 0)
+F16_MAX = 65504.0     # float16 scales saturate here (never reached by real activations)
 ROW_CHUNK = 8
 
 
@@ -54,16 +54,16 @@ class Kind:
 
 
 # Term bounds: |S| < 2^11 (a float16 significand) times the K-quants' sub-block scale (6 bits, or
-# 8 signed for q6_k); |A| <= 32 max|c| 127; m < 2^9. q8_0: 2^11 * 128*127*32 * 2^9 < 2^40; q4_k:
-# 2^17 * 15*127*32 * 2^9 < 2^42; q5_k: 2^17 * 31*127*32 * 2^9 < 2^43; q6_k: two halves of
-# 2^18 * 32*127*16 * 2^9 < 2^44. Minimum terms stay below: 2^17 * 127*32 * 2^9 < 2^38.
+# 8 signed for q6_k); |A| <= 32 max|c| 127; m < 2^11. q8_0: 2^11 * 128*127*32 * 2^11 < 2^41; q4_k:
+# 2^17 * 15*127*32 * 2^11 < 2^44; q5_k: 2^17 * 31*127*32 * 2^11 < 2^45; q6_k: two halves of
+# 2^18 * 32*127*16 * 2^11 < 2^46. Minimum terms: |M sm| < 2^17 2^11 at se <= k + 13: below 2^41.
 KINDS = {
-    "q8_0": Kind(32, 40, False, 8),
-    "q4_0": Kind(32, 40, False, 4),
-    "q4_1": Kind(32, 40, True, 4),
-    "q4_k": Kind(32, 42, True, 4),
-    "q5_k": Kind(32, 43, True, 5),
-    "q6_k": Kind(16, 44, False, 6),
+    "q8_0": Kind(32, 41, False, 8),
+    "q4_0": Kind(32, 41, False, 4),
+    "q4_1": Kind(32, 41, True, 4),
+    "q4_k": Kind(32, 44, True, 4),
+    "q5_k": Kind(32, 45, True, 5),
+    "q6_k": Kind(16, 46, False, 6),
 }
 TYPES = tuple(KINDS)
 
@@ -145,21 +145,22 @@ def from_legacy(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     return QuantWeight(kind, codes.to(torch.int8), dm, de, mm, me)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> (xq [M, K] int8, m [M, K / 32] int32, k [M, K / 32] int32):
-    x ~ xq m 2^k (step 1)."""
+def quantize_activations(x: torch.Tensor):
+    """x [M, K] (K a multiple of 32) -> xq [M, K] int8 and per block [M, K / 32] the scale's
+    (m, k) and the minimum term's (sm, se), all int32 (step 1): x ~ xq m 2^k."""
     rows, kdim = x.shape
     blocks = x.float().reshape(rows, kdim // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1)                                          # [M, B] float32
-    e = exponent(amax)
-    zero = e == -127
-    sig = (amax.view(torch.int32) & 0x7FFFFF) | 0x800000
-    m = torch.where(zero, 0, (sig + X_MAX * 512 - 1) // (X_MAX * 512))
-    k = torch.where(zero, ZERO_K, e - 14)
-    scaled = blocks.double() * pow2(-k).unsqueeze(-1)                         # exact
-    q = scaled / torch.where(zero, 1, m).double().unsqueeze(-1)               # one IEEE division
-    xq = torch.round(q).clamp_(-X_MAX, X_MAX).masked_fill_(zero.unsqueeze(-1), 0)  # round half to even
-    return xq.to(torch.int8).reshape(rows, kdim), m.to(torch.int32), k.to(torch.int32)
+    zero = exponent(amax) == -127
+    safe = torch.where(zero, 1.0, amax)
+    d = torch.where(zero, 0.0, safe / X_MAX)                                  # float32 IEEE divisions
+    inverse = torch.full_like(safe, X_MAX) / safe  # (not X_MAX / safe: torch takes a reciprocal there)
+    xq = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-X_MAX, X_MAX)    # round half to even
+    xq = xq.masked_fill_(zero.unsqueeze(-1), 0)
+    m, k = significand(d.clamp(max=F16_MAX).half())
+    s = (d * xq.sum(dim=-1)).clamp(-F16_MAX, F16_MAX)                         # float32
+    sm, se = significand(s.half())
+    return xq.to(torch.int8).reshape(rows, kdim), m, k, sm, se
 
 
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -173,7 +174,7 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if x.shape[0] > ROW_CHUNK:  # rows are independent: chunks only bound the scratch memory
         return torch.cat([linear(part, w) for part in x.split(ROW_CHUNK)])
     m, nb, per = x.shape[0], kdim // BLOCK, BLOCK // kind.sub
-    xq, xm, k = quantize_activations(x)
+    xq, xm, k, sm, se = quantize_activations(x)
     xm, k = xm.to(torch.int64).unsqueeze(1), k.to(torch.int64)                               # [M, 1, B]
     xs = xq.double().reshape(m, nb * per, kind.sub)
     a = torch.einsum("msi,nsi->mns", xs, w.codes.double().reshape(n, nb * per, kind.sub))      # exact: < 2^19
@@ -181,9 +182,8 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     ints = [scaled * xm]                                                                      # [M, N, B]
     exps = [w.scale_exp.to(torch.int64).unsqueeze(0) + k.unsqueeze(1)]
     if kind.has_min:
-        xsum = xq.to(torch.int64).reshape(m, nb, BLOCK).sum(dim=-1)                          # [M, B]
-        ints.append(w.min.to(torch.int64).unsqueeze(0) * xsum.unsqueeze(1) * xm)
-        exps.append(w.min_exp.to(torch.int64).unsqueeze(0) + k.unsqueeze(1))
+        ints.append(w.min.to(torch.int64).unsqueeze(0) * sm.to(torch.int64).unsqueeze(1))
+        exps.append(w.min_exp.to(torch.int64).unsqueeze(0) + se.to(torch.int64).unsqueeze(1))
     ints, exps = torch.cat(ints, dim=-1), torch.cat(exps, dim=-1)                             # [M, N, T]
     top = w.top().to(torch.int64).unsqueeze(0) + k.amax(dim=1).unsqueeze(1)                  # [M, N]
     g = top + kind.term_bits - 62 + math.ceil(math.log2(ints.shape[-1]))
