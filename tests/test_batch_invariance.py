@@ -35,6 +35,7 @@ STOCK_OPS = types.SimpleNamespace(
     paged_attention=cpu_ops.paged_attention,
     paged_decode_attention=cpu_ops.paged_decode_attention,
     write_kv=cpu_ops.write_kv,
+    embedding=cpu_ops.embedding,
     NAME="stock",
     pack_weight=lambda w: w,
 )
