@@ -217,37 +217,39 @@ def shift_round(i: int, s: int) -> int:
 
 def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]]:
     """quant_gemm's steps 1-4 in Python integers from the super-blocks' own values: per 32-block
-    b of the activations amax's exponent e and 24-bit significand sig, the 9-bit mu_b =
-    ceil(sig / (127 2^9)), k_b = e - 14, xq = round(x 2^-k_b / mu_b) clamped to [-127, 127] (a
-    block with amax < 2^-126: xq = 0, mu_b = 0, k_b = -141); per 32-block b of row n the terms
-    (sum over its sub-blocks of dm sc_j A_j) mu_b 2^(de + k_b) and, with a minimum,
-    -(dminm m_b) xsum_b mu_b 2^(dmine + k_b); grid g = top + kmax + T - 62 + ceil(log2 #terms),
-    T the kind's term bound (|A| <= 32 max|c| 127, |dm sc| < 2^17 (2^18 for q6_k's signed sc),
-    mu_b < 2^9)."""
+    b of the activations, in numpy float32 (IEEE) arithmetic as llama.cpp's Q8_0/Q8_1 blocks:
+    amax = max |x|, d_b = amax / 127, inverse = 127 / amax, xq = round(x inverse) (half to even)
+    clamped to [-127, 127] (a block with amax < 2^-126: xq = 0, d_b = 0); the scale
+    float16(min(d_b, 65504)) = mu_b 2^k_b and the minimum's float16(clamp(d_b sum xq, +-65504)) =
+    smu_b 2^se_b (frexp16). Per 32-block b of row n the terms (sum over its sub-blocks of
+    dm sc_j A_j) mu_b 2^(de + k_b) and, with a minimum, -(dminm m_b) smu_b 2^(dmine + se_b); grid
+    g = top + kmax + T - 62 + ceil(log2 #terms), T the kind's term bound (|A| <= 32 max|c| 127,
+    |dm sc| < 2^17 (2^18 for q6_k's signed sc), mu_b < 2^11: 44, 45, 46)."""
     n, kdim = raw.shape[0], x.shape[1]
-    term_bits = {QType.Q4_K: 42, QType.Q5_K: 43, QType.Q6_K: 44}[qtype]
+    term_bits = {QType.Q4_K: 44, QType.Q5_K: 45, QType.Q6_K: 46}[qtype]
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     rows = []
     for r in range(n):
         weights = [k_values(qtype, raw[r, size * s:size * (s + 1)].tolist()) for s in range(kdim // 256)]
         rows.append(weights)
     out = []
+    f32 = np.float32
     for line in x.float().tolist():
-        xq, mus, ks = [], [], []
+        xq, scales, sums = [], [], []
         for b in range(kdim // 32):
-            block = line[32 * b:32 * (b + 1)]
+            block = [f32(v) for v in line[32 * b:32 * (b + 1)]]
             amax = max(abs(v) for v in block)
             if amax < 2.0 ** -126:                                   # zero or subnormal: a zero block
                 xq += [0] * 32
-                mus.append(0)
-                ks.append(-141)
+                scales.append((0, -24))
+                sums.append((0, -24))
                 continue
-            e = math.frexp(amax)[1] - 1                              # floor(log2(amax)), exactly
-            sig = int(amax * 2.0 ** (23 - e))                        # the 24-bit significand
-            mu = -(-sig // (127 * 512))                              # ceil
-            xq += [max(-127, min(127, round(v * 2.0 ** (14 - e) / mu))) for v in block]  # half to even
-            mus.append(mu)
-            ks.append(e - 14)
+            step, inverse = amax / f32(127), f32(127) / amax          # float32 divisions
+            block_q = [max(-127, min(127, round(float(v * inverse)))) for v in block]  # half to even
+            xq += block_q
+            scales.append(frexp16(float(np.float16(min(step, f32(65504))))))
+            sums.append(frexp16(float(np.float16(max(-65504.0, min(65504.0, step * f32(sum(block_q))))))))
+        mus, ks = [mu for mu, _ in scales], [k for _, k in scales]
         result = []
         for weights in rows:
             terms, top = [], []
@@ -265,7 +267,7 @@ def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]
                     else:
                         terms.append((dm * sc[j] * sum(ci * xi for ci, xi in zip(c, xb)) * mus[b], de + ks[b]))
                         mm, me = frexp16(dmin)
-                        terms.append((-(mm * m[j]) * sum(xb) * mus[b], me + ks[b]))
+                        terms.append((-(mm * m[j]) * sums[b][0], me + sums[b][1]))
                         top.append(me)
             g = max(top) + max(ks) + term_bits - 62 + math.ceil(math.log2(len(terms)))
             total = sum(shift_round(i, s - g) for i, s in terms)
@@ -290,6 +292,7 @@ def test_k_quant_linear_equals_the_integer_oracle(qtype):
     x[1, 64:96] = torch.randn(32, generator=g) * 2.0 ** -135      # subnormal: a zero block
     x[1, 96:128] *= 2.0 ** -120                                   # tiny but normal
     x[-1, 5] = 1e4
+    x = torch.cat([x, x.bfloat16().float()])                      # bf16 values: many exact ties
     got = qg.linear(x, quant_weight(as_torch(raw), qtype, (3, 512)))
     assert got.tolist() == k_oracle(x, qtype, raw)
 
