@@ -57,7 +57,7 @@ def oracle(x: torch.Tensor, kind: str, q: torch.Tensor, d: torch.Tensor, m) -> l
         for b in range(nb):
             block = [f32(v) for v in row[32 * b:32 * (b + 1)]]
             amax = max(abs(v) for v in block)
-            if amax < 2.0 ** -126:
+            if amax < 2.0 ** -120:
                 xq += [0] * 32
                 scales.append((0, -24))
                 sums.append((0, -24))

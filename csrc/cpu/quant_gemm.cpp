@@ -161,7 +161,7 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
     uint32_t top = 0;
     for (int i = 0; i < BLOCK; ++i) top = std::max(top, f32_bits(to_f32(v[i])) & 0x7FFFFFFFu);
     const float amax = f32_from_bits(top);
-    const bool zero = exponent(amax) == -127;  // zero or subnormal: a zero block
+    const bool zero = exponent(amax) < -120;  // below 2^-120 (127 / amax would overflow): a zero block
     const float d = zero ? 0.0f : amax / X_MAX, inverse = zero ? 0.0f : X_MAX / amax;
     int32_t total = 0;
     for (int h = 0; h < per; ++h) {

@@ -13,8 +13,8 @@ y[r, n] = sum_k x[r, k] w[n, k]:
    Q8_0/Q8_1 blocks do it, in float32 IEEE operations: amax = max |x|, d = amax / 127,
    id = 127 / amax, xq = round_even(x id) clamped to [-127, 127]; the block's scale is float16(d)
    = m 2^k (m its 11-bit significand, as `significand` gives it), and for the types with a
-   minimum also the float16 of d sum(xq) = sm 2^se. A block whose amax is below 2^-126 (zero,
-   or subnormal) is zero: xq = 0, d = 0. (llama.cpp's own rounding of a block; its sums of the
+   minimum also the float16 of d sum(xq) = sm 2^se. A block whose amax is below 2^-120 (zero,
+   or tiny: 127 / amax would overflow) is zero: xq = 0, d = 0. (llama.cpp's own rounding of a block; its sums of the
    terms are float, ours exact: docs/kernels.md on what that means for agreement.)
 2. Per block b an integer dot for each sub-block h, A[b, h] = sum c xq, and the block's terms,
    each an integer I times a power of two: (sum_h S[b, h] A[b, h]) m[b] 2^(E[b] + k[b]), and with
@@ -151,7 +151,7 @@ def quantize_activations(x: torch.Tensor):
     rows, kdim = x.shape
     blocks = x.float().reshape(rows, kdim // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1)                                          # [M, B] float32
-    zero = exponent(amax) == -127
+    zero = exponent(amax) < -120  # below: 127 / amax overflows float32 (and d is 0 in float16)
     safe = torch.where(zero, 1.0, amax)
     d = torch.where(zero, 0.0, safe / X_MAX)                                  # float32 IEEE divisions
     inverse = torch.full_like(safe, X_MAX) / safe  # (not X_MAX / safe: torch takes a reciprocal there)

@@ -11,7 +11,7 @@ docstring, steps 1-4):
   clamped to [-127, 127] as int8; the scale float16(min(d, 65504)) and the minimum's
   float16(clamp(d sum xq, +-65504)) (float32 -> float16 casts round to nearest even, "rtne", on
   the GPU and in the interpreter) as their 11-bit significands and exponents (m, k) and (sm, se)
-  (quant_gemm.significand: zero -> (0, -24)); a block with amax < 2^-126 is zero (xq = 0, d = 0);
+  (quant_gemm.significand: zero -> (0, -24)); a block with amax < 2^-120 is zero (xq = 0, d = 0);
   and the row's kmax. (Where 127 / amax overflows, amax < ~2^-121, x inverse is +-inf -> +-127,
   and 0 inf, NaN, is taken as 0: the block's d is far below float16's least step, so m = sm = 0
   and its codes never count. The torch reference has no value for such a NaN.)
@@ -116,7 +116,7 @@ def quantize_kernel(x_ptr, xq_ptr, m_ptr, k_ptr, sm_ptr, se_ptr, kmax_ptr, K, NB
         offs = row * K + blocks[:, None] * 32 + lane[None, :]
         x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), 1)                                             # [BLOCKS] float32
-        zero = ex.exponent(amax) == -127                                        # amax < 2^-126
+        zero = ex.exponent(amax) < -120                                         # amax < 2^-120
         safe = tl.where(zero, 1.0, amax)
         # correctly rounded float32 divisions (div.rn.f32), as the reference's and llama.cpp's `/`;
         # a plain `/` would compile to the approximate div.full.f32

@@ -219,7 +219,7 @@ def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]
     """quant_gemm's steps 1-4 in Python integers from the super-blocks' own values: per 32-block
     b of the activations, in numpy float32 (IEEE) arithmetic as llama.cpp's Q8_0/Q8_1 blocks:
     amax = max |x|, d_b = amax / 127, inverse = 127 / amax, xq = round(x inverse) (half to even)
-    clamped to [-127, 127] (a block with amax < 2^-126: xq = 0, d_b = 0); the scale
+    clamped to [-127, 127] (a block with amax < 2^-120: xq = 0, d_b = 0); the scale
     float16(min(d_b, 65504)) = mu_b 2^k_b and the minimum's float16(clamp(d_b sum xq, +-65504)) =
     smu_b 2^se_b (frexp16). Per 32-block b of row n the terms (sum over its sub-blocks of
     dm sc_j A_j) mu_b 2^(de + k_b) and, with a minimum, -(dminm m_b) smu_b 2^(dmine + se_b); grid
@@ -239,7 +239,7 @@ def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]
         for b in range(kdim // 32):
             block = [f32(v) for v in line[32 * b:32 * (b + 1)]]
             amax = max(abs(v) for v in block)
-            if amax < 2.0 ** -126:                                   # zero or subnormal: a zero block
+            if amax < 2.0 ** -120:                                   # a zero block
                 xq += [0] * 32
                 scales.append((0, -24))
                 sums.append((0, -24))
