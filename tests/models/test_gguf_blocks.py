@@ -26,6 +26,7 @@ from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.gguf_file import default_model_path, load_gguf
 from tensorfold.models.gguf_quants import KEPT_TYPES, KINDS, dequantize, quant_weight
 from tensorfold.models.quantize import QTYPES, gguf_blocks, quantize
+from test_quant_gemm import frexp16, shift_round  # the legacy types' oracle's integer helpers
 
 BLOCK_TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K]
 K_TYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K]
@@ -197,22 +198,6 @@ def k_values(qtype: QType, b: list[int]):
             for i in range(32):
                 q[32 * j + i] |= ((b[16 + i] >> j) & 1) << 4
     return q, f16(b[0], b[1]), f16(b[2], b[3]), sc, m
-
-
-def frexp16(h: float) -> tuple[int, int]:
-    """A float16 value h = dm 2^de, dm its integer significand (|dm| < 2^11)."""
-    if h == 0:
-        return 0, -24
-    de = max(math.floor(math.log2(abs(h))), -14) - 10
-    return int(h / 2.0 ** de), de
-
-
-def shift_round(i: int, s: int) -> int:
-    if s >= 0:
-        return i << s
-    q, r = divmod(i, 1 << -s)
-    half = 1 << (-s - 1)
-    return q + (1 if r > half or (r == half and q & 1) else 0)
 
 
 def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]]:
