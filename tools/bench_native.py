@@ -70,9 +70,9 @@ def tensorfold_runs(dtype: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     context = max(2048, args.long + args.tokens + 16)
-    engine = Engine(None, EngineConfig(dtype=dtype, num_threads=args.threads, prompt_cache_gib=0,
+    engine = Engine(None, EngineConfig(dtype=dtype, kv_dtype=getattr(args, "kv_dtype", "auto"), num_threads=args.threads, prompt_cache_gib=0,
                                        context=context, kv_cache_gib=0.5, max_tokens_per_step=512))
-    out = {"exact": engine.exact, "ops": engine.model.ops.NAME}
+    out = {"exact": engine.exact, "ops": f"{engine.model.ops.NAME}, {engine.cache.k[0].dtype}".replace("torch.", "")}
     greedy = dict(temperature=0, ignore_eos=True, draft=False)
     engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **greedy))  # warm-up
     clock = RoundClock(engine)
@@ -145,6 +145,8 @@ def main(argv=None) -> None:
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--long", type=int, default=0, help="also a prompt of this many tokens (0: off)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="TensorFold's KV cache (auto: bfloat16 under dtype auto, else the dtype)")
     args = p.parse_args(argv)
     print(machine_line())
     rows = []
@@ -160,7 +162,7 @@ def main(argv=None) -> None:
                     ratio(ours["long_prefill"], peer.get("long_prefill")), fmt(ours["long_decode"], 1),
                     fmt(peer.get("long_decode"), 1), ratio(ours["long_decode"], peer.get("long_decode"))]
         rows.append(row)
-    headers = ["dtype", "ops", "exact", "decode tok/s", "llama.cpp", "ratio",
+    headers = ["dtype", "ops, KV cache", "exact", "decode tok/s", "llama.cpp", "ratio",
                f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams / 1", "Python per round"]
     if args.long:
         headers += [f"prefill {args.long} tok/s", "llama.cpp", "ratio", f"decode @{args.long}", "llama.cpp", "ratio"]

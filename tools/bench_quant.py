@@ -75,7 +75,7 @@ def speed_section(args) -> None:
     row = ["Q4_1 (token_embd Q8_0)", ours["ops"], ours["exact"],
            fmt(ours["decode"], 1), fmt(peer.get("decode"), 1), ratio(ours["decode"], peer.get("decode")),
            fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill"))]
-    print_table(["file", "ops", "exact", "decode tok/s", "llama.cpp", "ratio",
+    print_table(["file", "ops, KV cache", "exact", "decode tok/s", "llama.cpp", "ratio",
                  f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio"], [row],
                 f"1. Speed, default model served as stored (dtype auto): {args.threads} threads, "
                 f"{args.tokens} new tokens, best of {args.repeats}")
