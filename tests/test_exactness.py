@@ -557,10 +557,10 @@ def test_a_prompt_whose_reply_ends_in_its_first_round_is_cached(tiny_llama):
 
 
 def _tiny_bytes_per_block(path, block_size=32):
-    """A block's bytes in the cache tiny_engine allocates (--kv-dtype auto under --dtype auto)."""
+    """A block's bytes in the cache tiny_engine allocates (--kv-dtype auto: a dense model's own dtype)."""
     cfg = json.load(open(os.path.join(path, "config.json")))
     return KVCache.bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"],
-                                   kv_cache_dtype(EngineConfig())) * block_size
+                                   kv_cache_dtype(EngineConfig(), quantized=False)) * block_size
 
 
 def test_eviction_under_a_tiny_cache_budget_keeps_replies_exact(tiny_llama, solo):

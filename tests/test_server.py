@@ -166,7 +166,7 @@ def test_health_reports_every_counter_and_counts_a_request(served):
     assert before["streams"]["maximum"] == 8
     assert before["ops"] == backend_ops("cpu").NAME  # the C++ kernels where built, else "torch"
     assert before["weights"] == served.engine.model.weight_formats() == {"float32": 9} and sum(before["weights"].values()) > 0
-    assert before["kv_dtype"] == "bfloat16"  # --kv-dtype auto under --dtype auto
+    assert before["kv_dtype"] == "float32"  # --kv-dtype auto: a dense model's own dtype
     for key in HEALTH_COUNTERS:
         assert isinstance(before[key], (int, float)) and before[key] >= 0, key
     reply = served.client.completions.create(model=NAME, prompt="Count me", max_tokens=5, seed=1)

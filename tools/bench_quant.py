@@ -90,7 +90,7 @@ def kv_cache_gib(tokens: int) -> float:
     from tensorfold.engine.loading import kv_cache_dtype
     from tensorfold.models.forward_batch import KVCache
 
-    dtype = kv_cache_dtype(EngineConfig(dtype="auto"))
+    dtype = kv_cache_dtype(EngineConfig(dtype="auto"), quantized=True)
     return KVCache.bytes_per_token(dtype=dtype, **DEFAULT_SHAPE) * tokens / 2**30
 
 

@@ -21,13 +21,14 @@ log = logging.getLogger("tensorfold.engine")
 DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}  # activations
 
 
-def kv_cache_dtype(config) -> torch.dtype:
-    """The KV cache's dtype: config.kv_dtype, where "auto" is bfloat16 under dtype "auto" (a GGUF's
-    blocks with float32 activations: half the float32 cache, as llama.cpp's f16 one) and the
-    activations' dtype otherwise. Exact either way: write_kv rounds K/V to the cache's dtype
-    before their grid, and attention widens the cache's values exactly."""
+def kv_cache_dtype(config, quantized: bool) -> torch.dtype:
+    """The KV cache's dtype: config.kv_dtype, where "auto" is bfloat16 for a model whose matrices
+    are served in blocks (`quantized`: a GGUF under dtype auto, or --quantize; half a float32
+    cache, as llama.cpp's f16 one) and the activations' dtype otherwise (a dense model computes as
+    it always did). Exact either way: write_kv rounds K/V to the cache's dtype before their grid,
+    and attention widens the cache's values exactly."""
     if config.kv_dtype == "auto":
-        return torch.bfloat16 if config.dtype == "auto" else DTYPES[config.dtype]
+        return torch.bfloat16 if quantized else DTYPES[config.dtype]
     if config.kv_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"kv_dtype {config.kv_dtype!r}: expected auto, float32 or bfloat16")
     return DTYPES[config.kv_dtype]
@@ -41,6 +42,7 @@ class LoadedModel:
     device: torch.device
     config: object                # the EngineConfig to serve with (narrowed if the probes failed)
     probe_failures: list[str]
+    kv_dtype: torch.dtype         # the cache's (kv_cache_dtype)
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Memory:
 
 
 def load_model(model_path: str | None, config) -> LoadedModel:
-    kv_dtype = kv_cache_dtype(config)  # a bad value fails before the load
+    kv_cache_dtype(config, quantized=False)  # a bad value fails before the load
     checkpoint = load_checkpoint(model_path, keep_quantized=config.dtype == "auto")
     if config.quantize:
         quantize_checkpoint(checkpoint, config.quantize)
@@ -62,6 +64,7 @@ def load_model(model_path: str | None, config) -> LoadedModel:
     _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)
     formats = model.weight_formats()
     log.info("GEMM weights: %s", ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items())))
+    kv_dtype = kv_cache_dtype(config, quantized=any(f not in ("float32", "bfloat16") for f in formats))
     failures = probe_ops(model, model.ops, kv_dtype=kv_dtype) if config.probe else []
     if failures:
         # Without a batch-invariant forward, batching, chunking and drafting could change a
@@ -69,13 +72,12 @@ def load_model(model_path: str | None, config) -> LoadedModel:
         log.error("EXACT MODE REFUSED: batch-invariance probes failed on this machine: %s. "
                   "Serving one request at a time without drafts.", "; ".join(failures))
         config = replace(config, max_num_seqs=1, drafting=False, max_tokens_per_step=1 << 30)
-    return LoadedModel(checkpoint, tokenizer, model, device, config, failures)
+    return LoadedModel(checkpoint, tokenizer, model, device, config, failures, kv_dtype)
 
 
-def allocate_memory(config, args, device: torch.device) -> Memory:
-    """The KV cache within --kv-cache-gib (at least one full window), and its block pool."""
+def allocate_memory(config, args, device: torch.device, kv_dtype: torch.dtype) -> Memory:
+    """The KV cache (of kv_dtype) within --kv-cache-gib (at least one full window), and its block pool."""
     context_length = min(config.context or args.max_position, args.max_position)
-    kv_dtype = kv_cache_dtype(config)
     per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype)
     budget = int(config.kv_cache_gib * 2**30) // (per_token * config.block_size)
     num_blocks = max(budget, -(-context_length // config.block_size))
