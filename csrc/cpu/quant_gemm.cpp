@@ -154,7 +154,6 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   row->xsum.resize(blocks * per);
   row->sm.resize(blocks);
   row->sdelta.resize(blocks);
-  std::vector<int32_t> k(blocks), se(blocks);
   int kmax = -(1 << 20);
   for (int64_t b = 0; b < blocks; ++b) {
     const T* v = x + b * BLOCK;
@@ -176,14 +175,15 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
       row->xsum[b * per + h] = sum;
       total += sum;
     }
-    significand16(float16_from(std::min(d, F16_MAX)), &row->m[b], &k[b]);
+    // kdelta and sdelta hold k and se until kmax is known
+    significand16(float16_from(std::min(d, F16_MAX)), &row->m[b], &row->kdelta[b]);
     const float s = d * static_cast<float>(total);
-    significand16(float16_from(std::min(F16_MAX, std::max(-F16_MAX, s))), &row->sm[b], &se[b]);
-    kmax = std::max(kmax, k[b]);
+    significand16(float16_from(std::min(F16_MAX, std::max(-F16_MAX, s))), &row->sm[b], &row->sdelta[b]);
+    kmax = std::max(kmax, row->kdelta[b]);
   }
   for (int64_t b = 0; b < blocks; ++b) {
-    row->kdelta[b] = std::max(k[b] - kmax, -1000);
-    row->sdelta[b] = std::max(se[b] - kmax, -1000);
+    row->kdelta[b] = std::max(row->kdelta[b] - kmax, -1000);
+    row->sdelta[b] = std::max(row->sdelta[b] - kmax, -1000);
   }
   row->kmax = kmax;
 }
@@ -432,8 +432,12 @@ void quant_linear_impl(const T* x, const uint8_t* packed, T* out, int64_t M, int
   const Header* h = reinterpret_cast<const Header*>(packed);
   const Layout L(static_cast<int>(h->kind), h->f16 != 0, N, K);
   const QKind& kd = L.kind;
-  std::vector<RowQ> rows(M);
+  // The rows' activation blocks, in buffers each calling thread keeps across calls (their vectors
+  // keep their capacity: a decode step's GEMMs allocate nothing after the first).
+  static thread_local std::vector<RowQ> rows;
+  if (static_cast<int64_t>(rows.size()) < M) rows.resize(M);
   for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, L.blocks, kd.sub, &rows[r]);
+  const RowQ* row_q = rows.data();  // (inside the parallel region `rows` would name each thread's own)
   const int log_terms = log2_ceil(L.blocks * (kd.has_min ? 2 : 1));
   const int shift0 = 62 - log_terms - kd.term_bits;  // a term's shift: (E - top) + (k - kmax) + shift0
   const int32_t* top = reinterpret_cast<const int32_t*>(packed + L.top);
@@ -448,10 +452,10 @@ void quant_linear_impl(const T* x, const uint8_t* packed, T* out, int64_t M, int
       const int64_t cols = std::min<int64_t>(GROUP, N - g * GROUP);
       for (int64_t r0 = 0; r0 < M; r0 += ROWS_PER_PASS) {
         const int64_t r1 = std::min(M, r0 + ROWS_PER_PASS);
-        group_rows(L, static_cast<int>(h->kind), packed, rows.data(), r0, r1, g, shift0, top + g * GROUP, acc);
+        group_rows(L, static_cast<int>(h->kind), packed, row_q, r0, r1, g, shift0, top + g * GROUP, acc);
         for (int64_t r = r0; r < r1; ++r)
           for (int64_t j = 0; j < cols; ++j) {
-            const int grid = top[g * GROUP + j] + rows[r].kmax + kd.term_bits - 62 + log_terms;
+            const int grid = top[g * GROUP + j] + row_q[r].kmax + kd.term_bits - 62 + log_terms;
             const double y = static_cast<double>(acc[(r - r0) * GROUP + j]) * pow2(grid);
             out[r * N + g * GROUP + j] = from_f32<T>(static_cast<float>(y));
           }
