@@ -26,7 +26,8 @@ def _rows_invariant(fn, make_rows, name: str, failures: list[str]) -> None:
 
 
 def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -> list[str]:
-    """Run every probe; returns the failures (empty when the path is batch-invariant). kv_dtype:
+    """Run every probe; returns the failures (empty when the path is batch-invariant). The GEMMs
+    run through model.linear (the model's op set, fused parts of mixed formats included); kv_dtype:
     the KV cache's dtype the engine serves with (default: the model's)."""
     a = model.args
     dtype, device = model.dtype, model.device
@@ -37,29 +38,26 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     layer = model.layers[0]
-    gemms = {"qkv": layer.qkv, "o_proj": layer.o, "gate_up": layer.gate_up, "down": layer.down,
-             "lm_head": model.lm_head}
-    parts = {}  # a fused GEMM of mixed formats (a Q4_K_M file's qkv) is probed part by part
-    for name, weight in gemms.items():
-        for i, part in enumerate(weight if isinstance(weight, tuple) else (weight,)):
-            parts[f"{name}[{i}]" if isinstance(weight, tuple) else name] = part
-    for name, weight in parts.items():
-        _rows_invariant(lambda x, w=weight: ops.linear(x, w), lambda m, k=weight.shape[1]: randn(m, k),
-                        f"linear {name} {tuple(weight.shape)}", failures)
+    q_size = a.num_heads * a.head_dim
+    gemms = {"qkv": (layer.qkv, a.hidden_size), "o_proj": (layer.o, q_size),  # (weight, K)
+             "gate_up": (layer.gate_up, a.hidden_size), "down": (layer.down, a.intermediate_size),
+             "lm_head": (model.lm_head, a.hidden_size)}
+    for name, (weight, k) in gemms.items():  # through the model's linear: fused parts included
+        _rows_invariant(lambda x, w=weight: model.linear(x, w), lambda m, k=k: randn(m, k),
+                        f"linear {name} (K {k})", failures)
     _rows_invariant(lambda x: ops.rms_norm(x, layer.input_norm, a.rms_norm_eps),
                     lambda m: randn(m, a.hidden_size), "rms_norm", failures)
     _rows_invariant(lambda x: ops.silu_and_mul(x, x), lambda m: randn(m, a.intermediate_size),
                     "silu_and_mul", failures)
     _probe_attention(model, ops, randn, kv_dtype or dtype, failures)
     before = torch.get_num_threads()
-    gate_up = parts.get("gate_up", parts.get("gate_up[0]"))
     try:
         for n in threads:
             torch.set_num_threads(n)
-            x = torch.randn(5, gate_up.shape[1], generator=torch.Generator().manual_seed(7)).to(device, dtype)
+            x = torch.randn(5, a.hidden_size, generator=torch.Generator().manual_seed(7)).to(device, dtype)
             if n == threads[0]:
-                reference = ops.linear(x, gate_up)
-            elif not torch.equal(ops.linear(x, gate_up), reference):
+                reference = model.linear(x, layer.gate_up)
+            elif not torch.equal(model.linear(x, layer.gate_up), reference):
                 failures.append(f"linear gate_up: result depends on the thread count ({threads})")
     finally:
         torch.set_num_threads(before)

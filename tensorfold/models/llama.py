@@ -26,7 +26,7 @@ class Layer:
         def gemm(*names):  # one GEMM weight in the op set's layout (pack), fused along N
             parts = [_take_matrix(tensors, prefix + n, dtype, device) for n in names]
             if len({_format(p) for p in parts}) > 1:  # a Q4_K_M file's Q6_K v beside Q4_K q, k
-                return tuple(pack(p) for p in parts)  # (N-concatenated outputs: Model._linear)
+                return tuple(pack(p) for p in parts)  # (N-concatenated outputs: Model.linear)
             return pack(parts[0] if len(parts) == 1 else _stack(parts))
 
         attn, mlp = "self_attn.", "mlp."
@@ -92,9 +92,9 @@ class Model:
                 continue
             attn = self._attention(layer, x, batch, cos, sin, cache.k[i], cache.v[i])
             x, residual = self.ops.add_rms_norm(attn, residual, layer.post_attn_norm, a.rms_norm_eps)
-            gate_up = self._linear(x, layer.gate_up)  # [num_rows, 2 * intermediate]
+            gate_up = self.linear(x, layer.gate_up)  # [num_rows, 2 * intermediate]
             gate, up = gate_up.split(a.intermediate_size, dim=-1)
-            mlp = self._linear(self.ops.silu_and_mul(gate, up), layer.down)
+            mlp = self.linear(self.ops.silu_and_mul(gate, up), layer.down)
             if next_norm is not None:  # the add and the next layer's norm, in one op
                 x, residual = self.ops.add_rms_norm(mlp, residual, next_norm, a.rms_norm_eps)
             else:
@@ -117,7 +117,7 @@ class Model:
     def _attention(self, layer: Layer, x, batch: ForwardBatch, cos, sin, k_cache, v_cache):
         a = self.args
         num_rows = x.shape[0]
-        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         q = qkv[:, :q_size].reshape(num_rows, a.num_heads, a.head_dim)
         k = qkv[:, q_size:q_size + kv_size].reshape(num_rows, a.num_kv_heads, a.head_dim)
@@ -131,9 +131,9 @@ class Model:
         self.ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         # Every row of every sequence in one call: each row's result is the one it gets alone.
         out = self.ops.attention(q, k_cache, v_cache, batch, self.scale, layer.window)
-        return self._linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
+        return self.linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
 
-    def _linear(self, x, weight, bias=None):
+    def linear(self, x, weight, bias=None):
         if isinstance(weight, tuple):  # parts of different formats: their outputs side by side
             out = torch.cat([self.ops.linear(x, part) for part in weight], dim=1)
             return out if bias is None else out + bias
