@@ -138,9 +138,9 @@ def dequantize(raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torch
 
 # --- kept in blocks ------------------------------------------------------------------------------
 
-KINDS = {QType.Q8_0: "q8_0", QType.Q4_0: "q4_0", QType.Q4_1: "q4_1",
+KIND_NAMES = {QType.Q8_0: "q8_0", QType.Q4_0: "q4_0", QType.Q4_1: "q4_1",
          QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k"}  # quant_gemm's names
-KEPT_TYPES = frozenset(KINDS)
+KEPT_TYPES = frozenset(KIND_NAMES)
 _UNPACK = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1,
            QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q6_K: _q6_k}
 
@@ -154,7 +154,7 @@ def quant_weight(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> Qua
     if qtype not in KEPT_TYPES:
         raise ValueError(f"{getattr(qtype, 'name', qtype)} tensors are not kept in blocks")
     n, k = shape
-    kind = KINDS[qtype]
+    kind = KIND_NAMES[qtype]
     fields = _UNPACK[qtype](raw)
     if kind in ("q8_0", "q4_0", "q4_1"):
         q, *scales = fields

@@ -24,7 +24,7 @@ from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.gguf_file import default_model_path, load_gguf
-from tensorfold.models.gguf_quants import KEPT_TYPES, KINDS, dequantize, quant_weight
+from tensorfold.models.gguf_quants import KEPT_TYPES, KIND_NAMES, dequantize, quant_weight
 from tensorfold.models.quantize import QTYPES, gguf_blocks, quantize
 from test_quant_gemm import frexp16, shift_round  # the legacy types' oracle's integer helpers
 
@@ -78,7 +78,7 @@ def test_quant_weight_dequantizes_like_gguf(qtype):
     raw = random_bytes(rng, qtype, n, k)
     w = quant_weight(as_torch(raw), qtype, (n, k))
     kind = qg.KINDS[w.kind]
-    assert w.kind == KINDS[qtype] and w.shape == (n, k) and w.codes.dtype == torch.int8
+    assert w.kind == KIND_NAMES[qtype] and w.shape == (n, k) and w.codes.dtype == torch.int8
     assert w.scale.shape == (n, k // kind.sub) and w.scale_exp.shape == (n, k // 32)
     assert all(t.dtype == torch.int32 for t in (w.scale, w.scale_exp))
     assert (w.min is not None) == kind.has_min == (w.min_exp is not None)
