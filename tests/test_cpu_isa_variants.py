@@ -57,6 +57,16 @@ for dtype in (torch.float32, torch.bfloat16):
     got = cpu.paged_attention(q, k_cache, v_cache, torch.arange(100), table[None], torch.tensor([0, 100]), 0.125, 0)
     want = attention_ref.paged_attention_ref(q, k_cache, v_cache, torch.arange(100), table, 0.125)
     assert torch.equal(got, want), "attention"
+    k_long = torch.zeros(40, 16, 3, 64, dtype=dtype)  # decode and verify rows over 600 keys: split, direct
+    v_long = k_long.clone()
+    attention_ref.write_kv_ref(k_long, v_long, torch.randn(640, 3, 64, generator=g).to(dtype),
+                               torch.randn(640, 3, 64, generator=g).to(dtype), torch.arange(640))
+    table = torch.randperm(40, generator=g)
+    for rows in (torch.tensor([600]), torch.arange(590, 594)):
+        q = torch.randn(len(rows), 9, 64, generator=g).to(dtype)
+        got = cpu.paged_attention(q, k_long, v_long, rows, table[None], torch.tensor([0, len(rows)]), 0.125, 0)
+        want = attention_ref.paged_attention_ref(q, k_long, v_long, rows, table, 0.125)
+        assert torch.equal(got, want), "attention, split rows"
     from tensorfold.kernels import quant_gemm
     for kind, info in quant_gemm.KINDS.items():  # every kind's fields drawn within their bounds
         low, high = {"q8_0": (-128, 128), "q4_0": (-8, 8), "q5_k": (0, 32), "q6_k": (-32, 32)}.get(kind, (0, 16))

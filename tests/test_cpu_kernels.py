@@ -326,16 +326,24 @@ def test_sample_keys_and_top_keys_equal_the_torch_steps(draw, threads):
         assert torch.equal(index[drawable], want_index[drawable]), (k, str(draw))
 
 
+# (heads, kv_heads, head_dim, window) of the split rows: the query heads of a KV head go through
+# the direct kernels four at a time (groups of 3, 1, 8 and 5 lanes per row; a 4-row verify run
+# has 4x as many), bfloat16 rows of 64 and 128 in 32-element blocks, 80 in 16-element ones
+SPLIT_SHAPES = [(9, 3, 64, None), (9, 3, 64, 700), (9, 3, 80, None), (4, 4, 128, None), (8, 1, 128, 300),
+                (10, 2, 64, None)]
+
+
 @pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
-@pytest.mark.parametrize("window,head_dim", [(None, 64), (700, 64), (None, 80)])
-def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dtype, kv_dtype, window, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", SPLIT_SHAPES)
+def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dtype, kv_dtype, heads, kv_heads,
+                                                               head_dim, window):
     """Rows of a few queries over thousands of keys are split over the keys (two passes: maxima,
-    then exact sums): each row still equals its reference."""
-    block_size, blocks, kv_heads = 32, 100, 3
+    then exact sums) and read the cache rows directly: each row still equals its reference."""
+    block_size, blocks = 32, 100
     k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
     tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(3)]
     runs = [(3100, 3101), (1500, 1504), (1030, 1031)]  # decode, a 4-row verify run, decode
-    q = randn(draw, sum(e - s for s, e in runs), 9, head_dim, dtype=dtype, scale=3.0)
+    q = randn(draw, sum(e - s for s, e in runs), heads, head_dim, dtype=dtype, scale=3.0)
     positions = torch.cat([torch.arange(s, e) for s, e in runs])
     starts = [0, 1, 5, 6]
     got = _cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), 0.125,

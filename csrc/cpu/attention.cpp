@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "dot64.h"
@@ -37,13 +38,81 @@ constexpr int64_t SPLIT_SIZE = 512;
 // then gives), and an integer max is a reduction the compiler vectorizes without fast-math.
 inline float max_abs(const float* x, int64_t n) {
   uint32_t top = 0;
-  for (int64_t i = 0; i < n; ++i) top = std::max(top, f32_bits(x[i]) & 0x7FFFFFFFu);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i m = _mm512_setzero_si512();
+    for (; i + 16 <= n; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(x + i), mask));
+    top = _mm512_reduce_max_epu32(m);
+  }
+#endif
+  for (; i < n; ++i) top = std::max(top, f32_bits(x[i]) & 0x7FFFFFFFu);
   return f32_from_bits(top);
 }
 inline float max_abs(const bf16* x, int64_t n) {  // the same on the upper half of a float's bits
-  uint16_t top = 0;
-  for (int64_t i = 0; i < n; ++i) top = std::max<uint16_t>(top, x[i].bits & 0x7FFFu);
-  return f32_from_bits(static_cast<uint32_t>(top) << 16);
+  uint32_t top = 0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {  // widened to 32 bits (AVX-512F has no 16-bit max)
+    const __m512i mask = _mm512_set1_epi32(0x7FFF);
+    __m512i m = _mm512_setzero_si512();
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_cvtepu16_epi32(h), mask));
+    }
+    top = _mm512_reduce_max_epu32(m);
+  }
+#endif
+  for (; i < n; ++i) top = std::max<uint32_t>(top, x[i].bits & 0x7FFFu);
+  return f32_from_bits(top << 16);
+}
+
+// exponent(max_abs(row)) of four rows of d elements at once: the per-row maxima folded together
+// (the same integer maxima in another order, so the same exponents as max_abs gives).
+inline void exponents4(const float* const* rows, int64_t d, int* out) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i m[4];
+    for (int j = 0; j < 4; ++j) {
+      m[j] = _mm512_setzero_si512();
+      for (int64_t i = 0; i < d; i += 16) m[j] = _mm512_max_epu32(m[j], _mm512_and_si512(_mm512_loadu_si512(rows[j] + i), mask));
+    }
+    const __m512i a = _mm512_max_epu32(_mm512_unpacklo_epi32(m[0], m[1]), _mm512_unpackhi_epi32(m[0], m[1]));
+    const __m512i b = _mm512_max_epu32(_mm512_unpacklo_epi32(m[2], m[3]), _mm512_unpackhi_epi32(m[2], m[3]));
+    const __m512i c = _mm512_max_epu32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));  // rows 0 1 2 3 0 1 2 3 ...
+    const __m256i c2 = _mm256_max_epu32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+    alignas(16) uint32_t top[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(top),
+                    _mm_max_epu32(_mm256_castsi256_si128(c2), _mm256_extracti128_si256(c2, 1)));
+    for (int j = 0; j < 4; ++j) out[j] = exponent(f32_from_bits(top[j]));
+    return;
+  }
+#endif
+  for (int j = 0; j < 4; ++j) out[j] = exponent(max_abs(rows[j], d));
+}
+inline void exponents4(const bf16* const* rows, int64_t d, int* out) {
+#if defined(__AVX512BW__)
+  if (d % 32 == 0) {
+    const __m512i mask = _mm512_set1_epi16(0x7FFF);
+    __m512i m[4];
+    for (int j = 0; j < 4; ++j) {
+      m[j] = _mm512_setzero_si512();
+      for (int64_t i = 0; i < d; i += 32) m[j] = _mm512_max_epu16(m[j], _mm512_and_si512(_mm512_loadu_si512(rows[j] + i), mask));
+    }
+    const __m512i a = _mm512_max_epu16(_mm512_unpacklo_epi16(m[0], m[1]), _mm512_unpackhi_epi16(m[0], m[1]));
+    const __m512i b = _mm512_max_epu16(_mm512_unpacklo_epi16(m[2], m[3]), _mm512_unpackhi_epi16(m[2], m[3]));
+    const __m512i c = _mm512_max_epu16(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));  // rows 0 1 2 3 0 1 2 3 ...
+    const __m256i c2 = _mm256_max_epu16(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+    const __m128i c3 = _mm_max_epu16(_mm256_castsi256_si128(c2), _mm256_extracti128_si256(c2, 1));
+    alignas(16) uint16_t top[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(top), _mm_max_epu16(c3, _mm_unpackhi_epi64(c3, c3)));
+    for (int j = 0; j < 4; ++j) out[j] = exponent(f32_from_bits(static_cast<uint32_t>(top[j]) << 16));
+    return;
+  }
+#endif
+  for (int j = 0; j < 4; ++j) out[j] = exponent(max_abs(rows[j], d));
 }
 
 // exact.on_grid of one vector: rounded to 2^(e - bits + 1), e = exponent(max|x|); a second pass
@@ -99,6 +168,9 @@ struct Scratch {
   std::vector<double> num_part;  // [lane][d]: the weighted sums of up to SPLIT_SIZE keys
   std::vector<float> m;          // [lane]: the largest score over all splits
   std::vector<double> lane_up;   // [lane]: 2^(W_BITS - E), E the largest V exponent over all splits
+  std::vector<double> w;         // [lane][KEY_CHUNK]: a chunk's integer weights (the direct path)
+  std::vector<int64_t> lanes;    // the item's lanes by KV head (the direct path)
+  std::vector<double> dots;      // [lane by KV head][KEY_CHUNK]: a chunk's dot products (the direct path)
   ItemState whole;               // the state of an item this thread runs alone
 };
 
@@ -211,21 +283,15 @@ void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t 
       float& m = s.m[split * s.lanes + lane];
       m = scale_scores(dots + j0, scale64, sc + j0, j1 - j0, m);
       const int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
-      int& top = s.top[split * s.lanes + lane];
+      int top = s.top[split * s.lanes + lane];
       for (int64_t j = j0; j < j1; ++j) top = std::max(top, ve[j]);
+      s.top[split * s.lanes + lane] = top;
     }
   }
 }
 
-// Keys [k0, k1) of split `split`: integer weights on one grid and their exact sums (steps 2-3),
-// against the item's maxima over all splits. w_j v_int_j is formed as (w_j 2^(V_BITS - 1 - e_j))
-// v_j: the same integer (both factors are exact), without scaling the V row.
-template <typename T>
-void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, Scratch& t) {
-  const int64_t d = c.head_dim, per_row = s.lanes / (s.r1 - s.r0), group = per_row / s.heads();
-  t.rows.resize(s.heads() * KEY_CHUNK * d);
-  t.scales.resize(s.heads() * 2 * KEY_CHUNK);
-  t.num_part.assign(s.lanes * d, 0.0);
+// Per lane, the largest score and V exponent over all the item's splits: t.m, t.lane_up = 2^(W_BITS - E).
+inline void lane_totals(const ItemState& s, Scratch& t) {
   t.m.resize(s.lanes);
   t.lane_up.resize(s.lanes);
   for (int64_t lane = 0; lane < s.lanes; ++lane) {
@@ -238,14 +304,30 @@ void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t sp
     t.m[lane] = m;
     t.lane_up[lane] = pow2(W_BITS - top);
   }
+}
+
+// The float64 partial sums into the split's int64 ones (a float64 partial holds SPLIT_SIZE keys exactly).
+inline void flush_partial(Scratch& t, int64_t* num) {
+  const int64_t size = static_cast<int64_t>(t.num_part.size());
+  for (int64_t i = 0; i < size; ++i) num[i] += static_cast<int64_t>(t.num_part[i]);
+  std::fill(t.num_part.begin(), t.num_part.end(), 0.0);
+}
+
+// Keys [k0, k1) of split `split`: integer weights on one grid and their exact sums (steps 2-3),
+// against the item's maxima over all splits. w_j v_int_j is formed as (w_j 2^(V_BITS - 1 - e_j))
+// v_j: the same integer (both factors are exact), without scaling the V row.
+template <typename T>
+void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, Scratch& t) {
+  const int64_t d = c.head_dim, per_row = s.lanes / (s.r1 - s.r0), group = per_row / s.heads();
+  t.rows.resize(s.heads() * KEY_CHUNK * d);
+  t.scales.resize(s.heads() * 2 * KEY_CHUNK);
+  t.num_part.assign(s.lanes * d, 0.0);
+  lane_totals(s, t);
   double* vf = t.rows.data();
   int64_t* num = s.num.data() + split * s.lanes * d;
   for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
     const int64_t n = std::min(KEY_CHUNK, k1 - c0), n8 = (n + 7) / 8 * 8;
-    if (c0 > k0 && (c0 - k0) % SPLIT_SIZE == 0) {  // a float64 partial holds SPLIT_SIZE keys exactly
-      for (int64_t i = 0; i < s.lanes * d; ++i) num[i] += static_cast<int64_t>(t.num_part[i]);
-      std::fill(t.num_part.begin(), t.num_part.end(), 0.0);
-    }
+    if (c0 > k0 && (c0 - k0) % SPLIT_SIZE == 0) flush_partial(t, num);
     std::fill(t.scales.begin(), t.scales.end(), 1.0);  // past the keys p = 0, so w = 0
     load_chunk(s, c, c.v, static_cast<const T*>(nullptr), c0, n, k1, vf, [&](int64_t hh, int64_t j, const T*) {
       const int e = s.v_exp[hh * s.keys + c0 - s.first + j];
@@ -267,7 +349,176 @@ void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t sp
       weighted_sum(w, vf + hh * KEY_CHUNK * d, n, t.num_part.data() + lane * d, d);
     }
   }
-  for (int64_t i = 0; i < s.lanes * d; ++i) num[i] += static_cast<int64_t>(t.num_part[i]);
+  flush_partial(t, num);
+}
+
+// ---- the direct path: items of a few rows (decode, verify), cache rows read as stored ----------
+//
+// A decode or verify item has only rows x group lanes per KV head, too few to amortize a float64
+// copy of every K and V row (the path above); here the kernels read the cache rows themselves and
+// widen sixteen elements at a time in registers (dots_x4, weighted_rows), for up to four lanes at
+// once. The arithmetic is the path above's, operation for operation: the same bits.
+
+constexpr int MAX_PASS_LANES = 4;  // lanes that share each widened row (dots_x4, weighted_rows)
+
+// Calls f(std::integral_constant<int, L>, first) for the passes of at most MAX_PASS_LANES lanes
+// over `count` lanes.
+template <typename F>
+void by_passes(int64_t count, F f) {
+  for (int64_t first = 0; first < count; first += MAX_PASS_LANES) {
+    switch (std::min<int64_t>(MAX_PASS_LANES, count - first)) {
+      case 1: f(std::integral_constant<int, 1>{}, first); break;
+      case 2: f(std::integral_constant<int, 2>{}, first); break;
+      case 3: f(std::integral_constant<int, 3>{}, first); break;
+      default: f(std::integral_constant<int, 4>{}, first); break;
+    }
+  }
+}
+
+// The item's lanes by the KV head they read (h0, h0 + 1, ...), each head's as (row, query head of
+// the group), in order: rows x group lanes per head.
+inline void head_lanes(const ItemState& s, int64_t group, std::vector<int64_t>& out) {
+  const int64_t per_row = s.heads() * group;
+  out.clear();
+  for (int64_t hh = 0; hh < s.heads(); ++hh)
+    for (int64_t r = 0; r < s.r1 - s.r0; ++r)
+      for (int64_t g = 0; g < group; ++g) out.push_back(r * per_row + hh * group + g);
+}
+
+// Where keys [c0, c0 + n) of the item's first KV head sit (-1 past k_end).
+template <typename T>
+void chunk_offsets(const ItemState& s, const Cache<T>& c, int64_t c0, int64_t n, int64_t k_end, int64_t* offsets) {
+  for (int64_t j = 0; j < n; ++j) offsets[j] = c0 + j < k_end ? c.offset(s.table, c0 + j, s.h0) : -1;
+}
+
+// The rows of KV head `head` of keys [j, j + n) in `ahead` (the next chunk's offsets), asked for
+// ahead of their use in `base` and, if given, in `also` (a hint: no effect on any result).
+template <typename T>
+inline void prefetch_keys(const int64_t* ahead, int64_t j, int64_t n, int64_t head, int64_t d, const T* base,
+                          const T* also) {
+  for (int64_t i = j; i < j + n; ++i) {
+    if (ahead[i] < 0) return;
+    prefetch_row(base + ahead[i] + head * d, d * static_cast<int64_t>(sizeof(T)));
+    if (also != nullptr) prefetch_row(also + ahead[i] + head * d, d * static_cast<int64_t>(sizeof(T)));
+  }
+}
+
+template <typename T>
+const T* zero_row() {  // stands in for the keys past a chunk's last in a group of four
+  static const T zeros[256] = {};
+  return zeros;
+}
+
+// scores_of's results (scores, the split's maxima, v_exp) for an item of a few rows, four keys at
+// a time: their V exponents and, head by head, their dots with the head's lanes (q in the
+// widening order for T, widening_order), then each lane's scores of the chunk.
+template <typename T>
+void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, double scale64,
+                   Scratch& t) {
+  const int64_t d = c.head_dim, group = s.lanes / (s.r1 - s.r0) / s.heads(), per_head = s.lanes / s.heads();
+  const int64_t run = s.heads() * d * static_cast<int64_t>(sizeof(T));
+  int64_t offsets[KEY_CHUNK], ahead[KEY_CHUNK];
+  t.dots.resize(s.lanes * KEY_CHUNK);  // [KV head][its lane][key]
+  head_lanes(s, group, t.lanes);
+  chunk_offsets(s, c, k0, KEY_CHUNK, k1, ahead);
+  for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
+    const int64_t n = std::min(KEY_CHUNK, k1 - c0);
+    std::copy_n(ahead, KEY_CHUNK, offsets);
+    chunk_offsets(s, c, c0 + KEY_CHUNK, KEY_CHUNK, k1, ahead);
+    const int64_t n4 = (n + 3) / 4 * 4;
+    for (int64_t hh = 0; hh < s.heads(); ++hh) {
+      int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
+      for (int64_t g = 0; g < n4; g += 4) {
+        if (hh == 0)  // the next chunk's rows, a few at a time
+          for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j) {
+            prefetch_row_l2(c.k + ahead[j], run);
+            prefetch_row_l2(c.v + ahead[j], run);
+          }
+        const T* v_rows[4];
+        for (int64_t j = 0; j < 4; ++j) v_rows[j] = g + j < n ? c.v + offsets[g + j] + hh * d : zero_row<T>();
+        int e[4];
+        exponents4(v_rows, d, e);
+        for (int64_t j = 0; j < 4 && g + j < n; ++j) ve[g + j] = e[j];
+      }
+      const T* k_rows[KEY_CHUNK];
+      for (int64_t j = 0; j < n4; ++j) k_rows[j] = j < n ? c.k + offsets[j] + hh * d : zero_row<T>();
+      const int64_t* lanes = t.lanes.data() + hh * per_head;
+      double* dots = t.dots.data() + hh * per_head * KEY_CHUNK;
+      by_passes(per_head, [&](auto lanes_in_pass, int64_t first) {
+        constexpr int L = decltype(lanes_in_pass)::value;
+        const double* q[L];
+        for (int l = 0; l < L; ++l) q[l] = s.q.data() + lanes[first + l] * d;
+        for (int64_t g = 0; g < n4; g += 4) dots_x4<L>(q, k_rows + g, d, dots + first * KEY_CHUNK + g, KEY_CHUNK);
+      });
+    }
+    for (int64_t i = 0; i < s.lanes; ++i) {  // i: the lane's place in t.lanes (by KV head)
+      const int64_t lane = t.lanes[i], hh = i / per_head;
+      float* sc = s.scores.data() + lane * s.keys + (c0 - s.first);
+      // The lane sees keys [j0, j1) of this chunk, a contiguous run.
+      const int64_t j0 = std::max<int64_t>(s.lo[lane] - c0, 0), j1 = std::min<int64_t>(s.hi[lane] - c0 + 1, n);
+      if (j0 >= j1) {
+        std::fill_n(sc, n, -INFINITY);
+        continue;
+      }
+      std::fill(sc, sc + j0, -INFINITY);
+      std::fill(sc + j1, sc + n, -INFINITY);
+      float& m = s.m[split * s.lanes + lane];
+      m = scale_scores(t.dots.data() + i * KEY_CHUNK + j0, scale64, sc + j0, j1 - j0, m);
+      const int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
+      int top = s.top[split * s.lanes + lane];
+      for (int64_t j = j0; j < j1; ++j) top = std::max(top, ve[j]);
+      s.top[split * s.lanes + lane] = top;
+    }
+  }
+}
+
+// sums_of's results (the split's exact sums) for an item of a few rows.
+template <typename T>
+void sums_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, Scratch& t) {
+  const int64_t d = c.head_dim, group = s.lanes / (s.r1 - s.r0) / s.heads(), per_head = s.lanes / s.heads();
+  lane_totals(s, t);
+  head_lanes(s, group, t.lanes);
+  t.num_part.assign(s.lanes * d, 0.0);
+  t.w.resize(s.lanes * KEY_CHUNK);
+  int64_t* num = s.num.data() + split * s.lanes * d;
+  int64_t offsets[KEY_CHUNK], ahead[KEY_CHUNK];
+  const T* rows[KEY_CHUNK];
+  double key_up[KEY_CHUNK], key_down[KEY_CHUNK];
+  chunk_offsets(s, c, k0, KEY_CHUNK, k1, ahead);
+  for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
+    const int64_t n = std::min(KEY_CHUNK, k1 - c0), n8 = (n + 7) / 8 * 8;
+    if (c0 > k0 && (c0 - k0) % SPLIT_SIZE == 0) flush_partial(t, num);
+    std::copy_n(ahead, KEY_CHUNK, offsets);
+    chunk_offsets(s, c, c0 + KEY_CHUNK, KEY_CHUNK, k1, ahead);
+    for (int64_t hh = 0; hh < s.heads(); ++hh) {
+      prefetch_keys(ahead, 0, KEY_CHUNK, hh, d, c.v, static_cast<const T*>(nullptr));
+      const int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
+      for (int64_t j = 0; j < n8; ++j) {  // past the keys p = 0, so w = 0
+        key_up[j] = j < n ? pow2(ve[j]) : 1.0;
+        key_down[j] = j < n ? pow2(V_BITS - 1 - ve[j]) : 1.0;
+      }
+      for (int64_t j = 0; j < n; ++j) rows[j] = c.v + offsets[j] + hh * d;
+      const int64_t* lanes = t.lanes.data() + hh * per_head;
+      for (int64_t i = 0; i < per_head; ++i) {
+        const int64_t lane = lanes[i];
+        float p[KEY_CHUNK] = {};
+        exp_neg_shifted(s.scores.data() + lane * s.keys + (c0 - s.first), t.m[lane], p, n);  // 0 where unseen
+        s.den[split * s.lanes + lane] +=
+            attention_weights(p, key_up, key_down, t.lane_up[lane], pow2(L_BITS), t.w.data() + lane * KEY_CHUNK, n8);
+      }
+      by_passes(per_head, [&](auto lanes_in_pass, int64_t first) {
+        constexpr int L = decltype(lanes_in_pass)::value;
+        const double* w[L];
+        double* acc[L];
+        for (int l = 0; l < L; ++l) {
+          w[l] = t.w.data() + lanes[first + l] * KEY_CHUNK;
+          acc[l] = t.num_part.data() + lanes[first + l] * d;
+        }
+        weighted_rows<L>(w, rows, n, acc, d);
+      });
+    }
+  }
+  flush_partial(t, num);
 }
 
 // Step 4: the splits' exact sums added, one division, one scaling, two roundings.
@@ -332,12 +583,21 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
   const double scale64 = scale;
   const int64_t num_split = static_cast<int64_t>(split_items.size()), num_whole = static_cast<int64_t>(whole_items.size());
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (split item, split)
-#pragma omp parallel num_threads(threads) if (threads > 1 && num_split + num_whole > 1)
+  // A split item alone is worth the threads (its splits are the tasks); whole items need two.
+#pragma omp parallel num_threads(threads) if (threads > 1 && (num_split > 0 || num_whole > 1))
   {
     thread_local Scratch t;
     if (num_split > 0) {  // every thread takes the same branch, so each sees the same worksharing
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < num_split; ++i) prepare(split_items[i], q, d, positions, group, heads, window, true);
+      for (int64_t i = 0; i < num_split; ++i) {
+        ItemState& s = split_items[i];
+        prepare(s, q, d, positions, group, heads, window, true);
+        double widened[256];
+        for (int64_t lane = 0; lane < s.lanes; ++lane) {  // the order dots_x4 reads q in for rows of C
+          widening_order<C>(s.q.data() + lane * d, widened, d);
+          std::copy_n(widened, d, s.q.data() + lane * d);
+        }
+      }
 #pragma omp single
       for (int64_t i = 0; i < num_split; ++i)
         for (int64_t sp = 0; sp < split_items[i].splits; ++sp) tasks.emplace_back(i, sp);
@@ -347,7 +607,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
         ItemState& s = split_items[tasks[i].first];
         int64_t k0, k1;
         split_range(s, tasks[i].second, &k0, &k1);
-        scores_of<C>(s, cache, k0, k1, tasks[i].second, scale64, t);
+        scores_direct<C>(s, cache, k0, k1, tasks[i].second, scale64, t);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < num_tasks; ++i) {  // pass 2: each run's exact sums, the runs pass 1
@@ -355,7 +615,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
         ItemState& s = split_items[task.first];
         int64_t k0, k1;
         split_range(s, task.second, &k0, &k1);
-        sums_of<C>(s, cache, k0, k1, task.second, t);
+        sums_direct<C>(s, cache, k0, k1, task.second, t);
       }
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t i = 0; i < num_split; ++i) finish(split_items[i], out, d, group, heads);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "exact.h"
 #include "vec16.h"
@@ -45,6 +46,12 @@ inline void row_to_f64(const bf16* x, double* out, int64_t d) {
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = static_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
+// The same into the second-level cache only (for rows needed later than the next few hundred cycles).
+inline void prefetch_row_l2(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
 // dots[j] = q . k_j for the eight rows k_j = k + j * d (float64, exact sums).
@@ -121,6 +128,202 @@ inline void weighted_sum(const double* w, const double* v, int64_t n, double* ac
 #endif
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < d; ++i) acc[i] += w[j] * v[j * d + i];
+}
+
+// ---- reading cache rows directly (the decode path: a few lanes per key, no float64 copy) -----
+
+#if defined(__AVX512F__)
+// Sixteen elements of a cache row as two registers of float64 (exact), in order.
+inline void f64x16(const float* p, __m512d& lo, __m512d& hi) {
+  lo = _mm512_cvtps_pd(_mm256_loadu_ps(p));
+  hi = _mm512_cvtps_pd(_mm256_loadu_ps(p + 8));
+}
+inline void f64x16(const bf16* p, __m512d& lo, __m512d& hi) {
+  const __m128i* w = reinterpret_cast<const __m128i*>(p);
+  lo = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(w)), 16)));
+  hi = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(w + 1)), 16)));
+}
+
+// Half of thirty-two bfloat16 elements of a cache row as two registers of float64 (exact), in the
+// order one 16-bit unpack leaves them: half 0 is elements 0-3, 8-11 | 16-19, 24-27, half 1 is
+// 4-7, 12-15 | 20-23, 28-31 (the row's widening order, widening_order below): one instruction per
+// sixteen elements instead of three.
+inline void f64x32_half(const bf16* p, int half, __m512d& a, __m512d& b) {
+  const __m512i v = _mm512_loadu_si512(p), zero = _mm512_setzero_si512();
+  const __m512d x = _mm512_castsi512_pd(half == 0 ? _mm512_unpacklo_epi16(zero, v) : _mm512_unpackhi_epi16(zero, v));
+  a = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_castpd512_pd256(x)));
+  b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(x, 1)));
+}
+
+// Four registers of 32 float64 in order <-> in bfloat16's widening order (both directions are one
+// exchange of 256-bit halves: registers 0, 1 hold elements 0-15, 2, 3 hold 16-31).
+inline void bf16_order(const __m512d* in, __m512d* out) {
+  out[0] = _mm512_shuffle_f64x2(in[0], in[1], 0x44);  // 0-3, 8-11
+  out[1] = _mm512_shuffle_f64x2(in[2], in[3], 0x44);  // 16-19, 24-27
+  out[2] = _mm512_shuffle_f64x2(in[0], in[1], 0xEE);  // 4-7, 12-15
+  out[3] = _mm512_shuffle_f64x2(in[2], in[3], 0xEE);  // 20-23, 28-31
+}
+inline void natural_order(const __m512d* in, __m512d* out) {
+  out[0] = _mm512_shuffle_f64x2(in[0], in[2], 0x44);
+  out[1] = _mm512_shuffle_f64x2(in[0], in[2], 0xEE);
+  out[2] = _mm512_shuffle_f64x2(in[1], in[3], 0x44);
+  out[3] = _mm512_shuffle_f64x2(in[1], in[3], 0xEE);
+}
+
+// The totals of four registers, in order, into out[0..3] (any order of adds: the sums are exact).
+inline void store_totals4(const __m512d* a, double* out) {
+  const __m512d t0 = _mm512_add_pd(_mm512_unpacklo_pd(a[0], a[1]), _mm512_unpackhi_pd(a[0], a[1]));
+  const __m512d t1 = _mm512_add_pd(_mm512_unpacklo_pd(a[2], a[3]), _mm512_unpackhi_pd(a[2], a[3]));
+  // 128-bit lanes: [a0 a1], [a0 a1], [a2 a3], [a2 a3] (partial sums), then each pair of lanes added
+  const __m512d u = _mm512_add_pd(_mm512_shuffle_f64x2(t0, t1, 0x88), _mm512_shuffle_f64x2(t0, t1, 0xDD));
+  const __m512d v = _mm512_add_pd(u, _mm512_shuffle_f64x2(u, u, 0xB1));
+  _mm256_storeu_pd(out, _mm512_castpd512_pd256(_mm512_permutexvar_pd(_mm512_setr_epi64(0, 1, 4, 5, 0, 1, 4, 5), v)));
+}
+#endif
+
+// Whether the direct kernels take a row of d elements of C in 32-element blocks (f64x32), and so
+// want q in the widening order: bfloat16 rows whose length is a multiple of 32, on AVX-512.
+template <typename C>
+constexpr bool widens_by_32(int64_t d) {
+#if defined(__AVX512F__)
+  return std::is_same_v<C, bf16> && d % 32 == 0;
+#else
+  return (void)d, false;
+#endif
+}
+
+// q (d float64) in the order dots_x4 reads it for rows of C: the widening order where
+// widens_by_32, else as it is. out may not alias q.
+template <typename C>
+inline void widening_order(const double* q, double* out, int64_t d) {
+  if (!widens_by_32<C>(d)) {
+    std::copy(q, q + d, out);
+    return;
+  }
+  static constexpr int FROM[32] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27,
+                                   4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  for (int64_t b = 0; b < d; b += 32)
+    for (int i = 0; i < 32; ++i) out[b + i] = q[b + FROM[i]];
+}
+
+// dots[l * stride + j] = q_l . k_j for L lanes (q[l]: d float64 on the lane's grid, in the
+// widening order for C) and the four cache rows k[j] (d elements of the cache dtype C), float64,
+// exact sums (so the order the elements are taken in is free).
+template <int L, typename C>
+inline void dots_x4(const double* const* q, const C* const* k, int64_t d, double* dots, int64_t stride) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    __m512d acc[L][4];
+    for (int l = 0; l < L; ++l)
+      for (int j = 0; j < 4; ++j) acc[l][j] = _mm512_setzero_pd();
+    bool done = false;
+    if constexpr (std::is_same_v<C, bf16>) {
+      if (widens_by_32<C>(d)) {
+        done = true;
+        for (int64_t b = 0; b < d; b += 32)
+        for (int half = 0; half < 2; ++half) {
+          __m512d x[4][2];
+          for (int j = 0; j < 4; ++j) f64x32_half(k[j] + b, half, x[j][0], x[j][1]);  // loads twice: an L1 hit
+          for (int l = 0; l < L; ++l) {  // q in the widening order: this half's sixteen are next to each other
+            const __m512d q0 = _mm512_loadu_pd(q[l] + b + 16 * half), q1 = _mm512_loadu_pd(q[l] + b + 16 * half + 8);
+            for (int j = 0; j < 4; ++j) acc[l][j] = _mm512_fmadd_pd(q1, x[j][1], _mm512_fmadd_pd(q0, x[j][0], acc[l][j]));
+          }
+        }
+      }
+    }
+    if (!done) {
+      for (int64_t b = 0; b < d; b += 16) {
+        __m512d lo[4], hi[4];
+        for (int j = 0; j < 4; ++j) f64x16(k[j] + b, lo[j], hi[j]);
+        for (int l = 0; l < L; ++l) {
+          const __m512d q_lo = _mm512_loadu_pd(q[l] + b), q_hi = _mm512_loadu_pd(q[l] + b + 8);
+          for (int j = 0; j < 4; ++j) acc[l][j] = _mm512_fmadd_pd(q_hi, hi[j], _mm512_fmadd_pd(q_lo, lo[j], acc[l][j]));
+        }
+      }
+    }
+    for (int l = 0; l < L; ++l) store_totals4(acc[l], dots + l * stride);
+    return;
+  }
+#endif
+  for (int l = 0; l < L; ++l)
+    for (int j = 0; j < 4; ++j) {
+      double acc = 0.0;
+      for (int64_t i = 0; i < d; ++i) acc += q[l][i] * static_cast<double>(to_f32(k[j][i]));
+      dots[l * stride + j] = acc;
+    }
+}
+
+// acc[l][i] += sum_j w[l][j] v_j[i] for L lanes over the n cache rows v[j] (d elements of the
+// cache dtype C), float64, exact sums.
+template <int L, typename C>
+inline void weighted_rows(const double* const* w, const C* const* v, int64_t n, double* const* acc, int64_t d) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<C, bf16>) {
+    if (widens_by_32<C>(d)) {  // the accumulators in the widening order while they are in registers
+      for (int64_t b = 0; b < d; b += 32) {
+        __m512d a[L][4];
+        for (int l = 0; l < L; ++l) {
+          __m512d in[4];
+          for (int r = 0; r < 4; ++r) in[r] = _mm512_loadu_pd(acc[l] + b + 8 * r);
+          bf16_order(in, a[l]);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          __m512d x[4];
+          f64x32_half(v[j] + b, 0, x[0], x[1]);
+          f64x32_half(v[j] + b, 1, x[2], x[3]);
+          for (int l = 0; l < L; ++l) {
+            const __m512d wj = _mm512_set1_pd(w[l][j]);
+            for (int r = 0; r < 4; ++r) a[l][r] = _mm512_fmadd_pd(wj, x[r], a[l][r]);
+          }
+        }
+        for (int l = 0; l < L; ++l) {
+          __m512d out[4];
+          natural_order(a[l], out);
+          for (int r = 0; r < 4; ++r) _mm512_storeu_pd(acc[l] + b + 8 * r, out[r]);
+        }
+      }
+      return;
+    }
+  }
+  if (d % 16 == 0) {
+    int64_t b = 0;
+    for (; b + 32 <= d; b += 32) {  // four registers per lane: enough independent chains for the FMA unit
+      __m512d a[L][4];
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < 4; ++r) a[l][r] = _mm512_loadu_pd(acc[l] + b + 8 * r);
+      for (int64_t j = 0; j < n; ++j) {
+        __m512d x[4];
+        f64x16(v[j] + b, x[0], x[1]);
+        f64x16(v[j] + b + 16, x[2], x[3]);
+        for (int l = 0; l < L; ++l) {
+          const __m512d wj = _mm512_set1_pd(w[l][j]);
+          for (int r = 0; r < 4; ++r) a[l][r] = _mm512_fmadd_pd(wj, x[r], a[l][r]);
+        }
+      }
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < 4; ++r) _mm512_storeu_pd(acc[l] + b + 8 * r, a[l][r]);
+    }
+    for (; b < d; b += 16) {
+      __m512d a[L][2];
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < 2; ++r) a[l][r] = _mm512_loadu_pd(acc[l] + b + 8 * r);
+      for (int64_t j = 0; j < n; ++j) {
+        __m512d x[2];
+        f64x16(v[j] + b, x[0], x[1]);
+        for (int l = 0; l < L; ++l) {
+          const __m512d wj = _mm512_set1_pd(w[l][j]);
+          for (int r = 0; r < 2; ++r) a[l][r] = _mm512_fmadd_pd(wj, x[r], a[l][r]);
+        }
+      }
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < 2; ++r) _mm512_storeu_pd(acc[l] + b + 8 * r, a[l][r]);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int l = 0; l < L; ++l)
+      for (int64_t i = 0; i < d; ++i) acc[l][i] += w[l][j] * static_cast<double>(to_f32(v[j][i]));
 }
 
 // The attention's integer weights for n keys (n a multiple of 8; p = 0 past the keys):
