@@ -254,21 +254,26 @@ inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int j, in
 }
 
 #if defined(TF_QUANT_VNNI)
-// The same with 16 columns to a register. Terms whose shift is negative (rare: a block far below
-// the row's largest) are added by on_grid, lane by lane, after the vector shift added nothing
-// for them (vpsllvq by a negative count gives 0).
-inline void add_terms(__m512i* lo, __m512i* hi, __m512i ilo, __m512i ihi, __m512i shift, int term_bits) {
-  *lo = _mm512_add_epi64(*lo, _mm512_sllv_epi64(ilo, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(shift))));
-  *hi = _mm512_add_epi64(*hi, _mm512_sllv_epi64(ihi, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(shift, 1))));
-  const __mmask16 negative = _mm512_cmplt_epi32_mask(shift, _mm512_setzero_si512());
-  if (negative == 0) return;
-  alignas(64) int64_t ints[16], fix[16];
-  alignas(64) int32_t shifts[16];
+// The same with 16 columns to a register, each lane's shift a 64-bit lane (slo, shi). Terms whose
+// shift is negative (rare: a block far below the row's largest) are added by on_grid, lane by lane,
+// after the vector shift added nothing for them; `may_be_negative` (the caller's bound) says
+// whether any lane's can be, else the lanes are not checked.
+inline void add_terms(__m512i* lo, __m512i* hi, __m512i ilo, __m512i ihi, __m512i slo, __m512i shi,
+                        bool may_be_negative, int term_bits) {
+  *lo = _mm512_add_epi64(*lo, _mm512_sllv_epi64(ilo, slo));  // a negative count reads as > 63: adds 0
+  *hi = _mm512_add_epi64(*hi, _mm512_sllv_epi64(ihi, shi));
+  if (!may_be_negative) return;
+  const __mmask8 nlo = _mm512_cmplt_epi64_mask(slo, _mm512_setzero_si512());
+  const __mmask8 nhi = _mm512_cmplt_epi64_mask(shi, _mm512_setzero_si512());
+  if ((nlo | nhi) == 0) return;
+  alignas(64) int64_t ints[16], shifts[16], fix[16];
   _mm512_store_si512(ints, ilo);
   _mm512_store_si512(ints + 8, ihi);
-  _mm512_store_si512(shifts, shift);
+  _mm512_store_si512(shifts, slo);
+  _mm512_store_si512(shifts + 8, shi);
+  const unsigned negative = nlo | (static_cast<unsigned>(nhi) << 8);
   for (int j = 0; j < 16; ++j)
-    fix[j] = (negative >> j & 1) && ints[j] != 0 ? on_grid(ints[j], shifts[j], term_bits) : 0;
+    fix[j] = (negative >> j & 1) && ints[j] != 0 ? on_grid(ints[j], static_cast<int>(shifts[j]), term_bits) : 0;
   *lo = _mm512_add_epi64(*lo, _mm512_load_si512(fix));
   *hi = _mm512_add_epi64(*hi, _mm512_load_si512(fix + 8));
 }
@@ -344,10 +349,17 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
     }
     const __m512i s0lo = widen_lo(s0), s0hi = widen_hi(s0);
     const __m512i mlo = widen_lo(mv), mhi = widen_hi(mv);
+    // The block's column shifts as 64-bit lanes once for all rows; a row adds its own, and only a
+    // row whose shift can make a lane negative (rare) has its lanes checked.
+    const __m512i sexp_lo = widen_lo(sexp), sexp_hi = widen_hi(sexp);
+    const __m512i mexp_lo = widen_lo(mexp), mexp_hi = widen_hi(mexp);
+    const int sexp_min = R > 1 ? _mm512_reduce_min_epi32(sexp) : 0;
+    const int mexp_min = R > 1 && HAS_MIN ? _mm512_reduce_min_epi32(mexp) : 0;
     for (int r = 0; r < R; ++r) {
       const int32_t* xq = reinterpret_cast<const int32_t*>(xq_rows[r] + b * BLOCK);
       const int32_t* xsum = xsums[r] + b * PER;
-      const __m512i kshift = _mm512_set1_epi32(kdelta[r][b] + shift0);
+      const int row_shift = kdelta[r][b] + shift0;
+      const __m512i kshift = _mm512_set1_epi64(row_shift);
       // Quads c and c + 2 share a chain: four chains of two, summed per half (PER == 2) or whole.
       __m512i d[4];
       for (int c = 0; c < 4; ++c) {
@@ -371,11 +383,15 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
         ilo = _mm512_add_epi64(_mm512_mul_epi32(widen_lo(h0), s0lo), _mm512_mul_epi32(widen_lo(h1), widen_lo(s1)));
         ihi = _mm512_add_epi64(_mm512_mul_epi32(widen_hi(h0), s0hi), _mm512_mul_epi32(widen_hi(h1), widen_hi(s1)));
       }
-      add_terms(&lo[r], &hi[r], ilo, ihi, _mm512_add_epi32(sexp, kshift), term_bits);
+      add_terms(&lo[r], &hi[r], ilo, ihi, _mm512_add_epi64(sexp_lo, kshift), _mm512_add_epi64(sexp_hi, kshift),
+                  R == 1 || sexp_min + row_shift < 0, term_bits);
       if constexpr (HAS_MIN) {
         const __m512i xs = _mm512_set1_epi64(sms[r][b]);
+        const int min_shift = sdeltas[r][b] + shift0;
+        const __m512i mshift = _mm512_set1_epi64(min_shift);
         add_terms(&lo[r], &hi[r], _mm512_mul_epi32(mlo, xs), _mm512_mul_epi32(mhi, xs),
-                  _mm512_add_epi32(mexp, _mm512_set1_epi32(sdeltas[r][b] + shift0)), term_bits);
+                    _mm512_add_epi64(mexp_lo, mshift), _mm512_add_epi64(mexp_hi, mshift),
+                    R == 1 || mexp_min + min_shift < 0, term_bits);
       }
     }
   }
