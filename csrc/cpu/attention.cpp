@@ -426,20 +426,21 @@ void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int6
     std::copy_n(ahead, KEY_CHUNK, offsets);
     chunk_offsets(s, c, c0 + KEY_CHUNK, KEY_CHUNK, k1, ahead);
     const int64_t n4 = (n + 3) / 4 * 4;
-    for (int64_t hh = 0; hh < s.heads(); ++hh) {
-      int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
-      for (int64_t g = 0; g < n4; g += 4) {
-        if (hh == 0)  // the next chunk's rows, a few at a time
-          for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j) {
-            prefetch_row_l2(c.k + ahead[j], run);
-            prefetch_row_l2(c.v + ahead[j], run);
-          }
+    for (int64_t g = 0; g < n4; g += 4) {  // key by key: each key's V rows of all heads are one run
+      for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j) {  // the next chunk's rows, a few at a time
+        prefetch_row_l2(c.k + ahead[j], run);
+        prefetch_row_l2(c.v + ahead[j], run);
+      }
+      for (int64_t hh = 0; hh < s.heads(); ++hh) {
         const T* v_rows[4];
         for (int64_t j = 0; j < 4; ++j) v_rows[j] = g + j < n ? c.v + offsets[g + j] + hh * d : zero_row<T>();
         int e[4];
         exponents4(v_rows, d, e);
+        int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
         for (int64_t j = 0; j < 4 && g + j < n; ++j) ve[g + j] = e[j];
       }
+    }
+    for (int64_t hh = 0; hh < s.heads(); ++hh) {
       const T* k_rows[KEY_CHUNK];
       for (int64_t j = 0; j < n4; ++j) k_rows[j] = j < n ? c.k + offsets[j] + hh * d : zero_row<T>();
       const int64_t* lanes = t.lanes.data() + hh * per_head;
