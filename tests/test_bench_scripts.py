@@ -4,7 +4,8 @@ bench_kernels.py --smoke runs every kernel in the interpreter at tiny sizes next
 counterpart and checks attention against its reference bitwise in each row; bench_exact.py runs
 each exact CPU op next to its stock counterpart with one timing run; bench_native.py decodes a
 few tokens next to llama.cpp (when installed); bench_quant.py runs its four sections (speed, memory,
-agreement, K-quants) at tiny sizes; bench_grammar.py runs each grammar constrained and free.
+agreement, K-quants) at tiny sizes; bench_grammar.py runs each grammar constrained and free;
+bench_attention.py times the decode attention over a few hundred keys.
 """
 import os
 import re
@@ -60,3 +61,14 @@ def test_bench_grammar_runs_and_drafting_keeps_the_reply():
     rows = [line for line in out.splitlines() if line.startswith(("| json schema", "| regex", "| choice"))]
     assert len(rows) == 6, out  # three in the decode table, three in the compile table
     assert all(line.rstrip().endswith("| True              |") for line in rows[:3]), out
+
+
+def test_bench_attention_runs():
+    """The decode attention alone, tiny: a few hundred keys (split over the threads), two layers."""
+    import pytest
+
+    from tensorfold.backends import native_problem
+    if native_problem() is not None:
+        pytest.skip(f"the C++ kernels are not built: {native_problem()}")
+    out = run_tool("tools/bench_attention.py", "--keys", "300", "--layers", "2", "--repeats", "1", "--cache", "float32")
+    assert re.search(r"over 300 keys, q float32, cache float32: \d+\.\d+ ms per call", out), out
