@@ -251,6 +251,30 @@ void load_chunk(const ItemState& s, const Cache<T>& c, const T* base, const T* a
   }
 }
 
+// The keys of [c0, c0 + n) that `lane` sees, as [j0, j1) relative to c0: a contiguous run, maybe empty.
+inline std::pair<int64_t, int64_t> seen_run(const ItemState& s, int64_t lane, int64_t c0, int64_t n) {
+  return {std::max<int64_t>(s.lo[lane] - c0, 0), std::min<int64_t>(s.hi[lane] - c0 + 1, n)};
+}
+
+// A lane's scores of keys [c0, c0 + n): float(dots[j] scale) for the keys it sees ([j0, j1), the
+// only dots read), -inf for the others; the split's largest score and V exponent (`ve`: the V
+// exponents of the lane's KV head from key c0) take them in.
+inline void record_scores(ItemState& s, int64_t lane, int64_t split, int64_t c0, int64_t n, int64_t j0, int64_t j1,
+                          const double* dots, double scale64, const int* ve) {
+  float* sc = s.scores.data() + lane * s.keys + (c0 - s.first);
+  if (j0 >= j1) {
+    std::fill_n(sc, n, -INFINITY);
+    return;
+  }
+  std::fill(sc, sc + j0, -INFINITY);
+  std::fill(sc + j1, sc + n, -INFINITY);
+  float& m = s.m[split * s.lanes + lane];
+  m = scale_scores(dots + j0, scale64, sc + j0, j1 - j0, m);
+  int top = s.top[split * s.lanes + lane];
+  for (int64_t j = j0; j < j1; ++j) top = std::max(top, ve[j]);
+  s.top[split * s.lanes + lane] = top;
+}
+
 // Keys [k0, k1) of split `split`: exact scores (step 1) and the split's maxima. Reads K, and V for
 // its exponents.
 template <typename T>
@@ -268,24 +292,11 @@ void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t 
       std::fill(kf + (hh * KEY_CHUNK + n) * d, kf + (hh * KEY_CHUNK + (n + 7) / 8 * 8) * d, 0.0);
     for (int64_t lane = 0; lane < s.lanes; ++lane) {
       const int64_t hh = lane % per_row / group;
-      float* sc = s.scores.data() + lane * s.keys + (c0 - s.first);
-      // The lane sees keys [j0, j1) of this chunk, a contiguous run.
-      const int64_t j0 = std::max<int64_t>(s.lo[lane] - c0, 0), j1 = std::min<int64_t>(s.hi[lane] - c0 + 1, n);
-      if (j0 >= j1) {
-        std::fill_n(sc, n, -INFINITY);
-        continue;
-      }
-      std::fill(sc, sc + j0, -INFINITY);
-      std::fill(sc + j1, sc + n, -INFINITY);
+      const auto [j0, j1] = seen_run(s, lane, c0, n);
       double dots[KEY_CHUNK];
       for (int64_t g = j0 / 8 * 8; g < j1; g += 8)
         dots8(s.q.data() + lane * d, kf + (hh * KEY_CHUNK + g) * d, dots + g, d);
-      float& m = s.m[split * s.lanes + lane];
-      m = scale_scores(dots + j0, scale64, sc + j0, j1 - j0, m);
-      const int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
-      int top = s.top[split * s.lanes + lane];
-      for (int64_t j = j0; j < j1; ++j) top = std::max(top, ve[j]);
-      s.top[split * s.lanes + lane] = top;
+      record_scores(s, lane, split, c0, n, j0, j1, dots, scale64, s.v_exp.data() + hh * s.keys + (c0 - s.first));
     }
   }
 }
@@ -313,6 +324,25 @@ inline void flush_partial(Scratch& t, int64_t* num) {
   std::fill(t.num_part.begin(), t.num_part.end(), 0.0);
 }
 
+// Per key of a chunk, from its V exponent e_j: up[j] = 2^e_j, down[j] = 2^(V_BITS - 1 - e_j), for
+// j < n; 1 for j in [n, n8), where p = 0 makes w = 0.
+inline void key_scales(const int* ve, int64_t n, int64_t n8, double* up, double* down) {
+  for (int64_t j = 0; j < n8; ++j) {
+    up[j] = j < n ? pow2(ve[j]) : 1.0;
+    down[j] = j < n ? pow2(V_BITS - 1 - ve[j]) : 1.0;
+  }
+}
+
+// A lane's integer weights of keys [c0, c0 + n) into w (n8 of them): p = exp_neg(score - m), 0
+// where unseen, w_j = round(p_j 2^(e_j - E + W_BITS)) 2^(V_BITS - 1 - e_j) in exact steps (no over-
+// or underflow on the way); the denominator's terms round(p_j 2^L_BITS) go to the split's.
+inline void lane_weights(ItemState& s, const Scratch& t, int64_t lane, int64_t split, int64_t c0, int64_t n,
+                         int64_t n8, const double* key_up, const double* key_down, double* w) {
+  float p[KEY_CHUNK] = {};
+  exp_neg_shifted(s.scores.data() + lane * s.keys + (c0 - s.first), t.m[lane], p, n);
+  s.den[split * s.lanes + lane] += attention_weights(p, key_up, key_down, t.lane_up[lane], pow2(L_BITS), w, n8);
+}
+
 // Keys [k0, k1) of split `split`: integer weights on one grid and their exact sums (steps 2-3),
 // against the item's maxima over all splits. w_j v_int_j is formed as (w_j 2^(V_BITS - 1 - e_j))
 // v_j: the same integer (both factors are exact), without scaling the V row.
@@ -328,24 +358,16 @@ void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t sp
   for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
     const int64_t n = std::min(KEY_CHUNK, k1 - c0), n8 = (n + 7) / 8 * 8;
     if (c0 > k0 && (c0 - k0) % SPLIT_SIZE == 0) flush_partial(t, num);
-    std::fill(t.scales.begin(), t.scales.end(), 1.0);  // past the keys p = 0, so w = 0
-    load_chunk(s, c, c.v, static_cast<const T*>(nullptr), c0, n, k1, vf, [&](int64_t hh, int64_t j, const T*) {
-      const int e = s.v_exp[hh * s.keys + c0 - s.first + j];
-      t.scales[(hh * 2) * KEY_CHUNK + j] = pow2(e);
-      t.scales[(hh * 2 + 1) * KEY_CHUNK + j] = pow2(V_BITS - 1 - e);
-    });
+    load_chunk(s, c, c.v, static_cast<const T*>(nullptr), c0, n, k1, vf, [](int64_t, int64_t, const T*) {});
+    for (int64_t hh = 0; hh < s.heads(); ++hh)
+      key_scales(s.v_exp.data() + hh * s.keys + (c0 - s.first), n, n8, t.scales.data() + (hh * 2) * KEY_CHUNK,
+                 t.scales.data() + (hh * 2 + 1) * KEY_CHUNK);
     for (int64_t lane = 0; lane < s.lanes; ++lane) {
       if (s.hi[lane] < c0 || s.lo[lane] >= c0 + n) continue;
       const int64_t hh = lane % per_row / group;
-      const float* sc = s.scores.data() + lane * s.keys + (c0 - s.first);
-      float p[KEY_CHUNK] = {};
-      exp_neg_shifted(sc, t.m[lane], p, n);  // 0 where unseen (-inf)
-      // w_j = round(p_j 2^(e_j - E + W_BITS)) 2^(V_BITS - 1 - e_j): the scaling in exact steps
-      // (no over- or underflow on the way); the denominator's terms round(p_j 2^L_BITS)
-      double w[KEY_CHUNK];
       const double* key_up = t.scales.data() + (hh * 2) * KEY_CHUNK;
-      s.den[split * s.lanes + lane] +=
-          attention_weights(p, key_up, key_up + KEY_CHUNK, t.lane_up[lane], pow2(L_BITS), w, n8);
+      double w[KEY_CHUNK];
+      lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w);
       weighted_sum(w, vf + hh * KEY_CHUNK * d, n, t.num_part.data() + lane * d, d);
     }
   }
@@ -454,21 +476,9 @@ void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int6
     }
     for (int64_t i = 0; i < s.lanes; ++i) {  // i: the lane's place in t.lanes (by KV head)
       const int64_t lane = t.lanes[i], hh = i / per_head;
-      float* sc = s.scores.data() + lane * s.keys + (c0 - s.first);
-      // The lane sees keys [j0, j1) of this chunk, a contiguous run.
-      const int64_t j0 = std::max<int64_t>(s.lo[lane] - c0, 0), j1 = std::min<int64_t>(s.hi[lane] - c0 + 1, n);
-      if (j0 >= j1) {
-        std::fill_n(sc, n, -INFINITY);
-        continue;
-      }
-      std::fill(sc, sc + j0, -INFINITY);
-      std::fill(sc + j1, sc + n, -INFINITY);
-      float& m = s.m[split * s.lanes + lane];
-      m = scale_scores(t.dots.data() + i * KEY_CHUNK + j0, scale64, sc + j0, j1 - j0, m);
-      const int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
-      int top = s.top[split * s.lanes + lane];
-      for (int64_t j = j0; j < j1; ++j) top = std::max(top, ve[j]);
-      s.top[split * s.lanes + lane] = top;
+      const auto [j0, j1] = seen_run(s, lane, c0, n);
+      record_scores(s, lane, split, c0, n, j0, j1, t.dots.data() + i * KEY_CHUNK, scale64,
+                    s.v_exp.data() + hh * s.keys + (c0 - s.first));
     }
   }
 }
@@ -493,20 +503,11 @@ void sums_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_
     chunk_offsets(s, c, c0 + KEY_CHUNK, KEY_CHUNK, k1, ahead);
     for (int64_t hh = 0; hh < s.heads(); ++hh) {
       prefetch_keys(ahead, 0, KEY_CHUNK, hh, d, c.v, static_cast<const T*>(nullptr));
-      const int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
-      for (int64_t j = 0; j < n8; ++j) {  // past the keys p = 0, so w = 0
-        key_up[j] = j < n ? pow2(ve[j]) : 1.0;
-        key_down[j] = j < n ? pow2(V_BITS - 1 - ve[j]) : 1.0;
-      }
+      key_scales(s.v_exp.data() + hh * s.keys + (c0 - s.first), n, n8, key_up, key_down);
       for (int64_t j = 0; j < n; ++j) rows[j] = c.v + offsets[j] + hh * d;
       const int64_t* lanes = t.lanes.data() + hh * per_head;
-      for (int64_t i = 0; i < per_head; ++i) {
-        const int64_t lane = lanes[i];
-        float p[KEY_CHUNK] = {};
-        exp_neg_shifted(s.scores.data() + lane * s.keys + (c0 - s.first), t.m[lane], p, n);  // 0 where unseen
-        s.den[split * s.lanes + lane] +=
-            attention_weights(p, key_up, key_down, t.lane_up[lane], pow2(L_BITS), t.w.data() + lane * KEY_CHUNK, n8);
-      }
+      for (int64_t i = 0; i < per_head; ++i)
+        lane_weights(s, t, lanes[i], split, c0, n, n8, key_up, key_down, t.w.data() + lanes[i] * KEY_CHUNK);
       by_passes(per_head, [&](auto lanes_in_pass, int64_t first) {
         constexpr int L = decltype(lanes_in_pass)::value;
         const double* w[L];

@@ -253,71 +253,68 @@ inline void dots_x4(const double* const* q, const C* const* k, int64_t d, double
     }
 }
 
+#if defined(__AVX512F__)
+// acc[l][b, b + 8R) += sum_j w[l][j] v_j[b, b + 8R) for L lanes, R registers per lane:
+// `widen(v_j + b, x)` puts a row's 8R elements in x in its widening order; with REORDER (bfloat16's
+// 32-element blocks) the accumulators are put in that order while in registers, and back.
+template <int L, int R, bool REORDER, typename C, typename Widen>
+inline void weighted_block(const double* const* w, const C* const* v, int64_t n, double* const* acc, int64_t b,
+                           Widen widen) {
+  __m512d a[L][R];
+  for (int l = 0; l < L; ++l) {
+    if constexpr (REORDER) {
+      __m512d in[R];
+      for (int r = 0; r < R; ++r) in[r] = _mm512_loadu_pd(acc[l] + b + 8 * r);
+      bf16_order(in, a[l]);
+    } else {
+      for (int r = 0; r < R; ++r) a[l][r] = _mm512_loadu_pd(acc[l] + b + 8 * r);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m512d x[R];
+    widen(v[j] + b, x);
+    for (int l = 0; l < L; ++l) {
+      const __m512d wj = _mm512_set1_pd(w[l][j]);
+      for (int r = 0; r < R; ++r) a[l][r] = _mm512_fmadd_pd(wj, x[r], a[l][r]);
+    }
+  }
+  for (int l = 0; l < L; ++l) {
+    if constexpr (REORDER) {
+      __m512d out[R];
+      natural_order(a[l], out);
+      for (int r = 0; r < R; ++r) _mm512_storeu_pd(acc[l] + b + 8 * r, out[r]);
+    } else {
+      for (int r = 0; r < R; ++r) _mm512_storeu_pd(acc[l] + b + 8 * r, a[l][r]);
+    }
+  }
+}
+#endif
+
 // acc[l][i] += sum_j w[l][j] v_j[i] for L lanes over the n cache rows v[j] (d elements of the
-// cache dtype C), float64, exact sums.
+// cache dtype C), float64, exact sums. Blocks of 32 elements (four registers per lane: enough
+// independent chains for the FMA unit), a 16-element tail.
 template <int L, typename C>
 inline void weighted_rows(const double* const* w, const C* const* v, int64_t n, double* const* acc, int64_t d) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<C, bf16>) {
-    if (widens_by_32<C>(d)) {  // the accumulators in the widening order while they are in registers
-      for (int64_t b = 0; b < d; b += 32) {
-        __m512d a[L][4];
-        for (int l = 0; l < L; ++l) {
-          __m512d in[4];
-          for (int r = 0; r < 4; ++r) in[r] = _mm512_loadu_pd(acc[l] + b + 8 * r);
-          bf16_order(in, a[l]);
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          __m512d x[4];
-          f64x32_half(v[j] + b, 0, x[0], x[1]);
-          f64x32_half(v[j] + b, 1, x[2], x[3]);
-          for (int l = 0; l < L; ++l) {
-            const __m512d wj = _mm512_set1_pd(w[l][j]);
-            for (int r = 0; r < 4; ++r) a[l][r] = _mm512_fmadd_pd(wj, x[r], a[l][r]);
-          }
-        }
-        for (int l = 0; l < L; ++l) {
-          __m512d out[4];
-          natural_order(a[l], out);
-          for (int r = 0; r < 4; ++r) _mm512_storeu_pd(acc[l] + b + 8 * r, out[r]);
-        }
-      }
+    if (widens_by_32<C>(d)) {
+      for (int64_t b = 0; b < d; b += 32)
+        weighted_block<L, 4, true>(w, v, n, acc, b, [](const C* p, __m512d* x) {
+          f64x32_half(p, 0, x[0], x[1]);
+          f64x32_half(p, 1, x[2], x[3]);
+        });
       return;
     }
   }
   if (d % 16 == 0) {
     int64_t b = 0;
-    for (; b + 32 <= d; b += 32) {  // four registers per lane: enough independent chains for the FMA unit
-      __m512d a[L][4];
-      for (int l = 0; l < L; ++l)
-        for (int r = 0; r < 4; ++r) a[l][r] = _mm512_loadu_pd(acc[l] + b + 8 * r);
-      for (int64_t j = 0; j < n; ++j) {
-        __m512d x[4];
-        f64x16(v[j] + b, x[0], x[1]);
-        f64x16(v[j] + b + 16, x[2], x[3]);
-        for (int l = 0; l < L; ++l) {
-          const __m512d wj = _mm512_set1_pd(w[l][j]);
-          for (int r = 0; r < 4; ++r) a[l][r] = _mm512_fmadd_pd(wj, x[r], a[l][r]);
-        }
-      }
-      for (int l = 0; l < L; ++l)
-        for (int r = 0; r < 4; ++r) _mm512_storeu_pd(acc[l] + b + 8 * r, a[l][r]);
-    }
-    for (; b < d; b += 16) {
-      __m512d a[L][2];
-      for (int l = 0; l < L; ++l)
-        for (int r = 0; r < 2; ++r) a[l][r] = _mm512_loadu_pd(acc[l] + b + 8 * r);
-      for (int64_t j = 0; j < n; ++j) {
-        __m512d x[2];
-        f64x16(v[j] + b, x[0], x[1]);
-        for (int l = 0; l < L; ++l) {
-          const __m512d wj = _mm512_set1_pd(w[l][j]);
-          for (int r = 0; r < 2; ++r) a[l][r] = _mm512_fmadd_pd(wj, x[r], a[l][r]);
-        }
-      }
-      for (int l = 0; l < L; ++l)
-        for (int r = 0; r < 2; ++r) _mm512_storeu_pd(acc[l] + b + 8 * r, a[l][r]);
-    }
+    for (; b + 32 <= d; b += 32)
+      weighted_block<L, 4, false>(w, v, n, acc, b, [](const C* p, __m512d* x) {
+        f64x16(p, x[0], x[1]);
+        f64x16(p + 16, x[2], x[3]);
+      });
+    for (; b < d; b += 16)
+      weighted_block<L, 2, false>(w, v, n, acc, b, [](const C* p, __m512d* x) { f64x16(p, x[0], x[1]); });
     return;
   }
 #endif
