@@ -9,7 +9,6 @@
 // outputs. There is no switch by row count.
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 
 #include "kernels.h"
 #include "vec16.h"
@@ -25,80 +24,47 @@ constexpr int64_t ROWS_PER_BLOCK = 64;   // rows of x kept in cache while a task
 // with zeros to a multiple of 16; inside a tile, chunk c of column j at (c * cols + j) * 16.
 // So a tile is one contiguous run that the kernel reads front to back, which is what the
 // hardware prefetcher streams best (rows of W read side by side are as many short streams).
-// bfloat16 tiles keep chunks 2b and 2b + 1 of column j together, interleaved (element i of the
-// first, element i of the second, ...) at (2b * cols + 2j) * 16, where the two chunks lay before:
-// a pair widens to float32 with a shift and a mask (v16_load_pair) instead of two shuffles. An
-// odd last chunk stays as it was.
 inline int64_t padded_k(int64_t K) { return (K + 15) / 16 * 16; }
 
 template <typename T>
-constexpr bool pairs_chunks() { return std::is_same_v<T, bf16>; }
-
-template <typename T>
 void pack_impl(const T* w, T* packed, int64_t N, int64_t K) {
-  const int64_t kp = padded_k(K), chunks = kp / 16, paired = pairs_chunks<T>() ? chunks / 2 * 2 : 0;
-  auto at = [&](int64_t n, int64_t k) { return k < K ? w[n * K + k] : T{}; };
+  const int64_t kp = padded_k(K), chunks = kp / 16;
   for (int64_t n0 = 0; n0 < N; n0 += TILE_COLS) {
     const int64_t cols = std::min(TILE_COLS, N - n0);
     T* tile = packed + n0 * kp;
-    for (int64_t c = 0; c < paired; c += 2)
+    for (int64_t c = 0; c < chunks; ++c)
       for (int64_t j = 0; j < cols; ++j)
         for (int64_t l = 0; l < 16; ++l) {
-          tile[(c * cols + 2 * j) * 16 + 2 * l] = at(n0 + j, c * 16 + l);
-          tile[(c * cols + 2 * j) * 16 + 2 * l + 1] = at(n0 + j, (c + 1) * 16 + l);
+          const int64_t k = c * 16 + l;
+          tile[(c * cols + j) * 16 + l] = k < K ? w[(n0 + j) * K + k] : T{};
         }
-    for (int64_t c = paired; c < chunks; ++c)
-      for (int64_t j = 0; j < cols; ++j)
-        for (int64_t l = 0; l < 16; ++l) tile[(c * cols + j) * 16 + l] = at(n0 + j, c * 16 + l);
   }
 }
 
-// x's chunk c of MR rows (x's K tail zero-padded to 16 like W's: adding +0 to a sum changes nothing).
-template <typename T, int MR>
-struct RowChunks {
-  const T* x;
-  int64_t ldx, K, body;
-  T tail[MR][16];
-  RowChunks(const T* x_, int64_t ldx_, int64_t K_) : x(x_), ldx(ldx_), K(K_), body(K_ / 16) {
-    if (body * 16 == K) return;
-    std::memset(tail, 0, sizeof(tail));
-    for (int i = 0; i < MR; ++i) std::memcpy(tail[i], x + i * ldx + body * 16, (K - body * 16) * sizeof(T));
-  }
-  V16 load(int i, int64_t c) const { return v16_load(c < body ? x + i * ldx + c * 16 : tail[i]); }
-};
-
 // A register tile: MR rows of x times NC columns (j0, j0 + 1, ...) of one packed tile of `cols`.
-// Each accumulator takes chunk after chunk in increasing order, whatever the layout.
 template <typename T, int MR, int NC>
 void tile(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T* out, int64_t ldo, int64_t K) {
   V16 acc[MR][NC];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NC; ++j) acc[i][j] = v16_zero();
-  const RowChunks<T, MR> xs(x, ldx, K);
-  const int64_t chunks = padded_k(K) / 16;
-  int64_t c = 0;
-  if constexpr (pairs_chunks<T>()) {
-    for (; c + 2 <= chunks; c += 2) {
-      V16 first[MR], second[MR];
-      for (int i = 0; i < MR; ++i) {
-        first[i] = xs.load(i, c);
-        second[i] = xs.load(i, c + 1);
-      }
-      const T* wc = w + (c * cols + 2 * j0) * 16;
-      for (int j = 0; j < NC; ++j) {
-        V16 w_first, w_second;
-        v16_load_pair(wc + j * 32, w_first, w_second);
-        for (int i = 0; i < MR; ++i) acc[i][j] = v16_fma(v16_fma(acc[i][j], first[i], w_first), second[i], w_second);
-      }
-    }
-  }
-  for (; c < chunks; ++c) {
+  const int64_t body = K / 16;
+  for (int64_t c = 0; c < body; ++c) {
     const T* wc = w + (c * cols + j0) * 16;
     V16 wv[NC];
     for (int j = 0; j < NC; ++j) wv[j] = v16_load(wc + j * 16);
     for (int i = 0; i < MR; ++i) {
-      const V16 xv = xs.load(i, c);
+      const V16 xv = v16_load(x + i * ldx + c * 16);
       for (int j = 0; j < NC; ++j) acc[i][j] = v16_fma(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (body * 16 < K) {  // x's tail, zero-padded to 16 like W's (adding +0 to a sum changes nothing)
+    T xb[MR][16];
+    std::memset(xb, 0, sizeof(xb));
+    for (int i = 0; i < MR; ++i) std::memcpy(xb[i], x + i * ldx + body * 16, (K - body * 16) * sizeof(T));
+    const T* wc = w + (body * cols + j0) * 16;
+    for (int i = 0; i < MR; ++i) {
+      const V16 xv = v16_load(xb[i]);
+      for (int j = 0; j < NC; ++j) acc[i][j] = v16_fma(acc[i][j], xv, v16_load(wc + j * 16));
     }
   }
   if constexpr (MR * NC == 16) {  // the 4 x 4 and 2 x 8 tiles: all sixteen trees at once

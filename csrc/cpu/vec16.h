@@ -46,14 +46,6 @@ inline V16 v16_load(const bf16* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
-// Two chunks of bfloat16 stored interleaved (pack_pair below): the 32-bit word i holds element i
-// of the first chunk in its low half and element i of the second in its high half, so each
-// chunk widens by one shift or one mask, with no shuffle.
-inline void v16_load_pair(const bf16* p, V16& first, V16& second) {
-  const __m512i v = _mm512_loadu_si512(p);
-  first = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
-  second = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
-}
 inline V16 v16_fma(V16 acc, V16 a, V16 b) { return {_mm512_fmadd_ps(a.v, b.v, acc.v)}; }
 inline float v16_tree(V16 a) {
   __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v),
@@ -71,15 +63,6 @@ inline __m256 bf16x8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline V16 v16_load(const bf16* p) { return {bf16x8(p), bf16x8(p + 8)}; }
-inline void bf16x8_pair(const bf16* p, __m256& first, __m256& second) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  first = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  second = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-inline void v16_load_pair(const bf16* p, V16& first, V16& second) {
-  bf16x8_pair(p, first.lo, second.lo);
-  bf16x8_pair(p + 16, first.hi, second.hi);
-}
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
 }
@@ -97,13 +80,6 @@ inline float32x4_t bf16x4(const bf16* p) {
   return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
 }
 inline V16 v16_load(const bf16* p) { return {{bf16x4(p), bf16x4(p + 4), bf16x4(p + 8), bf16x4(p + 12)}}; }
-inline void v16_load_pair(const bf16* p, V16& first, V16& second) {
-  for (int i = 0; i < 4; ++i) {
-    const uint32x4_t v = vld1q_u32(reinterpret_cast<const uint32_t*>(p + 8 * i));
-    first.q[i] = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
-    second.q[i] = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xFFFF0000u)));
-  }
-}
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   V16 r;
   for (int i = 0; i < 4; ++i) r.q[i] = vfmaq_f32(acc.q[i], a.q[i], b.q[i]);
@@ -119,12 +95,6 @@ inline float v16_tree(V16 a) {
 inline V16 v16_zero() { V16 r; for (float& x : r.s) x = 0.0f; return r; }
 inline V16 v16_load(const float* p) { V16 r; for (int i = 0; i < 16; ++i) r.s[i] = p[i]; return r; }
 inline V16 v16_load(const bf16* p) { V16 r; for (int i = 0; i < 16; ++i) r.s[i] = to_f32(p[i]); return r; }
-inline void v16_load_pair(const bf16* p, V16& first, V16& second) {
-  for (int i = 0; i < 16; ++i) {
-    first.s[i] = to_f32(p[2 * i]);
-    second.s[i] = to_f32(p[2 * i + 1]);
-  }
-}
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   for (int i = 0; i < 16; ++i) acc.s[i] = std::fma(a.s[i], b.s[i], acc.s[i]);
   return acc;
