@@ -139,7 +139,7 @@ void on_grid(const T* x, T* out, int64_t n, int bits) {
 constexpr int64_t ROWS_PER_ITEM = 16;  // prefill rows of one sequence that share each K/V load
 constexpr int64_t KEY_CHUNK = 32;      // keys converted to float64 at a time (divides SPLIT_SIZE; a multiple of 8)
 constexpr int64_t SPLIT_ROWS = 4;      // items of at most this many rows (decode, verify) take every KV head
-constexpr int64_t SPLIT_KEYS = 256;    // and split their keys into runs of this many (a multiple of KEY_CHUNK)
+constexpr int64_t SPLIT_KEYS = 256;    // and split their keys into runs of at most this many (a multiple of KEY_CHUNK)
 
 // One work item: rows [r0, r1) of one sequence with KV heads [h0, h1). Its lanes are
 // (row, KV head, query head of the group), in that order; it keeps the scores of the keys they
@@ -148,7 +148,7 @@ constexpr int64_t SPLIT_KEYS = 256;    // and split their keys into runs of this
 // same bits. Prefill items take one KV head (their rows share its K/V); decode and verify items
 // take all of them, so a split reads each key's K/V of all heads as one contiguous run.
 struct ItemState {
-  int64_t r0 = 0, r1 = 0, h0 = 0, h1 = 0, first = 0, last = 0, keys = 0, lanes = 0, splits = 1;
+  int64_t r0 = 0, r1 = 0, h0 = 0, h1 = 0, first = 0, last = 0, keys = 0, lanes = 0, splits = 1, split_keys = 0;
   const int64_t* table = nullptr;
   std::vector<int64_t> lo, hi;  // per lane: the keys it sees, [lo, hi]
   std::vector<double> q;        // per lane: q on its grid
@@ -192,10 +192,12 @@ struct Cache {
   }
 };
 
-// Which keys the item's lanes see, q on its grid (step 1), its buffers sized.
+// Which keys the item's lanes see, q on its grid (step 1), its buffers sized. A split item's keys
+// go in runs of at most SPLIT_KEYS, at least `min_splits` of them where there are keys enough
+// (so that one short sequence still gives every thread a run); 0: one run, not split.
 template <typename T>
 void prepare(ItemState& s, const T* q, int64_t d, const int64_t* positions, int64_t group, int64_t heads,
-             int64_t window, bool split) {
+             int64_t window, int64_t min_splits) {
   const int64_t per_row = s.heads() * group;
   const int64_t lanes = (s.r1 - s.r0) * per_row;
   s.lanes = lanes;
@@ -212,7 +214,14 @@ void prepare(ItemState& s, const T* q, int64_t d, const int64_t* positions, int6
     s.last = std::max(s.last, pos);
   }
   s.keys = s.last - s.first + 1;
-  s.splits = split ? (s.keys + SPLIT_KEYS - 1) / SPLIT_KEYS : 1;
+  if (min_splits > 0) {
+    const int64_t even = (s.keys + min_splits - 1) / min_splits;
+    s.split_keys = std::min(SPLIT_KEYS, (even + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK);
+    s.splits = (s.keys + s.split_keys - 1) / s.split_keys;
+  } else {
+    s.split_keys = s.keys;
+    s.splits = 1;
+  }
   s.q.resize(lanes * d);
   s.scores.resize(lanes * s.keys);
   s.v_exp.resize(s.heads() * s.keys);
@@ -537,7 +546,20 @@ void finish(const ItemState& s, T* out, int64_t d, int64_t group, int64_t heads)
     }
     if (den == 0.0) den = 1.0;
     const double out_scale = pow2(top - V_BITS - W_BITS + 1 + L_BITS);
-    for (int64_t i = 0; i < d; ++i) {
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    const __m512d den_v = _mm512_set1_pd(den), scale_v = _mm512_set1_pd(out_scale);
+    for (; i + 8 <= d; i += 8) {  // the same roundings eight at a time: to float64, /, *, to float32
+      __m512i num = _mm512_setzero_si512();
+      for (int64_t sp = 0; sp < s.splits; ++sp)
+        num = _mm512_add_epi64(num, _mm512_loadu_si512(s.num.data() + (sp * s.lanes + lane) * d + i));
+      const __m512d ratio = _mm512_div_pd(_mm512_cvtepi64_pd(num), den_v);
+      alignas(32) float y[8];
+      _mm256_store_ps(y, _mm512_cvtpd_ps(_mm512_mul_pd(ratio, scale_v)));
+      for (int j = 0; j < 8; ++j) o[i + j] = from_f32<T>(y[j]);
+    }
+#endif
+    for (; i < d; ++i) {
       int64_t num = 0;
       for (int64_t sp = 0; sp < s.splits; ++sp) num += s.num[(sp * s.lanes + lane) * d + i];
       const double ratio = static_cast<double>(num) / den;
@@ -548,8 +570,8 @@ void finish(const ItemState& s, T* out, int64_t d, int64_t group, int64_t heads)
 
 // The split [k0, k1) of an item's keys.
 inline void split_range(const ItemState& s, int64_t split, int64_t* k0, int64_t* k1) {
-  *k0 = s.first + split * SPLIT_KEYS;
-  *k1 = s.splits == 1 ? s.last + 1 : std::min(s.last + 1, *k0 + SPLIT_KEYS);
+  *k0 = s.first + split * s.split_keys;
+  *k1 = std::min(s.last + 1, *k0 + s.split_keys);
 }
 
 template <typename T, typename C>
@@ -561,7 +583,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = row_starts[s + 1] - row_starts[s];
     if (rows == 0) continue;
-    if (rows <= SPLIT_ROWS && positions[row_starts[s + 1] - 1] + 1 > SPLIT_KEYS) {  // a few rows, many keys
+    if (rows <= SPLIT_ROWS) {  // a few rows: all KV heads at once, the keys in runs
       ItemState it;
       it.r0 = row_starts[s];
       it.r1 = row_starts[s + 1];
@@ -593,7 +615,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < num_split; ++i) {
         ItemState& s = split_items[i];
-        prepare(s, q, d, positions, group, heads, window, true);
+        prepare(s, q, d, positions, group, heads, window, (threads + num_split - 1) / num_split);
         double widened[256];
         for (int64_t lane = 0; lane < s.lanes; ++lane) {  // the order dots_x4 reads q in for rows of C
           widening_order<C>(s.q.data() + lane * d, widened, d);
@@ -630,7 +652,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
       s.h0 = whole_items[i].h0;
       s.h1 = whole_items[i].h1;
       s.table = whole_items[i].table;
-      prepare(s, q, d, positions, group, heads, window, false);
+      prepare(s, q, d, positions, group, heads, window, 0);
       scores_of<C>(s, cache, s.first, s.last + 1, 0, scale64, t);
       sums_of<C>(s, cache, s.first, s.last + 1, 0, t);
       finish(s, out, d, group, heads);
