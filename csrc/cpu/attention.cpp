@@ -574,23 +574,39 @@ inline void split_range(const ItemState& s, int64_t split, int64_t* k0, int64_t*
   *k1 = std::min(s.last + 1, *k0 + s.split_keys);
 }
 
+// What a pool of split item states keeps between calls: at most KEEP_ITEMS states, none holding
+// more than KEEP_ELEMENTS scores or partial sums (a very long context's buffers go back to the
+// allocator after its call).
+constexpr size_t KEEP_ITEMS = 64;
+constexpr size_t KEEP_ELEMENTS = size_t{1} << 20;
+inline void release_large(std::vector<ItemState>& pool) {
+  if (pool.size() > KEEP_ITEMS) pool.resize(KEEP_ITEMS);
+  for (ItemState& it : pool)
+    if (it.scores.capacity() > KEEP_ELEMENTS || it.num.capacity() > KEEP_ELEMENTS) it = ItemState{};
+}
+
 template <typename T, typename C>
 void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* positions, const int64_t* tables,
                      int64_t table_width, const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t window,
                      float scale, int threads) {
   const int64_t d = cache.head_dim, group = heads / cache.kv_heads;
-  std::vector<ItemState> split_items, whole_items;
+  // The split items' states outlive the call, so their buffers (scores and partials of every key)
+  // are allocated once, not per layer and step (up to a bound, release_large); whole items are
+  // bare ranges (t.whole does their work).
+  thread_local std::vector<ItemState> split_pool;
+  int64_t num_split = 0;
+  std::vector<ItemState> whole_items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = row_starts[s + 1] - row_starts[s];
     if (rows == 0) continue;
     if (rows <= SPLIT_ROWS) {  // a few rows: all KV heads at once, the keys in runs
-      ItemState it;
+      if (num_split == static_cast<int64_t>(split_pool.size())) split_pool.emplace_back();
+      ItemState& it = split_pool[num_split++];
       it.r0 = row_starts[s];
       it.r1 = row_starts[s + 1];
       it.h0 = 0;
       it.h1 = cache.kv_heads;
       it.table = tables + s * table_width;
-      split_items.push_back(std::move(it));
       continue;
     }
     for (int64_t r0 = row_starts[s]; r0 < row_starts[s + 1]; r0 += ROWS_PER_ITEM)
@@ -605,7 +621,8 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
       }
   }
   const double scale64 = scale;
-  const int64_t num_split = static_cast<int64_t>(split_items.size()), num_whole = static_cast<int64_t>(whole_items.size());
+  ItemState* split_items = split_pool.data();
+  const int64_t num_whole = static_cast<int64_t>(whole_items.size());
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (split item, split)
   // A split item alone is worth the threads (its splits are the tasks); whole items need two.
 #pragma omp parallel num_threads(threads) if (threads > 1 && (num_split > 0 || num_whole > 1))
@@ -658,6 +675,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
       finish(s, out, d, group, heads);
     }
   }
+  release_large(split_pool);
 }
 
 template <typename T, typename C>
