@@ -9,7 +9,7 @@ next to llama.cpp (llama-cpp-python, a peer only; the column is skipped with a m
 is not installed) on a GGUF of the same weights in the same precision (tools/peer_gguf.py writes
 the F32 and BF16 files from the default Q4_1 one; `auto`, the blocks as stored, runs against the
 Q4_1 file itself). Best of --repeats runs each (other processes
-only ever slow a run down). Columns:
+only ever slow a run down), the two engines' runs alternating. Columns:
 - decode: single-stream greedy tokens/s after a short prompt, drafting off on both sides;
 - prefill: a --prefill-token prompt (one 512-row chunk), tokens/s;
 - 4 streams: aggregate decode tokens/s of 4 concurrent requests over one stream's;
@@ -62,7 +62,9 @@ def _with(ops, **overrides):
     return types.SimpleNamespace(**{**names, **overrides})
 
 
-def tensorfold_runs(dtype: str, args) -> dict:
+def tensorfold_bench(dtype: str, args):
+    """The engine on the default model in `dtype`; returns (out, once): each once() runs every
+    measurement one more time, keeping the best in out."""
     import torch
 
     from tensorfold.engine.engine import Engine, EngineConfig
@@ -76,7 +78,8 @@ def tensorfold_runs(dtype: str, args) -> dict:
     greedy = dict(temperature=0, ignore_eos=True, draft=False)
     engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **greedy))  # warm-up
     clock = RoundClock(engine)
-    for _ in range(args.repeats):
+
+    def once() -> None:
         clock.forward_s = clock.round_s = 0.0
         rid = engine.add_request(prompt_ids(16), SamplingParams(max_tokens=args.tokens, **greedy))
         req = engine.requests[rid]
@@ -108,10 +111,12 @@ def tensorfold_runs(dtype: str, args) -> dict:
             s = done.request.stats
             out["long_prefill"] = max(out.get("long_prefill", 0), args.long / s.prefill_s)
             out["long_decode"] = max(out.get("long_decode", 0), (args.tokens - 1) / s.decode_s)
-    return out
+    return out, once
 
 
-def llama_cpp_runs(dtype: str, args) -> dict | None:
+def llama_cpp_bench(dtype: str, args):
+    """llama.cpp on the same weights in the same precision; (out, once) as tensorfold_bench, or
+    None when llama-cpp-python is not installed."""
     if not peer_llama_cpp.available():
         print(peer_llama_cpp.SKIP_MESSAGE)
         return None
@@ -121,7 +126,8 @@ def llama_cpp_runs(dtype: str, args) -> dict | None:
     path = default_model_path() if dtype == "auto" else peer_gguf(dtype)  # auto: the Q4_1 file as it is
     llm = peer_llama_cpp.load(path, n_ctx=max(2048, args.long + args.tokens + 16), threads=args.threads)
     out = {}
-    for _ in range(args.repeats):
+
+    def once() -> None:
         out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))
         out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens /
                              peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.prefill_tokens)))
@@ -130,7 +136,19 @@ def llama_cpp_runs(dtype: str, args) -> dict | None:
                                       args.long / peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.long)))
             out["long_decode"] = max(out.get("long_decode", 0),
                                      peer_llama_cpp.decode_tps(llm, prompt_ids(args.long), args.tokens))
-    return out
+    return out, once
+
+
+def measure(dtype: str, args) -> tuple[dict, dict]:
+    """Both engines, their runs alternating (ours, the peer's, ours, ...): drift on a shared
+    machine then weighs on both columns alike instead of on whichever ran later."""
+    ours, ours_once = tensorfold_bench(dtype, args)
+    peer_bench = llama_cpp_bench(dtype, args)
+    peer, peer_once = peer_bench if peer_bench else ({}, lambda: None)
+    for _ in range(args.repeats):
+        ours_once()
+        peer_once()
+    return ours, peer
 
 
 def ratio(ours, peer):
@@ -151,8 +169,7 @@ def main(argv=None) -> None:
     print(machine_line())
     rows = []
     for dtype in args.dtypes.split(","):
-        ours = tensorfold_runs(dtype, args)
-        peer = llama_cpp_runs(dtype, args) or {}
+        ours, peer = measure(dtype, args)
         row = [dtype, ours["ops"], ours["exact"],
                fmt(ours["decode"], 1), fmt(peer.get("decode"), 1), ratio(ours["decode"], peer.get("decode")),
                fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),

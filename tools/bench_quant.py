@@ -52,7 +52,7 @@ if ROOT not in sys.path:
 from tools import peer_llama_cpp  # noqa: E402
 from tools.bench_core import (GGUF_NAME, common_prefix, default_model_folder, fmt, machine_line,  # noqa: E402
                               print_table, rss_mib)
-from tools.bench_native import llama_cpp_runs, prompt_ids, ratio, tensorfold_runs  # noqa: E402
+from tools.bench_native import measure, prompt_ids, ratio  # noqa: E402
 
 SECTIONS = ("speed", "memory", "agreement", "kquant")
 DEFAULT_SHAPE = dict(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M: the KV cache's shape
@@ -70,8 +70,7 @@ GREEDY = dict(temperature=0, ignore_eos=True, draft=False)
 def speed_section(args) -> None:
     native_args = argparse.Namespace(threads=args.threads, tokens=args.tokens, repeats=args.repeats,
                                      prefill_tokens=args.prefill_tokens, long=0)
-    ours = tensorfold_runs("auto", native_args)
-    peer = llama_cpp_runs("auto", native_args) or {}
+    ours, peer = measure("auto", native_args)
     row = ["Q4_1 (token_embd Q8_0)", ours["ops"], ours["exact"],
            fmt(ours["decode"], 1), fmt(peer.get("decode"), 1), ratio(ours["decode"], peer.get("decode")),
            fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill"))]
