@@ -194,7 +194,7 @@ struct Cache {
 
 // Which keys the item's lanes see, q on its grid (step 1), its buffers sized. A split item's keys
 // go in runs of at most SPLIT_KEYS, at least `min_splits` of them where there are keys enough
-// (so that one short sequence still gives every thread a run); 0: one run, not split.
+// (so that a sequence alone still gives every thread a run); 0: one run, not split.
 template <typename T>
 void prepare(ItemState& s, const T* q, int64_t d, const int64_t* positions, int64_t group, int64_t heads,
              int64_t window, int64_t min_splits) {
@@ -599,7 +599,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = row_starts[s + 1] - row_starts[s];
     if (rows == 0) continue;
-    if (rows <= SPLIT_ROWS) {  // a few rows: all KV heads at once, the keys in runs
+    if (rows <= SPLIT_ROWS && positions[row_starts[s + 1] - 1] + 1 > SPLIT_KEYS) {  // a few rows, many keys
       if (num_split == static_cast<int64_t>(split_pool.size())) split_pool.emplace_back();
       ItemState& it = split_pool[num_split++];
       it.r0 = row_starts[s];
