@@ -149,6 +149,29 @@ def test_silu_and_mul_on_split_views(draw, threads, dtype, rows, width):
     assert_bitwise(_cpu.silu_and_mul(gate, up, out=poisoned(want)), want, draw, "silu_and_mul")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_ops_on_special_values(draw, dtype):
+    """NaN, infinities, signed zeros, subnormals and huge values, in the vector body and the tail
+    (width 64 + 5): the kernels' results equal the references' (NaN equal to any NaN)."""
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39, 3.0e38, -2.5e38])
+    rows = randn(draw, 9, 69, scale=3.0)
+    for r in range(1, 9):  # row 0 stays ordinary; each other row gets a special at a random place
+        rows[r, draw.randint(69, 1).item()] = specials[r - 1]
+    rows[0, 66] = specials[4]
+    x, res = rows.to(dtype), randn(draw, 9, 69, dtype=dtype)
+    res[3, 67] = float("nan")
+    weight = randn(draw, 69, dtype=dtype)
+    assert same_bits(_cpu.rms_norm(x, weight, 1e-6).double(), reference.rms_norm(x, weight, 1e-6).double())
+    got, got_h = _cpu.add_rms_norm(x, res, weight, 1e-6)
+    want, want_h = reference.add_rms_norm(x, res, weight, 1e-6)
+    assert same_bits(got_h.double(), want_h.double()) and same_bits(got.double(), want.double()), str(draw)
+    assert same_bits(_cpu.silu_and_mul(x, res).double(), reference.silu_and_mul(x, res).double()), str(draw)
+    heads = x[:, :64].reshape(9, 1, 64).contiguous()
+    cos, sin = _rope_inputs(draw, 9, 1, 64, dtype)[1:]
+    want = reference.apply_rope(heads, cos, sin)
+    assert same_bits(_cpu.apply_rope(heads, cos, sin).double(), want.double()), str(draw)
+
+
 def test_silu_reference_is_silu(draw):
     g = randn(draw, 4096, scale=8.0)
     one = torch.ones_like(g)

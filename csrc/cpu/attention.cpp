@@ -22,6 +22,7 @@
 #include "dot64.h"
 #include "exact.h"
 #include "kernels.h"
+#include "lanes.h"
 #include "vec16.h"
 
 namespace tf {
@@ -32,41 +33,6 @@ constexpr int V_BITS = 20;
 constexpr int W_BITS = 24;
 constexpr int L_BITS = 30;
 constexpr int64_t SPLIT_SIZE = 512;
-
-// max |x| as a float, through the bits: for floats without the sign bit the integer order is the
-// magnitude order (a NaN compares above inf, and its exponent field reads 128, as torch's amax
-// then gives), and an integer max is a reduction the compiler vectorizes without fast-math.
-inline float max_abs(const float* x, int64_t n) {
-  uint32_t top = 0;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if (n >= 16) {
-    const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
-    __m512i m = _mm512_setzero_si512();
-    for (; i + 16 <= n; i += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(x + i), mask));
-    top = _mm512_reduce_max_epu32(m);
-  }
-#endif
-  for (; i < n; ++i) top = std::max(top, f32_bits(x[i]) & 0x7FFFFFFFu);
-  return f32_from_bits(top);
-}
-inline float max_abs(const bf16* x, int64_t n) {  // the same on the upper half of a float's bits
-  uint32_t top = 0;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if (n >= 16) {  // widened to 32 bits (AVX-512F has no 16-bit max)
-    const __m512i mask = _mm512_set1_epi32(0x7FFF);
-    __m512i m = _mm512_setzero_si512();
-    for (; i + 16 <= n; i += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_cvtepu16_epi32(h), mask));
-    }
-    top = _mm512_reduce_max_epu32(m);
-  }
-#endif
-  for (; i < n; ++i) top = std::max<uint32_t>(top, x[i].bits & 0x7FFFu);
-  return f32_from_bits(top << 16);
-}
 
 // exponent(max_abs(row)) of four rows of d elements at once: the per-row maxima folded together
 // (the same integer maxima in another order, so the same exponents as max_abs gives).

@@ -7,6 +7,7 @@
 
 #include "exact.h"
 #include "kernels.h"
+#include "lanes.h"
 #include "vec16.h"
 
 namespace tf {
@@ -18,29 +19,61 @@ constexpr int64_t SILU_BLOCK = 256;             // elements of a row per exp_neg
 constexpr int64_t MAX_HEAD_DIM = 256;           // rope's head vectors (the bindings refuse wider)
 
 // reference.rms_norm of one row: squares on the row's grid, an exact sum, float64 sqrt/div.
+// Sixteen elements at a time where AVX-512 is compiled in, the same roundings lane by lane
+// (the sum is of integers below 2^53 in total, so its order is free); a scalar tail.
 template <typename T>
 void norm_row(const T* x, const T* weight, T* out, int64_t n, double eps) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f32(x[i])));
-  const int e = exponent(amax);
+  const int e = exponent(max_abs(x, n));  // a NaN row reads 128 here; its outputs are NaN either way
   const double grid = pow2(2 * (NORM_BITS - 1 - e));
-  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // integers <= 2^53: exact in any order
-  for (int64_t i = 0; i < n; ++i) {
+  double ss = 0.0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512d grid_v = _mm512_set1_pd(grid), magic = _mm512_set1_pd(ROUND_MAGIC);
+  __m512d acc = _mm512_setzero_pd();
+  for (; i + 16 <= n; i += 16) {
+    __m512d half[2];
+    widen16(load16(x + i), half[0], half[1]);
+    for (__m512d d : half) {
+      const __m512d sq = _mm512_mul_pd(_mm512_mul_pd(d, d), grid_v);
+      acc = _mm512_add_pd(acc, _mm512_sub_pd(_mm512_add_pd(sq, magic), magic));
+    }
+  }
+  ss = _mm512_reduce_add_pd(acc);
+#endif
+  for (; i < n; ++i) {
     const double d = to_f32(x[i]);
     double sq = d * d;
     sq = sq * grid;
-    part[i & 7] += round_even(sq);
+    ss += round_even(sq);
   }
-  double ss = 0.0;
-  for (double p : part) ss += p;
   double var = ss * pow2(2 * (e - NORM_BITS + 1));
   var = var / static_cast<double>(n);
   const double inv = 1.0 / std::sqrt(var + eps);
-  for (int64_t i = 0; i < n; ++i) {
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512d inv_v = _mm512_set1_pd(inv);
+  for (; i + 16 <= n; i += 16) {
+    __m512d lo, hi;
+    widen16(load16(x + i), lo, hi);
+    const __m512 y = narrow16(_mm512_mul_pd(lo, inv_v), _mm512_mul_pd(hi, inv_v));
+    store16(out + i, _mm512_mul_ps(y, load16(weight + i)));
+  }
+#endif
+  for (; i < n; ++i) {
     float y = static_cast<float>(static_cast<double>(to_f32(x[i])) * inv);
     y = y * to_f32(weight[i]);
     out[i] = from_f32<T>(y);
   }
+}
+
+// h = a + b, rounded to the dtype (the residual add).
+template <typename T>
+void add_row(const T* a, const T* b, T* h, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) store16(h + i, _mm512_add_ps(load16(a + i), load16(b + i)));
+#endif
+  for (; i < n; ++i) h[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
 }
 
 template <typename T>
@@ -52,7 +85,7 @@ void rms_norm_impl(const T* x, int64_t xs, const T* residual, int64_t rs, T* h_o
     const T* row = x + r * xs;
     if (residual != nullptr) {  // h = residual + x, rounded to the dtype, then its norm
       T* h = h_out + r * width;
-      for (int64_t i = 0; i < width; ++i) h[i] = from_f32<T>(to_f32(residual[r * rs + i]) + to_f32(row[i]));
+      add_row(residual + r * rs, row, h, width);
       row = h;
     }
     norm_row(row, weight, out + r * width, width, eps);
@@ -63,7 +96,19 @@ void rms_norm_impl(const T* x, int64_t xs, const T* residual, int64_t rs, T* h_o
 template <typename T>
 void rope_row(const T* x, T* out, const float* cos, const float* sin, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (half % 16 == 0) {  // the two halves sixteen lanes at a time: -x[i + half], then x[i - half]
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+    for (; i < d; i += 16) {
+      const __m512 rot = i < half ? _mm512_xor_ps(load16(x + i + half), sign) : load16(x + i - half);
+      const __m512 a = _mm512_mul_ps(load16(x + i), _mm512_loadu_ps(cos + i));
+      const __m512 b = _mm512_mul_ps(rot, _mm512_loadu_ps(sin + i));
+      store16(out + i, _mm512_add_ps(a, b));
+    }
+  }
+#endif
+  for (; i < d; ++i) {
     const float rot = i < half ? -to_f32(x[i + half]) : to_f32(x[i - half]);
     const float a = to_f32(x[i]) * cos[i];
     const float b = rot * sin[i];
@@ -97,15 +142,33 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t r = 0; r < rows; ++r) {
     float g[SILU_BLOCK], t[SILU_BLOCK];
+    const T* gate_row = gate + r * in_stride;
+    const T* up_row = up + r * in_stride;
+    T* out_row = out + r * width;
     for (int64_t i0 = 0; i0 < width; i0 += SILU_BLOCK) {
       const int64_t n = std::min(SILU_BLOCK, width - i0);
-      for (int64_t i = 0; i < n; ++i) g[i] = -std::fabs(to_f32(gate[r * in_stride + i0 + i]));
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+      for (; i + 16 <= n; i += 16) _mm512_storeu_ps(g + i, _mm512_or_ps(load16(gate_row + i0 + i), sign));  // -|g|
+#endif
+      for (; i < n; ++i) g[i] = -std::fabs(to_f32(gate_row[i0 + i]));
       exp_neg_shifted(g, 0.0f, t, n);  // exp_neg(-|g| - 0), and -|g| - 0 is -|g| bit for bit
-      for (int64_t i = 0; i < n; ++i) {
-        const float gi = to_f32(gate[r * in_stride + i0 + i]);
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 gi = load16(gate_row + i0 + i), ti = _mm512_loadu_ps(t + i);
+        const __m512 factor = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gi, zero, _CMP_GE_OQ), ti, one);
+        const __m512 s = _mm512_div_ps(_mm512_mul_ps(gi, factor), _mm512_add_ps(one, ti));
+        store16(out_row + i0 + i, _mm512_mul_ps(s, load16(up_row + i0 + i)));
+      }
+#endif
+      for (; i < n; ++i) {
+        const float gi = to_f32(gate_row[i0 + i]);
         const float num = gi * (gi >= 0.0f ? 1.0f : t[i]);  // g, or g t: g * 1 is g exactly
         const float s = num / (1.0f + t[i]);
-        out[r * width + i0 + i] = from_f32<T>(s * to_f32(up[r * in_stride + i0 + i]));
+        out_row[i0 + i] = from_f32<T>(s * to_f32(up_row[i0 + i]));
       }
     }
   }
