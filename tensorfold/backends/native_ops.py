@@ -9,6 +9,7 @@ the extension was not built; backends.backend_ops then falls back to cpu_ops.
 import torch
 
 from tensorfold import _cpu
+from tensorfold.backends.huge_pages import arena
 from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
@@ -25,21 +26,22 @@ write_kv = _cpu.write_kv
 
 
 class PackedWeight:
-    """A GEMM weight [N, K] in the kernel's tile layout (packed once, at load)."""
+    """A GEMM weight [N, K] in the kernel's tile layout (packed once, at load), in huge pages where
+    the OS has them (backends/huge_pages.py: a decode step streams every weight)."""
 
     def __init__(self, weight: torch.Tensor):
-        self.data = _cpu.pack_weight(weight)
+        self.data = arena.place(_cpu.pack_weight(weight))
         self.shape = tuple(weight.shape)
         self.format = str(weight.dtype).removeprefix("torch.")
 
 
 class PackedQuant:
     """A quantized GEMM weight (kernels/quant_gemm.QuantWeight) in the quantized kernel's layout:
-    one byte tensor that carries its kind and shape."""
+    one byte tensor that carries its kind and shape (in huge pages too)."""
 
     def __init__(self, weight: QuantWeight):
-        self.data = _cpu.pack_quant(weight.kind, weight.codes, weight.scale, weight.scale_exp, weight.min,
-                                    weight.min_exp)
+        self.data = arena.place(_cpu.pack_quant(weight.kind, weight.codes, weight.scale, weight.scale_exp, weight.min,
+                                                weight.min_exp))
         self.shape = weight.shape
         self.format = weight.kind
 
