@@ -426,3 +426,79 @@ def test_row_from_params():
     assert (row.temperature, row.top_k, row.top_p, row.min_p) == (0.7, 20, 0.8, 0.1)
     assert row.position == 4
     assert row.seed == keyed.derive_seed([1, 2])
+
+
+# ---- the native draw (csrc/cpu/draw.cpp) against the torch steps ----
+
+native_only = pytest.mark.skipif(__import__("tensorfold.kernels.exact", fromlist=["x"]).native_kernels() is None,
+                                 reason="the C++ extension is not built")
+
+
+def _random_rows(gen, count, temps, min_ps):
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
+    return [PlainRow(pick(temps), 0, 1.0, pick(min_ps), int(torch.randint(2 ** 62, (1,), generator=gen)),
+                     int(torch.randint(5000, (1,), generator=gen))) for _ in range(count)]
+
+
+@native_only
+@pytest.mark.parametrize("scale", [0.3, 4.0, 40.0, 1e12])
+def test_native_draw_equals_the_torch_steps(draw, scale):
+    """Greedy and order-free sampled rows (min-p on and off, masks, -inf columns), flat to very
+    peaked logits and logits past 2^40 (where the kernel computes every token's noise): the one
+    C++ call draws sample_torch's tokens. Order-dependent rows never reach it."""
+    gen = draw.gen
+    for trial in range(40):
+        num_rows, vocab = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 9000, (1,), generator=gen))
+        logits = torch.randn(num_rows, vocab, generator=gen) * scale
+        if trial % 3 == 0:
+            logits[:, ::4] = -INF
+        rows = _random_rows(gen, num_rows, [0.0, 0.05, 0.7, 1.0, 3.0], [0.0, 0.0, 0.1, 1.0])
+        mask = None
+        if trial % 4 == 1:
+            allowed = torch.rand(num_rows, vocab, generator=gen) < 0.5
+            allowed[:, 0] = True
+            logits[:, 0] = logits[:, 0].clamp(min=-1e30)
+            mask = bits.pack(allowed)
+        assert sampler.sample(logits, rows, bitmask=mask) == sampler.sample_torch(logits, rows, bitmask=mask), \
+            f"{draw} trial {trial}"
+
+
+@native_only
+def test_native_draw_raises_what_the_torch_steps_raise():
+    greedy, hot = PlainRow(0.0, 0, 1.0, 0.0, 1, 0), PlainRow(1e-310, 0, 1.0, 0.0, 1, 0)
+    plain = PlainRow(1.0, 0, 1.0, 0.0, 1, 0)
+    cases = [
+        (torch.tensor([[0.0, float("nan")], [1.0, 2.0]]), [plain, greedy], None, "NaN"),
+        (torch.tensor([[1.0, 2.0], [0.0, float("nan")]]), [greedy, greedy], None, "NaN"),
+        (torch.tensor([[1.0, 3.0]]), [hot], None, "+inf"),
+        (torch.tensor([[float("inf"), 3.0]]), [plain], None, "+inf"),
+        (torch.tensor([[-INF, -INF]]), [plain], None, "no drawable"),
+        (torch.tensor([[-INF, -INF]]), [greedy], None, "no drawable"),
+        (torch.tensor([[1.0, 2.0]]), [greedy], bits.pack(torch.tensor([[False, False]])), "no drawable"),
+        (torch.tensor([[float("nan"), 2.0]]), [plain], bits.pack(torch.tensor([[False, True]])), "NaN"),
+    ]
+    for logits, rows, mask, words in cases:
+        for fn in (sampler.sample, sampler.sample_torch):
+            with pytest.raises(ValueError, match=words.replace("+", r"\+")):
+                fn(logits, rows, bitmask=mask)
+
+
+@native_only
+def test_top_k_or_top_p_rows_take_the_torch_steps(monkeypatch):
+    """A batch with an order-dependent row is drawn by the tensor steps (the heads and cuts);
+    the native draw is not called for it."""
+    native = sampler.exact.native_kernels()
+    called = []
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "draw_rows":
+                called.append(name)
+            return getattr(native, name)
+
+    monkeypatch.setattr(sampler.exact, "native_kernels", lambda: Spy())
+    logits = torch.randn(2, 500)
+    sampler.sample(logits, [PlainRow(0.0, 0, 1.0, 0.0, 1, 0), PlainRow(1.0, 40, 1.0, 0.0, 1, 0)])
+    assert called == []
+    sampler.sample(logits, [PlainRow(0.0, 0, 1.0, 0.0, 1, 0), PlainRow(1.0, 0, 1.0, 0.2, 1, 0)])
+    assert called == ["draw_rows"]

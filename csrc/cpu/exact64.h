@@ -77,13 +77,14 @@ inline double log64(double x) {
 
 // keyed.gumbel of one (row key, token id): splitmix64's finalizer over key + (id + 1) GAMMA, the
 // top 52 bits k as u = (2k + 1) / 2^53, then -log(-log(u)) with log64.
-inline double gumbel(uint64_t row_key, int64_t token_id) {
+inline double gumbel_uniform(uint64_t row_key, int64_t token_id) {
   uint64_t x = row_key + (static_cast<uint64_t>(token_id) + 1) * 0x9E3779B97F4A7C15ull;  // mod 2^64
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   x ^= x >> 31;
-  const double u = static_cast<double>(static_cast<int64_t>(((x >> 12) << 1) + 1)) * 1.1102230246251565404236317e-16;
-  return -log64(-log64(u));
+  return static_cast<double>(static_cast<int64_t>(((x >> 12) << 1) + 1)) * 1.1102230246251565404236317e-16;
 }
+inline double gumbel_of_uniform(double u) { return -log64(-log64(u)); }
+inline double gumbel(uint64_t row_key, int64_t token_id) { return gumbel_of_uniform(gumbel_uniform(row_key, token_id)); }
 
 }  // namespace tf

@@ -70,4 +70,11 @@ void paged_attention(int dtype, int cache_dtype, const void* q, const void* k_ca
                      const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, int64_t block_size, double scale, int64_t window, int threads);
 
+// The keyed sampler's draw of rows without an order-dependent cut (draw.cpp): x [rows, vocab]
+// float32 logits (global ids offset ..), temps [rows] (0: greedy), keys [rows] the rows' noise
+// keys, min_q [rows] (0: min-p off). tokens [rows]; status [rows]: 0 drawn, 1 a NaN logit, 2 a
+// scaled logit at +inf, 3 no drawable token.
+void draw_rows(const float* x, int64_t rows, int64_t vocab, const double* temps, const int64_t* keys,
+               const int64_t* min_q, int64_t offset, int64_t* tokens, int32_t* status, int threads);
+
 }  // namespace tf

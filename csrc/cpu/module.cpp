@@ -367,6 +367,24 @@ std::tuple<torch::Tensor, torch::Tensor> top_keys(const torch::Tensor& keys, int
   return {values, index};
 }
 
+// sampler.sample's draw for rows without an order-dependent cut (draw.cpp): (tokens, status).
+std::tuple<torch::Tensor, torch::Tensor> draw_rows(const torch::Tensor& x, const torch::Tensor& temps,
+                                                   const torch::Tensor& keys, const torch::Tensor& min_q,
+                                                   int64_t offset) {
+  check_cpu(x, "draw_rows: logits");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "draw_rows: float32 logits [R, V] expected");
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(temps.scalar_type() == torch::kFloat64 && temps.numel() == rows && keys.scalar_type() == torch::kInt64 &&
+                  keys.numel() == rows && min_q.scalar_type() == torch::kInt64 && min_q.numel() == rows,
+              "draw_rows: float64 temps, int64 keys and min_q, one per row, expected");
+  auto xc = x.contiguous(), tc = temps.contiguous(), kc = keys.contiguous(), qc = min_q.contiguous();
+  auto tokens = torch::empty({rows}, keys.options());
+  auto status = torch::empty({rows}, keys.options().dtype(torch::kInt32));
+  tf::draw_rows(xc.data_ptr<float>(), rows, x.size(1), tc.data_ptr<double>(), kc.data_ptr<int64_t>(),
+                qc.data_ptr<int64_t>(), offset, tokens.data_ptr<int64_t>(), status.data_ptr<int32_t>(), threads());
+  return {tokens, status};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -400,6 +418,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ids"));
   m.def("top_keys", &top_keys, "torch.topk(keys, k, dim=1) for the sampler's distinct order keys", py::arg("keys"),
         py::arg("k"));
+  m.def("draw_rows", &draw_rows, "sampler.sample's draw of greedy and order-free rows: (tokens, status)",
+        py::arg("logits"), py::arg("temps"), py::arg("keys"), py::arg("min_q"), py::arg("offset"));
   m.def("gumbel", &gumbel, "keyed.gumbel: noise of (row key [R, 1], token ids [R|1, N])", py::arg("keys"),
         py::arg("ids"));
   m.def("decoder_layer", &decoder_layer, "one llama/qwen3 decoder layer: the op-by-op composition in one call",

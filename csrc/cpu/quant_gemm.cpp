@@ -350,7 +350,9 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
     const __m512i s0lo = widen_lo(s0), s0hi = widen_hi(s0);
     const __m512i mlo = widen_lo(mv), mhi = widen_hi(mv);
     // The block's column shifts as 64-bit lanes once for all rows; a row adds its own, and only a
-    // row whose shift can make a lane negative (rare) has its lanes checked.
+    // row whose shift can make a lane negative (rare) has its lanes checked. That bound needs the
+    // block's smallest column shift, a reduction shared by R rows; for one row it would cost as
+    // much as the check it saves, so a lone row's lanes are always checked (`R == 1 || ...`).
     const __m512i sexp_lo = widen_lo(sexp), sexp_hi = widen_hi(sexp);
     const __m512i mexp_lo = widen_lo(mexp), mexp_hi = widen_hi(mexp);
     const int sexp_min = R > 1 ? _mm512_reduce_min_epi32(sexp) : 0;

@@ -184,7 +184,45 @@ def _draw(keys: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> torch
 def sample(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = NUM_CANDIDATES, *,
            bitmask: torch.Tensor | None = None) -> list[int]:
     """One token per row of `logits` [num_rows, vocab] (the whole vocabulary in one tensor);
-    `bitmask` (int32 [num_rows, >= vocab / 32]) the allowed tokens of each row."""
+    `bitmask` (int32 [num_rows, >= vocab / 32]) the allowed tokens of each row.
+
+    Where no row has an order-dependent cut (greedy rows; sampled rows with top-k and top-p off,
+    the OpenAI default), float32 CPU logits are drawn by one C++ call (csrc/cpu/draw.cpp), the
+    same tokens as `sample_torch`'s steps; every other case runs those steps."""
+    native = exact.native_kernels()
+    if (native is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and not any(r.temperature != 0.0 and r.ordered(logits.shape[1]) for r in rows)):
+        return _sample_native(native, logits, rows, bitmask)
+    return sample_torch(logits, rows, num_candidates, bitmask=bitmask)
+
+
+def _sample_native(native, logits: torch.Tensor, rows: list[RowSampling], bitmask: torch.Tensor | None) -> list[int]:
+    """sample() for rows without an order-dependent cut, in one native pass pair; errors as
+    sample_torch raises them."""
+    if len(rows) != logits.shape[0]:
+        raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
+    if logits.shape[1] > ID_MASK:
+        raise ValueError(f"vocabulary of {logits.shape[1]} tokens exceeds 2^{ID_BITS} - 1")
+    x = logits
+    if bitmask is not None:
+        bits.check(bitmask, len(rows), logits.shape[1])
+        x = logits.masked_fill(~bits.unpack(bitmask, logits.shape[1], 0), float("-inf"))
+    temps = torch.tensor([r.temperature for r in rows], dtype=torch.float64)
+    keys = keyed.row_keys([r.seed for r in rows], [r.position for r in rows]).view(-1)
+    tokens, status = native.draw_rows(x, temps, keys, _min_q(rows).view(-1), 0)
+    found = set(status.tolist())
+    if 1 in found or (bitmask is not None and torch.isnan(logits).any()):
+        raise ValueError("logits contain NaN")
+    if 2 in found:
+        raise ValueError("a logit divided by its temperature is +inf")
+    if 3 in found:
+        raise ValueError("a row has no drawable token")
+    return tokens.tolist()
+
+
+def sample_torch(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = NUM_CANDIDATES, *,
+                 bitmask: torch.Tensor | None = None) -> list[int]:
+    """sample() in tensor operations (any device, any cut): the steps the native draw equals."""
     x, greedy, sampled = _split(logits, rows, 0, bitmask)
     vocab = x.shape[1]
     ids = torch.arange(vocab).reshape(1, -1)
