@@ -330,9 +330,11 @@ std::tuple<torch::Tensor, torch::Tensor> sample_keys(const torch::Tensor& z, con
   constexpr int64_t ID_MASK = (int64_t{1} << 30) - 1;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && rows * v >= (1 << 15))
   for (int64_t i = 0; i < rows * v; ++i) {
-    const double zi = zp[i];
+    const double zi = zp[i], d = zi - mp[i / v];
     const bool valid = zi > -std::numeric_limits<double>::infinity();
-    const int64_t w = static_cast<int64_t>(std::floor(tf::exp64(zi - mp[i / v]) * 4294967296.0));
+    // exp64(d) 2^32 < 1 for d <= -23 (exp(-23) 2^32 = 0.44, and exp64 is within an ulp of exp):
+    // the weight is 0 there without the exp
+    const int64_t w = d <= -23.0 ? 0 : static_cast<int64_t>(std::floor(tf::exp64(d) * 4294967296.0));
     qp[i] = valid ? w : 0;
     kp[i] = valid ? ((w << 30) | (ID_MASK - id[i % v])) : -1;
   }
@@ -352,16 +354,19 @@ std::tuple<torch::Tensor, torch::Tensor> top_keys(const torch::Tensor& keys, int
   const int64_t* in = kc.data_ptr<int64_t>();
   int64_t* vp = values.data_ptr<int64_t>();
   int64_t* ip = index.data_ptr<int64_t>();
+  const int nt = threads();
+  // (key, index) pairs side by side: the selection compares keys without a gather per comparison
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && rows > 1 && rows * v >= (1 << 15))
   for (int64_t r = 0; r < rows; ++r) {
-    std::vector<int64_t> order(v);
-    for (int64_t i = 0; i < v; ++i) order[i] = i;
     const int64_t* row = in + r * v;
-    auto larger = [row](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
-    std::nth_element(order.begin(), order.begin() + std::min(k, v - 1), order.end(), larger);
+    std::vector<std::pair<int64_t, int64_t>> order(v);
+    for (int64_t i = 0; i < v; ++i) order[i] = {row[i], -i};  // larger pair: larger key, then lower index
+    auto larger = [](const std::pair<int64_t, int64_t>& a, const std::pair<int64_t, int64_t>& b) { return a > b; };
+    if (k < v) std::nth_element(order.begin(), order.begin() + k, order.end(), larger);
     std::sort(order.begin(), order.begin() + k, larger);
     for (int64_t j = 0; j < k; ++j) {
-      vp[r * k + j] = row[order[j]];
-      ip[r * k + j] = order[j];
+      vp[r * k + j] = order[j].first;
+      ip[r * k + j] = -order[j].second;
     }
   }
   return {values, index};
