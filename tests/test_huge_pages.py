@@ -53,6 +53,25 @@ def test_without_huge_pages_a_tensor_stays_where_it_is(draw):
     assert arena.place(t) is t
 
 
+def test_a_refused_mapping_leaves_tensors_where_they_are(draw, monkeypatch, caplog):
+    arena = huge_pages.Arena()
+    arena.enabled = True
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    t = draw.randn(100)
+    with caplog.at_level("WARNING", logger="tensorfold.backends"):
+        assert arena.place(t) is t
+    assert not arena.enabled and "ordinary pages" in caplog.text
+    u = draw.randn(3)
+    assert arena.place(u) is u and len(calls) == 1  # later tensors are not tried again
+
+
 @needs_thp
 @pytest.mark.skipif(native_problem() is not None, reason=str(native_problem()))
 def test_the_compiled_op_sets_packed_weights_live_in_huge_pages(draw):

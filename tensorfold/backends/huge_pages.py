@@ -8,12 +8,15 @@ copied as they are: only their addresses change, never a bit of any result.
 
 Tensors are placed back to back (64-byte aligned) in 32 MiB regions, each mapped privately and
 advised MADV_HUGEPAGE; a larger tensor gets a region of its own. A region lives as long as any
-tensor placed in it. Where the OS has no huge pages to give (not Linux, THP set to never), `place`
-returns its tensor unchanged.
+tensor placed in it. Where the OS has no huge pages to give (not Linux, THP set to never), or refuses the mapping or
+the advice, `place` returns its tensor unchanged (the last says so once in the log).
 """
+import logging
 import mmap
 
 import torch
+
+log = logging.getLogger("tensorfold.backends")
 
 PAGE = 2 << 20       # a huge page
 REGION = 32 << 20    # tensors up to this size share regions
@@ -54,13 +57,18 @@ class Arena:
         if not self.enabled or t.device.type != "cpu":
             return t
         nbytes = t.numel() * t.element_size()
-        if nbytes > REGION:
-            block = _region(nbytes)
-        else:
-            if self._region is None or self._used + nbytes > REGION:
-                self._region, self._used = _region(REGION), 0
-            block = self._region[self._used:]
-            self._used += -(-nbytes // ALIGN) * ALIGN
+        try:
+            if nbytes > REGION:
+                block = _region(nbytes)
+            else:
+                if self._region is None or self._used + nbytes > REGION:
+                    self._region, self._used = _region(REGION), 0
+                block = self._region[self._used:]
+                self._used += -(-nbytes // ALIGN) * ALIGN
+        except OSError as e:  # the mapping or the advice refused (a container, a strict limit)
+            log.warning("huge pages: %s; the packed weights stay in ordinary pages", e)
+            self.enabled = False
+            return t
         out = block[:nbytes].view(t.dtype).view(t.shape)
         out.copy_(t)
         return out
