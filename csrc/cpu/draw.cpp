@@ -23,7 +23,7 @@ constexpr int64_t CHUNK = 4096;  // vocabulary entries per task
 struct ChunkScan {
   bool nan = false, pos_inf = false;
   double top = -std::numeric_limits<double>::infinity();  // max x (greedy) or max z (sampled)
-  int64_t top_id = -1;                                      // its first index (greedy)
+  int64_t top_id = -1;                                      // its first index
 };
 
 struct ChunkBest {
@@ -49,24 +49,14 @@ void draw_rows(const float* x, int64_t rows, int64_t vocab, const double* temps,
       const int64_t r = t / chunks, v0 = (t % chunks) * CHUNK, v1 = std::min(vocab, v0 + CHUNK);
       const float* row = x + r * vocab;
       ChunkScan& s = scans[t];
-      if (temps[r] == 0.0) {
-        for (int64_t v = v0; v < v1; ++v) {
-          const double xv = row[v];
-          s.nan |= std::isnan(xv);
-          if (xv > s.top) {  // strict: the first index of the largest
-            s.top = xv;
-            s.top_id = v;
-          }
-        }
-      } else {
-        for (int64_t v = v0; v < v1; ++v) {
-          const double z = static_cast<double>(row[v]) / temps[r];
-          s.nan |= std::isnan(z);
-          s.pos_inf |= z == inf;
-          if (z > s.top) {
-            s.top = z;
-            s.top_id = v;
-          }
+      const bool greedy = temps[r] == 0.0;
+      for (int64_t v = v0; v < v1; ++v) {
+        const double z = greedy ? static_cast<double>(row[v]) : static_cast<double>(row[v]) / temps[r];
+        s.nan |= std::isnan(z);
+        s.pos_inf |= !greedy && z == inf;  // a greedy row may hold +inf: its argmax
+        if (z > s.top) {  // strict: the first index of the largest
+          s.top = z;
+          s.top_id = v;
         }
       }
     }

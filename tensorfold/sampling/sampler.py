@@ -196,27 +196,24 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = 
     return sample_torch(logits, rows, num_candidates, bitmask=bitmask)
 
 
+# draw_rows' status codes, in the order sample_torch meets them
+_DRAW_ERRORS = {1: "logits contain NaN", 2: "a logit divided by its temperature is +inf",
+                3: "a row has no drawable token"}
+
+
 def _sample_native(native, logits: torch.Tensor, rows: list[RowSampling], bitmask: torch.Tensor | None) -> list[int]:
-    """sample() for rows without an order-dependent cut, in one native pass pair; errors as
-    sample_torch raises them."""
-    if len(rows) != logits.shape[0]:
-        raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
-    if logits.shape[1] > ID_MASK:
-        raise ValueError(f"vocabulary of {logits.shape[1]} tokens exceeds 2^{ID_BITS} - 1")
-    x = logits
-    if bitmask is not None:
-        bits.check(bitmask, len(rows), logits.shape[1])
-        x = logits.masked_fill(~bits.unpack(bitmask, logits.shape[1], 0), float("-inf"))
+    """sample() for rows without an order-dependent cut, in one native call; errors as
+    sample_torch raises them. (A bitmask is applied by `_masked`, which also rejects a NaN under
+    a cleared bit; without one the call itself reports NaN.)"""
+    _check(logits, rows, 0, bitmask)
+    x = logits if bitmask is None else _masked(logits, bitmask, 0)
     temps = torch.tensor([r.temperature for r in rows], dtype=torch.float64)
     keys = keyed.row_keys([r.seed for r in rows], [r.position for r in rows]).view(-1)
     tokens, status = native.draw_rows(x, temps, keys, _min_q(rows).view(-1), 0)
     found = set(status.tolist())
-    if 1 in found or (bitmask is not None and torch.isnan(logits).any()):
-        raise ValueError("logits contain NaN")
-    if 2 in found:
-        raise ValueError("a logit divided by its temperature is +inf")
-    if 3 in found:
-        raise ValueError("a row has no drawable token")
+    for code, message in _DRAW_ERRORS.items():
+        if code in found:
+            raise ValueError(message)
     return tokens.tolist()
 
 
@@ -303,15 +300,21 @@ def kept_mask(logits: torch.Tensor, rows: list[RowSampling], bitmask: torch.Tens
     return mask
 
 
-def _split(logits: torch.Tensor, rows: list[RowSampling], offset: int, bitmask: torch.Tensor | None):
-    """Masked logits (the columns from global id `offset` on), and the indices of the greedy and
-    the sampled rows."""
+def _check(logits: torch.Tensor, rows: list[RowSampling], offset: int, bitmask: torch.Tensor | None) -> None:
+    """Raise ValueError unless logits are [len(rows), width] within the id range and the bitmask
+    covers them."""
     if logits.dim() != 2 or len(rows) != logits.shape[0]:
         raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
     if offset + logits.shape[1] > ID_MASK:
         raise ValueError(f"vocabulary of {offset + logits.shape[1]} tokens exceeds 2^{ID_BITS} - 1")
     if bitmask is not None:
         bits.check(bitmask, len(rows), offset + logits.shape[1])
+
+
+def _split(logits: torch.Tensor, rows: list[RowSampling], offset: int, bitmask: torch.Tensor | None):
+    """Masked logits (the columns from global id `offset` on), and the indices of the greedy and
+    the sampled rows."""
+    _check(logits, rows, offset, bitmask)
     greedy = [i for i, r in enumerate(rows) if r.temperature == 0.0]
     sampled = [i for i, r in enumerate(rows) if r.temperature != 0.0]
     return _masked(logits, bitmask, offset), greedy, sampled
