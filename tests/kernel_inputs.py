@@ -34,5 +34,19 @@ class Draw:
     def randint(self, high, *shape):
         return torch.randint(0, high, shape, generator=self.gen)
 
+    def tiny_bf16(self, *shape):
+        return tiny_bf16(self.gen, *shape)
+
     def __str__(self):
         return f"seed {self.seed}"
+
+
+def tiny_bf16(gen: torch.Generator, *shape) -> torch.Tensor:
+    """bfloat16 values near 2^-64, some subnormal (about 5%), some zero: the products of two fall
+    around float32's smallest normal, 2^-126, where the bfloat16 GEMM's steps flush to zero."""
+    sign = torch.randint(0, 2, shape, generator=gen) * 2.0 - 1.0
+    normal = sign * (1 + torch.randint(0, 128, shape, generator=gen) / 128) * 2.0 ** torch.randint(-75, -52, shape, generator=gen)
+    subnormal = sign * torch.randint(1, 128, shape, generator=gen) * 2.0 ** -133
+    pick = torch.rand(shape, generator=gen)
+    v = torch.where(pick < 0.05, subnormal, torch.where(pick < 0.1, sign * 0.0, normal))
+    return v.bfloat16()

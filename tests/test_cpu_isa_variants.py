@@ -1,5 +1,7 @@
-"""The C++ kernels' other instruction sets give the same bits: the extension rebuilt for AVX2 and
-for a baseline x86-64 (the portable scalar path) runs every op against its torch reference.
+"""The C++ kernels' other instruction sets give the same bits: the extension rebuilt for AVX-512
+without AVX512_BF16, for AVX2 and for a baseline x86-64 (the portable scalar path) runs every op
+against its torch reference (the bfloat16 GEMM's steps are then FMAs under MXCSR's flush modes,
+or written out, instead of vdpbf16ps).
 
 The main build (-march=native) is what serves; these two builds prove that the code a user with
 another CPU gets computes the same tokens. Skipped off x86-64 (a NEON machine's own build is
@@ -16,7 +18,7 @@ import pytest
 from tensorfold.backends import native_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = {"x86-64-v3": "avx2", "x86-64": "scalar"}
+VARIANTS = {"x86-64-v4": ("avx512", "fma-mxcsr"), "x86-64-v3": ("avx2", "fma-mxcsr"), "x86-64": ("scalar", "emulated")}
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or native_problem() is not None or shutil.which("c++") is None,
@@ -39,8 +41,14 @@ from tensorfold.kernels import paged_attention as attention_ref, reference
 spec = importlib.util.spec_from_file_location("_cpu", sys.argv[1])
 cpu = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cpu)
-print(cpu.isa())
+print(cpu.isa(), cpu.pair_steps())
 g = torch.Generator().manual_seed(int(sys.argv[2]))
+sys.path.insert(0, "tests")
+from kernel_inputs import tiny_bf16
+for m, n, k in [(1, 24, 64), (3, 17, 96)]:  # bfloat16 steps near 2^-126: the flushes
+    for _ in range(10):
+        x, w = tiny_bf16(g, m, k), tiny_bf16(g, n, k)
+        assert torch.equal(cpu.linear(x, w), reference.linear(x, w)), "linear, tiny bfloat16 values"
 for dtype in (torch.float32, torch.bfloat16):
     for m, n, k in [(1, 40, 64), (5, 33, 576), (13, 100, 200), (3, 9, 17)]:
         x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
@@ -95,4 +103,4 @@ def test_variant_equals_the_references(arch, tmp_path, draw):
     done = subprocess.run([sys.executable, "-c", CHECK, path, str(draw.seed)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)  # a process of its own: one _cpu per process
     assert done.returncode == 0, f"{arch} ({draw}): {done.stderr[-2000:]}"
-    assert done.stdout.split() == [VARIANTS[arch], "bitwise"], done.stdout
+    assert done.stdout.split() == [*VARIANTS[arch], "bitwise"], done.stdout

@@ -90,6 +90,27 @@ def test_linear_thread_count_changes_no_bit(draw, dtype):
     assert torch.equal(one, two), str(draw)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 24, 64), (3, 17, 96), (5, 8, 40)])
+def test_bf16_linear_flushes_where_its_reference_does(draw, threads, m, n, k):
+    """bfloat16 steps near 2^-126: subnormal inputs, sums flushed to zero (vdpbf16ps's rounding).
+    Without the flushes in the reference about a quarter of these cases differ."""
+    for _ in range(20):
+        x, w = draw.tiny_bf16(m, k), draw.tiny_bf16(n, k)
+        assert_bitwise(_cpu.linear(x, w), reference.linear(x, w), draw, "linear of tiny bfloat16 values")
+
+
+def test_bf16_linear_flush_boundary():
+    """A lane at 2^-126 then a product just under it: 2^-126 - 2^-151 rounds (24 bits, unbounded
+    exponent) to 2^-126 and is kept; 2^-126 - 2^-150 is below 2^-126 and becomes 0."""
+    x, w = torch.zeros(1, 32), torch.zeros(2, 32)
+    x[0, 1], w[:, 1] = 2.0 ** -63, 2.0 ** -63  # lane 0's first step: exactly 2^-126
+    x[0, 0], w[0, 0], w[1, 0] = 2.0 ** -75, -2.0 ** -76, -2.0 ** -75
+    x, w = x.bfloat16(), w.bfloat16()
+    want = torch.tensor([[2.0 ** -126, 0.0]]).bfloat16()
+    assert torch.equal(reference.linear(x, w), want)
+    assert torch.equal(_cpu.linear(x, w), want)
+
+
 def test_linear_is_a_gemm(draw):
     """The fixed order is still x @ w^T: within float32 rounding of a float64 product."""
     x, w = randn(draw, 9, 300), randn(draw, 50, 300)

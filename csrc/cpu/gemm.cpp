@@ -1,9 +1,12 @@
 // The row-invariant GEMM: out[m, n] = sum_k x[m, k] w[n, k], for float32 and bfloat16 weights.
 //
-// The order of every sum is fixed by K alone (vec16.h): lane l accumulates the products at
-// k = l (mod 16) in increasing k by fused multiply-adds (acc + x w rounded once to float32), a
-// K tail is padded with zeros, then a halving tree folds the lanes. The torch reference
-// (kernels/reference.py `linear`) gets each FMA's rounding from float64 rounded to odd. How rows
+// The order of every sum is fixed by K alone (vec16.h). float32: lane l accumulates the
+// products at k = l (mod 16) in increasing k by fused multiply-adds (acc + x w rounded once to
+// float32). bfloat16: in each chunk of 32, lane l adds the product at k = 2l + 1, then the one at
+// 2l, each step rounded and flushed as AVX512_BF16's vdpbf16ps does it (one instruction per
+// chunk where the CPU has it: twice the multiply-adds of an FMA, and no widening). A K tail is
+// padded with zeros, then a halving tree folds the lanes. The torch reference
+// (kernels/reference.py `linear`) gets each step's rounding from float64 rounded to odd. How rows
 // are grouped into register tiles, how columns are split over threads and how many threads run
 // change the speed, never a bit: a row alone and the same row among 511 others give the same
 // outputs. There is no switch by row count.
@@ -20,23 +23,52 @@ constexpr int64_t TILE_COLS = 8;         // columns of W per packed tile (and pe
 constexpr int64_t TILES_PER_TASK = 8;    // tiles one thread takes at a time
 constexpr int64_t ROWS_PER_BLOCK = 64;   // rows of x kept in cache while a task runs
 
+// What one step of the sums takes, by dtype: a chunk of `width` elements of x and of a column
+// of W, loaded into registers, then `step` adds their products into the sixteen lanes.
+template <typename T>
+struct Chunk;
+template <>
+struct Chunk<float> {
+  static constexpr int64_t width = 16;
+  using Reg = V16;
+  static Reg load(const float* p) { return v16_load(p); }
+  static V16 step(V16 acc, const Reg& x, const Reg& w) { return v16_fma(acc, x, w); }
+  struct Mode {
+    void done(V16*, int) {}
+  };
+};
+template <>
+struct Chunk<bf16> {
+  static constexpr int64_t width = 32;
+  using Reg = P32;
+  static Reg load(const bf16* p) { return p32_load(p); }
+  static V16 step(V16 acc, const Reg& x, const Reg& w) { return v16_dot_pairs(acc, x, w); }
+  using Mode = PairFlush;
+};
+
 // The packed layout: W's columns in tiles of TILE_COLS (the last may be narrower), K padded
-// with zeros to a multiple of 16; inside a tile, chunk c of column j at (c * cols + j) * 16.
-// So a tile is one contiguous run that the kernel reads front to back, which is what the
-// hardware prefetcher streams best (rows of W read side by side are as many short streams).
-inline int64_t padded_k(int64_t K) { return (K + 15) / 16 * 16; }
+// with zeros to a multiple of the chunk width; inside a tile, chunk c of column j at
+// (c * cols + j) * width. So a tile is one contiguous run that the kernel reads front to back,
+// which is what the hardware prefetcher streams best (rows of W read side by side are as many
+// short streams).
+template <typename T>
+int64_t padded_k(int64_t K) {
+  constexpr int64_t width = Chunk<T>::width;
+  return (K + width - 1) / width * width;
+}
 
 template <typename T>
 void pack_impl(const T* w, T* packed, int64_t N, int64_t K) {
-  const int64_t kp = padded_k(K), chunks = kp / 16;
+  constexpr int64_t width = Chunk<T>::width;
+  const int64_t kp = padded_k<T>(K), chunks = kp / width;
   for (int64_t n0 = 0; n0 < N; n0 += TILE_COLS) {
     const int64_t cols = std::min(TILE_COLS, N - n0);
     T* tile = packed + n0 * kp;
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t j = 0; j < cols; ++j)
-        for (int64_t l = 0; l < 16; ++l) {
-          const int64_t k = c * 16 + l;
-          tile[(c * cols + j) * 16 + l] = k < K ? w[(n0 + j) * K + k] : T{};
+        for (int64_t l = 0; l < width; ++l) {
+          const int64_t k = c * width + l;
+          tile[(c * cols + j) * width + l] = k < K ? w[(n0 + j) * K + k] : T{};
         }
   }
 }
@@ -44,37 +76,46 @@ void pack_impl(const T* w, T* packed, int64_t N, int64_t K) {
 // A register tile: MR rows of x times NC columns (j0, j0 + 1, ...) of one packed tile of `cols`.
 template <typename T, int MR, int NC>
 void tile(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T* out, int64_t ldo, int64_t K) {
-  V16 acc[MR][NC];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) acc[i][j] = v16_zero();
-  const int64_t body = K / 16;
-  for (int64_t c = 0; c < body; ++c) {
-    const T* wc = w + (c * cols + j0) * 16;
-    V16 wv[NC];
-    for (int j = 0; j < NC; ++j) wv[j] = v16_load(wc + j * 16);
-    for (int i = 0; i < MR; ++i) {
-      const V16 xv = v16_load(x + i * ldx + c * 16);
-      for (int j = 0; j < NC; ++j) acc[i][j] = v16_fma(acc[i][j], xv, wv[j]);
+  using C = Chunk<T>;
+  constexpr int64_t width = C::width;
+  V16 sums[MR * NC];  // the lanes after the last step, folded once the steps' mode is over
+  {
+    typename C::Mode mode;
+    V16 acc[MR][NC];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NC; ++j) acc[i][j] = v16_zero();
+    const int64_t body = K / width;
+    for (int64_t c = 0; c < body; ++c) {
+      const T* wc = w + (c * cols + j0) * width;
+      typename C::Reg xv[MR];  // each column's chunk is loaded once and serves the MR rows
+      for (int i = 0; i < MR; ++i) xv[i] = C::load(x + i * ldx + c * width);
+      for (int j = 0; j < NC; ++j) {
+        const typename C::Reg wv = C::load(wc + j * width);
+        for (int i = 0; i < MR; ++i) acc[i][j] = C::step(acc[i][j], xv[i], wv);
+      }
     }
-  }
-  if (body * 16 < K) {  // x's tail, zero-padded to 16 like W's (adding +0 to a sum changes nothing)
-    T xb[MR][16];
-    std::memset(xb, 0, sizeof(xb));
-    for (int i = 0; i < MR; ++i) std::memcpy(xb[i], x + i * ldx + body * 16, (K - body * 16) * sizeof(T));
-    const T* wc = w + (body * cols + j0) * 16;
-    for (int i = 0; i < MR; ++i) {
-      const V16 xv = v16_load(xb[i]);
-      for (int j = 0; j < NC; ++j) acc[i][j] = v16_fma(acc[i][j], xv, v16_load(wc + j * 16));
+    if (body * width < K) {  // x's tail, zero-padded like W's (adding +0 to a sum changes nothing)
+      T xb[MR][width];
+      std::memset(xb, 0, sizeof(xb));
+      for (int i = 0; i < MR; ++i) std::memcpy(xb[i], x + i * ldx + body * width, (K - body * width) * sizeof(T));
+      const T* wc = w + (body * cols + j0) * width;
+      for (int i = 0; i < MR; ++i) {
+        const typename C::Reg xv = C::load(xb[i]);
+        for (int j = 0; j < NC; ++j) acc[i][j] = C::step(acc[i][j], xv, C::load(wc + j * width));
+      }
     }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NC; ++j) sums[i * NC + j] = acc[i][j];
+    mode.done(sums, MR * NC);
   }
   if constexpr (MR * NC == 16) {  // the 4 x 4 and 2 x 8 tiles: all sixteen trees at once
-    float sums[16];
-    v16_tree16(&acc[0][0], sums);
+    float folded[16];
+    v16_tree16(sums, folded);
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NC; ++j) out[i * ldo + j] = from_f32<T>(sums[i * NC + j]);
+      for (int j = 0; j < NC; ++j) out[i * ldo + j] = from_f32<T>(folded[i * NC + j]);
   } else {
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NC; ++j) out[i * ldo + j] = from_f32<T>(v16_tree(acc[i][j]));
+      for (int j = 0; j < NC; ++j) out[i * ldo + j] = from_f32<T>(v16_tree(sums[i * NC + j]));
   }
 }
 
@@ -101,7 +142,7 @@ void rows_by_tile(const T* x, const T* tile_w, T* out, int64_t m0, int64_t m1, i
 
 template <typename T>
 void linear_impl(const T* x, const T* packed, T* out, int64_t M, int64_t N, int64_t K, int threads) {
-  const int64_t kp = padded_k(K);
+  const int64_t kp = padded_k<T>(K);
   const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;
   const int64_t tasks = (tiles + TILES_PER_TASK - 1) / TILES_PER_TASK;
   // Dynamic: a thread that the OS parks takes fewer tasks instead of stalling every call.
@@ -120,7 +161,11 @@ void linear_impl(const T* x, const T* packed, T* out, int64_t M, int64_t N, int6
 
 }  // namespace
 
-int64_t packed_numel(int64_t N, int64_t K) { return N * padded_k(K); }
+int64_t packed_numel(int dtype, int64_t N, int64_t K) {
+  return N * (dtype == 0 ? padded_k<float>(K) : padded_k<bf16>(K));
+}
+
+const char* pair_steps() { return TF_PAIRS; }
 
 void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K) {
   if (dtype == 0)

@@ -11,7 +11,8 @@ const char* isa();  // the vector code compiled in: avx512, avx2, neon or scalar
 
 // The GEMM: x [M, K] (row-major) @ w[N, K]^T -> out [M, N], with w packed once by pack_weight
 // into packed_numel(N, K) elements. `dtype` 0: float32, 1: bfloat16 (here and below).
-int64_t packed_numel(int64_t N, int64_t K);
+int64_t packed_numel(int dtype, int64_t N, int64_t K);
+const char* pair_steps();  // how the bfloat16 GEMM runs its steps: "vdpbf16ps", "fma-mxcsr" or "emulated"
 void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K);
 void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads);
 

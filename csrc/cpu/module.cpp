@@ -26,7 +26,7 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_weight: weight [N, K] expected, got ", weight.sizes());
   const int code = dtype_code(weight, "pack_weight");
   auto wc = weight.contiguous();
-  auto packed = torch::empty({tf::packed_numel(weight.size(0), weight.size(1))}, weight.options());
+  auto packed = torch::empty({tf::packed_numel(code, weight.size(0), weight.size(1))}, weight.options());
   tf::pack_weight(code, wc.data_ptr(), packed.data_ptr(), weight.size(0), weight.size(1));
   return packed;
 }
@@ -35,9 +35,9 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed,
                             const Out& out_arg) {
   check_cpu(x, "linear: x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "linear: x [M, ", k, "] expected, got ", x.sizes());
-  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() && packed.numel() == tf::packed_numel(n, k),
-              "linear: the packed weight does not match x's dtype or [", n, ", ", k, "]");
   const int code = dtype_code(x, "linear");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() && packed.numel() == tf::packed_numel(code, n, k),
+              "linear: the packed weight does not match x's dtype or [", n, ", ", k, "]");
   auto xc = x.contiguous();
   auto out = output(out_arg, {x.size(0), n}, x, "linear");
   if (out.numel() > 0) tf::linear(code, xc.data_ptr(), packed.data_ptr(), out.data_ptr(), x.size(0), n, k, threads());
@@ -395,6 +395,7 @@ std::tuple<torch::Tensor, torch::Tensor> draw_rows(const torch::Tensor& x, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "TensorFold's exact cpu kernels (csrc/cpu)";
   m.def("isa", &tf::isa, "the vector code compiled in");
+  m.def("pair_steps", &tf::pair_steps, "how the bfloat16 GEMM runs its steps (vdpbf16ps, fma-mxcsr or emulated)");
   const auto out = py::arg("out") = py::none();
   m.def("linear", &linear, "x [M, K] @ weight[N, K]^T, each output summed in one order fixed by K",
         py::arg("x"), py::arg("weight"), out);

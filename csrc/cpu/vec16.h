@@ -110,6 +110,124 @@ inline float v16_tree(V16 a) {
 
 }  // namespace tf
 
+// ---- bfloat16 pairs: the bfloat16 GEMM's step (vdpbf16ps's arithmetic) --------------------------
+//
+// A chunk of 32 bfloat16 elements feeds the sixteen lanes two products each: lane l adds
+// element 2l + 1's product, then element 2l's, each step one fused multiply-add with the flushes
+// of AVX512_BF16's vdpbf16ps: a subnormal input counts as zero of its sign, and a step whose
+// result, rounded to 24 bits with an unbounded exponent, is below 2^-126 gives zero of its sign
+// (kernels/reference.py: fma32_flushed). With AVX512_BF16 that is one instruction per chunk;
+// on other x86 targets two FMAs under MXCSR's DAZ and FTZ (which flush the same way: measured,
+// tests/test_cpu_kernels.py), set by PairFlush around the steps; on NEON and the scalar path
+// the flushes are written out (step_flushed).
+namespace tf {
+
+constexpr float TINY32 = 0x1p-126f;  // the smallest normal float32
+
+// fma(a, b, acc) flushed as vdpbf16ps flushes (a, b, acc not subnormal). A result of magnitude
+// 2^-126 may come from a sum that, rounded with an unbounded exponent, stays just below it: that
+// case is settled on the sum scaled by 2^64 (exact: such a sum's terms are far from overflow).
+inline float step_flushed(float acc, float a, float b) {
+  const float r = std::fma(a, b, acc);
+  const float mag = std::fabs(r);
+  if (!(mag <= TINY32)) return r;  // normal, infinite or NaN
+  if (mag < TINY32) return std::copysign(0.0f, r);
+  const float scaled = std::fma(a * 0x1p32f, b * 0x1p32f, acc * 0x1p64f);
+  return std::fabs(scaled) < 0x1p-62f ? std::copysign(0.0f, scaled) : r;
+}
+
+// A bfloat16 element's bits (as the high half of a float32's) with a subnormal made zero of its sign.
+inline uint32_t bf16_daz(uint32_t high) { return (high & 0x7F800000u) == 0 ? high & 0x80000000u : high; }
+
+#if defined(__AVX512BF16__)
+#define TF_PAIRS "vdpbf16ps"
+struct P32 {
+  __m512bh v;
+};
+inline P32 p32_load(const bf16* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
+inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
+#elif defined(__AVX512F__)
+#define TF_PAIRS "fma-mxcsr"
+struct P32 {
+  V16 odd, even;
+};
+inline P32 p32_load(const bf16* p) {
+  const __m512i v = _mm512_loadu_si512(p);
+  return {{_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))},
+          {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}};
+}
+inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TF_PAIRS "fma-mxcsr"
+struct P32 {
+  V16 odd, even;
+};
+inline P32 p32_load(const bf16* p) {
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  return {{_mm256_castsi256_ps(_mm256_and_si256(a, hi_mask)), _mm256_castsi256_ps(_mm256_and_si256(b, hi_mask))},
+          {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))}};
+}
+inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even); }
+#else
+#define TF_PAIRS "emulated"
+struct P32 {
+  float odd[16], even[16];  // subnormals already zero
+};
+inline P32 p32_load(const bf16* p) {
+  P32 r;
+  for (int l = 0; l < 16; ++l) {
+    r.odd[l] = f32_from_bits(bf16_daz(static_cast<uint32_t>(p[2 * l + 1].bits) << 16));
+    r.even[l] = f32_from_bits(bf16_daz(static_cast<uint32_t>(p[2 * l].bits) << 16));
+  }
+  return r;
+}
+inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) {
+  float lanes[16];
+#if defined(__ARM_NEON)
+  for (int i = 0; i < 4; ++i) vst1q_f32(lanes + 4 * i, acc.q[i]);
+#else
+  for (int l = 0; l < 16; ++l) lanes[l] = acc.s[l];
+#endif
+  for (int l = 0; l < 16; ++l) lanes[l] = step_flushed(step_flushed(lanes[l], a.odd[l], b.odd[l]), a.even[l], b.even[l]);
+  return v16_load(lanes);
+}
+#endif
+
+// The flush mode v16_dot_pairs needs, held while it lives: MXCSR's DAZ and FTZ on x86 targets
+// without AVX512_BF16, nothing elsewhere. `done(acc, n)` ends it early: the n accumulators are
+// spilled to memory first, so that no step of theirs can be scheduled after the mode returns
+// (what follows, the lanes' fold, is plain IEEE arithmetic).
+class PairFlush {
+ public:
+#if !defined(__AVX512BF16__) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
+  PairFlush() {
+    unsigned csr;
+    asm volatile("stmxcsr %0" : "=m"(csr));
+    saved_ = csr;
+    csr |= 0x8040u;  // FTZ (bit 15), DAZ (bit 6)
+    asm volatile("ldmxcsr %0" : : "m"(csr) : "memory");
+  }
+  void done(V16* acc, int n) {
+    if (restored_) return;
+    asm volatile("ldmxcsr %1" : : "r"(acc), "m"(saved_), "g"(n) : "memory");
+    restored_ = true;
+  }
+  ~PairFlush() {
+    if (!restored_) asm volatile("ldmxcsr %0" : : "m"(saved_) : "memory");
+  }
+
+ private:
+  unsigned saved_ = 0;
+  bool restored_ = false;
+#else
+  void done(V16*, int) {}
+#endif
+};
+
+}  // namespace tf
+
 namespace tf {
 
 // v16_tree of sixteen accumulators at once: out[i] = v16_tree(a[i]), bit for bit. The AVX-512

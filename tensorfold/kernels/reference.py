@@ -38,13 +38,21 @@ GEMM_COLUMN_BLOCK = 4096  # columns per step of the reference (bounds its [M, N,
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] in x's dtype, every sum in one fixed order.
 
-    For each output, lane l (of 16) accumulates x[k] w[k] over k = l, l + 16, ... in increasing
-    k, starting from +0, each step one fused multiply-add (acc + x w rounded once to float32; K
-    is padded with zeros to a multiple of 16, and adding +0 changes no sum); then the lanes fold
-    by halves: l + (l + 8), then + 4, + 2, + 1. The result is rounded to x's dtype; a bias is
-    added after, in that dtype. The C++ kernel (csrc/cpu/gemm.cpp) does exactly this, with the
-    rows and columns tiled any way it likes.
+    For each output, 16 lanes accumulate the products from +0, each step one fused multiply-add
+    (acc + x w rounded once to float32); then the lanes fold by halves: l + (l + 8), then + 4,
+    + 2, + 1 (plain float32 additions). The result is rounded to x's dtype; a bias is added
+    after, in that dtype. Which lane takes which k:
+    - float32: lane l takes k = l, l + 16, ... in increasing k (K padded with zeros to a
+      multiple of 16; adding +0 changes no sum);
+    - bfloat16 (x and weight): the order of AVX512_BF16's pair instruction (vdpbf16ps). K is
+      padded to a multiple of 32; in each chunk of 32, lane l takes k = 2l + 1, then k = 2l. These
+      steps flush as that instruction does (fma32_flushed): a subnormal x or w counts as zero of
+      its sign, and a step whose result is below 2^-126 in magnitude gives zero of its sign.
+    The C++ kernel (csrc/cpu/gemm.cpp) does exactly this, with the rows and columns tiled any way
+    it likes.
     """
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        return _linear_pairs(x, weight, bias)
     num_rows, k = x.shape
     chunks = -(-k // GEMM_LANES)
     pad = chunks * GEMM_LANES - k
@@ -55,20 +63,63 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         acc = torch.zeros((num_rows, ws.shape[1], GEMM_LANES), dtype=torch.float32, device=x.device)
         for c in range(chunks):
             acc = fma32(acc, xs[:, :, c], ws[:, :, c])
-        acc = acc[..., :8] + acc[..., 8:]
-        acc = acc[..., :4] + acc[..., 4:]
-        acc = acc[..., :2] + acc[..., 2:]
-        out[:, n0:n0 + ws.shape[1]] = acc[..., 0] + acc[..., 1]
+        out[:, n0:n0 + ws.shape[1]] = _fold_lanes(acc)
     out = out.to(x.dtype)
     return out if bias is None else out + bias
 
 
+def _linear_pairs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear for bfloat16 x and weight: chunks of 32, lane l taking k = 2l + 1 then 2l (see linear)."""
+    num_rows, k = x.shape
+    chunks = -(-k // (2 * GEMM_LANES))
+    pad = chunks * 2 * GEMM_LANES - k
+    xs = F.pad(_flush_subnormal(x).double(), (0, pad)).view(num_rows, 1, chunks, GEMM_LANES, 2)
+    out = torch.empty((num_rows, weight.shape[0]), dtype=torch.float32, device=x.device)
+    for n0 in range(0, weight.shape[0], GEMM_COLUMN_BLOCK):
+        w = _flush_subnormal(weight[n0:n0 + GEMM_COLUMN_BLOCK])
+        ws = F.pad(w.double(), (0, pad)).view(1, -1, chunks, GEMM_LANES, 2)
+        acc = torch.zeros((num_rows, ws.shape[1], GEMM_LANES), dtype=torch.float32, device=x.device)
+        for c in range(chunks):
+            acc = fma32_flushed(acc, xs[:, :, c, :, 1], ws[:, :, c, :, 1])
+            acc = fma32_flushed(acc, xs[:, :, c, :, 0], ws[:, :, c, :, 0])
+        out[:, n0:n0 + ws.shape[1]] = _fold_lanes(acc)
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _fold_lanes(acc: torch.Tensor) -> torch.Tensor:
+    """The 16 lanes of [..., 16] folded by halves: l + (l + 8), + 4, + 2, + 1 (float32 additions)."""
+    acc = acc[..., :8] + acc[..., 8:]
+    acc = acc[..., :4] + acc[..., 4:]
+    acc = acc[..., :2] + acc[..., 2:]
+    return acc[..., 0] + acc[..., 1]
+
+
 def fma32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """float32 fma(a, b, acc): acc + a b rounded once, for float32 acc and float64 a, b that hold
-    float32 (or bfloat16) values. In float64 the product is exact; the sum is rounded to odd (its
-    exact error, by TwoSum, nudges an inexact even result one ulp toward the true sum), and a
-    value rounded to odd with 2+ spare bits rounds to float32 as the exact sum would (Boldo and
-    Melquiond, 2008)."""
+    float32 (or bfloat16) values."""
+    return _sum_to_odd(acc, a, b).float()
+
+
+TINY32 = 2.0 ** -126  # the smallest normal float32
+
+
+def fma32_flushed(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fma32 as vdpbf16ps rounds each of its steps: acc + a b rounded to float32's 24 bits with an
+    unbounded exponent, and zero of its sign when that is below 2^-126 (flush to zero, tininess
+    seen after rounding). acc is never subnormal here (every step flushes). Where the rounded
+    value is normal it is fma32's; to see whether it is, the sum is scaled by 2^64 first, so that
+    its rounding to float32 meets no subnormal range."""
+    s = _sum_to_odd(acc, a, b)
+    scaled = (s * 2.0 ** 64).float()
+    return torch.where(scaled.abs() < TINY32 * 2.0 ** 64, scaled * 0.0, s.float())
+
+
+def _sum_to_odd(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a b in float64 rounded to odd: the product is exact in float64, and the sum's exact
+    error (by TwoSum) nudges an inexact even result one ulp toward the true sum. A value rounded
+    to odd with 2+ spare bits rounds to float32 as the exact sum would (Boldo and Melquiond,
+    2008)."""
     c = acc.double()
     p = a * b
     s = c + p
@@ -76,8 +127,12 @@ def fma32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     err = (c - (s - bp)) + (p - bp)
     even = (s.view(torch.int64) & 1) == 0
     toward = torch.where(err > 0, float("inf"), float("-inf")).double()
-    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
-    return s.float()
+    return torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+
+
+def _flush_subnormal(x: torch.Tensor) -> torch.Tensor:
+    """x with its subnormal values replaced by zero of their sign (a bfloat16 or float32 tensor)."""
+    return torch.where(x.abs() < TINY32, x * 0.0, x)
 
 
 def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
