@@ -98,7 +98,7 @@ void draw_rows(const float* x, int64_t rows, int64_t vocab, const double* temps,
         if (!(z > -inf)) continue;
         const double u = gumbel_uniform(key, offset + v);
         if (bounded && z + u / (1.0 - u) + 1.0 < reached) continue;
-        if (min_q[r] > 0 && static_cast<int64_t>(std::floor(exp64(z - m[r]) * 4294967296.0)) < min_q[r]) continue;
+        if (min_q[r] > 0 && token_weight(z - m[r]) < min_q[r]) continue;
         const double score = z + gumbel_of_uniform(u);
         if (score > b.score) {  // strict: ties keep the lower id
           b.score = score;

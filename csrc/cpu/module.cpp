@@ -332,9 +332,7 @@ std::tuple<torch::Tensor, torch::Tensor> sample_keys(const torch::Tensor& z, con
   for (int64_t i = 0; i < rows * v; ++i) {
     const double zi = zp[i], d = zi - mp[i / v];
     const bool valid = zi > -std::numeric_limits<double>::infinity();
-    // exp64(d) 2^32 < 1 for d <= -23 (exp(-23) 2^32 = 0.44, and exp64 is within an ulp of exp):
-    // the weight is 0 there without the exp
-    const int64_t w = d <= -23.0 ? 0 : static_cast<int64_t>(std::floor(tf::exp64(d) * 4294967296.0));
+    const int64_t w = tf::token_weight(d);
     qp[i] = valid ? w : 0;
     kp[i] = valid ? ((w << 30) | (ID_MASK - id[i % v])) : -1;
   }
