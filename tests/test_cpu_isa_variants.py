@@ -5,7 +5,8 @@ or written out, instead of vdpbf16ps).
 
 The main build (-march=native) is what serves; these two builds prove that the code a user with
 another CPU gets computes the same tokens. Skipped off x86-64 (a NEON machine's own build is
-the main one there) and without a C++ compiler.
+the main one there) and without a C++ compiler; a variant this CPU cannot run (AVX-512 on an
+AVX2 machine) is skipped and names the flags it lacks.
 """
 import os
 import platform
@@ -19,10 +20,21 @@ from tensorfold.backends import native_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"x86-64-v4": ("avx512", "fma-mxcsr"), "x86-64-v3": ("avx2", "fma-mxcsr"), "x86-64": ("scalar", "emulated")}
+NEEDS = {"x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},  # the ISA levels' CPU flags
+         "x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"}, "x86-64": set()}
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or native_problem() is not None or shutil.which("c++") is None,
     reason="needs x86-64, a C++ compiler and the main build of the extension")
+
+
+def cpu_flags() -> set[str]:
+    """The host CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
 def build(arch: str, out_dir: str) -> str:
@@ -49,6 +61,9 @@ for m, n, k in [(1, 24, 64), (3, 17, 96)]:  # bfloat16 steps near 2^-126: the fl
     for _ in range(10):
         x, w = tiny_bf16(g, m, k), tiny_bf16(g, n, k)
         assert torch.equal(cpu.linear(x, w), reference.linear(x, w)), "linear, tiny bfloat16 values"
+x, w = torch.zeros(1, 32), torch.zeros(2, 32)  # a lane at 2^-126, then 2^-151 (kept) or 2^-150 (flushed) below
+x[0, 1], w[:, 1], x[0, 0], w[0, 0], w[1, 0] = 2.0 ** -63, 2.0 ** -63, 2.0 ** -75, -2.0 ** -76, -2.0 ** -75
+assert cpu.linear(x.bfloat16(), w.bfloat16()).float().tolist() == [[2.0 ** -126, 0.0]], "linear, flush boundary"
 for dtype in (torch.float32, torch.bfloat16):
     for m, n, k in [(1, 40, 64), (5, 33, 576), (13, 100, 200), (3, 9, 17)]:
         x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
@@ -99,6 +114,9 @@ print("bitwise")
 
 @pytest.mark.parametrize("arch", sorted(VARIANTS))
 def test_variant_equals_the_references(arch, tmp_path, draw):
+    missing = NEEDS[arch] - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU cannot run {arch}: it lacks {', '.join(sorted(missing))}")
     path = build(arch, str(tmp_path))
     done = subprocess.run([sys.executable, "-c", CHECK, path, str(draw.seed)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)  # a process of its own: one _cpu per process

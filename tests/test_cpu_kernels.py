@@ -445,6 +445,28 @@ def not_float16(w):
     return (w.codes, *pair(w.scale, w.scale_exp), *pair(w.min, w.min_exp))
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+def test_quant_linear_at_the_codes_and_activations_bounds(draw, kind):
+    """Every code at its kind's bound against activations quantized to +-127 (a block of equal
+    magnitudes): the largest block dots, where a 16-bit pair sum (AVX2's vpmaddubsw) would saturate."""
+    from test_quant_gemm import random_generic
+
+    from tensorfold.kernels import quant_gemm
+
+    info = quant_gemm.KINDS[kind]
+    low, high = {"q8_0": (-128, 128), "q4_0": (-8, 8), "q6_k": (-32, 32)}.get(kind, (0, 2 ** info.code_bits))
+    for code in (low, high - 1):
+        w = random_generic(draw.gen, kind, 24, 256)
+        w.codes.fill_(code)
+        w.codes[1::2, ::3] = low if code == high - 1 else high - 1  # mixed bounds in some columns
+        x = torch.ones(4, 256)
+        x[1] = -1.0
+        x[2, ::2] = -1.0
+        x[3, ::5] = -1.0
+        packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+        assert_bitwise(_cpu.quant_linear(x, packed, 24, 256), quant_gemm.linear(x, w), draw, f"codes at {code}")
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
 def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
     from test_quant_gemm import random_generic, random_x

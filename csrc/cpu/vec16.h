@@ -46,6 +46,7 @@ inline V16 v16_load(const bf16* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
+inline void v16_store(V16 a, float* p) { _mm512_storeu_ps(p, a.v); }
 inline V16 v16_fma(V16 acc, V16 a, V16 b) { return {_mm512_fmadd_ps(a.v, b.v, acc.v)}; }
 inline float v16_tree(V16 a) {
   __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v),
@@ -63,6 +64,7 @@ inline __m256 bf16x8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline V16 v16_load(const bf16* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+inline void v16_store(V16 a, float* p) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
 }
@@ -80,6 +82,7 @@ inline float32x4_t bf16x4(const bf16* p) {
   return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
 }
 inline V16 v16_load(const bf16* p) { return {{bf16x4(p), bf16x4(p + 4), bf16x4(p + 8), bf16x4(p + 12)}}; }
+inline void v16_store(V16 a, float* p) { for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, a.q[i]); }
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   V16 r;
   for (int i = 0; i < 4; ++i) r.q[i] = vfmaq_f32(acc.q[i], a.q[i], b.q[i]);
@@ -95,6 +98,7 @@ inline float v16_tree(V16 a) {
 inline V16 v16_zero() { V16 r; for (float& x : r.s) x = 0.0f; return r; }
 inline V16 v16_load(const float* p) { V16 r; for (int i = 0; i < 16; ++i) r.s[i] = p[i]; return r; }
 inline V16 v16_load(const bf16* p) { V16 r; for (int i = 0; i < 16; ++i) r.s[i] = to_f32(p[i]); return r; }
+inline void v16_store(V16 a, float* p) { for (int i = 0; i < 16; ++i) p[i] = a.s[i]; }
 inline V16 v16_fma(V16 acc, V16 a, V16 b) {
   for (int i = 0; i < 16; ++i) acc.s[i] = std::fma(a.s[i], b.s[i], acc.s[i]);
   return acc;
@@ -117,8 +121,8 @@ inline float v16_tree(V16 a) {
 // of AVX512_BF16's vdpbf16ps: a subnormal input counts as zero of its sign, and a step whose
 // result, rounded to 24 bits with an unbounded exponent, is below 2^-126 gives zero of its sign
 // (kernels/reference.py: fma32_flushed). With AVX512_BF16 that is one instruction per chunk;
-// on other x86 targets two FMAs under MXCSR's DAZ and FTZ (which flush the same way: measured,
-// tests/test_cpu_kernels.py), set by PairFlush around the steps; on NEON and the scalar path
+// on other x86 targets two FMAs under MXCSR's DAZ and FTZ (which flush the same way: measured, and
+// tests/test_cpu_isa_variants.py builds them), set by PairFlush around the steps; on NEON and the scalar path
 // the flushes are written out (step_flushed).
 namespace tf {
 
@@ -146,53 +150,51 @@ struct P32 {
 };
 inline P32 p32_load(const bf16* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
 inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
-#elif defined(__AVX512F__)
-#define TF_PAIRS "fma-mxcsr"
+#else
 struct P32 {
-  V16 odd, even;
+  V16 odd, even;  // elements 2l + 1 and 2l of the chunk in lane l
 };
-inline P32 p32_load(const bf16* p) {
+#if defined(__AVX512F__)
+#define TF_PAIRS "fma-mxcsr"
+inline P32 p32_load(const bf16* p) {  // DAZ (PairFlush) zeroes the subnormals
   const __m512i v = _mm512_loadu_si512(p);
   return {{_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))},
           {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}};
 }
-inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TF_PAIRS "fma-mxcsr"
-struct P32 {
-  V16 odd, even;
-};
-inline P32 p32_load(const bf16* p) {
+inline P32 p32_load(const bf16* p) {  // DAZ (PairFlush) zeroes the subnormals
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
   return {{_mm256_castsi256_ps(_mm256_and_si256(a, hi_mask)), _mm256_castsi256_ps(_mm256_and_si256(b, hi_mask))},
           {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))}};
 }
-inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even); }
 #else
 #define TF_PAIRS "emulated"
-struct P32 {
-  float odd[16], even[16];  // subnormals already zero
-};
-inline P32 p32_load(const bf16* p) {
-  P32 r;
+inline P32 p32_load(const bf16* p) {  // the subnormals zeroed here
+  float odd[16], even[16];
   for (int l = 0; l < 16; ++l) {
-    r.odd[l] = f32_from_bits(bf16_daz(static_cast<uint32_t>(p[2 * l + 1].bits) << 16));
-    r.even[l] = f32_from_bits(bf16_daz(static_cast<uint32_t>(p[2 * l].bits) << 16));
+    odd[l] = f32_from_bits(bf16_daz(static_cast<uint32_t>(p[2 * l + 1].bits) << 16));
+    even[l] = f32_from_bits(bf16_daz(static_cast<uint32_t>(p[2 * l].bits) << 16));
   }
-  return r;
+  return {v16_load(odd), v16_load(even)};
 }
-inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) {
-  float lanes[16];
-#if defined(__ARM_NEON)
-  for (int i = 0; i < 4; ++i) vst1q_f32(lanes + 4 * i, acc.q[i]);
-#else
-  for (int l = 0; l < 16; ++l) lanes[l] = acc.s[l];
 #endif
-  for (int l = 0; l < 16; ++l) lanes[l] = step_flushed(step_flushed(lanes[l], a.odd[l], b.odd[l]), a.even[l], b.even[l]);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even); }
+#else
+inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) {
+  float lanes[16], ao[16], bo[16], ae[16], be[16];
+  v16_store(acc, lanes);
+  v16_store(a.odd, ao);
+  v16_store(b.odd, bo);
+  v16_store(a.even, ae);
+  v16_store(b.even, be);
+  for (int l = 0; l < 16; ++l) lanes[l] = step_flushed(step_flushed(lanes[l], ao[l], bo[l]), ae[l], be[l]);
   return v16_load(lanes);
 }
+#endif
 #endif
 
 // The flush mode v16_dot_pairs needs, held while it lives: MXCSR's DAZ and FTZ on x86 targets
