@@ -3,18 +3,53 @@
 //
 // Every product and every partial sum in them is an integer multiple of one power of two and
 // stays below 2^53 (paged_attention.py's bit budget), so each is exact and the order they run in
-// is free: the AVX-512 spellings and the plain loops beside them give the same bits, and the
-// AVX-512 ones may add in whatever order is fastest (lanes first, a transposing tree after).
+// is free: the AVX-512 spellings, the four-lane compiler vectors used elsewhere (AVX2, SSE2,
+// NEON) and the plain loops beside them give the same bits, and each may add in whatever order
+// is fastest (lanes first, a transposing tree after).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "exact.h"
 #include "vec16.h"
 
 namespace tf {
+
+#if !defined(__AVX512F__) && defined(__GNUC__)
+// Without AVX-512, four float64 lanes as a compiler vector (GCC and Clang's vector extensions): one
+// register with AVX2, two with SSE2 or NEON. The loops below keep several sums per lane and add
+// the lanes at the end, which the plain loops' single chains cannot do (without fast-math the
+// compiler keeps their order); every sum is exact, so the bits are the same.
+#define TF_F64X4 1
+typedef double f64x4 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x4 __attribute__((vector_size(8)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+inline f64x4 f64x4_load(const double* p) {
+  f64x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void f64x4_store(double* p, f64x4 v) { std::memcpy(p, &v, sizeof v); }
+inline f64x4 f64x4_widen(const float* p) {  // four elements of a row as float64 (exact)
+  f32x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, f64x4);
+}
+inline f64x4 f64x4_widen(const bf16* p) {
+  u16x4 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x4 bits = __builtin_convertvector(h, u32x4) << 16;
+  f32x4 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return __builtin_convertvector(v, f64x4);
+}
+inline f64x4 f64x4_widen(const double* p) { return f64x4_load(p); }
+inline double f64x4_total(f64x4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+#endif
 
 // out[i] = x[i] as float64, i < d (exact).
 inline void row_to_f64(const float* x, double* out, int64_t d) {
@@ -76,6 +111,16 @@ inline void dots8(const double* q, const double* k, double* dots, int64_t d) {
     _mm512_storeu_pd(dots, _mm512_add_pd(_mm512_shuffle_f64x2(u[0], u[1], 0x88), _mm512_shuffle_f64x2(u[0], u[1], 0xDD)));
     return;
   }
+#elif defined(TF_F64X4)
+  if (d % 4 == 0) {
+    f64x4 acc[8] = {};
+    for (int64_t b = 0; b < d; b += 4) {
+      const f64x4 qv = f64x4_load(q + b);
+      for (int j = 0; j < 8; ++j) acc[j] += qv * f64x4_load(k + j * d + b);
+    }
+    for (int j = 0; j < 8; ++j) dots[j] = f64x4_total(acc[j]);
+    return;
+  }
 #endif
   for (int j = 0; j < 8; ++j) {
     double acc = 0.0;
@@ -122,6 +167,17 @@ inline void weighted_sum(const double* w, const double* v, int64_t n, double* ac
         for (int b = 0; b < 8; ++b) a[b] = _mm512_fmadd_pd(wj, _mm512_loadu_pd(row + 8 * b), a[b]);
       }
       for (int b = 0; b < 8; ++b) _mm512_storeu_pd(acc + c + 8 * b, a[b]);
+    }
+    return;
+  }
+#elif defined(TF_F64X4)
+  if (d % 16 == 0) {
+    for (int64_t c = 0; c < d; c += 16) {  // 16 columns (four vectors) at a time
+      f64x4 a[4];
+      for (int b = 0; b < 4; ++b) a[b] = f64x4_load(acc + c + 4 * b);
+      for (int64_t j = 0; j < n; ++j)
+        for (int b = 0; b < 4; ++b) a[b] += w[j] * f64x4_load(v + j * d + c + 4 * b);
+      for (int b = 0; b < 4; ++b) f64x4_store(acc + c + 4 * b, a[b]);
     }
     return;
   }
@@ -244,6 +300,21 @@ inline void dots_x4(const double* const* q, const C* const* k, int64_t d, double
     for (int l = 0; l < L; ++l) store_totals4(acc[l], dots + l * stride);
     return;
   }
+#elif defined(TF_F64X4)
+  if (d % 4 == 0) {
+    f64x4 acc[L][4] = {};
+    for (int64_t b = 0; b < d; b += 4) {
+      f64x4 x[4];
+      for (int j = 0; j < 4; ++j) x[j] = f64x4_widen(k[j] + b);
+      for (int l = 0; l < L; ++l) {
+        const f64x4 qv = f64x4_load(q[l] + b);
+        for (int j = 0; j < 4; ++j) acc[l][j] += qv * x[j];
+      }
+    }
+    for (int l = 0; l < L; ++l)
+      for (int j = 0; j < 4; ++j) dots[l * stride + j] = f64x4_total(acc[l][j]);
+    return;
+  }
 #endif
   for (int l = 0; l < L; ++l)
     for (int j = 0; j < 4; ++j) {
@@ -315,6 +386,23 @@ inline void weighted_rows(const double* const* w, const C* const* v, int64_t n, 
       });
     for (; b < d; b += 16)
       weighted_block<L, 2, false>(w, v, n, acc, b, [](const C* p, __m512d* x) { f64x16(p, x[0], x[1]); });
+    return;
+  }
+#elif defined(TF_F64X4)
+  if (d % 16 == 0) {
+    for (int64_t b = 0; b < d; b += 16) {  // 16 columns per lane held in four vectors over all rows
+      f64x4 a[L][4];
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < 4; ++r) a[l][r] = f64x4_load(acc[l] + b + 4 * r);
+      for (int64_t j = 0; j < n; ++j) {
+        f64x4 x[4];
+        for (int r = 0; r < 4; ++r) x[r] = f64x4_widen(v[j] + b + 4 * r);
+        for (int l = 0; l < L; ++l)
+          for (int r = 0; r < 4; ++r) a[l][r] += w[l][j] * x[r];
+      }
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < 4; ++r) f64x4_store(acc[l] + b + 4 * r, a[l][r]);
+    }
     return;
   }
 #endif
