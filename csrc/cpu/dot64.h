@@ -146,6 +146,16 @@ inline float scale_scores(const double* dots, double scale, float* out, int64_t 
     _mm256_storeu_ps(parts, mv);
     for (float part : parts) m = std::max(m, part);
   }
+#elif defined(TF_F64X4)
+  if (n >= 4) {
+    f32x4 mv = {m, m, m, m};
+    for (; j + 4 <= n; j += 4) {
+      const f32x4 x = __builtin_convertvector(f64x4_load(dots + j) * scale, f32x4);
+      std::memcpy(out + j, &x, sizeof x);
+      mv = x > mv ? x : mv;  // a NaN x keeps m, as above
+    }
+    for (int l = 0; l < 4; ++l) m = std::max(m, mv[l]);
+  }
 #endif
   for (; j < n; ++j) {
     out[j] = static_cast<float>(dots[j] * scale);
@@ -431,6 +441,15 @@ inline double attention_weights(const float* p, const double* key_up, const doub
   double parts[8];
   _mm512_storeu_pd(parts, dens);
   for (double part : parts) den += part;
+#elif defined(TF_F64X4)
+  f64x4 dens = {};
+  for (; j + 4 <= n; j += 4) {  // the same steps as below, four lanes at a time
+    const f64x4 pj = f64x4_widen(p + j);
+    dens += (pj * den_up + ROUND_MAGIC) - ROUND_MAGIC;
+    const f64x4 x = pj * f64x4_load(key_up + j) * lane_up;
+    f64x4_store(w + j, ((x + ROUND_MAGIC) - ROUND_MAGIC) * f64x4_load(key_down + j));
+  }
+  den += f64x4_total(dens);
 #endif
   for (; j < n; ++j) {
     const double pj = p[j];
