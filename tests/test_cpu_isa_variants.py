@@ -37,14 +37,32 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-def build(arch: str, out_dir: str) -> str:
-    """The extension compiled for `arch` into out_dir; returns the path of its .so."""
-    env = {**os.environ, "TENSORFOLD_CPU_ARCH": arch}
-    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", os.path.join(out_dir, "lib"),
-                    "--build-temp", os.path.join(out_dir, "tmp")], cwd=ROOT, env=env, check=True,
-                   capture_output=True, timeout=900)
-    lib = os.path.join(out_dir, "lib", "tensorfold")
-    return os.path.join(lib, next(f for f in os.listdir(lib) if f.startswith("_cpu")))
+def missing_flags(arch: str) -> set[str]:
+    """The CPU flags `arch` needs that this CPU lacks."""
+    return NEEDS[arch] - cpu_flags()
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, str]:
+    """Every variant this CPU can run, compiled side by side (one compiler per core, where a build
+    alone keeps one busy): {arch: path of its .so}."""
+    env = lambda arch: {**os.environ, "TENSORFOLD_CPU_ARCH": arch}  # noqa: E731
+    started = {}
+    for arch in sorted(VARIANTS):
+        if missing_flags(arch):
+            continue
+        out = str(tmp_path_factory.mktemp(arch))
+        cmd = [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", os.path.join(out, "lib"),
+               "--build-temp", os.path.join(out, "tmp")]
+        started[arch] = (out, subprocess.Popen(cmd, cwd=ROOT, env=env(arch), stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, text=True))
+    paths = {}
+    for arch, (out, proc) in started.items():
+        _, err = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, f"building {arch}: {err[-2000:]}"
+        lib = os.path.join(out, "lib", "tensorfold")
+        paths[arch] = os.path.join(lib, next(f for f in os.listdir(lib) if f.startswith("_cpu")))
+    return paths
 
 
 CHECK = """
@@ -113,11 +131,11 @@ print("bitwise")
 
 
 @pytest.mark.parametrize("arch", sorted(VARIANTS))
-def test_variant_equals_the_references(arch, tmp_path, draw):
-    missing = NEEDS[arch] - cpu_flags()
+def test_variant_equals_the_references(arch, builds, draw):
+    missing = missing_flags(arch)
     if missing:
         pytest.skip(f"this CPU cannot run {arch}: it lacks {', '.join(sorted(missing))}")
-    path = build(arch, str(tmp_path))
+    path = builds[arch]
     done = subprocess.run([sys.executable, "-c", CHECK, path, str(draw.seed)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)  # a process of its own: one _cpu per process
     assert done.returncode == 0, f"{arch} ({draw}): {done.stderr[-2000:]}"
