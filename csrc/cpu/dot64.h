@@ -47,7 +47,6 @@ inline f64x4 f64x4_widen(const bf16* p) {
   std::memcpy(&v, &bits, sizeof v);
   return __builtin_convertvector(v, f64x4);
 }
-inline f64x4 f64x4_widen(const double* p) { return f64x4_load(p); }
 inline double f64x4_total(f64x4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 #endif
 

@@ -76,8 +76,6 @@ inline double log64(double x) {
   return x > 0.0 ? out : (x == 0.0 ? -inf : std::numeric_limits<double>::quiet_NaN());
 }
 
-// keyed.gumbel of one (row key, token id): splitmix64's finalizer over key + (id + 1) GAMMA, the
-// top 52 bits k as u = (2k + 1) / 2^53, then -log(-log(u)) with log64.
 // The sampler's integer weight of a token: floor(exp64(d) 2^32), d = z - m <= 0 (keyed.py: the
 // min-p cut compares it). exp64(d) 2^32 < 1 for d <= -23 (exp(-23) 2^32 = 0.44, and exp64 is
 // within an ulp of exp), so the weight is 0 there without the exp.
@@ -85,6 +83,8 @@ inline int64_t token_weight(double d) {
   return d <= -23.0 ? 0 : static_cast<int64_t>(std::floor(exp64(d) * 4294967296.0));
 }
 
+// keyed.gumbel of one (row key, token id): splitmix64's finalizer over key + (id + 1) GAMMA, the
+// top 52 bits k as u = (2k + 1) / 2^53, then -log(-log(u)) with log64.
 inline double gumbel_uniform(uint64_t row_key, int64_t token_id) {
   uint64_t x = row_key + (static_cast<uint64_t>(token_id) + 1) * 0x9E3779B97F4A7C15ull;  // mod 2^64
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;

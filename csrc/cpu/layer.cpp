@@ -23,8 +23,9 @@ void check_weight(const torch::Tensor& w, int64_t n, int64_t k, const torch::Ten
     TORCH_CHECK(tf::quant_packed_matches(w.data_ptr<uint8_t>(), w.numel(), n, k), "decoder_layer: ", name,
                 " is not a packed quantized weight of [", n, ", ", k, "]");
   } else {
-    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.numel() == tf::packed_numel(x.scalar_type() == torch::kFloat32 ? 0 : 1, n, k), "decoder_layer: ", name,
-                " does not match the layer's shape [", n, ", ", k, "] or x's dtype");
+    const int code = dtype_code(x, "decoder_layer");
+    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.numel() == tf::packed_numel(code, n, k), "decoder_layer: ",
+                name, " does not match the layer's shape [", n, ", ", k, "] or x's dtype");
   }
 }
 

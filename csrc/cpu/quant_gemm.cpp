@@ -46,10 +46,11 @@ struct QKind {
   bool has_min;
   int offset;      // u = c + offset is a byte
   bool nibbles;    // u < 16: two codes to a byte
+  int code_bits;   // u < 2^code_bits
 };
 // In quant_gemm.KINDS order: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k.
-constexpr QKind KINDS[] = {{32, 41, false, 128, false}, {32, 41, false, 8, true}, {32, 41, true, 0, true},
-                           {32, 44, true, 0, true},     {32, 45, true, 0, false}, {16, 46, false, 32, false}};
+constexpr QKind KINDS[] = {{32, 41, false, 128, false, 8}, {32, 41, false, 8, true, 4}, {32, 41, true, 0, true, 4},
+                           {32, 44, true, 0, true, 4},     {32, 45, true, 0, false, 5}, {16, 46, false, 32, false, 6}};
 
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
@@ -303,11 +304,14 @@ inline __m512i widen_lo(__m512i v) { return _mm512_cvtepi32_epi64(_mm512_castsi5
 inline __m512i widen_hi(__m512i v) { return _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1)); }
 
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
-// The kind's traits are template parameters, so the block loop has no branch left; each block
-// dot runs as two independent vpdpbusd chains (an integer sum: any split gives the same value).
-template <int R, bool F16, bool NIBBLES, int PER, bool HAS_MIN, int OFFSET>
-void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
-                const int32_t* top, int64_t* acc) {
+// Each block dot runs as two independent vpdpbusd chains (an integer sum: any split gives the
+// same value).
+template <int R, bool F16, int KIND>
+void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                  const int32_t* top, int64_t* acc) {
+  constexpr QKind KD = KINDS[KIND];  // the kind's traits as constants: no branch left in the block loop
+  constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
+  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
   const int term_bits = L.kind.term_bits;
   __m512i lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
@@ -407,27 +411,12 @@ void group_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
   }
 }
 
-template <bool F16, bool NIBBLES, int PER, bool HAS_MIN, int OFFSET>
-void group_rows_vnni(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1, int64_t g,
-                     int shift0, const int32_t* top, int64_t* acc) {
-  constexpr int TILE = 4;
-  int64_t r = r0;
-  for (; r + TILE <= r1; r += TILE)
-    group_vnni<TILE, F16, NIBBLES, PER, HAS_MIN, OFFSET>(L, packed, rows, r, g, shift0, top, acc + (r - r0) * GROUP);
-  int64_t* tail = acc + (r - r0) * GROUP;
-  switch (r1 - r) {
-    case 3: group_vnni<3, F16, NIBBLES, PER, HAS_MIN, OFFSET>(L, packed, rows, r, g, shift0, top, tail); break;
-    case 2: group_vnni<2, F16, NIBBLES, PER, HAS_MIN, OFFSET>(L, packed, rows, r, g, shift0, top, tail); break;
-    case 1: group_vnni<1, F16, NIBBLES, PER, HAS_MIN, OFFSET>(L, packed, rows, r, g, shift0, top, tail); break;
-    default: break;
-  }
-}
 #endif
 
 #if defined(TF_QUANT_AVX2)
 // The same on AVX2, eight columns to a register. A block dot's groups of four bytes are vpmaddubsw
 // (u8 x s8, adjacent pairs summed in int16, saturating) then vpmaddwd by ones (-> int32). No pair
-// may saturate: |u x + u' x'| <= 2 (2^U_BITS - 1) 127 < 2^15 for codes of up to 6 bits, and
+// may saturate: |u x + u' x'| <= 2 (2^code_bits - 1) 127 < 2^15 for codes of up to 6 bits, and
 // q8_0's codes (u up to 255) run signed instead: |c| <= 128 against x with c's sign, 2 128 127.
 // Quads are summed in int16 while their bound allows (SUM16), so most take one vpmaddwd per block.
 inline __m256i widen4_lo(__m256i v) { return _mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)); }
@@ -470,19 +459,21 @@ inline __m256i load_i8x8(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-template <int U_BITS, int PER>
-constexpr int sum16() {  // quads whose vpmaddubsw pairs may be summed in int16
-  constexpr int pair = U_BITS == 8 ? 2 * 128 * 127 : 2 * ((1 << U_BITS) - 1) * 127;
+constexpr int sum16(int code_bits, int per) {  // quads whose vpmaddubsw pairs may be summed in int16
+  const int pair = code_bits == 8 ? 2 * 128 * 127 : 2 * ((1 << code_bits) - 1) * 127;
   int n = 1;
-  while (2 * n * pair <= 32767 && 2 * n <= 8 / PER) n *= 2;
+  while (2 * n * pair <= 32767 && 2 * n <= 8 / per) n *= 2;
   return n;
 }
 
-template <int R, bool F16, bool NIBBLES, int PER, bool HAS_MIN, int OFFSET, int U_BITS>
-void group_avx2(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
-                const int32_t* top, int64_t* acc) {
-  constexpr bool SIGNED = U_BITS == 8;  // q8_0: c = u - 128 as a signed byte
-  constexpr int SUM16 = sum16<U_BITS, PER>();
+template <int R, bool F16, int KIND>
+void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                  const int32_t* top, int64_t* acc) {
+  constexpr QKind KD = KINDS[KIND];  // the kind's traits as constants: no branch left in the block loop
+  constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
+  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
+  constexpr bool SIGNED = KD.code_bits == 8;  // q8_0: c = u - 128 as a signed byte
+  constexpr int SUM16 = sum16(KD.code_bits, PER);
   const int term_bits = L.kind.term_bits;
   __m256i a[R][4];
   for (int r = 0; r < R; ++r)
@@ -584,19 +575,21 @@ void group_avx2(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_
     for (int c = 0; c < 4; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * GROUP + 4 * c), a[r][c]);
 }
 
-template <bool F16, bool NIBBLES, int PER, bool HAS_MIN, int OFFSET, int U_BITS>
-void group_rows_avx2(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1, int64_t g,
-                     int shift0, const int32_t* top, int64_t* acc) {
-  constexpr int TILE = 4;  // over 30 layers at 4 rows: 13.3 ms against 17.7-19.8 with 2-row tiles
+#endif
+
+#if defined(TF_QUANT_VNNI) || defined(TF_QUANT_AVX2)
+// Rows [r0, r1) in register tiles of up to 4 rows (the codes of a block unpacked once serve them
+// all; AVX2 over 30 layers at 4 rows: 13.3 ms against 17.7-19.8 with 2-row tiles): run(R, r) per
+// tile, R an integral constant.
+template <typename Run>
+void by_row_tiles(int64_t r0, int64_t r1, Run run) {
   int64_t r = r0;
-  for (; r + TILE <= r1; r += TILE)
-    group_avx2<TILE, F16, NIBBLES, PER, HAS_MIN, OFFSET, U_BITS>(L, packed, rows, r, g, shift0, top, acc + (r - r0) * GROUP);
-  int64_t* tail = acc + (r - r0) * GROUP;
+  for (; r + 4 <= r1; r += 4) run(std::integral_constant<int, 4>{}, r);
   switch (r1 - r) {
-    case 3: group_avx2<3, F16, NIBBLES, PER, HAS_MIN, OFFSET, U_BITS>(L, packed, rows, r, g, shift0, top, tail); break;
-    case 2: group_avx2<2, F16, NIBBLES, PER, HAS_MIN, OFFSET, U_BITS>(L, packed, rows, r, g, shift0, top, tail); break;
-    case 1: group_avx2<1, F16, NIBBLES, PER, HAS_MIN, OFFSET, U_BITS>(L, packed, rows, r, g, shift0, top, tail); break;
-    default: break;
+    case 3: return run(std::integral_constant<int, 3>{}, r);
+    case 2: return run(std::integral_constant<int, 2>{}, r);
+    case 1: return run(std::integral_constant<int, 1>{}, r);
+    default: return;
   }
 }
 #endif
@@ -604,38 +597,27 @@ void group_rows_avx2(const Layout& L, const uint8_t* packed, const RowQ* rows, i
 // Rows [r0, r1) against group g into acc [r1 - r0][16]; top: the group's 16 column tops.
 void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1,
                 int64_t g, int shift0, const int32_t* top, int64_t* acc) {
-#if defined(TF_QUANT_VNNI)
-  const auto run = [&](auto f16) {
-    constexpr bool F = decltype(f16)::value;
-    switch (kind) {  // quant_gemm.TYPES order; the traits as in KINDS
-      case 0: return group_rows_vnni<F, false, 1, false, 128>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      case 1: return group_rows_vnni<F, true, 1, false, 8>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      case 2: return group_rows_vnni<F, true, 1, true, 0>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      case 3: return group_rows_vnni<F, true, 1, true, 0>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      case 4: return group_rows_vnni<F, false, 1, true, 0>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      default: return group_rows_vnni<F, false, 2, false, 32>(L, packed, rows, r0, r1, g, shift0, top, acc);
+#if defined(TF_QUANT_VNNI) || defined(TF_QUANT_AVX2)
+  const auto tiles = [&](auto f16, auto kind_id) {
+    by_row_tiles(r0, r1, [&](auto tile_rows, int64_t r) {
+      group_vector<decltype(tile_rows)::value, decltype(f16)::value, decltype(kind_id)::value>(
+          L, packed, rows, r, g, shift0, top, acc + (r - r0) * GROUP);
+    });
+  };
+  const auto by_kind = [&](auto f16) {
+    switch (kind) {  // quant_gemm.TYPES order, as KINDS
+      case 0: return tiles(f16, std::integral_constant<int, 0>{});
+      case 1: return tiles(f16, std::integral_constant<int, 1>{});
+      case 2: return tiles(f16, std::integral_constant<int, 2>{});
+      case 3: return tiles(f16, std::integral_constant<int, 3>{});
+      case 4: return tiles(f16, std::integral_constant<int, 4>{});
+      default: return tiles(f16, std::integral_constant<int, 5>{});
     }
   };
   if (L.f16)
-    run(std::true_type{});
+    by_kind(std::true_type{});
   else
-    run(std::false_type{});
-#elif defined(TF_QUANT_AVX2)
-  const auto run = [&](auto f16) {
-    constexpr bool F = decltype(f16)::value;
-    switch (kind) {  // as above, with the codes' bits
-      case 0: return group_rows_avx2<F, false, 1, false, 128, 8>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      case 1: return group_rows_avx2<F, true, 1, false, 8, 4>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      case 2: return group_rows_avx2<F, true, 1, true, 0, 4>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      case 3: return group_rows_avx2<F, true, 1, true, 0, 4>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      case 4: return group_rows_avx2<F, false, 1, true, 0, 5>(L, packed, rows, r0, r1, g, shift0, top, acc);
-      default: return group_rows_avx2<F, false, 2, false, 32, 6>(L, packed, rows, r0, r1, g, shift0, top, acc);
-    }
-  };
-  if (L.f16)
-    run(std::true_type{});
-  else
-    run(std::false_type{});
+    by_kind(std::false_type{});
 #else
   (void)kind;
   group_scalar(L, packed, rows, r0, r1, g, shift0, top, acc);
