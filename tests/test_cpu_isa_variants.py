@@ -46,7 +46,6 @@ def missing_flags(arch: str) -> set[str]:
 def builds(tmp_path_factory) -> dict[str, str]:
     """Every variant this CPU can run, compiled side by side (one compiler per core, where a build
     alone keeps one busy): {arch: path of its .so}."""
-    env = lambda arch: {**os.environ, "TENSORFOLD_CPU_ARCH": arch}  # noqa: E731
     started = {}
     for arch in sorted(VARIANTS):
         if missing_flags(arch):
@@ -54,7 +53,7 @@ def builds(tmp_path_factory) -> dict[str, str]:
         out = str(tmp_path_factory.mktemp(arch))
         cmd = [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", os.path.join(out, "lib"),
                "--build-temp", os.path.join(out, "tmp")]
-        started[arch] = (out, subprocess.Popen(cmd, cwd=ROOT, env=env(arch), stdout=subprocess.DEVNULL,
+        started[arch] = (out, subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TENSORFOLD_CPU_ARCH": arch}, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.PIPE, text=True))
     paths = {}
     for arch, (out, proc) in started.items():
@@ -109,8 +108,9 @@ for dtype in (torch.float32, torch.bfloat16):
         want = attention_ref.paged_attention_ref(q, k_long, v_long, rows, table, 0.125)
         assert torch.equal(got, want), "attention, split rows"
     from tensorfold.kernels import quant_gemm
+    from test_quant_gemm import code_range
     for kind, info in quant_gemm.KINDS.items():  # every kind's fields drawn within their bounds
-        low, high = {"q8_0": (-128, 128), "q4_0": (-8, 8), "q5_k": (0, 32), "q6_k": (-32, 32)}.get(kind, (0, 16))
+        low, high = code_range(kind)
         codes = torch.randint(low, high, (24, 96), generator=g, dtype=torch.int8)
         ints = (lambda cols: torch.randint(-2047, 2048, (24, cols), generator=g, dtype=torch.int32))
         exps = (lambda: torch.randint(-24, 6, (24, 3), generator=g, dtype=torch.int32))

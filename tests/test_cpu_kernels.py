@@ -449,12 +449,11 @@ def not_float16(w):
 def test_quant_linear_at_the_codes_and_activations_bounds(draw, kind):
     """Every code at its kind's bound against activations quantized to +-127 (a block of equal
     magnitudes): the largest block dots, where a 16-bit pair sum (AVX2's vpmaddubsw) would saturate."""
-    from test_quant_gemm import random_generic
+    from test_quant_gemm import code_range, random_generic
 
     from tensorfold.kernels import quant_gemm
 
-    info = quant_gemm.KINDS[kind]
-    low, high = {"q8_0": (-128, 128), "q4_0": (-8, 8), "q6_k": (-32, 32)}.get(kind, (0, 2 ** info.code_bits))
+    low, high = code_range(kind)
     for code in (low, high - 1):
         w = random_generic(draw.gen, kind, 24, 256)
         w.codes.fill_(code)

@@ -157,13 +157,17 @@ def gguf_bytes(kind: str, q: torch.Tensor, d: torch.Tensor, m) -> torch.Tensor:
     return torch.cat([*head, packed], dim=1).reshape(-1)
 
 
+def code_range(kind: str) -> tuple[int, int]:
+    """The signed codes c a kind holds, as [low, high)."""
+    return {"q8_0": (-128, 128), "q4_0": (-8, 8), "q6_k": (-32, 32)}.get(kind, (0, 2 ** qg.KINDS[kind].code_bits))
+
+
 def random_generic(rng: torch.Generator, kind: str, n: int, k: int) -> qg.QuantWeight:
     """Any kind's fields drawn directly within their bounds (KINDS' comment): codes in the kind's
     range, scales up to the largest significand times sub-block scale, exponents as float16's,
     zero scales among them."""
     info = qg.KINDS[kind]
-    lo, hi = {"q8_0": (-128, 128), "q4_0": (-8, 8), "q6_k": (-32, 32)}.get(kind, (0, 2 ** info.code_bits))
-    codes = torch.randint(lo, hi, (n, k), generator=rng, dtype=torch.int8)
+    codes = torch.randint(*code_range(kind), (n, k), generator=rng, dtype=torch.int8)
     bound = {"q4_k": 2047 * 63, "q5_k": 2047 * 63, "q6_k": 2047 * 128}.get(kind, 2047)
     scale = torch.randint(-bound, bound + 1, (n, k // info.sub), generator=rng, dtype=torch.int32)
     scale[0, 0] = 0
