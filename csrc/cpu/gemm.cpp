@@ -9,10 +9,12 @@
 // (kernels/reference.py `linear`) gets each step's rounding from float64 rounded to odd. How rows
 // are grouped into register tiles, how columns are split over threads and how many threads run
 // change the speed, never a bit: a row alone and the same row among 511 others give the same
-// outputs. There is no switch by row count.
+// outputs. There is no switch by row count. On AVX2 gemm_by_lane.cpp computes the same sums with
+// a register layout AVX2's sixteen registers suit (and a packed layout of its own).
 #include <algorithm>
 #include <cstring>
 
+#include "gemm_by_lane.h"
 #include "kernels.h"
 #include "vec16.h"
 
@@ -131,13 +133,11 @@ void tile_upto(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T*
 
 // Register tiles of rows x cols accumulators; each W load serves the tile's rows, and the packed
 // tile stays in cache for the next rows. With AVX-512 a V16 is one of 32 registers: 2 x 8. Without
-// it a V16 is two of AVX2's 16 registers (four of NEON's 32), and 2 x 8 accumulators cannot stay
-// in registers: float32 blocks of 16 rows or more take 2 x 2 there (30 layers' GEMMs on an AVX2
-// machine: 73-83 GFLOP/s against 52-54 with 2 x 8 at 512 rows, 61-67 against 72-74 ms at 16
-// rows; 2 x 3, 1 x 4 and 3 x 2 read 61-76 GFLOP/s at 512), while fewer rows keep 2 x 8 (at 4
-// rows 28-30 ms against 33-35 with 2 x 2). bfloat16's pairs measured the same with every shape
-// tried (their widening is the cost). A last row alone runs 1 x 8 everywhere (1 x 4 read 20-30%
-// slower at one row). None of this changes a bit: a tile only groups whole sums.
+// it (NEON: four of 32 registers; the scalar path) 2 x 8 accumulators cannot stay in registers,
+// and float32 blocks of 16 rows or more take 2 x 2 (measured on AVX2 before gemm_by_lane.cpp
+// took that target over: 30 layers' GEMMs at 512 rows 73-83 GFLOP/s against 52-54 with 2 x 8),
+// while fewer rows keep 2 x 8. A last row alone runs 1 x 8 everywhere. None of this changes a
+// bit: a tile only groups whole sums.
 template <typename T>
 struct TileShape {
   static constexpr int rows = 2, cols = 8, from_rows = 0;
@@ -197,12 +197,18 @@ void linear_impl(const T* x, const T* packed, T* out, int64_t M, int64_t N, int6
 }  // namespace
 
 int64_t packed_numel(int dtype, int64_t N, int64_t K) {
+#if TF_GEMM_BY_LANE
+  return by_lane::packed_numel(dtype, N, K);
+#endif
   return N * (dtype == 0 ? padded_k<float>(K) : padded_k<bf16>(K));
 }
 
 const char* pair_steps() { return TF_PAIRS; }
 
 void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K) {
+#if TF_GEMM_BY_LANE
+  return by_lane::pack_weight(dtype, w, packed, N, K);
+#endif
   if (dtype == 0)
     pack_impl(static_cast<const float*>(w), static_cast<float*>(packed), N, K);
   else
@@ -210,6 +216,9 @@ void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K) {
 }
 
 void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads) {
+#if TF_GEMM_BY_LANE
+  return by_lane::linear(dtype, x, packed, out, M, N, K, threads);
+#endif
   if (dtype == 0)
     linear_impl(static_cast<const float*>(x), static_cast<const float*>(packed), static_cast<float*>(out), M, N, K,
                 threads);

@@ -1,0 +1,26 @@
+// The row-invariant GEMM computed one lane at a time (gemm_by_lane.cpp): AVX2's form of gemm.cpp.
+//
+// gemm.cpp keeps each output's sixteen lanes side by side in a V16 and folds them at the end.
+// With AVX2's sixteen 8-float registers that leaves room for four outputs' accumulators, and the
+// row tiles reload W for every two rows. Here a register holds one lane of eight columns
+// instead: lane l's sum of every output of a 16-column panel runs as broadcast x times a W
+// vector, the textbook register tile (6 rows x 16 columns: twelve accumulators), and the
+// sixteen lanes' sums are folded by the same halving tree. Each lane's sum takes the same steps
+// in the same order, so the bits are gemm.cpp's; only the packed layout differs.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define TF_GEMM_BY_LANE 1
+#else
+#define TF_GEMM_BY_LANE 0
+#endif
+
+namespace tf::by_lane {
+
+int64_t packed_numel(int dtype, int64_t N, int64_t K);
+void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K);
+void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads);
+
+}  // namespace tf::by_lane
