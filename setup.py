@@ -13,6 +13,7 @@ Native code built here:
 """
 import glob
 import os
+import runpy
 import shutil
 import sysconfig
 
@@ -33,10 +34,8 @@ def cpu_extension(cpp_extension):
     compiler = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
     if not sources or shutil.which(compiler.split()[0]) is None:
         return None
-    arch = os.environ.get("TENSORFOLD_CPU_ARCH", "native")
-    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17"]
-    if arch != "none":
-        flags.append(f"-march={arch}")
+    build = runpy.run_path(os.path.join("csrc", "cpu", "build_flags.py"))
+    flags = build["FLAGS"] + build["arch_flags"](os.environ.get("TENSORFOLD_CPU_ARCH", "native"))
     return cpp_extension.CppExtension("tensorfold._cpu", sources, extra_compile_args=flags,
                                       extra_link_args=["-fopenmp"], optional=True,
                                       depends=sorted(glob.glob(os.path.join("csrc", "cpu", "*.h"))))

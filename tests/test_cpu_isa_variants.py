@@ -3,16 +3,21 @@ without AVX512_BF16, for AVX2 and for a baseline x86-64 (the portable scalar pat
 against its torch reference (the bfloat16 GEMM's steps are then FMAs under MXCSR's flush modes,
 or written out, instead of vdpbf16ps).
 
-The main build (-march=native) is what serves; these two builds prove that the code a user with
-another CPU gets computes the same tokens. Skipped off x86-64 (a NEON machine's own build is
+The main build (-march=native) is what serves; these builds prove that the code a user with
+another CPU gets computes the same tokens. Only the kernels are recompiled per variant (the
+torch bindings, which only call them, once). Skipped off x86-64 (a NEON machine's own build is
 the main one there) and without a C++ compiler; a variant this CPU cannot run (AVX-512 on an
-AVX2 machine) is skipped and names the flags it lacks.
+AVX2 machine) is skipped and names the flags it lacks, and so is the variant whose code paths
+the main build already runs (AVX2 on an AVX2 machine).
 """
+import glob
 import os
 import platform
+import runpy
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -42,26 +47,59 @@ def missing_flags(arch: str) -> set[str]:
     return NEEDS[arch] - cpu_flags()
 
 
+def compile_jobs(out: str, archs: list[str]) -> tuple[list[list[str]], dict[str, list[str]]]:
+    """The compiler runs that build `archs`: the torch bindings once, for the baseline x86-64 (they
+    only call the kernels), and the kernels once per arch. Returns (commands, {arch: objects})."""
+    import torch
+    from torch.utils import cpp_extension
+
+    build = runpy.run_path(os.path.join(ROOT, "csrc", "cpu", "build_flags.py"))
+    includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    defines = ["-DTORCH_EXTENSION_NAME=_cpu", "-DTORCH_API_INCLUDE_EXTENSION_H",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    commands, objects = [], {arch: [] for arch in archs}
+    for src in sources:
+        name = os.path.basename(src)
+        for arch in (["x86-64"] if name in build["BINDINGS"] else archs):
+            obj = os.path.join(out, f"{arch}-{name}.o")
+            commands.append(["c++", *build["FLAGS"], *build["arch_flags"](arch), "-fPIC", *includes, *defines,
+                             "-c", src, "-o", obj])
+            for target in (archs if name in build["BINDINGS"] else [arch]):
+                objects[target].append(obj)
+    return commands, objects
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, str]:
-    """Every variant this CPU can run, compiled side by side (one compiler per core, where a build
-    alone keeps one busy): {arch: path of its .so}."""
-    started = {}
-    for arch in sorted(VARIANTS):
-        if missing_flags(arch):
-            continue
-        out = str(tmp_path_factory.mktemp(arch))
-        cmd = [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", os.path.join(out, "lib"),
-               "--build-temp", os.path.join(out, "tmp")]
-        started[arch] = (out, subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TENSORFOLD_CPU_ARCH": arch}, stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.PIPE, text=True))
-    paths = {}
-    for arch, (out, proc) in started.items():
-        _, err = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, f"building {arch}: {err[-2000:]}"
-        lib = os.path.join(out, "lib", "tensorfold")
-        paths[arch] = os.path.join(lib, next(f for f in os.listdir(lib) if f.startswith("_cpu")))
+    """Every variant this CPU can run and the main build is not, compiled by one compiler per core:
+    {arch: path of its .so}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    archs = [arch for arch in sorted(VARIANTS) if not missing_flags(arch) and not is_main_build(arch)]
+    out = str(tmp_path_factory.mktemp("variants"))
+    commands, objects = compile_jobs(out, archs)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the bindings (slowest) first
+        for cmd, done in zip(commands, pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), commands)):
+            assert done.returncode == 0, f"{' '.join(cmd[-3:])}: {done.stderr[-2000:]}"
+    paths, torch_lib = {}, os.path.join(os.path.dirname(torch.__file__), "lib")
+    for arch in archs:
+        path = os.path.join(out, arch, "_cpu" + sysconfig.get_config_var("EXT_SUFFIX"))
+        os.makedirs(os.path.dirname(path))
+        done = subprocess.run(["c++", "-shared", "-fopenmp", *objects[arch], f"-L{torch_lib}", "-lc10", "-ltorch",
+                               "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{torch_lib}", "-o", path],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, f"linking {arch}: {done.stderr[-2000:]}"
+        paths[arch] = path
     return paths
+
+
+def is_main_build(arch: str) -> bool:
+    """Whether the installed extension already runs `arch`'s code paths (its tests cover them)."""
+    from tensorfold import _cpu
+    return VARIANTS[arch] == (_cpu.isa(), _cpu.pair_steps())
 
 
 CHECK = """
@@ -135,6 +173,8 @@ def test_variant_equals_the_references(arch, builds, draw):
     missing = missing_flags(arch)
     if missing:
         pytest.skip(f"this CPU cannot run {arch}: it lacks {', '.join(sorted(missing))}")
+    if is_main_build(arch):
+        pytest.skip(f"the main build runs {arch}'s code paths ({', '.join(VARIANTS[arch])}): the kernel tests cover it")
     path = builds[arch]
     done = subprocess.run([sys.executable, "-c", CHECK, path, str(draw.seed)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)  # a process of its own: one _cpu per process

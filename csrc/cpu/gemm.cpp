@@ -203,6 +203,7 @@ int64_t packed_numel(int dtype, int64_t N, int64_t K) {
   return N * (dtype == 0 ? padded_k<float>(K) : padded_k<bf16>(K));
 }
 
+const char* isa() { return TF_ISA; }
 const char* pair_steps() { return TF_PAIRS; }
 
 void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K) {

@@ -11,11 +11,6 @@
 #include "exact64.h"
 #include "kernels.h"
 #include "layer.h"
-#include "vec16.h"
-
-namespace tf {
-const char* isa() { return TF_ISA; }
-}  // namespace tf
 
 namespace {
 
