@@ -7,7 +7,8 @@ The exact ops (kernels/exact.py rule: integer sums, own exp/log) are what the cp
 and what the Triton kernels reproduce bit for bit. Their stock counterparts compute the same
 function the usual way (SDPA over gathered pages, a textbook RMSNorm, libm exp/log, a plain
 cache write) and are neither batch invariant nor equal to a GPU kernel. Each time is the best of
---repeats medians of --runs calls, after warm-up; the ratio is exact / stock.
+--repeats medians of --runs calls (a tenth of them for prefill) after --warmup calls; the ratio
+is exact / stock.
 """
 import argparse
 import os
@@ -30,8 +31,8 @@ from tools.bench_core import cpu_model, loadavg, print_table  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, PAGE, HIDDEN = 9, 3, 64, 32, 576
 
 
-def best_ms(fn, runs: int, repeats: int) -> float:
-    for _ in range(3):
+def best_ms(fn, runs: int, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
         fn()
     medians = []
     for _ in range(repeats):
@@ -118,6 +119,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=30, help="calls per median")
     p.add_argument("--repeats", type=int, default=3, help="medians per row; the table shows the best")
+    p.add_argument("--warmup", type=int, default=3, help="calls before the timed ones")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"bench_exact: {cpu_model()}, torch {torch.__version__}, {args.threads} threads; "
@@ -125,9 +127,9 @@ def main():
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for label, exact_fn, stock_fn in attention_cases(dtype) + other_cases(dtype):
-            runs = max(3, args.runs // 10) if "prefill" in label else args.runs
-            ms_exact = best_ms(exact_fn, runs, args.repeats)
-            ms_stock = best_ms(stock_fn, runs, args.repeats)
+            runs = max(1, args.runs // 10) if "prefill" in label else args.runs
+            ms_exact = best_ms(exact_fn, runs, args.repeats, args.warmup)
+            ms_stock = best_ms(stock_fn, runs, args.repeats, args.warmup)
             rows.append([label, str(dtype).removeprefix("torch."), f"{ms_exact:.3f}", f"{ms_stock:.3f}",
                          f"{ms_exact / ms_stock:.2f}x"])
     print()
