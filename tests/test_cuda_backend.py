@@ -263,10 +263,10 @@ def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_llama)
     # The 2nd prompt holds 96 distinct tokens: its random reply keeps finding its last token
     # there, so prompt lookup drafts (and mostly misses); the 3rd loops greedily (drafts hit).
     prompts = [loop * 4, rng.sample(range(2, 512), 96), loop * 2 + [7, 9], loop * 3]
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0.7, top_k=40, seed=3, max_tokens=10, ignore_eos=True)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=40, seed=3, max_tokens=8, ignore_eos=True)]
     masks = [None, None, None, EvenTokens(512)]
 
     # Solo, serial, whole prompts; this engine also runs the startup probes on the cuda op set.
