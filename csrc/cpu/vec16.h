@@ -260,8 +260,8 @@ inline void v16_tree16(const V16* a, float* out) {
 #endif
 }
 
-// out[j] = exp_neg(x[j] - m) for j < n: exact.h's exp_neg, sixteen lanes at a time where the
-// vector unit allows (the same IEEE operations in the same order, blends for its two branches).
+// out[j] = exp_neg(x[j] - m) for j < n: exact.h's exp_neg, sixteen (AVX-512) or eight (AVX2) lanes
+// at a time (the same IEEE operations in the same order, blends for its two branches).
 inline void exp_neg_shifted(const float* x, float m, float* out, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
@@ -288,6 +288,31 @@ inline void exp_neg_shifted(const float* x, float m, float* out, int64_t n) {
     p = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
     p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lo, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), p);
     _mm512_storeu_ps(out + j, p);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 lo = _mm256_set1_ps(EXP_MIN), log2e = _mm256_set1_ps(LOG2E), half = _mm256_set1_ps(0.5f);
+  const __m256 ln2_hi = _mm256_set1_ps(LN2_HI), ln2_lo = _mm256_set1_ps(EXP_LN2_LO), one = _mm256_set1_ps(1.0f);
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), mv);
+    v = _mm256_blendv_ps(v, lo, _mm256_cmp_ps(v, lo, _CMP_LT_OQ));  // NaN stays NaN
+    __m256 k = _mm256_mul_ps(v, log2e);
+    k = _mm256_add_ps(k, half);
+    k = _mm256_floor_ps(k);
+    __m256 r = _mm256_sub_ps(v, _mm256_mul_ps(k, ln2_hi));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(k, ln2_lo));
+    __m256 p = _mm256_mul_ps(r, _mm256_set1_ps(EXP_POLY[0]));
+    for (int i = 1; i < 6; ++i) {
+      p = _mm256_add_ps(p, _mm256_set1_ps(EXP_POLY[i]));
+      p = _mm256_mul_ps(p, r);
+    }
+    p = _mm256_mul_ps(p, r);
+    p = _mm256_add_ps(p, r);
+    p = _mm256_add_ps(p, one);
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(v, lo, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    _mm256_storeu_ps(out + j, _mm256_and_ps(p, keep));
   }
 #endif
   for (; j < n; ++j) out[j] = exp_neg(x[j] - m);
