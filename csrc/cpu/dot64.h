@@ -88,6 +88,20 @@ inline void prefetch_row_l2(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
+#if defined(TF_F64X4)
+// dots8 four lanes at a time, d a multiple of 4; with d a constant (the common head sizes) the
+// eight rows are one base register and constant offsets, not eight pointers spilled to the stack.
+template <typename D>
+inline void dots8_x4(const double* q, const double* k, double* dots, D d) {
+  f64x4 acc[8] = {};
+  for (int64_t b = 0; b < d; b += 4) {
+    const f64x4 qv = f64x4_load(q + b);
+    for (int j = 0; j < 8; ++j) acc[j] += qv * f64x4_load(k + j * d + b);
+  }
+  for (int j = 0; j < 8; ++j) dots[j] = f64x4_total(acc[j]);
+}
+#endif
+
 // dots[j] = q . k_j for the eight rows k_j = k + j * d (float64, exact sums).
 inline void dots8(const double* q, const double* k, double* dots, int64_t d) {
 #if defined(__AVX512F__)
@@ -111,15 +125,9 @@ inline void dots8(const double* q, const double* k, double* dots, int64_t d) {
     return;
   }
 #elif defined(TF_F64X4)
-  if (d % 4 == 0) {
-    f64x4 acc[8] = {};
-    for (int64_t b = 0; b < d; b += 4) {
-      const f64x4 qv = f64x4_load(q + b);
-      for (int j = 0; j < 8; ++j) acc[j] += qv * f64x4_load(k + j * d + b);
-    }
-    for (int j = 0; j < 8; ++j) dots[j] = f64x4_total(acc[j]);
-    return;
-  }
+  if (d == 64) return dots8_x4(q, k, dots, std::integral_constant<int64_t, 64>{});
+  if (d == 128) return dots8_x4(q, k, dots, std::integral_constant<int64_t, 128>{});
+  if (d % 4 == 0) return dots8_x4(q, k, dots, d);
 #endif
   for (int j = 0; j < 8; ++j) {
     double acc = 0.0;
@@ -181,12 +189,20 @@ inline void weighted_sum(const double* w, const double* v, int64_t n, double* ac
   }
 #elif defined(TF_F64X4)
   if (d % 16 == 0) {
-    for (int64_t c = 0; c < d; c += 16) {  // 16 columns (four vectors) at a time
-      f64x4 a[4];
+    // 16 columns (four vectors) at a time; even and odd rows in sums of their own, so that two
+    // chains of additions overlap (one chain waited on each addition's latency), added at the end.
+    for (int64_t c = 0; c < d; c += 16) {
+      f64x4 a[4], odd[4] = {};
       for (int b = 0; b < 4; ++b) a[b] = f64x4_load(acc + c + 4 * b);
-      for (int64_t j = 0; j < n; ++j)
+      int64_t j = 0;
+      for (; j + 2 <= n; j += 2)
+        for (int b = 0; b < 4; ++b) {
+          a[b] += w[j] * f64x4_load(v + j * d + c + 4 * b);
+          odd[b] += w[j + 1] * f64x4_load(v + (j + 1) * d + c + 4 * b);
+        }
+      if (j < n)
         for (int b = 0; b < 4; ++b) a[b] += w[j] * f64x4_load(v + j * d + c + 4 * b);
-      for (int b = 0; b < 4; ++b) f64x4_store(acc + c + 4 * b, a[b]);
+      for (int b = 0; b < 4; ++b) f64x4_store(acc + c + 4 * b, a[b] + odd[b]);
     }
     return;
   }
