@@ -194,38 +194,57 @@ void linear_impl(const T* x, const T* packed, T* out, int64_t M, int64_t N, int6
   }
 }
 
+// The kernel this target runs: gemm_by_lane.cpp's on AVX2, the tiles above elsewhere.
+template <typename T>
+int64_t packed_numel_of(int64_t N, int64_t K) {
+#if TF_GEMM_BY_LANE
+  return by_lane::packed_numel<T>(N, K);
+#else
+  return N * padded_k<T>(K);
+#endif
+}
+
+template <typename T>
+void pack_weight_of(const T* w, T* packed, int64_t N, int64_t K) {
+#if TF_GEMM_BY_LANE
+  by_lane::pack_weight(w, packed, N, K);
+#else
+  pack_impl(w, packed, N, K);
+#endif
+}
+
+template <typename T>
+void linear_of(const T* x, const T* packed, T* out, int64_t M, int64_t N, int64_t K, int threads) {
+#if TF_GEMM_BY_LANE
+  by_lane::linear(x, packed, out, M, N, K, threads);
+#else
+  linear_impl(x, packed, out, M, N, K, threads);
+#endif
+}
+
 }  // namespace
 
 int64_t packed_numel(int dtype, int64_t N, int64_t K) {
-#if TF_GEMM_BY_LANE
-  return by_lane::packed_numel(dtype, N, K);
-#endif
-  return N * (dtype == 0 ? padded_k<float>(K) : padded_k<bf16>(K));
+  return dtype == 0 ? packed_numel_of<float>(N, K) : packed_numel_of<bf16>(N, K);
 }
 
 const char* isa() { return TF_ISA; }
 const char* pair_steps() { return TF_PAIRS; }
 
 void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K) {
-#if TF_GEMM_BY_LANE
-  return by_lane::pack_weight(dtype, w, packed, N, K);
-#endif
   if (dtype == 0)
-    pack_impl(static_cast<const float*>(w), static_cast<float*>(packed), N, K);
+    pack_weight_of(static_cast<const float*>(w), static_cast<float*>(packed), N, K);
   else
-    pack_impl(static_cast<const bf16*>(w), static_cast<bf16*>(packed), N, K);
+    pack_weight_of(static_cast<const bf16*>(w), static_cast<bf16*>(packed), N, K);
 }
 
 void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads) {
-#if TF_GEMM_BY_LANE
-  return by_lane::linear(dtype, x, packed, out, M, N, K, threads);
-#endif
   if (dtype == 0)
-    linear_impl(static_cast<const float*>(x), static_cast<const float*>(packed), static_cast<float*>(out), M, N, K,
-                threads);
+    linear_of(static_cast<const float*>(x), static_cast<const float*>(packed), static_cast<float*>(out), M, N, K,
+              threads);
   else
-    linear_impl(static_cast<const bf16*>(x), static_cast<const bf16*>(packed), static_cast<bf16*>(out), M, N, K,
-                threads);
+    linear_of(static_cast<const bf16*>(x), static_cast<const bf16*>(packed), static_cast<bf16*>(out), M, N, K,
+              threads);
 }
 
 }  // namespace tf

@@ -234,25 +234,27 @@ void linear_impl(const T* x, const T* packed, T* out, int64_t M, int64_t N, int6
 
 }  // namespace
 
-int64_t packed_numel(int dtype, int64_t N, int64_t K) {
-  return panels(N) * PANEL * (dtype == 0 ? padded_k<float>(K) : padded_k<bf16>(K));
+template <typename T>
+int64_t packed_numel(int64_t N, int64_t K) {
+  return panels(N) * PANEL * padded_k<T>(K);
 }
 
-void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K) {
-  if (dtype == 0)
-    pack_impl(static_cast<const float*>(w), static_cast<float*>(packed), N, K);
-  else
-    pack_impl(static_cast<const bf16*>(w), static_cast<bf16*>(packed), N, K);
+template <typename T>
+void pack_weight(const T* w, T* packed, int64_t N, int64_t K) {
+  pack_impl(w, packed, N, K);
 }
 
-void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads) {
-  if (dtype == 0)
-    linear_impl(static_cast<const float*>(x), static_cast<const float*>(packed), static_cast<float*>(out), M, N, K,
-                threads);
-  else
-    linear_impl(static_cast<const bf16*>(x), static_cast<const bf16*>(packed), static_cast<bf16*>(out), M, N, K,
-                threads);
+template <typename T>
+void linear(const T* x, const T* packed, T* out, int64_t M, int64_t N, int64_t K, int threads) {
+  linear_impl(x, packed, out, M, N, K, threads);
 }
+
+template int64_t packed_numel<float>(int64_t, int64_t);
+template int64_t packed_numel<bf16>(int64_t, int64_t);
+template void pack_weight(const float*, float*, int64_t, int64_t);
+template void pack_weight(const bf16*, bf16*, int64_t, int64_t);
+template void linear(const float*, const float*, float*, int64_t, int64_t, int64_t, int);
+template void linear(const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t, int);
 
 }  // namespace tf::by_lane
 

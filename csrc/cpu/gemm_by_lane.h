@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "exact.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define TF_GEMM_BY_LANE 1
 #else
@@ -19,8 +21,12 @@
 
 namespace tf::by_lane {
 
-int64_t packed_numel(int dtype, int64_t N, int64_t K);
-void pack_weight(int dtype, const void* w, void* packed, int64_t N, int64_t K);
-void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, int64_t N, int64_t K, int threads);
+// For T = float and bf16 (gemm.cpp's entry points choose the dtype).
+template <typename T>
+int64_t packed_numel(int64_t N, int64_t K);
+template <typename T>
+void pack_weight(const T* w, T* packed, int64_t N, int64_t K);
+template <typename T>
+void linear(const T* x, const T* packed, T* out, int64_t M, int64_t N, int64_t K, int threads);
 
 }  // namespace tf::by_lane
