@@ -40,8 +40,7 @@ struct Steps<float> {
   static constexpr int64_t width = 16;
   static constexpr int count = 1;
   static constexpr int64_t k(int64_t c, int l, int) { return c * 16 + l; }
-  static constexpr int group = 6;    // rows per register tile: 12 accumulators, 2 W, 1 broadcast
-  static constexpr int budget = 12;  // accumulators a tile may hold
+  static constexpr int group = 6;  // rows per register tile: 12 accumulators, 2 W, 1 broadcast
   struct Mode {
     void done(V16*, int) {}
   };
@@ -51,8 +50,7 @@ struct Steps<bf16> {
   static constexpr int64_t width = 32;
   static constexpr int count = 2;
   static constexpr int64_t k(int64_t c, int l, int s) { return c * 32 + 2 * l + 1 - s; }
-  static constexpr int group = 5;    // 10 accumulators, 4 widened W (odd, even), 1 broadcast
-  static constexpr int budget = 10;
+  static constexpr int group = 5;  // 10 accumulators, 4 widened W (odd, even), 1 broadcast
   using Mode = PairFlush;
 };
 
@@ -111,11 +109,11 @@ inline void load_steps(const bf16* p, WSteps& w) {  // DAZ (PairFlush) zeroes th
 }
 
 // How many lanes a tile of G rows runs side by side: enough independent sums to cover the
-// FMA's latency (eight), as many as the registers hold.
+// FMA's latency (eight), no more accumulators than a full group's (2 per row).
 template <typename T, int G>
 constexpr int lanes_at_once() {
   int n = 4;
-  while (n > 1 && n * G * 2 > Steps<T>::budget) n /= 2;
+  while (n > 1 && n * G > Steps<T>::group) n /= 2;
   return n;
 }
 
