@@ -57,7 +57,9 @@ def compile_jobs(out: str, archs: list[str]) -> tuple[list[list[str]], dict[str,
     includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
     defines = ["-DTORCH_EXTENSION_NAME=_cpu", "-DTORCH_API_INCLUDE_EXTENSION_H",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    # The bindings first: they take the longest (torch's headers), so the pool starts them first.
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")),
+                     key=lambda src: (os.path.basename(src) not in build["BINDINGS"], src))
     commands, objects = [], {arch: [] for arch in archs}
     for src in sources:
         name = os.path.basename(src)
@@ -78,10 +80,10 @@ def builds(tmp_path_factory) -> dict[str, str]:
 
     import torch
 
-    archs = [arch for arch in sorted(VARIANTS) if not missing_flags(arch) and not is_main_build(arch)]
+    archs = [arch for arch in sorted(VARIANTS) if skip_reason(arch) is None]
     out = str(tmp_path_factory.mktemp("variants"))
     commands, objects = compile_jobs(out, archs)
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the bindings (slowest) first
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for cmd, done in zip(commands, pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), commands)):
             assert done.returncode == 0, f"{' '.join(cmd[-3:])}: {done.stderr[-2000:]}"
     paths, torch_lib = {}, os.path.join(os.path.dirname(torch.__file__), "lib")
@@ -96,10 +98,17 @@ def builds(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-def is_main_build(arch: str) -> bool:
-    """Whether the installed extension already runs `arch`'s code paths (its tests cover them)."""
+def skip_reason(arch: str) -> str | None:
+    """Why `arch` is not built and run here, or None: a CPU that cannot run it, or a main build
+    that already runs its code paths (the kernel tests cover those)."""
     from tensorfold import _cpu
-    return VARIANTS[arch] == (_cpu.isa(), _cpu.pair_steps())
+
+    missing = missing_flags(arch)
+    if missing:
+        return f"this CPU cannot run {arch}: it lacks {', '.join(sorted(missing))}"
+    if VARIANTS[arch] == (_cpu.isa(), _cpu.pair_steps()):
+        return f"the main build runs {arch}'s code paths ({', '.join(VARIANTS[arch])}): the kernel tests cover it"
+    return None
 
 
 CHECK = """
@@ -123,6 +132,13 @@ for dtype in (torch.float32, torch.bfloat16):
     for m, n, k in [(1, 40, 64), (5, 33, 576), (13, 100, 200), (3, 9, 17)]:
         x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
         assert torch.equal(cpu.linear(x, w), reference.linear(x, w)), "linear"
+    w, row = torch.randn(40, 96, generator=g).to(dtype), torch.randn(1, 96, generator=g).to(dtype)
+    alone = cpu.linear(row, w)
+    for m in (2, 5, 6, 7, 13):  # the register tiles' row groups and their remainders
+        for place in {0, m // 2, m - 1}:
+            batch = torch.randn(m, 96, generator=g).to(dtype)
+            batch[place] = row[0]
+            assert torch.equal(cpu.linear(batch, w)[place:place + 1], alone), f"linear, row {place} of {m}"
     x, weight = torch.randn(7, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
     assert torch.equal(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5)), "rms_norm"
     gate, up = (torch.randn(5, 300, generator=g) * 4).to(dtype), torch.randn(5, 300, generator=g).to(dtype)
@@ -170,11 +186,9 @@ print("bitwise")
 
 @pytest.mark.parametrize("arch", sorted(VARIANTS))
 def test_variant_equals_the_references(arch, builds, draw):
-    missing = missing_flags(arch)
-    if missing:
-        pytest.skip(f"this CPU cannot run {arch}: it lacks {', '.join(sorted(missing))}")
-    if is_main_build(arch):
-        pytest.skip(f"the main build runs {arch}'s code paths ({', '.join(VARIANTS[arch])}): the kernel tests cover it")
+    reason = skip_reason(arch)
+    if reason is not None:
+        pytest.skip(reason)
     path = builds[arch]
     done = subprocess.run([sys.executable, "-c", CHECK, path, str(draw.seed)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)  # a process of its own: one _cpu per process
