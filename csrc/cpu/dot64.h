@@ -262,6 +262,69 @@ inline void store_totals4(const __m512d* a, double* out) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2's spellings of the direct kernels: the compiler vectors above widen a bfloat16 row four
+// elements at a time in ten instructions and keep products and sums apart (no contraction); here
+// eight elements take one load, two unpacks and two conversions, and each product-and-sum is one
+// FMA (the product is exact, so the FMA's one rounding is the addition's).
+#define TF_DIRECT_AVX2 1
+// Eight elements of a cache row as two registers of float64 (exact), in order.
+inline void f64x8(const float* p, __m256d& lo, __m256d& hi) {
+  lo = _mm256_cvtps_pd(_mm_loadu_ps(p));
+  hi = _mm256_cvtps_pd(_mm_loadu_ps(p + 4));
+}
+inline void f64x8(const bf16* p, __m256d& lo, __m256d& hi) {  // a bfloat16 is the top half of its float32
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), zero = _mm_setzero_si128();
+  lo = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(zero, v)));
+  hi = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpackhi_epi16(zero, v)));
+}
+
+// The totals of four registers, in order, into out[0..3] (any order of adds: the sums are exact).
+inline void store_totals4(const __m256d* a, double* out) {
+  const __m256d t0 = _mm256_hadd_pd(a[0], a[1]), t1 = _mm256_hadd_pd(a[2], a[3]);  // a0 a1 a0 a1, a2 a3 a2 a3
+  _mm256_storeu_pd(out, _mm256_add_pd(_mm256_permute2f128_pd(t0, t1, 0x20), _mm256_permute2f128_pd(t0, t1, 0x31)));
+}
+
+// dots[l * stride + j] = q_l . k_j for L lanes and J keys (J of 2 or 4: L x J accumulators and a
+// widened row fit AVX2's sixteen registers), d a multiple of 8.
+template <int L, int J, typename C>
+inline void dots_avx2(const double* const* q, const C* const* k, int64_t d, double* dots, int64_t stride) {
+  __m256d acc[L][4];
+  for (int l = 0; l < L; ++l)
+    for (int j = 0; j < 4; ++j) acc[l][j] = _mm256_setzero_pd();
+  for (int64_t b = 0; b < d; b += 8)
+    for (int j = 0; j < J; ++j) {
+      __m256d lo, hi;
+      f64x8(k[j] + b, lo, hi);
+      for (int l = 0; l < L; ++l)
+        acc[l][j] = _mm256_fmadd_pd(_mm256_loadu_pd(q[l] + b + 4), hi, _mm256_fmadd_pd(_mm256_loadu_pd(q[l] + b), lo, acc[l][j]));
+    }
+  for (int l = 0; l < L; ++l) {
+    double totals[4];
+    store_totals4(acc[l], totals);
+    for (int j = 0; j < J; ++j) dots[l * stride + j] = totals[j];
+  }
+}
+
+// acc[l][b, b + 8R) += sum_j w[l][j] v_j[b, b + 8R) for L lanes, R groups of eight columns.
+template <int L, int R, typename C>
+inline void weighted_block(const double* const* w, const C* const* v, int64_t n, double* const* acc, int64_t b) {
+  __m256d a[L][2 * R];
+  for (int l = 0; l < L; ++l)
+    for (int r = 0; r < 2 * R; ++r) a[l][r] = _mm256_loadu_pd(acc[l] + b + 4 * r);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256d x[2 * R];
+    for (int r = 0; r < R; ++r) f64x8(v[j] + b + 8 * r, x[2 * r], x[2 * r + 1]);
+    for (int l = 0; l < L; ++l) {
+      const __m256d wj = _mm256_broadcast_sd(w[l] + j);
+      for (int r = 0; r < 2 * R; ++r) a[l][r] = _mm256_fmadd_pd(wj, x[r], a[l][r]);
+    }
+  }
+  for (int l = 0; l < L; ++l)
+    for (int r = 0; r < 2 * R; ++r) _mm256_storeu_pd(acc[l] + b + 4 * r, a[l][r]);
+}
+#endif
+
 // Whether the direct kernels take a row of d elements of C in 32-element blocks (f64x32), and so
 // want q in the widening order: bfloat16 rows whose length is a multiple of 32, on AVX-512.
 template <typename C>
@@ -323,6 +386,16 @@ inline void dots_x4(const double* const* q, const C* const* k, int64_t d, double
       }
     }
     for (int l = 0; l < L; ++l) store_totals4(acc[l], dots + l * stride);
+    return;
+  }
+#elif defined(TF_DIRECT_AVX2)
+  if (d % 8 == 0) {
+    if constexpr (L <= 3) {
+      dots_avx2<L, 4>(q, k, d, dots, stride);
+    } else {  // L x 4 accumulators would not leave room for the row: two keys at a time
+      dots_avx2<L, 2>(q, k, d, dots, stride);
+      dots_avx2<L, 2>(q, k + 2, d, dots + 2, stride);
+    }
     return;
   }
 #elif defined(TF_F64X4)
@@ -411,6 +484,14 @@ inline void weighted_rows(const double* const* w, const C* const* v, int64_t n, 
       });
     for (; b < d; b += 16)
       weighted_block<L, 2, false>(w, v, n, acc, b, [](const C* p, __m512d* x) { f64x16(p, x[0], x[1]); });
+    return;
+  }
+#elif defined(TF_DIRECT_AVX2)
+  if (d % 8 == 0) {  // sixteen columns per lane where L x 4 accumulators leave room, else eight
+    constexpr int R = L <= 3 ? 2 : 1;
+    int64_t b = 0;
+    for (; b + 8 * R <= d; b += 8 * R) weighted_block<L, R>(w, v, n, acc, b);
+    for (; b < d; b += 8) weighted_block<L, 1>(w, v, n, acc, b);
     return;
   }
 #elif defined(TF_F64X4)
