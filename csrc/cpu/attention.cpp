@@ -35,7 +35,8 @@ constexpr int L_BITS = 30;
 constexpr int64_t SPLIT_SIZE = 512;
 
 // exponent(max_abs(row)) of four rows of d elements at once: the per-row maxima folded together
-// (the same integer maxima in another order, so the same exponents as max_abs gives).
+// (the same integer maxima in another order, so the same exponents as max_abs gives); AVX-512 and
+// AVX2 spell the same steps.
 inline void exponents4(const float* const* rows, int64_t d, int* out) {
 #if defined(__AVX512F__)
   if (d % 16 == 0) {
@@ -52,6 +53,23 @@ inline void exponents4(const float* const* rows, int64_t d, int* out) {
     alignas(16) uint32_t top[4];
     _mm_store_si128(reinterpret_cast<__m128i*>(top),
                     _mm_max_epu32(_mm256_castsi256_si128(c2), _mm256_extracti128_si256(c2, 1)));
+    for (int j = 0; j < 4; ++j) out[j] = exponent(f32_from_bits(top[j]));
+    return;
+  }
+#elif defined(__AVX2__)
+  if (d % 8 == 0) {
+    const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i m[4];
+    for (int j = 0; j < 4; ++j) {
+      m[j] = _mm256_setzero_si256();
+      for (int64_t i = 0; i < d; i += 8)
+        m[j] = _mm256_max_epu32(m[j], _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + i)), mask));
+    }
+    const __m256i a = _mm256_max_epu32(_mm256_unpacklo_epi32(m[0], m[1]), _mm256_unpackhi_epi32(m[0], m[1]));
+    const __m256i b = _mm256_max_epu32(_mm256_unpacklo_epi32(m[2], m[3]), _mm256_unpackhi_epi32(m[2], m[3]));
+    const __m256i c = _mm256_max_epu32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));  // rows 0 1 2 3 0 1 2 3
+    alignas(16) uint32_t top[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(top), _mm_max_epu32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
     for (int j = 0; j < 4; ++j) out[j] = exponent(f32_from_bits(top[j]));
     return;
   }
@@ -74,6 +92,24 @@ inline void exponents4(const bf16* const* rows, int64_t d, int* out) {
     const __m128i c3 = _mm_max_epu16(_mm256_castsi256_si128(c2), _mm256_extracti128_si256(c2, 1));
     alignas(16) uint16_t top[8];
     _mm_store_si128(reinterpret_cast<__m128i*>(top), _mm_max_epu16(c3, _mm_unpackhi_epi64(c3, c3)));
+    for (int j = 0; j < 4; ++j) out[j] = exponent(f32_from_bits(static_cast<uint32_t>(top[j]) << 16));
+    return;
+  }
+#elif defined(__AVX2__)
+  if (d % 16 == 0) {
+    const __m256i mask = _mm256_set1_epi16(0x7FFF);
+    __m256i m[4];
+    for (int j = 0; j < 4; ++j) {
+      m[j] = _mm256_setzero_si256();
+      for (int64_t i = 0; i < d; i += 16)
+        m[j] = _mm256_max_epu16(m[j], _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + i)), mask));
+    }
+    const __m256i a = _mm256_max_epu16(_mm256_unpacklo_epi16(m[0], m[1]), _mm256_unpackhi_epi16(m[0], m[1]));
+    const __m256i b = _mm256_max_epu16(_mm256_unpacklo_epi16(m[2], m[3]), _mm256_unpackhi_epi16(m[2], m[3]));
+    const __m256i c = _mm256_max_epu16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));  // rows 0 1 2 3 0 1 2 3 ...
+    const __m128i c2 = _mm_max_epu16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    alignas(16) uint16_t top[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(top), _mm_max_epu16(c2, _mm_unpackhi_epi64(c2, c2)));
     for (int j = 0; j < 4; ++j) out[j] = exponent(f32_from_bits(static_cast<uint32_t>(top[j]) << 16));
     return;
   }
