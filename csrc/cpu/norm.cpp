@@ -151,6 +151,9 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
 #if defined(__AVX512F__)
       const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
       for (; i + 16 <= n; i += 16) _mm512_storeu_ps(g + i, _mm512_or_ps(load16(gate_row + i0 + i), sign));  // -|g|
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(0x80000000u)));
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(g + i, _mm256_or_ps(load8(gate_row + i0 + i), sign));
 #endif
       for (; i < n; ++i) g[i] = -std::fabs(to_f32(gate_row[i0 + i]));
       exp_neg_shifted(g, 0.0f, t, n);  // exp_neg(-|g| - 0), and -|g| - 0 is -|g| bit for bit
@@ -162,6 +165,14 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
         const __m512 factor = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gi, zero, _CMP_GE_OQ), ti, one);
         const __m512 s = _mm512_div_ps(_mm512_mul_ps(gi, factor), _mm512_add_ps(one, ti));
         store16(out_row + i0 + i, _mm512_mul_ps(s, load16(up_row + i0 + i)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+      for (; i + 8 <= n; i += 8) {  // the same steps eight lanes at a time
+        const __m256 gi = load8(gate_row + i0 + i), ti = _mm256_loadu_ps(t + i);
+        const __m256 factor = _mm256_blendv_ps(ti, one, _mm256_cmp_ps(gi, zero, _CMP_GE_OQ));
+        const __m256 s = _mm256_div_ps(_mm256_mul_ps(gi, factor), _mm256_add_ps(one, ti));
+        store8(out_row + i0 + i, _mm256_mul_ps(s, load8(up_row + i0 + i)));
       }
 #endif
       for (; i < n; ++i) {
