@@ -8,8 +8,10 @@ For each dtype: TensorFold's engine on the default model (the compiled op set, e
 next to llama.cpp (llama-cpp-python, a peer only; the column is skipped with a message when it
 is not installed) on a GGUF of the same weights in the same precision (tools/peer_gguf.py writes
 the F32 and BF16 files from the default Q4_1 one; `auto`, the blocks as stored, runs against the
-Q4_1 file itself). Best of --repeats runs each (other processes
-only ever slow a run down), the two engines' runs alternating. Columns:
+Q4_1 file itself), llama.cpp's KV cache in the dtype of ours (float32 or bfloat16; its own
+default, float16, halves what a float32 row's attention reads: --peer-kv default). Best of
+--repeats runs each (other processes only ever slow a run down), the two engines' runs
+alternating. Columns:
 - decode: single-stream greedy tokens/s after a short prompt, drafting off on both sides;
 - prefill: a --prefill-token prompt (one 512-row chunk), tokens/s;
 - 4 streams: aggregate decode tokens/s of 4 concurrent requests over one stream's;
@@ -74,7 +76,8 @@ def tensorfold_bench(dtype: str, args):
     context = max(2048, args.long + args.tokens + 16)
     engine = Engine(None, EngineConfig(dtype=dtype, kv_dtype=getattr(args, "kv_dtype", "auto"), num_threads=args.threads, prompt_cache_gib=0,
                                        context=context, kv_cache_gib=0.5, max_tokens_per_step=512))
-    out = {"exact": engine.exact, "ops": f"{engine.model.ops.NAME}, {engine.cache.k[0].dtype}".replace("torch.", "")}
+    cache = str(engine.cache.k[0].dtype).replace("torch.", "")
+    out = {"exact": engine.exact, "ops": f"{engine.model.ops.NAME}, {cache}", "cache": cache}
     greedy = dict(temperature=0, ignore_eos=True, draft=False)
     engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **greedy))  # warm-up
     clock = RoundClock(engine)
@@ -114,9 +117,9 @@ def tensorfold_bench(dtype: str, args):
     return out, once
 
 
-def llama_cpp_bench(dtype: str, args):
-    """llama.cpp on the same weights in the same precision; (out, once) as tensorfold_bench, or
-    None when llama-cpp-python is not installed."""
+def llama_cpp_bench(dtype: str, args, kv_dtype: str | None = None):
+    """llama.cpp on the same weights in the same precision, its KV cache in kv_dtype (ours);
+    (out, once) as tensorfold_bench, or None when llama-cpp-python is not installed."""
     if not peer_llama_cpp.available():
         print(peer_llama_cpp.SKIP_MESSAGE)
         return None
@@ -124,7 +127,8 @@ def llama_cpp_bench(dtype: str, args):
     from tools.peer_gguf import peer_gguf
 
     path = default_model_path() if dtype == "auto" else peer_gguf(dtype)  # auto: the Q4_1 file as it is
-    llm = peer_llama_cpp.load(path, n_ctx=max(2048, args.long + args.tokens + 16), threads=args.threads)
+    llm = peer_llama_cpp.load(path, n_ctx=max(2048, args.long + args.tokens + 16), threads=args.threads,
+                              kv_dtype=kv_dtype)
     out = {}
 
     def once() -> None:
@@ -143,7 +147,7 @@ def measure(dtype: str, args) -> tuple[dict, dict]:
     """Both engines, their runs alternating (ours, the peer's, ours, ...): drift on a shared
     machine then weighs on both columns alike instead of on whichever ran later."""
     ours, ours_once = tensorfold_bench(dtype, args)
-    peer_bench = llama_cpp_bench(dtype, args)
+    peer_bench = llama_cpp_bench(dtype, args, ours["cache"] if getattr(args, "peer_kv", "match") == "match" else None)
     peer, peer_once = peer_bench if peer_bench else ({}, lambda: None)
     for _ in range(args.repeats):
         ours_once()
@@ -165,12 +169,14 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="TensorFold's KV cache (auto: bfloat16 under dtype auto, else the dtype)")
+    p.add_argument("--peer-kv", default="match", choices=["match", "default"],
+                   help="llama.cpp's KV cache: match (the dtype of TensorFold's) or default (float16)")
     args = p.parse_args(argv)
     print(machine_line())
     rows = []
     for dtype in args.dtypes.split(","):
         ours, peer = measure(dtype, args)
-        row = [dtype, ours["ops"], ours["exact"],
+        row = [dtype, ours["ops"], ours["exact"], ours["cache"] if args.peer_kv == "match" else "float16",
                fmt(ours["decode"], 1), fmt(peer.get("decode"), 1), ratio(ours["decode"], peer.get("decode")),
                fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
                f"{ours['four'] / ours['decode']:.2f}x", f"{100 * ours['python']:.1f}%"]
@@ -179,7 +185,7 @@ def main(argv=None) -> None:
                     ratio(ours["long_prefill"], peer.get("long_prefill")), fmt(ours["long_decode"], 1),
                     fmt(peer.get("long_decode"), 1), ratio(ours["long_decode"], peer.get("long_decode"))]
         rows.append(row)
-    headers = ["dtype", "ops, KV cache", "exact", "decode tok/s", "llama.cpp", "ratio",
+    headers = ["dtype", "ops, KV cache", "exact", "llama.cpp KV", "decode tok/s", "llama.cpp", "ratio",
                f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams / 1", "Python per round"]
     if args.long:
         headers += [f"prefill {args.long} tok/s", "llama.cpp", "ratio", f"decode @{args.long}", "llama.cpp", "ratio"]
