@@ -56,7 +56,7 @@ inline void exponents4(const float* const* rows, int64_t d, int* out) {
     for (int j = 0; j < 4; ++j) out[j] = exponent(f32_from_bits(top[j]));
     return;
   }
-#elif defined(__AVX2__)
+#elif defined(TF_AVX2)
   if (d % 8 == 0) {
     const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
     __m256i m[4];
@@ -95,7 +95,7 @@ inline void exponents4(const bf16* const* rows, int64_t d, int* out) {
     for (int j = 0; j < 4; ++j) out[j] = exponent(f32_from_bits(static_cast<uint32_t>(top[j]) << 16));
     return;
   }
-#elif defined(__AVX2__)
+#elif defined(TF_AVX2)
   if (d % 16 == 0) {
     const __m256i mask = _mm256_set1_epi16(0x7FFF);
     __m256i m[4];

@@ -262,12 +262,11 @@ inline void store_totals4(const __m512d* a, double* out) {
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(TF_AVX2)
 // AVX2's spellings of the direct kernels: the compiler vectors above widen a bfloat16 row four
 // elements at a time in ten instructions and keep products and sums apart (no contraction); here
 // eight elements take one load, two unpacks and two conversions, and each product-and-sum is one
 // FMA (the product is exact, so the FMA's one rounding is the addition's).
-#define TF_DIRECT_AVX2 1
 // Eight elements of a cache row as two registers of float64 (exact), in order.
 inline void f64x8(const float* p, __m256d& lo, __m256d& hi) {
   lo = _mm256_cvtps_pd(_mm_loadu_ps(p));
@@ -388,7 +387,7 @@ inline void dots_x4(const double* const* q, const C* const* k, int64_t d, double
     for (int l = 0; l < L; ++l) store_totals4(acc[l], dots + l * stride);
     return;
   }
-#elif defined(TF_DIRECT_AVX2)
+#elif defined(TF_AVX2)
   if (d % 8 == 0) {
     if constexpr (L <= 3) {
       dots_avx2<L, 4>(q, k, d, dots, stride);
@@ -486,7 +485,7 @@ inline void weighted_rows(const double* const* w, const C* const* v, int64_t n, 
       weighted_block<L, 2, false>(w, v, n, acc, b, [](const C* p, __m512d* x) { f64x16(p, x[0], x[1]); });
     return;
   }
-#elif defined(TF_DIRECT_AVX2)
+#elif defined(TF_AVX2)
   if (d % 8 == 0) {  // sixteen columns per lane where L x 4 accumulators leave room, else eight
     constexpr int R = L <= 3 ? 2 : 1;
     int64_t b = 0;

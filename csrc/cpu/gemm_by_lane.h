@@ -12,8 +12,9 @@
 #include <cstdint>
 
 #include "exact.h"
+#include "vec16.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(TF_AVX2)
 #define TF_GEMM_BY_LANE 1
 #else
 #define TF_GEMM_BY_LANE 0

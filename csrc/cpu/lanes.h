@@ -70,7 +70,7 @@ inline __m512 narrow16(__m512d lo, __m512d hi) {
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(TF_AVX2)
 // Eight lanes, AVX2's spelling of load16 and store16.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) { return bf16x8(p); }

@@ -151,7 +151,7 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
 #if defined(__AVX512F__)
       const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
       for (; i + 16 <= n; i += 16) _mm512_storeu_ps(g + i, _mm512_or_ps(load16(gate_row + i0 + i), sign));  // -|g|
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(TF_AVX2)
       const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(0x80000000u)));
       for (; i + 8 <= n; i += 8) _mm256_storeu_ps(g + i, _mm256_or_ps(load8(gate_row + i0 + i), sign));
 #endif
@@ -166,7 +166,7 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
         const __m512 s = _mm512_div_ps(_mm512_mul_ps(gi, factor), _mm512_add_ps(one, ti));
         store16(out_row + i0 + i, _mm512_mul_ps(s, load16(up_row + i0 + i)));
       }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(TF_AVX2)
       const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
       for (; i + 8 <= n; i += 8) {  // the same steps eight lanes at a time
         const __m256 gi = load8(gate_row + i0 + i), ti = _mm256_loadu_ps(t + i);

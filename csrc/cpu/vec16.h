@@ -18,6 +18,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TF_ISA "avx2"
+#define TF_AVX2 1  // AVX2 with FMA, no AVX-512: the one test every file's AVX2 loops use
 #elif defined(__ARM_NEON)
 #include <arm_neon.h>
 #define TF_ISA "neon"
@@ -30,7 +31,7 @@ namespace tf {
 struct V16 {
 #if defined(__AVX512F__)
   __m512 v;
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(TF_AVX2)
   __m256 lo, hi;
 #elif defined(__ARM_NEON)
   float32x4_t q[4];
@@ -56,7 +57,7 @@ inline float v16_tree(V16 a) {
   __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
   return _mm_cvtss_f32(s1);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(TF_AVX2)
 inline V16 v16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 v16_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline __m256 bf16x8(const bf16* p) {
@@ -161,7 +162,7 @@ inline P32 p32_load(const bf16* p) {  // DAZ (PairFlush) zeroes the subnormals
   return {{_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))},
           {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}};
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(TF_AVX2)
 #define TF_PAIRS "fma-mxcsr"
 inline P32 p32_load(const bf16* p) {  // DAZ (PairFlush) zeroes the subnormals
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -181,7 +182,7 @@ inline P32 p32_load(const bf16* p) {  // the subnormals zeroed here
   return {v16_load(odd), v16_load(even)};
 }
 #endif
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(TF_AVX2)
 inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even); }
 #else
 inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) {
@@ -203,7 +204,7 @@ inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) {
 // (what follows, the lanes' fold, is plain IEEE arithmetic).
 class PairFlush {
  public:
-#if !defined(__AVX512BF16__) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
+#if !defined(__AVX512BF16__) && (defined(__AVX512F__) || defined(TF_AVX2))
   PairFlush() {
     unsigned csr;
     asm volatile("stmxcsr %0" : "=m"(csr));
@@ -289,7 +290,7 @@ inline void exp_neg_shifted(const float* x, float m, float* out, int64_t n) {
     p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lo, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), p);
     _mm512_storeu_ps(out + j, p);
   }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(TF_AVX2)
   const __m256 lo = _mm256_set1_ps(EXP_MIN), log2e = _mm256_set1_ps(LOG2E), half = _mm256_set1_ps(0.5f);
   const __m256 ln2_hi = _mm256_set1_ps(LN2_HI), ln2_lo = _mm256_set1_ps(EXP_LN2_LO), one = _mm256_set1_ps(1.0f);
   const __m256 mv = _mm256_set1_ps(m);
