@@ -117,7 +117,7 @@ def tensorfold_bench(dtype: str, args):
     return out, once
 
 
-def llama_cpp_bench(dtype: str, args, kv_dtype: str | None = None):
+def llama_cpp_bench(dtype: str, args, kv_dtype: str = peer_llama_cpp.DEFAULT_KV):
     """llama.cpp on the same weights in the same precision, its KV cache in kv_dtype (ours);
     (out, once) as tensorfold_bench, or None when llama-cpp-python is not installed."""
     if not peer_llama_cpp.available():
@@ -129,7 +129,7 @@ def llama_cpp_bench(dtype: str, args, kv_dtype: str | None = None):
     path = default_model_path() if dtype == "auto" else peer_gguf(dtype)  # auto: the Q4_1 file as it is
     llm = peer_llama_cpp.load(path, n_ctx=max(2048, args.long + args.tokens + 16), threads=args.threads,
                               kv_dtype=kv_dtype)
-    out = {}
+    out = {"kv": kv_dtype}
 
     def once() -> None:
         out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))
@@ -147,7 +147,8 @@ def measure(dtype: str, args) -> tuple[dict, dict]:
     """Both engines, their runs alternating (ours, the peer's, ours, ...): drift on a shared
     machine then weighs on both columns alike instead of on whichever ran later."""
     ours, ours_once = tensorfold_bench(dtype, args)
-    peer_bench = llama_cpp_bench(dtype, args, ours["cache"] if getattr(args, "peer_kv", "match") == "match" else None)
+    match = getattr(args, "peer_kv", "match") == "match"
+    peer_bench = llama_cpp_bench(dtype, args, ours["cache"] if match else peer_llama_cpp.DEFAULT_KV)
     peer, peer_once = peer_bench if peer_bench else ({}, lambda: None)
     for _ in range(args.repeats):
         ours_once()
@@ -176,7 +177,7 @@ def main(argv=None) -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         ours, peer = measure(dtype, args)
-        row = [dtype, ours["ops"], ours["exact"], ours["cache"] if args.peer_kv == "match" else "float16",
+        row = [dtype, ours["ops"], ours["exact"], peer.get("kv", "-"),
                fmt(ours["decode"], 1), fmt(peer.get("decode"), 1), ratio(ours["decode"], peer.get("decode")),
                fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
                f"{ours['four'] / ours['decode']:.2f}x", f"{100 * ours['python']:.1f}%"]

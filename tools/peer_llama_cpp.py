@@ -40,16 +40,17 @@ def available() -> bool:
 
 # ggml's type numbers for the KV cache (llama-cpp-python takes type_k and type_v as these).
 KV_TYPES = {"float32": 0, "float16": 1, "bfloat16": 30}
+DEFAULT_KV = "float16"  # llama.cpp's own choice, whatever the weights
 
 
-def load(path: str, n_ctx: int, threads: int, kv_dtype: str | None = None):
+def load(path: str, n_ctx: int, threads: int, kv_dtype: str = DEFAULT_KV):
     """A llama_cpp.Llama on `path`, with `threads` threads for both decode and prefill, and its
-    KV cache in `kv_dtype` (a key of KV_TYPES; None: llama.cpp's default, float16)."""
+    KV cache in `kv_dtype` (a key of KV_TYPES)."""
     from llama_cpp import Llama
 
-    kv = {} if kv_dtype is None else {"type_k": KV_TYPES[kv_dtype], "type_v": KV_TYPES[kv_dtype]}
-    return Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                 n_batch=512, verbose=False, logits_all=False, use_mmap=True, **kv)
+    return Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                 verbose=False, logits_all=False, use_mmap=True,
+                 type_k=KV_TYPES[kv_dtype], type_v=KV_TYPES[kv_dtype])
 
 
 def _greedy(llm) -> int:
