@@ -15,6 +15,7 @@
 // that share the call cannot change a bit.
 #include <algorithm>
 #include <cmath>
+#include <omp.h>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -626,6 +627,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
   ItemState* split_items = split_pool.data();
   const int64_t num_whole = static_cast<int64_t>(whole_items.size());
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (split item, split)
+  std::vector<int> runner;                         // the thread that ran each task's pass 1
   // A split item alone is worth the threads (its splits are the tasks); whole items need two.
 #pragma omp parallel num_threads(threads) if (threads > 1 && (num_split > 0 || num_whole > 1))
   {
@@ -642,24 +644,31 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
         }
       }
 #pragma omp single
-      for (int64_t i = 0; i < num_split; ++i)
-        for (int64_t sp = 0; sp < split_items[i].splits; ++sp) tasks.emplace_back(i, sp);
+      {
+        for (int64_t i = 0; i < num_split; ++i)
+          for (int64_t sp = 0; sp < split_items[i].splits; ++sp) tasks.emplace_back(i, sp);
+        runner.assign(tasks.size(), 0);
+      }
       const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+      const int me = omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < num_tasks; ++i) {  // pass 1: scores and each run's maxima
         ItemState& s = split_items[tasks[i].first];
         int64_t k0, k1;
         split_range(s, tasks[i].second, &k0, &k1);
         scores_direct<C>(s, cache, k0, k1, tasks[i].second, scale64, t);
+        runner[i] = me;
       }
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < num_tasks; ++i) {  // pass 2: each run's exact sums, the runs pass 1
-        const auto task = tasks[num_tasks - 1 - i];  // read last first (their V is still in cache)
-        ItemState& s = split_items[task.first];
+      // Pass 2: each run's exact sums, on the thread that read its K and V in pass 1, last run
+      // first: its V is still in that core's cache.
+      for (int64_t i = num_tasks - 1; i >= 0; --i) {
+        if (runner[i] != me) continue;
+        ItemState& s = split_items[tasks[i].first];
         int64_t k0, k1;
-        split_range(s, task.second, &k0, &k1);
-        sums_direct<C>(s, cache, k0, k1, task.second, t);
+        split_range(s, tasks[i].second, &k0, &k1);
+        sums_direct<C>(s, cache, k0, k1, tasks[i].second, t);
       }
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t i = 0; i < num_split; ++i) finish(split_items[i], out, d, group, heads);
     }
