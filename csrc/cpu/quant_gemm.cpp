@@ -22,6 +22,7 @@
 
 #include "exact.h"
 #include "kernels.h"
+#include "lanes.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -150,6 +151,41 @@ struct RowQ {
   int kmax = 0;
 };
 
+// A block's codes xq = round_even(x inverse) within +-127 (0 for a zero block) and the sums of its
+// sub-blocks of `sub`: the product rounded once in float32, then to the nearest integer, ties to
+// even; a NaN gives -127 (std::max(-127, NaN) is -127).
+template <typename T>
+void quantize_block(const T* v, float inverse, bool zero, int sub, int8_t* xq, int32_t* xsum) {
+#if defined(__AVX512F__)
+  if (sub % 16 == 0) {  // sixteen lanes: vroundscaleps rounds ties to even, vmaxps(r, -127) gives -127 for NaN
+    const __m512 inv = _mm512_set1_ps(inverse), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int h = 0; h < BLOCK / sub; ++h) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = h * sub; i < (h + 1) * sub; i += 16) {
+        __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16(v + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+        const __m512i q = zero ? _mm512_setzero_si512() : _mm512_cvtps_epi32(r);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i), _mm512_cvtepi32_epi8(q));
+        sum = _mm512_add_epi32(sum, q);
+      }
+      xsum[h] = _mm512_reduce_add_epi32(sum);
+    }
+    return;
+  }
+#endif
+  for (int h = 0; h < BLOCK / sub; ++h) {
+    int32_t sum = 0;
+    for (int i = h * sub; i < (h + 1) * sub; ++i) {
+      const float scaled = to_f32(v[i]) * inverse;
+      double r = zero ? 0.0 : round_even(static_cast<double>(scaled));
+      r = std::min(127.0, std::max(-127.0, r));
+      xq[i] = static_cast<int8_t>(r);
+      sum += static_cast<int32_t>(r);
+    }
+    xsum[h] = sum;
+  }
+}
+
 template <typename T>
 void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   const int per = BLOCK / sub;
@@ -162,24 +198,12 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   int kmax = -(1 << 20);
   for (int64_t b = 0; b < blocks; ++b) {
     const T* v = x + b * BLOCK;
-    uint32_t top = 0;
-    for (int i = 0; i < BLOCK; ++i) top = std::max(top, f32_bits(to_f32(v[i])) & 0x7FFFFFFFu);
-    const float amax = f32_from_bits(top);
+    const float amax = max_abs(v, BLOCK);
     const bool zero = exponent(amax) < -120;  // below 2^-120 (127 / amax would overflow): a zero block
     const float d = zero ? 0.0f : amax / X_MAX, inverse = zero ? 0.0f : X_MAX / amax;
+    quantize_block(v, inverse, zero, sub, row->xq.data() + b * BLOCK, row->xsum.data() + b * per);
     int32_t total = 0;
-    for (int h = 0; h < per; ++h) {
-      int32_t sum = 0;
-      for (int i = h * sub; i < (h + 1) * sub; ++i) {
-        const float scaled = to_f32(v[i]) * inverse;
-        double r = zero ? 0.0 : round_even(static_cast<double>(scaled));
-        r = std::min(127.0, std::max(-127.0, r));
-        row->xq[b * BLOCK + i] = static_cast<int8_t>(r);
-        sum += static_cast<int32_t>(r);
-      }
-      row->xsum[b * per + h] = sum;
-      total += sum;
-    }
+    for (int h = 0; h < per; ++h) total += row->xsum[b * per + h];
     // kdelta and sdelta hold k and se until kmax is known
     significand16(float16_from(std::min(d, F16_MAX)), &row->m[b], &row->kdelta[b]);
     const float s = d * static_cast<float>(total);
