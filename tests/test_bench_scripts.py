@@ -2,10 +2,11 @@
 
 bench_kernels.py --smoke runs every kernel in the interpreter at tiny sizes next to its torch
 counterpart and checks attention against its reference bitwise in each row; bench_exact.py runs
-each exact CPU op next to its stock counterpart with one timing run; bench_native.py decodes a
-few tokens next to llama.cpp (when installed); bench_quant.py runs its four sections (speed, memory,
-agreement, K-quants) at tiny sizes; bench_grammar.py runs each grammar constrained and free;
-bench_attention.py times the decode attention over a few hundred keys.
+each exact CPU op (compiled and as its reference) next to its stock counterpart with one timing
+run; bench_native.py decodes a few tokens next to llama.cpp (when installed); bench_quant.py runs
+its four sections (speed, memory, agreement, K-quants) at tiny sizes; bench_grammar.py runs each
+grammar constrained and free; bench_attention.py times the decode attention over a few hundred
+keys.
 """
 import os
 import re
@@ -34,7 +35,12 @@ def test_bench_kernels_smoke_runs_and_attention_is_bitwise():
 def test_bench_exact_runs():
     out = run_tool("tools/bench_exact.py", "--runs", "1", "--repeats", "1", "--warmup", "0")
     rows = [line for line in out.splitlines() if re.search(r"\| \d+\.\d\dx +\|$", line)]
-    assert len(rows) == 24, out
+    assert len(rows) == 32, out
+    try:
+        from tensorfold import _cpu  # noqa: F401
+    except ImportError:
+        return
+    assert all(re.match(r"\|[^|]+\|[^|]+\| \d+\.\d{3} ", line) for line in rows), out  # every op timed compiled
 
 
 def test_bench_native_runs():
