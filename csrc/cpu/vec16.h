@@ -144,6 +144,24 @@ inline float step_flushed(float acc, float a, float b) {
 // A bfloat16 element's bits (as the high half of a float32's) with a subnormal made zero of its sign.
 inline uint32_t bf16_daz(uint32_t high) { return (high & 0x7F800000u) == 0 ? high & 0x80000000u : high; }
 
+#if defined(__AVX512F__)
+// A chunk's pairs split into odd and even elements, each widened to float32 by a mask or a shift
+// (exact): two FMAs per pair. Under MXCSR's DAZ and FTZ (MxcsrFlush below) they flush as
+// vdpbf16ps does, so they give its bits; where the CPU has the instruction too, the GEMM's one-row
+// tiles take these (gemm.cpp: faster there on an Intel Xeon, the same bits).
+struct SplitPairs {
+  V16 odd, even;  // elements 2l + 1 and 2l of the chunk in lane l
+};
+inline SplitPairs split_pairs_load(const bf16* p) {  // DAZ (MxcsrFlush) zeroes the subnormals
+  const __m512i v = _mm512_loadu_si512(p);
+  return {{_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))},
+          {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}};
+}
+inline V16 v16_dot_pairs(V16 acc, SplitPairs a, SplitPairs b) {
+  return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 #define TF_PAIRS "vdpbf16ps"
 struct P32 {
@@ -151,18 +169,15 @@ struct P32 {
 };
 inline P32 p32_load(const bf16* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
 inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
+#elif defined(__AVX512F__)
+#define TF_PAIRS "fma-mxcsr"
+using P32 = SplitPairs;
+inline P32 p32_load(const bf16* p) { return split_pairs_load(p); }
 #else
 struct P32 {
   V16 odd, even;  // elements 2l + 1 and 2l of the chunk in lane l
 };
-#if defined(__AVX512F__)
-#define TF_PAIRS "fma-mxcsr"
-inline P32 p32_load(const bf16* p) {  // DAZ (PairFlush) zeroes the subnormals
-  const __m512i v = _mm512_loadu_si512(p);
-  return {{_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))},
-          {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}};
-}
-#elif defined(TF_AVX2)
+#if defined(TF_AVX2)
 #define TF_PAIRS "fma-mxcsr"
 inline P32 p32_load(const bf16* p) {  // DAZ (PairFlush) zeroes the subnormals
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -171,6 +186,7 @@ inline P32 p32_load(const bf16* p) {  // DAZ (PairFlush) zeroes the subnormals
   return {{_mm256_castsi256_ps(_mm256_and_si256(a, hi_mask)), _mm256_castsi256_ps(_mm256_and_si256(b, hi_mask))},
           {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))}};
 }
+inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even); }
 #else
 #define TF_PAIRS "emulated"
 inline P32 p32_load(const bf16* p) {  // the subnormals zeroed here
@@ -181,10 +197,6 @@ inline P32 p32_load(const bf16* p) {  // the subnormals zeroed here
   }
   return {v16_load(odd), v16_load(even)};
 }
-#endif
-#if defined(__AVX512F__) || defined(TF_AVX2)
-inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) { return v16_fma(v16_fma(acc, a.odd, b.odd), a.even, b.even); }
-#else
 inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) {
   float lanes[16], ao[16], bo[16], ae[16], be[16];
   v16_store(acc, lanes);
@@ -198,14 +210,18 @@ inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) {
 #endif
 #endif
 
-// The flush mode v16_dot_pairs needs, held while it lives: MXCSR's DAZ and FTZ on x86 targets
-// without AVX512_BF16, nothing elsewhere. `done(acc, n)` ends it early: the n accumulators are
-// spilled to memory first, so that no step of theirs can be scheduled after the mode returns
-// (what follows, the lanes' fold, is plain IEEE arithmetic).
-class PairFlush {
+// MXCSR's DAZ and FTZ, held while it lives (x86 with AVX-512 or AVX2), for the split pair steps.
+// `done(acc, n)` ends it early: the n accumulators are spilled to memory first, so that no step of
+// theirs can be scheduled after the mode returns (what follows, the lanes' fold, is plain IEEE
+// arithmetic).
+class NoFlush {
  public:
-#if !defined(__AVX512BF16__) && (defined(__AVX512F__) || defined(TF_AVX2))
-  PairFlush() {
+  void done(V16*, int) {}
+};
+#if defined(__AVX512F__) || defined(TF_AVX2)
+class MxcsrFlush {
+ public:
+  MxcsrFlush() {
     unsigned csr;
     asm volatile("stmxcsr %0" : "=m"(csr));
     saved_ = csr;
@@ -217,17 +233,23 @@ class PairFlush {
     asm volatile("ldmxcsr %1" : : "r"(acc), "m"(saved_), "g"(n) : "memory");
     restored_ = true;
   }
-  ~PairFlush() {
+  ~MxcsrFlush() {
     if (!restored_) asm volatile("ldmxcsr %0" : : "m"(saved_) : "memory");
   }
 
  private:
   unsigned saved_ = 0;
   bool restored_ = false;
-#else
-  void done(V16*, int) {}
-#endif
 };
+#endif
+
+// The flush mode v16_dot_pairs on P32 needs: MXCSR's on x86 targets without AVX512_BF16 (the
+// instruction flushes by itself; NEON and the scalar path write the flushes out).
+#if !defined(__AVX512BF16__) && (defined(__AVX512F__) || defined(TF_AVX2))
+using PairFlush = MxcsrFlush;
+#else
+using PairFlush = NoFlush;
+#endif
 
 }  // namespace tf
 
