@@ -121,10 +121,11 @@ inline float v16_tree(V16 a) {
 // element 2l + 1's product, then element 2l's, each step one fused multiply-add with the flushes
 // of AVX512_BF16's vdpbf16ps: a subnormal input counts as zero of its sign, and a step whose
 // result, rounded to 24 bits with an unbounded exponent, is below 2^-126 gives zero of its sign
-// (kernels/reference.py: fma32_flushed). With AVX512_BF16 that is one instruction per chunk;
-// on other x86 targets two FMAs under MXCSR's DAZ and FTZ (which flush the same way: measured, and
-// tests/test_cpu_isa_variants.py builds them), set by PairFlush around the steps; on NEON and the scalar path
-// the flushes are written out (step_flushed).
+// (kernels/reference.py: fma32_flushed). With AVX512_BF16 that is one instruction per chunk
+// (except in the GEMM's one-row tiles: SplitPairs); on other x86 targets two FMAs under MXCSR's DAZ
+// and FTZ (which flush the same way: measured, and tests/test_cpu_isa_variants.py builds them), set
+// by PairFlush around the steps; on NEON and the scalar path the flushes are written out
+// (step_flushed).
 namespace tf {
 
 constexpr float TINY32 = 0x1p-126f;  // the smallest normal float32
