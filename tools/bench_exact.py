@@ -156,14 +156,15 @@ def main():
           f"load average {loadavg()}")
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for label, exact_fn, stock_fn, native_fn in attention_cases(dtype) + other_cases(dtype):
+        for label, reference_fn, stock_fn, native_fn in attention_cases(dtype) + other_cases(dtype):
             runs = max(1, args.runs // 10) if "prefill" in label or "linear" in label else args.runs
-            ms_exact = best_ms(exact_fn, runs, args.repeats, args.warmup)
+            ms_reference = best_ms(reference_fn, runs, args.repeats, args.warmup)
             ms_stock = best_ms(stock_fn, runs, args.repeats, args.warmup)
             ms_native = best_ms(native_fn, args.runs, args.repeats, args.warmup) if native_fn else None
+            native = ms_native is not None
             rows.append([label, str(dtype).removeprefix("torch."),
-                         f"{ms_native:.3f}" if ms_native else "-", f"{ms_exact:.3f}", f"{ms_stock:.3f}",
-                         f"{ms_native / ms_stock:.2f}x" if ms_native else "-", f"{ms_exact / ms_stock:.2f}x"])
+                         f"{ms_native:.3f}" if native else "-", f"{ms_reference:.3f}", f"{ms_stock:.3f}",
+                         f"{ms_native / ms_stock:.2f}x" if native else "-", f"{ms_reference / ms_stock:.2f}x"])
     print()
     print_table(["op", "dtype", "C++ ms", "reference ms", "stock ms", "C++ / stock", "reference / stock"], rows)
     print(f"\nload average after the run: {loadavg()}")

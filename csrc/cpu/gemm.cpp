@@ -9,7 +9,8 @@
 // (kernels/reference.py `linear`) gets each step's rounding from float64 rounded to odd. How rows
 // are grouped into register tiles, how columns are split over threads and how many threads run
 // change the speed, never a bit: a row alone and the same row among 511 others give the same
-// outputs. There is no switch by row count. On AVX2 gemm_by_lane.cpp computes the same sums with
+// outputs. No row count picks other arithmetic: bfloat16 one-row tiles spell the same steps as
+// two FMAs (ChunkFor), the same bits. On AVX2 gemm_by_lane.cpp computes the same sums with
 // a register layout AVX2's sixteen registers suit (and a packed layout of its own).
 #include <algorithm>
 #include <cstring>
@@ -39,35 +40,33 @@ struct Chunk<float> {
     void done(V16*, int) {}
   };
 };
-template <>
-struct Chunk<bf16> {
+// bfloat16 chunks: 32 elements, the pairs stepped by v16_dot_pairs on the register type R (loaded
+// by Load) under the flush mode M.
+template <typename R, R (*Load)(const bf16*), typename M>
+struct PairChunk {
   static constexpr int64_t width = 32;
-  using Reg = P32;
-  static Reg load(const bf16* p) { return p32_load(p); }
+  using Reg = R;
+  static Reg load(const bf16* p) { return Load(p); }
   static V16 step(V16 acc, const Reg& x, const Reg& w) { return v16_dot_pairs(acc, x, w); }
-  using Mode = PairFlush;
+  using Mode = M;
 };
+template <>
+struct Chunk<bf16> : PairChunk<P32, p32_load, PairFlush> {};
 
 // The chunk steps a register tile of MR rows takes. With AVX512_BF16, one-row tiles take the
-// pairs as two FMAs under MXCSR's flushes instead of vdpbf16ps: the same bits (the instruction's
-// steps, flushed alike), and faster where a row has no other to share each widened W chunk with
-// and vdpbf16ps runs at half the FMA rate (an Intel Xeon: bf16 one-stream decode +7%); two-row
-// tiles keep the instruction (prefill 12% faster with it there).
+// pairs as two FMAs under MXCSR's flushes instead of vdpbf16ps: the same steps, flushed alike, so
+// the same bits (the kernel tests run both tile shapes against the reference, and the startup
+// probes a row alone against it among others); faster where a row has no other to share each
+// widened W chunk with and vdpbf16ps runs at half the FMA rate (an Intel Xeon: bf16 one-stream
+// decode +7%). Two-row tiles keep the instruction (prefill 12% faster with it there).
 template <typename T, int MR>
 struct ChunkFor {
   using type = Chunk<T>;
 };
 #if defined(__AVX512BF16__)
-struct SplitChunk {
-  static constexpr int64_t width = 32;
-  using Reg = SplitPairs;
-  static Reg load(const bf16* p) { return split_pairs_load(p); }
-  static V16 step(V16 acc, const Reg& x, const Reg& w) { return v16_dot_pairs(acc, x, w); }
-  using Mode = MxcsrFlush;
-};
 template <>
 struct ChunkFor<bf16, 1> {
-  using type = SplitChunk;
+  using type = PairChunk<SplitPairs, split_pairs_load, MxcsrFlush>;
 };
 #endif
 

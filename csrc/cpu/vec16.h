@@ -211,15 +211,16 @@ inline V16 v16_dot_pairs(V16 acc, P32 a, P32 b) {
 #endif
 #endif
 
-// MXCSR's DAZ and FTZ, held while it lives (x86 with AVX-512 or AVX2), for the split pair steps.
-// `done(acc, n)` ends it early: the n accumulators are spilled to memory first, so that no step of
-// theirs can be scheduled after the mode returns (what follows, the lanes' fold, is plain IEEE
-// arithmetic).
+// No flush mode: the steps flush by themselves (vdpbf16ps, or written out).
 class NoFlush {
  public:
   void done(V16*, int) {}
 };
 #if defined(__AVX512F__) || defined(TF_AVX2)
+// MXCSR's DAZ and FTZ, held while it lives (x86 with AVX-512 or AVX2), for the split pair steps.
+// `done(acc, n)` ends it early: the n accumulators are spilled to memory first, so that no step of
+// theirs can be scheduled after the mode returns (what follows, the lanes' fold, is plain IEEE
+// arithmetic).
 class MxcsrFlush {
  public:
   MxcsrFlush() {
