@@ -37,6 +37,11 @@ namespace {
 
 constexpr int BLOCK = 32;
 constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
+// How far ahead of the record in use a group's loop asks for the next ones (about 2 KiB, whole
+// records). A thread streams its groups' records front to back, but the hardware prefetcher stops
+// at each 4 KiB page: without this, one-stream decode of the default model (dtype auto) ran
+// 142-155 tok/s against 177-216 with it, four streams 330-343 against 401-424.
+constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr float X_MAX = 127.0f;     // |xq| <= 127
 constexpr float F16_MAX = 65504.0f;  // float16 scales saturate here
 constexpr int64_t MAGIC = 0x544651554e540002;  // "TFQUNT" v2
@@ -222,6 +227,16 @@ inline const uint8_t* record_at(const uint8_t* packed, const Layout& L, int64_t 
   return packed + 64 + (g * L.blocks + b) * L.record;
 }
 
+// Where the prefetch of record_at's successors reads: PREFETCH_BYTES ahead in whole records (past
+// the group's last block it reads the next group's first, which the task streams next).
+inline int64_t prefetch_distance(const Layout& L) { return (PREFETCH_BYTES + L.record - 1) / L.record * L.record; }
+
+inline void prefetch_record(const uint8_t* rec, const Layout& L) {  // every cache line it touches
+  const uintptr_t end = reinterpret_cast<uintptr_t>(rec) + L.record;
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(rec) & ~uintptr_t{63}; line < end; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line));
+}
+
 struct ColumnScales {
   int32_t s[2], sexp, min, mexp;  // S per half, E - top, M, F - top
 };
@@ -355,8 +370,10 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     sdeltas[r] = rows[r0 + r].sdelta.data();
   }
   const __m512i topv = _mm512_loadu_si512(top);
+  const int64_t ahead = prefetch_distance(L);
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = record_at(packed, L, g, b);
+    prefetch_record(rec + ahead, L);
     __m512i u[8];
     if constexpr (NIBBLES) {
       for (int q = 0; q < 4; ++q) {
@@ -505,8 +522,10 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i top_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
   const __m256i top_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8));
+  const int64_t ahead = prefetch_distance(L);
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = record_at(packed, L, g, b);
+    prefetch_record(rec + ahead, L);
     __m256i u[8][2];  // quad q, columns 8h..8h+7
     for (int h = 0; h < 2; ++h) {
       if constexpr (NIBBLES) {
