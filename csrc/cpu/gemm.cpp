@@ -98,21 +98,29 @@ void pack_impl(const T* w, T* packed, int64_t N, int64_t K) {
   }
 }
 
-// W's bytes [p + PREFETCH_BYTES, + bytes): a task streams its packed tiles front to back, but the
-// hardware prefetcher stops at each 4 KiB page (on an Intel Xeon, bf16 one-stream decode 72-78 ->
-// 81-86 tok/s, four streams 195-215 -> 231-238; asked by every register tile, it cost prefill 5%).
-template <typename T>
-inline void prefetch_w(const T* p, int64_t bytes) {
-  const char* ahead = reinterpret_cast<const char*>(p) + PREFETCH_BYTES;
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(ahead + o);
-}
+// What a register tile asks the memory for ahead of its loads: at chunk c, the cache lines that
+// begin in [from + c per_chunk, from + (c + 1) per_chunk) (none when per_chunk is 0). A task
+// streams its packed tiles front to back, but the hardware prefetcher stops at each 4 KiB page, and
+// the row tiles after the first find their packed tile in cache and would leave the memory idle:
+// so the first pass over a packed tile asks PREFETCH_BYTES ahead of itself, and each later pass a
+// slice of the next packed tile (ahead_of). On an Intel Xeon, bf16 one-stream decode 74-77 ->
+// 80-83 tok/s with the first pass's; the slices took the 30 layers' GEMMs at 8 rows from 14.4-14.7
+// to 12.3-12.4 ms and at 16 rows from 24.0-24.1 to 20.3-20.6 (4 rows: 10.0-10.5 either way).
+struct Ahead {
+  const char* from = nullptr;
+  int64_t per_chunk = 0;
+  void at(int64_t c) const {
+    if (per_chunk == 0) return;
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(from) + c * per_chunk, hi = lo + per_chunk;
+    for (uintptr_t line = (lo + 63) & ~uintptr_t{63}; line < hi; line += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(line));
+  }
+};
 
 // A register tile: MR rows of x times NC columns (j0, j0 + 1, ...) of one packed tile of `cols`.
-// `first`: the first register tile over this packed tile, which reads W from memory (the later ones
-// find it in cache) and asks for W's next bytes ahead of its loads.
 template <typename T, int MR, int NC>
 void tile(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T* out, int64_t ldo, int64_t K,
-          bool first) {
+          const Ahead& ahead) {
   using C = typename ChunkFor<T, MR>::type;
   constexpr int64_t width = C::width;
   V16 sums[MR * NC];  // the lanes after the last step, folded once the steps' mode is over
@@ -124,7 +132,7 @@ void tile(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T* out,
     const int64_t body = K / width;
     for (int64_t c = 0; c < body; ++c) {
       const T* wc = w + (c * cols + j0) * width;
-      if (first) prefetch_w(wc, NC * width * static_cast<int64_t>(sizeof(T)));
+      ahead.at(c);
       typename C::Reg xv[MR];  // each column's chunk is loaded once and serves the MR rows
       for (int i = 0; i < MR; ++i) xv[i] = C::load(x + i * ldx + c * width);
       for (int j = 0; j < NC; ++j) {
@@ -160,11 +168,11 @@ void tile(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T* out,
 // The same with the column count chosen at run time (a full tile, or the narrower last one).
 template <typename T, int MR, int NC_MAX>
 void tile_upto(const T* x, int64_t ldx, const T* w, int64_t cols, int64_t j0, T* out, int64_t ldo, int64_t K,
-               int nc, bool first) {
+               int nc, const Ahead& ahead) {
   if constexpr (NC_MAX > 1) {
-    if (nc < NC_MAX) return tile_upto<T, MR, NC_MAX - 1>(x, ldx, w, cols, j0, out, ldo, K, nc, first);
+    if (nc < NC_MAX) return tile_upto<T, MR, NC_MAX - 1>(x, ldx, w, cols, j0, out, ldo, K, nc, ahead);
   }
-  tile<T, MR, NC_MAX>(x, ldx, w, cols, j0, out, ldo, K, first);
+  tile<T, MR, NC_MAX>(x, ldx, w, cols, j0, out, ldo, K, ahead);
 }
 
 // Register tiles of rows x cols accumulators; each W load serves the tile's rows, and the packed
@@ -187,17 +195,37 @@ struct TileShape<float> {
 
 // Columns [0, cols) of a packed tile for MR rows, NC columns at a time.
 template <typename T, int MR, int NC>
-void rows_by_cols(const T* x, const T* tile_w, T* out, int cols, int64_t N, int64_t K, bool first) {
-  for (int j0 = 0; j0 < cols; j0 += NC)
-    tile_upto<T, MR, NC>(x, K, tile_w, cols, j0, out + j0, N, K, std::min(NC, cols - j0), first);
+void rows_by_cols(const T* x, const T* tile_w, T* out, int cols, int64_t N, int64_t K, const Ahead& ahead) {
+  for (int j0 = 0; j0 < cols; j0 += NC)  // the first column tile's chunks span the packed tile's: it asks
+    tile_upto<T, MR, NC>(x, K, tile_w, cols, j0, out + j0, N, K, std::min(NC, cols - j0), j0 == 0 ? ahead : Ahead{});
+}
+
+// What pass p of `passes` over a packed tile of `cols` columns asks for (Ahead): the first, the
+// bytes PREFETCH_BYTES ahead of its own loads (into the next packed tile at its end); each later
+// one an even slice of the next packed tile's bytes past those.
+template <typename T>
+Ahead ahead_of(const T* tile_w, int cols, int64_t K, int64_t p, int64_t passes) {
+  constexpr int64_t width = Chunk<T>::width;
+  const int64_t chunks = K / width, chunk_bytes = cols * width * static_cast<int64_t>(sizeof(T));
+  const int64_t bytes = cols * padded_k<T>(K) * static_cast<int64_t>(sizeof(T));
+  const char* w = reinterpret_cast<const char*>(tile_w);
+  if (chunks == 0) return {};
+  if (p == 0) return {w + PREFETCH_BYTES, chunk_bytes};
+  const int64_t rest = bytes - PREFETCH_BYTES;  // the next tile's bytes the first pass leaves
+  if (rest <= 0) return {};
+  const int64_t lo = PREFETCH_BYTES + (p - 1) * rest / (passes - 1), hi = PREFETCH_BYTES + p * rest / (passes - 1);
+  return {w + bytes + lo, (hi - lo + chunks - 1) / chunks};
 }
 
 template <typename T, int MR, int NC>
 void rows_in_tiles(const T* x, const T* tile_w, T* out, int64_t m0, int64_t m1, int64_t n, int cols, int64_t N,
                    int64_t K) {
-  int64_t m = m0;
-  for (; m + MR <= m1; m += MR) rows_by_cols<T, MR, NC>(x + m * K, tile_w, out + m * N + n, cols, N, K, m == 0);
-  for (; m < m1; ++m) rows_by_cols<T, 1, TILE_COLS>(x + m * K, tile_w, out + m * N + n, cols, N, K, m == 0);
+  const int64_t passes = (m1 - m0) / MR + (m1 - m0) % MR;
+  int64_t m = m0, p = 0;
+  for (; m + MR <= m1; m += MR, ++p)
+    rows_by_cols<T, MR, NC>(x + m * K, tile_w, out + m * N + n, cols, N, K, ahead_of(tile_w, cols, K, p, passes));
+  for (; m < m1; ++m, ++p)
+    rows_by_cols<T, 1, TILE_COLS>(x + m * K, tile_w, out + m * N + n, cols, N, K, ahead_of(tile_w, cols, K, p, passes));
 }
 
 // Rows [m0, m1) against the packed tile of columns [n, n + cols).
