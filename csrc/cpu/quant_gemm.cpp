@@ -370,10 +370,11 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     sdeltas[r] = rows[r0 + r].sdelta.data();
   }
   const __m512i topv = _mm512_loadu_si512(top);
+  const bool first = r0 == 0;  // the first row tile reads the group from memory; the later find it in cache
   const int64_t ahead = prefetch_distance(L);
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = record_at(packed, L, g, b);
-    prefetch_record(rec + ahead, L);
+    if (first) prefetch_record(rec + ahead, L);
     __m512i u[8];
     if constexpr (NIBBLES) {
       for (int q = 0; q < 4; ++q) {
@@ -522,10 +523,11 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i top_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
   const __m256i top_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8));
+  const bool first = r0 == 0;  // the first row tile reads the group from memory; the later find it in cache
   const int64_t ahead = prefetch_distance(L);
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = record_at(packed, L, g, b);
-    prefetch_record(rec + ahead, L);
+    if (first) prefetch_record(rec + ahead, L);
     __m256i u[8][2];  // quad q, columns 8h..8h+7
     for (int h = 0; h < 2; ++h) {
       if constexpr (NIBBLES) {
