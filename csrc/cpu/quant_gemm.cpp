@@ -40,7 +40,8 @@ constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
 // How far ahead of the record in use a group's loop asks for the next ones (about 2 KiB, whole
 // records). A thread streams its groups' records front to back, but the hardware prefetcher stops
 // at each 4 KiB page: without this, one-stream decode of the default model (dtype auto) ran
-// 142-155 tok/s against 177-216 with it, four streams 330-343 against 401-424.
+// 142-155 tok/s against 206-223 with it, four streams 330-343 against 434-459 (an Intel Xeon).
+// Into L1: the L2 hint, which the dense GEMM takes, was slower here (one stream 179-200).
 constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr float X_MAX = 127.0f;     // |xq| <= 127
 constexpr float F16_MAX = 65504.0f;  // float16 scales saturate here
