@@ -6,7 +6,7 @@ each exact CPU op (compiled and as its reference) next to its stock counterpart 
 run; bench_native.py decodes a few tokens next to llama.cpp (when installed); bench_quant.py runs
 its four sections (speed, memory, agreement, K-quants) at tiny sizes; bench_grammar.py runs each
 grammar constrained and free; bench_attention.py times the decode attention over a few hundred
-keys.
+keys; bench_gemm.py the default model's layer GEMMs at two row counts.
 """
 import os
 import re
@@ -78,3 +78,14 @@ def test_bench_attention_runs():
         pytest.skip(f"the C++ kernels are not built: {native_problem()}")
     out = run_tool("tools/bench_attention.py", "--keys", "300", "--layers", "2", "--repeats", "1", "--cache", "float32")
     assert re.search(r"over 300 keys, q float32, cache float32: \d+\.\d+ ms per call", out), out
+
+
+def test_bench_gemm_runs():
+    """The layers' GEMMs of the default model at two row counts, one round."""
+    import pytest
+
+    from tensorfold.backends import native_problem
+    if native_problem() is not None:
+        pytest.skip(f"the C++ kernels are not built: {native_problem()}")
+    out = run_tool("tools/bench_gemm.py", "--dtypes", "bfloat16", "--rows", "1,3", "--repeats", "1")
+    assert re.search(r"\| bfloat16 \| 120 bfloat16 \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\d \|", out), out
