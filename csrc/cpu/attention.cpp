@@ -24,6 +24,7 @@
 #include "exact.h"
 #include "kernels.h"
 #include "lanes.h"
+#include "prefetch.h"
 #include "vec16.h"
 
 namespace tf {
@@ -252,8 +253,8 @@ void load_chunk(const ItemState& s, const Cache<T>& c, const T* base, const T* a
   for (int64_t j = 0; j < n; ++j) {
     if (c0 + KEY_CHUNK + j < k_end) {
       const int64_t ahead = c.offset(s.table, c0 + KEY_CHUNK + j, s.h0);
-      prefetch_row(base + ahead, run);
-      if (also != nullptr) prefetch_row(also + ahead, run);
+      prefetch_lines(base + ahead, run);
+      if (also != nullptr) prefetch_lines(also + ahead, run);
     }
     const T* row = base + c.offset(s.table, c0 + j, s.h0);
     for (int64_t hh = 0; hh < s.heads(); ++hh) {
@@ -432,8 +433,8 @@ inline void prefetch_keys(const int64_t* ahead, int64_t j, int64_t n, int64_t he
                           const T* also) {
   for (int64_t i = j; i < j + n; ++i) {
     if (ahead[i] < 0) return;
-    prefetch_row(base + ahead[i] + head * d, d * static_cast<int64_t>(sizeof(T)));
-    if (also != nullptr) prefetch_row(also + ahead[i] + head * d, d * static_cast<int64_t>(sizeof(T)));
+    prefetch_lines(base + ahead[i] + head * d, d * static_cast<int64_t>(sizeof(T)));
+    if (also != nullptr) prefetch_lines(also + ahead[i] + head * d, d * static_cast<int64_t>(sizeof(T)));
   }
 }
 
@@ -462,8 +463,8 @@ void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int6
     const int64_t n4 = (n + 3) / 4 * 4;
     for (int64_t g = 0; g < n4; g += 4) {  // key by key: each key's V rows of all heads are one run
       for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j) {  // the next chunk's rows, a few at a time
-        prefetch_row_l2(c.k + ahead[j], run);
-        prefetch_row_l2(c.v + ahead[j], run);
+        prefetch_lines<TO_FAR>(c.k + ahead[j], run);  // needed after the next few hundred cycles
+        prefetch_lines<TO_FAR>(c.v + ahead[j], run);
       }
       for (int64_t hh = 0; hh < s.heads(); ++hh) {
         const T* v_rows[4];

@@ -75,19 +75,6 @@ inline void row_to_f64(const bf16* x, double* out, int64_t d) {
   for (; i < d; ++i) out[i] = to_f32(x[i]);
 }
 
-// The cache lines of a row of `bytes` bytes, asked for ahead of their use (a hint: no effect on
-// any result).
-inline void prefetch_row(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
-}
-
-// The same into the second-level cache only (for rows needed later than the next few hundred cycles).
-inline void prefetch_row_l2(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
-}
-
 #if defined(TF_F64X4)
 // dots8 four lanes at a time, d a multiple of 4; with d a constant (the common head sizes) the
 // eight rows are one base register and constant offsets, not eight pointers spilled to the stack.

@@ -17,6 +17,7 @@
 
 #include "gemm_by_lane.h"
 #include "kernels.h"
+#include "prefetch.h"
 #include "vec16.h"
 
 namespace tf {
@@ -98,26 +99,18 @@ void pack_impl(const T* w, T* packed, int64_t N, int64_t K) {
   }
 }
 
-// What a register tile asks the memory for ahead of its loads: at chunk c, the cache lines that
-// begin in [from + c per_chunk, from + (c + 1) per_chunk) (none when per_chunk is 0). A task
-// streams its packed tiles front to back, but the hardware prefetcher stops at each 4 KiB page, and
-// the row tiles after the first find their packed tile in cache and would leave the memory idle:
-// so the first pass over a packed tile asks PREFETCH_BYTES ahead of itself, and each later pass a
-// slice of the next packed tile (ahead_of). On an Intel Xeon, bf16 one-stream decode 74-77 ->
-// 80-83 tok/s with the first pass's; the slices took the 30 layers' GEMMs at 8 rows from 14.4-14.7
-// to 12.3-12.4 ms and at 16 rows from 24.0-24.1 to 20.3-20.6 (4 rows: 10.0-10.5 either way).
-// Into the second-level cache (prefetcht1): a first-level prefetch holds one of the core's few
-// fill buffers until its line arrives, and while the later passes worked on the tile in cache
-// those ran out; with prefetcht1, 4 rows 11.1-11.5 -> 9.5-10.1 ms and bf16 four-stream decode
-// 211-233 -> 252-271 tok/s (one stream 82-86 -> 84-90).
+// What a register tile asks the memory for ahead of its loads, into L2: at chunk c, the bytes
+// [from + c per_chunk, from + (c + 1) per_chunk) (nothing when per_chunk is 0). A task streams its
+// packed tiles front to back, and the row tiles after the first find their packed tile in cache
+// and would leave the memory idle: so the first pass over a packed tile asks PREFETCH_BYTES ahead
+// of itself, and each later pass a slice of the next packed tile (ahead_of). L2, not L1: an L1
+// prefetch holds a fill buffer until its line arrives, and four-row GEMMs ran 15% slower so.
+// Measured: csrc/cpu/README.md, "The GEMM".
 struct Ahead {
   const char* from = nullptr;
   int64_t per_chunk = 0;
   void at(int64_t c) const {
-    if (per_chunk == 0) return;
-    const uintptr_t lo = reinterpret_cast<uintptr_t>(from) + c * per_chunk, hi = lo + per_chunk;
-    for (uintptr_t line = (lo + 63) & ~uintptr_t{63}; line < hi; line += 64)
-      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+    if (per_chunk > 0) prefetch_lines<TO_L2>(from + c * per_chunk, per_chunk);
   }
 };
 

@@ -23,6 +23,7 @@
 #include "exact.h"
 #include "kernels.h"
 #include "lanes.h"
+#include "prefetch.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -228,14 +229,18 @@ inline const uint8_t* record_at(const uint8_t* packed, const Layout& L, int64_t 
   return packed + 64 + (g * L.blocks + b) * L.record;
 }
 
-// Where the prefetch of record_at's successors reads: PREFETCH_BYTES ahead in whole records (past
-// the group's last block it reads the next group's first, which the task streams next).
-inline int64_t prefetch_distance(const Layout& L) { return (PREFETCH_BYTES + L.record - 1) / L.record * L.record; }
+// How far ahead of record_at a group's first row tile asks for records: PREFETCH_BYTES in whole
+// records (past the group's last block, the next group's first, which the task streams next); 0
+// (nothing) for the later row tiles, which find the group in cache.
+inline int64_t prefetch_distance(const Layout& L, int64_t r0) {
+  return r0 == 0 ? (PREFETCH_BYTES + L.record - 1) / L.record * L.record : 0;
+}
 
-inline void prefetch_record(const uint8_t* rec, const Layout& L) {  // every cache line it touches
-  const uintptr_t end = reinterpret_cast<uintptr_t>(rec) + L.record;
-  for (uintptr_t line = reinterpret_cast<uintptr_t>(rec) & ~uintptr_t{63}; line < end; line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(line));
+// Block b of group g's record, asking for the one `ahead` bytes on (none when ahead is 0).
+inline const uint8_t* streamed_record(const uint8_t* packed, const Layout& L, int64_t g, int64_t b, int64_t ahead) {
+  const uint8_t* rec = record_at(packed, L, g, b);
+  if (ahead > 0) prefetch_lines(rec + ahead, L.record);
+  return rec;
 }
 
 struct ColumnScales {
@@ -371,11 +376,9 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     sdeltas[r] = rows[r0 + r].sdelta.data();
   }
   const __m512i topv = _mm512_loadu_si512(top);
-  const bool first = r0 == 0;  // the first row tile reads the group from memory; the later find it in cache
-  const int64_t ahead = prefetch_distance(L);
+  const int64_t ahead = prefetch_distance(L, r0);
   for (int64_t b = 0; b < L.blocks; ++b) {
-    const uint8_t* rec = record_at(packed, L, g, b);
-    if (first) prefetch_record(rec + ahead, L);
+    const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m512i u[8];
     if constexpr (NIBBLES) {
       for (int q = 0; q < 4; ++q) {
@@ -524,11 +527,9 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i top_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
   const __m256i top_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8));
-  const bool first = r0 == 0;  // the first row tile reads the group from memory; the later find it in cache
-  const int64_t ahead = prefetch_distance(L);
+  const int64_t ahead = prefetch_distance(L, r0);
   for (int64_t b = 0; b < L.blocks; ++b) {
-    const uint8_t* rec = record_at(packed, L, g, b);
-    if (first) prefetch_record(rec + ahead, L);
+    const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m256i u[8][2];  // quad q, columns 8h..8h+7
     for (int h = 0; h < 2; ++h) {
       if constexpr (NIBBLES) {
