@@ -216,10 +216,35 @@ def test_write_kv_puts_each_vector_on_its_grid(draw, threads, dtype, kv_dtype, h
     k[1, 0, 0] = 1.99999988079071044921875  # rounds up to 2: the grid's exponent is lifted
     k[2, 1, :2] = torch.tensor([1.00390625, 1.01171875])  # ties in bfloat16: to even, down and up
     v[3, 0, 5] = -1.99609375            # rounds to -2 in bfloat16: the grid's exponent lifted there
+    v[4, 1] = 0.0                       # a zero V row: the exponent of 0
+    v[5, 0, 3] = NAN                    # a NaN: its exponent field, 128
     attention_ref.write_kv_ref(k_ref, v_ref, k, v, slots)
     _cpu.write_kv(k_got, v_got, k, v, slots)
     assert torch.equal(k_got.nan_to_num(7.0), k_ref.nan_to_num(7.0)), str(draw)
     assert torch.equal(v_got.nan_to_num(7.0), v_ref.nan_to_num(7.0)), str(draw)
+    # the record of V's exponents (KVCache.v_exp): the reference's, slots not written untouched
+    record_ref = torch.full((blocks, block_size, kv_heads), -999, dtype=torch.int16)
+    record_got = record_ref.clone()
+    attention_ref.write_kv_ref(k_ref, v_ref, k, v, slots, v_exp=record_ref)
+    _cpu.write_kv(k_got, v_got, k, v, slots, v_exp=record_got)
+    assert torch.equal(record_got, record_ref), str(draw)
+    stored = v_ref.view(-1, kv_heads, head_dim)[slots]
+    assert torch.equal(record_ref.view(-1, kv_heads)[slots].int(), attention_ref.v_exponents(stored)), str(draw)
+    assert (record_ref.view(-1, kv_heads)[slots] == 128).any() and (record_got == -999).sum() == \
+        (blocks * block_size - tokens) * kv_heads, str(draw)
+
+
+def test_write_kv_and_attention_reject_a_record_of_another_shape(draw):
+    k_cache, v_cache, _ = _filled_cache(draw, torch.float32, 2, 16, 2, 64)
+    q = randn(draw, 1, 2, 64)
+    assert k_cache.shape[:3] == (4, 16, 2)  # two blocks written and two more in the pool
+    for bad in (torch.zeros(3, 16, 2, dtype=torch.int16), torch.zeros(4, 16, 2, dtype=torch.int32),
+                torch.zeros(4, 2, 16, dtype=torch.int16).transpose(1, 2)):
+        with pytest.raises(RuntimeError, match="v_exp must be"):
+            _cpu.write_kv(k_cache, v_cache, q, q, torch.tensor([0]), v_exp=bad)
+        with pytest.raises(RuntimeError, match="v_exp must be"):
+            _cpu.paged_attention(q, k_cache, v_cache, torch.tensor([3]), torch.tensor([[0, 1]]), torch.tensor([0, 1]),
+                                 0.125, 0, v_exp=bad)
 
 
 def test_write_kv_from_the_fused_qkv_rows_rounds_to_a_bfloat16_cache(draw):
@@ -244,14 +269,20 @@ def test_write_kv_from_the_fused_qkv_rows_rounds_to_a_bfloat16_cache(draw):
 
 def _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype=None):
     """A NaN-poisoned pool (of kv_dtype, default dtype) whose first `blocks` are written through
-    write_kv_ref from k, v of `dtype` (as the engine fills it)."""
+    write_kv_ref from k, v of `dtype` (as the engine fills it), and the record of its V exponents
+    (KVCache.v_exp; poisoned past the blocks written)."""
     k_cache = torch.full((blocks + 2, block_size, kv_heads, head_dim), NAN, dtype=kv_dtype or dtype)
     v_cache = k_cache.clone()
+    record = torch.full(k_cache.shape[:3], 999, dtype=torch.int16)
     slots = torch.arange(blocks * block_size)
     attention_ref.write_kv_ref(k_cache, v_cache, randn(draw, len(slots), kv_heads, head_dim, dtype=dtype, scale=2.0),
                                randn(draw, len(slots), kv_heads, head_dim, dtype=dtype) *
-                               draw.rand(len(slots), kv_heads, 1).to(dtype) * 16, slots)
-    return k_cache, v_cache
+                               draw.rand(len(slots), kv_heads, 1).to(dtype) * 16, slots, v_exp=record)
+    return k_cache, v_cache, record
+
+
+# The attention reads the V exponents from the cache's record, or from the V rows without one.
+RECORDS = (False, True)
 
 
 # (heads, kv_heads, head_dim, window, block_size): GQA, windows, the vector widths' head sizes,
@@ -265,7 +296,7 @@ ATTENTION_SHAPES = [(9, 3, 64, None, 16), (4, 4, 128, None, 16), (2, 1, 256, 7, 
 def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, kv_dtype, heads, kv_heads, head_dim,
                                                          window, block_size):
     blocks = 12 * 16 // block_size
-    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
+    k_cache, v_cache, record = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
     table = torch.randperm(blocks, generator=draw.gen)  # blocks shuffled in the pool
     num_rows = blocks * block_size
     q = randn(draw, num_rows, heads, head_dim, dtype=dtype, scale=3.0)
@@ -274,9 +305,11 @@ def test_attention_prefill_chunks_decode_and_verify_rows(draw, threads, dtype, k
     for start, end in ((0, num_rows), (13, 40), (150, 151), (100, 107)):  # prefill, chunk, decode, verify
         want = attention_ref.paged_attention_ref(q[start:end], k_cache, v_cache, positions[start:end], table,
                                                  scale, window)
-        got = _cpu.paged_attention(q[start:end], k_cache, v_cache, positions[start:end], table.view(1, -1),
-                                   torch.tensor([0, end - start]), scale, window or 0, out=poisoned(want))
-        assert_bitwise(got, want, draw, f"attention rows [{start}, {end})")
+        for recorded in RECORDS:
+            got = _cpu.paged_attention(q[start:end], k_cache, v_cache, positions[start:end], table.view(1, -1),
+                                       torch.tensor([0, end - start]), scale, window or 0,
+                                       v_exp=record if recorded else None, out=poisoned(want))
+            assert_bitwise(got, want, draw, f"attention rows [{start}, {end}), record {recorded}")
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
@@ -286,7 +319,7 @@ def test_attention_many_sequences_in_one_call(draw, threads, dtype, kv_dtype, he
     """Decode rows, a verify run and a prefill chunk of four sequences at once: each row equals the
     reference of its own sequence."""
     blocks = 10 * 16 // block_size + 1
-    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
+    k_cache, v_cache, record = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
     tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(4)]
     runs = [(37, 38), (120, 128), (5, 6), (60, 95)]  # [first, last + 1) positions per sequence
     q = randn(draw, sum(e - s for s, e in runs), heads, head_dim, dtype=dtype, scale=3.0)
@@ -295,16 +328,17 @@ def test_attention_many_sequences_in_one_call(draw, threads, dtype, kv_dtype, he
     for s, e in runs:
         starts.append(starts[-1] + e - s)
     scale = head_dim ** -0.5
-    got = _cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), scale,
-                               window or 0, out=poisoned(q))
+    got = [_cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), scale,
+                                window or 0, v_exp=record if recorded else None, out=poisoned(q)) for recorded in RECORDS]
     for i, table in enumerate(tables):
         rows = slice(starts[i], starts[i + 1])
         want = attention_ref.paged_attention_ref(q[rows], k_cache, v_cache, positions[rows], table, scale, window)
-        assert_bitwise(got[rows], want, draw, f"sequence {i}")
+        for recorded, out in zip(RECORDS, got):
+            assert_bitwise(out[rows], want, draw, f"sequence {i}, record {recorded}")
 
 
 def test_attention_and_cache_write_reject_caches_of_two_dtypes(draw):
-    k_cache, v_cache = _filled_cache(draw, torch.float32, 2, 16, 1, 64)
+    k_cache, v_cache, _ = _filled_cache(draw, torch.float32, 2, 16, 1, 64)
     q = randn(draw, 1, 1, 64)
     with pytest.raises(RuntimeError, match="one shape and dtype"):
         _cpu.paged_attention(q, k_cache, v_cache.bfloat16(), torch.tensor([3]), torch.tensor([[0, 1]]),
@@ -314,7 +348,7 @@ def test_attention_and_cache_write_reject_caches_of_two_dtypes(draw):
 
 
 def test_attention_rejects_a_position_past_its_table(draw):
-    k_cache, v_cache = _filled_cache(draw, torch.float32, 2, 16, 1, 64)
+    k_cache, v_cache, _ = _filled_cache(draw, torch.float32, 2, 16, 1, 64)
     q = randn(draw, 1, 1, 64)
     with pytest.raises(RuntimeError, match="past its table"):
         _cpu.paged_attention(q, k_cache, v_cache, torch.tensor([40]), torch.tensor([[0, 1]]), torch.tensor([0, 1]),
@@ -384,18 +418,19 @@ def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dt
     """Rows of a few queries over thousands of keys are split over the keys (two passes: maxima,
     then exact sums) and read the cache rows directly: each row still equals its reference."""
     block_size, blocks = 32, 100
-    k_cache, v_cache = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
+    k_cache, v_cache, record = _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype)
     tables = [torch.randperm(blocks, generator=draw.gen) for _ in range(3)]
     runs = [(3100, 3101), (1500, 1504), (1030, 1031)]  # decode, a 4-row verify run, decode
     q = randn(draw, sum(e - s for s, e in runs), heads, head_dim, dtype=dtype, scale=3.0)
     positions = torch.cat([torch.arange(s, e) for s, e in runs])
     starts = [0, 1, 5, 6]
-    got = _cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), 0.125,
-                               window or 0, out=poisoned(q))
+    got = [_cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), 0.125,
+                                window or 0, v_exp=record if recorded else None, out=poisoned(q)) for recorded in RECORDS]
     for i, table in enumerate(tables):
         rows = slice(starts[i], starts[i + 1])
         want = attention_ref.paged_attention_ref(q[rows], k_cache, v_cache, positions[rows], table, 0.125, window)
-        assert_bitwise(got[rows], want, draw, f"sequence {i}")
+        for recorded, out in zip(RECORDS, got):
+            assert_bitwise(out[rows], want, draw, f"sequence {i}, record {recorded}")
 
 
 # ---- the exact quantized GEMM (kernels/quant_gemm.py) ------------------------------------------

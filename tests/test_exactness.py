@@ -29,6 +29,7 @@ import torch
 from serving import running
 from tensorfold.api.replies import token_sha
 from tensorfold.api.service import Service
+from tensorfold.backends import backend_ops
 from tensorfold.chat.messages import render_chat
 from tensorfold.chat.template import ChatTemplate
 from tensorfold.engine.engine import Engine, EngineConfig
@@ -557,10 +558,12 @@ def test_a_prompt_whose_reply_ends_in_its_first_round_is_cached(tiny_llama):
 
 
 def _tiny_bytes_per_block(path, block_size=32):
-    """A block's bytes in the cache tiny_engine allocates (--kv-dtype auto: a dense model's own dtype)."""
+    """A block's bytes in the cache tiny_engine allocates (--kv-dtype auto: a dense model's own
+    dtype; the record of V's exponents where the cpu backend's op set keeps one)."""
     cfg = json.load(open(os.path.join(path, "config.json")))
     return KVCache.bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"],
-                                   kv_cache_dtype(EngineConfig(), quantized=False)) * block_size
+                                   kv_cache_dtype(EngineConfig(), quantized=False),
+                                   getattr(backend_ops("cpu"), "V_EXPONENT_RECORD", False)) * block_size
 
 
 def test_eviction_under_a_tiny_cache_budget_keeps_replies_exact(tiny_llama, solo):

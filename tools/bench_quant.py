@@ -90,7 +90,7 @@ def kv_cache_gib(tokens: int) -> float:
     from tensorfold.models.forward_batch import KVCache
 
     dtype = kv_cache_dtype(EngineConfig(dtype="auto"), quantized=True)
-    return KVCache.bytes_per_token(dtype=dtype, **DEFAULT_SHAPE) * tokens / 2**30
+    return KVCache.bytes_per_token(dtype=dtype, v_exponents=True, **DEFAULT_SHAPE) * tokens / 2**30
 
 
 def rss_child_ours(context: int, threads: int) -> dict:

@@ -182,10 +182,11 @@ template <typename T>
 struct Cache {
   const T* k;
   const T* v;
+  const int16_t* v_exp;  // per slot and KV head, its V row's exponent as write_kv recorded it; or null
   int64_t block_size, kv_heads, head_dim;
   int block_shift = -1;  // log2(block_size) when it is a power of two
-  Cache(const T* k_, const T* v_, int64_t block_size_, int64_t kv_heads_, int64_t head_dim_)
-      : k(k_), v(v_), block_size(block_size_), kv_heads(kv_heads_), head_dim(head_dim_) {
+  Cache(const T* k_, const T* v_, const int16_t* v_exp_, int64_t block_size_, int64_t kv_heads_, int64_t head_dim_)
+      : k(k_), v(v_), v_exp(v_exp_), block_size(block_size_), kv_heads(kv_heads_), head_dim(head_dim_) {
     for (int b = 0; b < 31; ++b)
       if ((int64_t{1} << b) == block_size) block_shift = b;
   }
@@ -194,6 +195,8 @@ struct Cache {
     const int64_t block = block_shift >= 0 ? key >> block_shift : key / block_size;
     return ((table[block] * block_size + key - block * block_size) * kv_heads + head) * head_dim;
   }
+  // The recorded exponent of the V row at `offset` (an offset() of this cache).
+  int recorded_exponent(int64_t offset) const { return v_exp[offset / head_dim]; }
 };
 
 // Which keys the item's lanes see, q on its grid (step 1), its buffers sized. A split item's keys
@@ -298,9 +301,15 @@ void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t 
   double* kf = t.rows.data();
   for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
     const int64_t n = std::min(KEY_CHUNK, k1 - c0);
-    load_chunk(s, c, c.k, c.v, c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {  // V for its exponents
-      s.v_exp[hh * s.keys + c0 - s.first + j] = exponent(max_abs(c.v + (k_row - c.k), d));
-    });
+    int* ve = s.v_exp.data() + c0 - s.first;
+    if (c.v_exp != nullptr)  // the exponents as recorded: V is not read here
+      load_chunk(s, c, c.k, static_cast<const T*>(nullptr), c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {
+        ve[hh * s.keys + j] = c.recorded_exponent(k_row - c.k);
+      });
+    else  // V for its exponents
+      load_chunk(s, c, c.k, c.v, c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {
+        ve[hh * s.keys + j] = exponent(max_abs(c.v + (k_row - c.k), d));
+      });
     for (int64_t hh = 0; hh < s.heads(); ++hh)  // a short chunk's last eight: their dots are not used
       std::fill(kf + (hh * KEY_CHUNK + n) * d, kf + (hh * KEY_CHUNK + (n + 7) / 8 * 8) * d, 0.0);
     for (int64_t lane = 0; lane < s.lanes; ++lane) {
@@ -462,10 +471,15 @@ void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int6
     chunk_offsets(s, c, c0 + KEY_CHUNK, KEY_CHUNK, k1, ahead);
     const int64_t n4 = (n + 3) / 4 * 4;
     for (int64_t g = 0; g < n4; g += 4) {  // key by key: each key's V rows of all heads are one run
-      for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j) {  // the next chunk's rows, a few at a time
-        prefetch_lines<TO_FAR>(c.k + ahead[j], run);  // needed after the next few hundred cycles
-        prefetch_lines<TO_FAR>(c.v + ahead[j], run);
+      if (c.v_exp != nullptr) {  // the exponents as recorded: V is not read in this pass
+        for (int64_t hh = 0; hh < s.heads(); ++hh) {
+          int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
+          for (int64_t j = g; j < g + 4 && j < n; ++j) ve[j] = c.recorded_exponent(offsets[j] + hh * d);
+        }
+        continue;
       }
+      for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j)  // the next chunk's V rows, a few at a time
+        prefetch_lines<TO_FAR>(c.v + ahead[j], run);          // (needed after the next few hundred cycles)
       for (int64_t hh = 0; hh < s.heads(); ++hh) {
         const T* v_rows[4];
         for (int64_t j = 0; j < 4; ++j) v_rows[j] = g + j < n ? c.v + offsets[g + j] + hh * d : zero_row<T>();
@@ -484,7 +498,12 @@ void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int6
         constexpr int L = decltype(lanes_in_pass)::value;
         const double* q[L];
         for (int l = 0; l < L; ++l) q[l] = s.q.data() + lanes[first + l] * d;
-        for (int64_t g = 0; g < n4; g += 4) dots_x4<L>(q, k_rows + g, d, dots + first * KEY_CHUNK + g, KEY_CHUNK);
+        for (int64_t g = 0; g < n4; g += 4) {
+          if (first == 0)  // the next chunk's K rows of this head, a few with each step of the dots
+            for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j)
+              prefetch_lines<TO_FAR>(c.k + ahead[j] + hh * d, d * static_cast<int64_t>(sizeof(T)));
+          dots_x4<L>(q, k_rows + g, d, dots + first * KEY_CHUNK + g, KEY_CHUNK);
+        }
       });
     }
     for (int64_t i = 0; i < s.lanes; ++i) {  // i: the lane's place in t.lanes (by KV head)
@@ -691,11 +710,11 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
 }
 
 template <typename T, typename C>
-void attention_impl(const T* q, const C* k_cache, const C* v_cache, T* out, const int64_t* positions,
+void attention_impl(const T* q, const C* k_cache, const C* v_cache, const int16_t* v_exp, T* out, const int64_t* positions,
                     const int64_t* tables, int64_t table_width, const int64_t* row_starts, int64_t num_seqs,
                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, double scale,
                     int64_t window, int threads) {
-  const Cache<C> cache{k_cache, v_cache, block_size, kv_heads, head_dim};
+  const Cache<C> cache{k_cache, v_cache, v_exp, block_size, kv_heads, head_dim};
   const float scale32 = static_cast<float>(scale);  // the kernels take scale as float32
   attention_items(q, cache, out, positions, tables, table_width, row_starts, num_seqs, heads, window, scale32, threads);
 }
@@ -715,8 +734,9 @@ void store_on_grid(const T* x, C* out, int64_t n, int bits) {
 }
 
 template <typename T, typename C>
-void write_kv_impl(C* k_cache, C* v_cache, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
-                   const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int threads) {
+void write_kv_impl(C* k_cache, C* v_cache, int16_t* v_exp, const T* k, int64_t k_stride, const T* v,
+                   int64_t v_stride, const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim,
+                   int threads) {
   const bool parallel = threads > 1 && tokens * kv_heads >= 64;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t t = 0; t < tokens; ++t)
@@ -724,6 +744,7 @@ void write_kv_impl(C* k_cache, C* v_cache, const T* k, int64_t k_stride, const T
       const int64_t dst = (slots[t] * kv_heads + h) * head_dim;
       store_on_grid(k + t * k_stride + h * head_dim, k_cache + dst, head_dim, QK_BITS);
       store_on_grid(v + t * v_stride + h * head_dim, v_cache + dst, head_dim, V_BITS);
+      if (v_exp != nullptr) v_exp[slots[t] * kv_heads + h] = static_cast<int16_t>(exponent(max_abs(v_cache + dst, head_dim)));
     }
 }
 
@@ -742,25 +763,25 @@ void dispatch(int dtype, int cache_dtype, F f) {
 
 }  // namespace
 
-void write_kv(int dtype, int cache_dtype, void* k_cache, void* v_cache, const void* k, int64_t k_stride,
-              const void* v, int64_t v_stride, const int64_t* slots, int64_t tokens, int64_t kv_heads,
-              int64_t head_dim, int threads) {
+void write_kv(int dtype, int cache_dtype, void* k_cache, void* v_cache, int16_t* v_exp, const void* k,
+              int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots, int64_t tokens,
+              int64_t kv_heads, int64_t head_dim, int threads) {
   dispatch(dtype, cache_dtype, [&](auto* t, auto* c) {
     using T = std::remove_pointer_t<decltype(t)>;
     using C = std::remove_pointer_t<decltype(c)>;
-    write_kv_impl(static_cast<C*>(k_cache), static_cast<C*>(v_cache), static_cast<const T*>(k), k_stride,
+    write_kv_impl(static_cast<C*>(k_cache), static_cast<C*>(v_cache), v_exp, static_cast<const T*>(k), k_stride,
                   static_cast<const T*>(v), v_stride, slots, tokens, kv_heads, head_dim, threads);
   });
 }
 
-void paged_attention(int dtype, int cache_dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
-                     const int64_t* positions, const int64_t* tables, int64_t table_width,
+void paged_attention(int dtype, int cache_dtype, const void* q, const void* k_cache, const void* v_cache,
+                     const int16_t* v_exp, void* out, const int64_t* positions, const int64_t* tables, int64_t table_width,
                      const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, int64_t block_size, double scale, int64_t window, int threads) {
   dispatch(dtype, cache_dtype, [&](auto* t, auto* c) {
     using T = std::remove_pointer_t<decltype(t)>;
     using C = std::remove_pointer_t<decltype(c)>;
-    attention_impl(static_cast<const T*>(q), static_cast<const C*>(k_cache), static_cast<const C*>(v_cache),
+    attention_impl(static_cast<const T*>(q), static_cast<const C*>(k_cache), static_cast<const C*>(v_cache), v_exp,
                    static_cast<T*>(out), positions, tables, table_width, row_starts, num_seqs, heads, kv_heads,
                    head_dim, block_size, scale, window, threads);
   });

@@ -53,4 +53,15 @@ inline void check_slots(const int64_t* slots, int64_t count, int64_t num_slots) 
     TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv: slot out of range");
 }
 
+// A cache's record of its V rows' exponents (write_kv's v_exp): int16 [blocks, block_size,
+// kv_heads], contiguous, beside a cache [blocks, block_size, kv_heads, head_dim]; null when absent.
+inline int16_t* exponent_record(const c10::optional<torch::Tensor>& v_exp, const torch::Tensor& cache,
+                                const char* what) {
+  if (!v_exp) return nullptr;
+  TORCH_CHECK(v_exp->device().is_cpu() && v_exp->scalar_type() == torch::kInt16 && v_exp->is_contiguous() &&
+                  v_exp->dim() == 3 && v_exp->sizes() == cache.sizes().slice(0, 3),
+              what, ": v_exp must be a contiguous int16 CPU tensor [blocks, block_size, kv_heads] beside the cache");
+  return v_exp->data_ptr<int16_t>();
+}
+
 }  // namespace tf_binding

@@ -59,16 +59,19 @@ void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride
 // The cache has a dtype of its own, `cache_dtype` (same codes): a bfloat16 cache may serve float32
 // activations and the reverse.
 // k, v [tokens, kv_heads, head_dim] of `dtype` (tokens k_stride / v_stride apart) into the cache
-// slots, each vector rounded to the cache's dtype, then put on its fixed-point grid.
-void write_kv(int dtype, int cache_dtype, void* k_cache, void* v_cache, const void* k, int64_t k_stride,
-              const void* v, int64_t v_stride, const int64_t* slots, int64_t tokens, int64_t kv_heads,
-              int64_t head_dim, int threads);
+// slots, each vector rounded to the cache's dtype, then put on its fixed-point grid. v_exp, when
+// not null ([slots][kv_heads] int16), records each stored V row's exponent (that of its largest
+// magnitude): what the attention would otherwise read the V rows for in its first pass.
+void write_kv(int dtype, int cache_dtype, void* k_cache, void* v_cache, int16_t* v_exp, const void* k,
+              int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots, int64_t tokens,
+              int64_t kv_heads, int64_t head_dim, int threads);
 // Rows of several sequences: sequence s owns rows [row_starts[s], row_starts[s + 1]) of q
 // [rows, heads, head_dim] and row s of tables [num_seqs, table_width]. window <= 0: none. q and
-// out are of `dtype`, the caches of `cache_dtype`.
-void paged_attention(int dtype, int cache_dtype, const void* q, const void* k_cache, const void* v_cache, void* out,
-                     const int64_t* positions, const int64_t* tables, int64_t table_width,
-                     const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t kv_heads,
+// out are of `dtype`, the caches of `cache_dtype`. v_exp: write_kv's record, or null (then the
+// exponents are read from V).
+void paged_attention(int dtype, int cache_dtype, const void* q, const void* k_cache, const void* v_cache,
+                     const int16_t* v_exp, void* out, const int64_t* positions, const int64_t* tables,
+                     int64_t table_width, const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, int64_t block_size, double scale, int64_t window, int threads);
 
 // The keyed sampler's draw of rows without an order-dependent cut (draw.cpp): x [rows, vocab]

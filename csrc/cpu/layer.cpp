@@ -38,7 +38,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
     const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
     torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& positions,
     const torch::Tensor& tables, const torch::Tensor& row_starts, int64_t heads, int64_t intermediate, double eps,
-    double scale, int64_t window) {
+    double scale, int64_t window, const c10::optional<torch::Tensor>& v_exp) {
   check_cpu(x, "decoder_layer: x");
   const int code = dtype_code(x, "decoder_layer");
   const int cache_code = dtype_code(k_cache, "decoder_layer: the cache");  // may differ from x's
@@ -88,10 +88,11 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
            ptr_or_null(q_norm), eps, nt);
   tf::rope(code, qkv_p + q_size * el, qkv_width, k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens,
            kv_heads, d, ptr_or_null(k_norm), eps, nt);
-  tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), kv_size,
+  int16_t* record = exponent_record(v_exp, k_cache, "decoder_layer");
+  tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), record, k.data_ptr(), kv_size,
                qkv_p + (q_size + kv_size) * el, qkv_width, sl.data_ptr<int64_t>(), tokens, kv_heads, d, nt);
   const int64_t* tp = tab.data_ptr<int64_t>();
-  tf::paged_attention(code, cache_code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), attn.data_ptr(),
+  tf::paged_attention(code, cache_code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), record, attn.data_ptr(),
                       pos.data_ptr<int64_t>(), tp, tab.size(1), st.data_ptr<int64_t>(), tab.size(0), heads, kv_heads, d,
                       k_cache.size(1), scale, window, nt);
   tf::matmul(code, attn.data_ptr(), o_w.data_ptr(), is_quant(o_w), o.data_ptr(), tokens, hidden, q_size, nt);

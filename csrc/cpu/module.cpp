@@ -213,7 +213,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate, const torch::Tensor& up, c
 }
 
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
-              const torch::Tensor& slots) {
+              const torch::Tensor& slots, const c10::optional<torch::Tensor>& v_exp) {
   check_cpu(k_cache, "write_kv: k_cache");
   const int cache_code = dtype_code(k_cache, "write_kv");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
@@ -234,13 +234,14 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* s = sl.data_ptr<int64_t>();
   check_slots(s, tokens, num_slots);
-  tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), kc.data_ptr(), kv_heads * d, vc.data_ptr(),
-               kv_heads * d, s, tokens, kv_heads, d, threads());
+  tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), exponent_record(v_exp, k_cache, "write_kv"),
+               kc.data_ptr(), kv_heads * d, vc.data_ptr(), kv_heads * d, s, tokens, kv_heads, d, threads());
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& positions, const torch::Tensor& tables,
-                              const torch::Tensor& row_starts, double scale, int64_t window, const Out& out_arg) {
+                              const torch::Tensor& row_starts, double scale, int64_t window,
+                              const c10::optional<torch::Tensor>& v_exp, const Out& out_arg) {
   check_cpu(q, "paged_attention: q");
   const int code = dtype_code(q, "paged_attention");
   const int cache_code = dtype_code(k_cache, "paged_attention: the cache");
@@ -262,8 +263,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   check_rows(st, num_seqs, q.size(0), p, t, width, block_size, num_blocks);
   auto out = output(out_arg, qc.sizes(), qc, "paged_attention");
   if (q.numel() > 0)
-    tf::paged_attention(code, cache_code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), p, t,
-                        width, st, num_seqs, heads, kv_heads, d, block_size, scale, window, threads());
+    tf::paged_attention(code, cache_code, qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        exponent_record(v_exp, k_cache, "paged_attention"), out.data_ptr(), p, t, width, st, num_seqs,
+                        heads, kv_heads, d, block_size, scale, window, threads());
   return out;
 }
 
@@ -410,7 +412,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), py::arg("cos"), py::arg("sin"), out);
   m.def("silu_and_mul", &silu_and_mul, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
   m.def("write_kv", &write_kv, "paged_attention.write_kv_ref", py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("k"), py::arg("v"), py::arg("slots"));
+        py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("v_exp") = py::none());
   m.def("exp64", &elementwise64<tf::exp64>, "exact.exp64: float64 exp without libm", py::arg("x"));
   m.def("log64", &elementwise64<tf::log64>, "exact.log64: float64 log without libm", py::arg("x"));
   m.def("sample_keys", &sample_keys, "sampler._keys: weights q and order keys", py::arg("z"), py::arg("m"),
@@ -426,9 +428,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("down_w"), py::arg("next_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("tables"),
         py::arg("row_starts"), py::arg("heads"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
-        py::arg("window"));
+        py::arg("window"), py::arg("v_exp") = py::none());
   m.def("paged_attention", &paged_attention,
         "exact attention of the rows of several sequences: row_starts [S + 1], tables [S, width]; window 0: none",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("tables"),
-        py::arg("row_starts"), py::arg("scale"), py::arg("window"), out);
+        py::arg("row_starts"), py::arg("scale"), py::arg("window"), py::arg("v_exp") = py::none(), out);
 }

@@ -75,8 +75,8 @@ def pack_weight(weight):
     return weight
 
 
-def attention(q, k_cache, v_cache, batch, scale, window=None):
-    """All rows of a ForwardBatch in one launch."""
+def attention(q, k_cache, v_cache, batch, scale, window=None, v_exp=None):
+    """All rows of a ForwardBatch in one launch (the kernel reads V's exponents from V: no v_exp)."""
     return paged_attention_varlen(q, k_cache, v_cache, batch.positions, batch.block_tables, batch.row_starts,
                                   scale, window)
 

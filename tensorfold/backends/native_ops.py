@@ -16,6 +16,9 @@ from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.sampling.sampler import sample  # noqa: F401
 
 NAME = f"native-{_cpu.isa()}"
+# The KV cache keeps a record of its V rows' exponents (KVCache.v_exp), which write_kv fills and
+# the attention reads: its first pass (the maxima) then reads K alone, not K and V.
+V_EXPONENT_RECORD = True
 
 rms_norm = _cpu.rms_norm
 add_rms_norm = _cpu.add_rms_norm
@@ -69,25 +72,26 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     return out if bias is None else out + bias
 
 
-def paged_attention(q, k_cache, v_cache, positions, block_table, scale, window=None):
-    """One sequence's rows (paged_attention_ref's signature)."""
+def paged_attention(q, k_cache, v_cache, positions, block_table, scale, window=None, v_exp=None):
+    """One sequence's rows (paged_attention_ref's signature; v_exp: write_kv's record, optional)."""
     starts = torch.tensor([0, q.shape[0]])
-    return _cpu.paged_attention(q, k_cache, v_cache, positions, block_table.view(1, -1), starts, scale, window or 0)
+    return _cpu.paged_attention(q, k_cache, v_cache, positions, block_table.view(1, -1), starts, scale, window or 0,
+                                v_exp=v_exp)
 
 
-def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, window=None):
+def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, window=None, v_exp=None):
     """One row of each of several sequences (paged_decode_attention_ref's signature)."""
     return _cpu.paged_attention(q, k_cache, v_cache, positions, pad_block_tables(block_tables),
-                                torch.arange(q.shape[0] + 1), scale, window or 0)
+                                torch.arange(q.shape[0] + 1), scale, window or 0, v_exp=v_exp)
 
 
-def attention(q, k_cache, v_cache, batch, scale, window):
+def attention(q, k_cache, v_cache, batch, scale, window, v_exp=None):
     """All rows of a ForwardBatch in one call."""
     return _cpu.paged_attention(q, k_cache, v_cache, batch.positions, batch.block_tables, batch.row_starts_tensor,
-                                scale, window or 0)
+                                scale, window or 0, v_exp=v_exp)
 
 
-def decoder_layer(model, layer, x, residual, next_norm, batch, cos, sin, k_cache, v_cache):
+def decoder_layer(model, layer, x, residual, next_norm, batch, cos, sin, k_cache, v_cache, v_exp=None):
     """One llama/qwen3 layer in one native call: the model's op-by-op composition, the same bits
     (tests/test_native_backend.py). Returns (the next layer's normed input or None, residual).
     Layers with biases take the op-by-op path (llama.Model.forward)."""
@@ -96,5 +100,5 @@ def decoder_layer(model, layer, x, residual, next_norm, batch, cos, sin, k_cache
         x, residual, layer.qkv.data, layer.o.data, layer.post_attn_norm, layer.gate_up.data, layer.down.data,
         next_norm, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
         batch.block_tables, batch.row_starts_tensor, a.num_heads, a.intermediate_size, a.rms_norm_eps, model.scale,
-        layer.window or 0)
+        layer.window or 0, v_exp)
 

@@ -66,7 +66,8 @@ class Engine:
         self.config = config = loaded.config  # one request at a time if the probes failed
         self.checkpoint, self.tokenizer, self.model = loaded.checkpoint, loaded.tokenizer, loaded.model
         self.probe_failures = loaded.probe_failures
-        memory = allocate_memory(config, self.model.args, loaded.device, loaded.kv_dtype)
+        memory = allocate_memory(config, self.model.args, loaded.device, loaded.kv_dtype,
+                                 getattr(self.model.ops, "V_EXPONENT_RECORD", False))
         self.context_length, self.pool, self.cache = memory.context_length, memory.pool, memory.cache
         self.runner = ModelRunner(self.model, self.cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,

@@ -75,17 +75,18 @@ def load_model(model_path: str | None, config) -> LoadedModel:
     return LoadedModel(checkpoint, tokenizer, model, device, config, failures, kv_dtype)
 
 
-def allocate_memory(config, args, device: torch.device, kv_dtype: torch.dtype) -> Memory:
-    """The KV cache (of kv_dtype) within --kv-cache-gib (at least one full window), and its block pool."""
+def allocate_memory(config, args, device: torch.device, kv_dtype: torch.dtype, v_exponents: bool = False) -> Memory:
+    """The KV cache (of kv_dtype, with the record of V's exponents if the op set keeps one) within
+    --kv-cache-gib (at least one full window), and its block pool."""
     context_length = min(config.context or args.max_position, args.max_position)
-    per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype)
+    per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, v_exponents)
     budget = int(config.kv_cache_gib * 2**30) // (per_token * config.block_size)
     num_blocks = max(budget, -(-context_length // config.block_size))
     cached = None if config.prompt_cache_gib is None else int(
         config.prompt_cache_gib * 2**30 // (per_token * config.block_size))
     pool = BlockPool(num_blocks, config.block_size, max_cached_blocks=cached)
     cache = KVCache.allocate(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim,
-                             kv_dtype, device)
+                             kv_dtype, device, v_exponents)
     return Memory(context_length, pool, cache)
 
 

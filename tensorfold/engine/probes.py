@@ -73,28 +73,32 @@ def _probe_attention(model, ops, randn, kv_dtype: torch.dtype, failures: list[st
     k_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim).to(kv_dtype)
     v_cache = torch.empty_like(k_cache)
     slots = torch.arange(num_blocks * block_size, device=model.device)
+    # the engine's cache: with the record of V's exponents where the op set keeps one (KVCache)
+    record = {"v_exp": torch.zeros(k_cache.shape[:3], dtype=torch.int16, device=model.device)} \
+        if getattr(ops, "V_EXPONENT_RECORD", False) else {}
     ops.write_kv(k_cache, v_cache, randn(len(slots), a.num_kv_heads, a.head_dim),
-                 randn(len(slots), a.num_kv_heads, a.head_dim), slots)  # as the engine fills it
+                 randn(len(slots), a.num_kv_heads, a.head_dim), slots, **record)  # as the engine fills it
     table = torch.tensor([4, 1, 5, 0, 2, 3], device=model.device)
     q = randn(150, a.num_heads, a.head_dim)
     positions = torch.arange(150, device=model.device)
     scale = a.head_dim ** -0.5
-    whole = ops.paged_attention(q, k_cache, v_cache, positions, table, scale)
+    whole = ops.paged_attention(q, k_cache, v_cache, positions, table, scale, **record)
     for row in (0, 31, 32, 77, 149):
-        alone = ops.paged_attention(q[row:row + 1], k_cache, v_cache, positions[row:row + 1], table, scale)
+        alone = ops.paged_attention(q[row:row + 1], k_cache, v_cache, positions[row:row + 1], table, scale, **record)
         if not torch.equal(alone[0], whole[row]):
             failures.append(f"paged attention: row at position {row} differs alone vs in a 150-row chunk")
             return
     rows = torch.tensor([5, 77, 149, 31], device=model.device)
     tables = [table, table.flip(0), table, table.roll(2)]
-    together = ops.paged_decode_attention(q[rows], k_cache, v_cache, positions[rows], tables, scale)
+    together = ops.paged_decode_attention(q[rows], k_cache, v_cache, positions[rows], tables, scale, **record)
     for i, row in enumerate(rows.tolist()):
-        alone = ops.paged_attention(q[row:row + 1], k_cache, v_cache, positions[row:row + 1], tables[i], scale)
+        alone = ops.paged_attention(q[row:row + 1], k_cache, v_cache, positions[row:row + 1], tables[i], scale,
+                                    **record)
         if not torch.equal(alone[0], together[i]):
             failures.append(f"paged attention: decode row {i} differs alone vs batched with other sequences")
             return
     for start, end in ((13, 40), (100, 150), (64, 65)):
-        part = ops.paged_attention(q[start:end], k_cache, v_cache, positions[start:end], table, scale)
+        part = ops.paged_attention(q[start:end], k_cache, v_cache, positions[start:end], table, scale, **record)
         if not torch.equal(part, whole[start:end]):
             failures.append(f"paged attention: chunk [{start}, {end}) differs from the whole prefill")
             return

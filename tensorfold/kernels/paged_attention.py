@@ -46,13 +46,22 @@ def _kv_bits(device: torch.device) -> torch.Tensor:
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, v_exp: torch.Tensor | None = None) -> None:
     """k, v [num_tokens, num_kv_heads, head_dim] into flat slots (block * block_size + offset),
-    each vector on its fixed-point grid (step 0 above)."""
+    each vector on its fixed-point grid (step 0 above). v_exp, when given (int16 [num_blocks,
+    block_size, num_kv_heads]), records each stored v vector's exponent e_j (step 3): an op set
+    whose attention reads that record instead of the V rows keeps one beside the cache (KVCache)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     kv = on_grid(torch.stack([k, v]).to(k_cache.dtype), _kv_bits(k.device))  # one call: decode is many small ones
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = kv[0]
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = kv[1]
+    if v_exp is not None:
+        v_exp.view(-1, num_kv_heads)[slot_mapping] = v_exponents(kv[1]).to(torch.int16)
+
+
+def v_exponents(v: torch.Tensor) -> torch.Tensor:
+    """e_j of step 3 for v vectors [..., head_dim] as stored: the exponent of the largest |v| (int32)."""
+    return exponent(v.float().abs().amax(dim=-1))
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -115,7 +124,7 @@ def _attend(q: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_ca
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max.masked_fill_(torch.isinf(row_max), 0.0)  # a lane that sees nothing
 
-    v_exp = exponent(v.abs().amax(dim=-1))  # [S, KVH, L]
+    v_exp = v_exponents(v)  # [S, KVH, L]
     v_int = v.mul_(pow2(V_BITS - 1 - v_exp).unsqueeze(-1))  # exact integers, in place
     top = torch.where(seen, v_exp.unsqueeze(-2), NO_KEY_EXPONENT).amax(dim=-1, keepdim=True)
     top.masked_fill_(top == NO_KEY_EXPONENT, 0)  # [S, KVH, M, 1]
@@ -157,10 +166,12 @@ def pad_block_tables(tables: list[torch.Tensor]) -> torch.Tensor:
 
 
 def attention_by_sequence(paged_attention, paged_decode_attention, q: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, batch, scale: float, window: int | None) -> torch.Tensor:
+                          v_cache: torch.Tensor, batch, scale: float, window: int | None,
+                          v_exp: torch.Tensor | None = None) -> torch.Tensor:
     """A batch's attention through per-sequence calls (op sets without a varlen kernel): the decode
     rows of all sequences share one call, every other sequence has its own. Each row's result is
-    the one it gets alone, so the grouping changes the speed, not the bits."""
+    the one it gets alone, so the grouping changes the speed, not the bits. (v_exp, a record of
+    the V exponents, is not needed: these kernels read the V rows.)"""
     out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
     decode = [seq for seq in batch.sequences if seq.end - seq.start == 1]
     if len(decode) > 1:

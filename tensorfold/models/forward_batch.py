@@ -45,16 +45,25 @@ class ForwardBatch:
 @dataclass
 class KVCache:
     """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each, in the
-    cache's dtype (EngineConfig.kv_dtype), which may differ from the activations'."""
+    cache's dtype (EngineConfig.kv_dtype), which may differ from the activations'. v_exp, for op
+    sets that ask for it (V_EXPONENT_RECORD), holds per layer each slot's V exponents, int16
+    [num_blocks, block_size, num_kv_heads]: write_kv records them, the attention reads them."""
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    v_exp: list[torch.Tensor] | None = None
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVCache":
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 v_exponents: bool = False) -> "KVCache":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        records = [torch.zeros(shape[:3], dtype=torch.int16, device=device) for _ in range(num_layers)]
         return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                   records if v_exponents else None)
+
+    def v_exp_of(self, layer: int) -> torch.Tensor | None:
+        return None if self.v_exp is None else self.v_exp[layer]
 
     @property
     def block_size(self) -> int:
@@ -69,5 +78,7 @@ class KVCache:
         return self.k[0].dtype
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        v_exponents: bool = False) -> int:
+        record = 2 if v_exponents else 0  # an int16 per KV head
+        return num_layers * num_kv_heads * (2 * head_dim * torch.finfo(dtype).bits // 8 + record)
