@@ -77,7 +77,9 @@ def test_bench_attention_runs():
     if native_problem() is not None:
         pytest.skip(f"the C++ kernels are not built: {native_problem()}")
     out = run_tool("tools/bench_attention.py", "--keys", "300", "--layers", "2", "--repeats", "1", "--cache", "float32")
-    assert re.search(r"over 300 keys, q float32, cache float32: \d+\.\d+ ms per call", out), out
+    assert re.search(r"over 300 keys, q float32, cache float32 \(with its record\): \d+\.\d+ ms per call", out), out
+    out = run_tool("tools/bench_attention.py", "--keys", "300", "--layers", "2", "--repeats", "1", "--no-record")
+    assert re.search(r"over 300 keys, q float32, cache bfloat16: \d+\.\d+ ms per call", out), out
 
 
 def test_bench_gemm_runs():
