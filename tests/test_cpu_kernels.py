@@ -329,7 +329,8 @@ def test_attention_many_sequences_in_one_call(draw, threads, dtype, kv_dtype, he
         starts.append(starts[-1] + e - s)
     scale = head_dim ** -0.5
     got = [_cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), scale,
-                                window or 0, v_exp=record if recorded else None, out=poisoned(q)) for recorded in RECORDS]
+                                window or 0, v_exp=record if recorded else None, out=poisoned(q))
+           for recorded in RECORDS]
     for i, table in enumerate(tables):
         rows = slice(starts[i], starts[i + 1])
         want = attention_ref.paged_attention_ref(q[rows], k_cache, v_cache, positions[rows], table, scale, window)
@@ -425,7 +426,8 @@ def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dt
     positions = torch.cat([torch.arange(s, e) for s, e in runs])
     starts = [0, 1, 5, 6]
     got = [_cpu.paged_attention(q, k_cache, v_cache, positions, torch.stack(tables), torch.tensor(starts), 0.125,
-                                window or 0, v_exp=record if recorded else None, out=poisoned(q)) for recorded in RECORDS]
+                                window or 0, v_exp=record if recorded else None, out=poisoned(q))
+           for recorded in RECORDS]
     for i, table in enumerate(tables):
         rows = slice(starts[i], starts[i + 1])
         want = attention_ref.paged_attention_ref(q[rows], k_cache, v_cache, positions[rows], table, 0.125, window)

@@ -292,7 +292,7 @@ inline void record_scores(ItemState& s, int64_t lane, int64_t split, int64_t c0,
 }
 
 // Keys [k0, k1) of split `split`: exact scores (step 1) and the split's maxima. Reads K, and V for
-// its exponents.
+// its exponents unless the cache has their record.
 template <typename T>
 void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, double scale64,
                Scratch& t) {
@@ -710,10 +710,10 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
 }
 
 template <typename T, typename C>
-void attention_impl(const T* q, const C* k_cache, const C* v_cache, const int16_t* v_exp, T* out, const int64_t* positions,
-                    const int64_t* tables, int64_t table_width, const int64_t* row_starts, int64_t num_seqs,
-                    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, double scale,
-                    int64_t window, int threads) {
+void attention_impl(const T* q, const C* k_cache, const C* v_cache, const int16_t* v_exp, T* out,
+                    const int64_t* positions, const int64_t* tables, int64_t table_width, const int64_t* row_starts,
+                    int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                    double scale, int64_t window, int threads) {
   const Cache<C> cache{k_cache, v_cache, v_exp, block_size, kv_heads, head_dim};
   const float scale32 = static_cast<float>(scale);  // the kernels take scale as float32
   attention_items(q, cache, out, positions, tables, table_width, row_starts, num_seqs, heads, window, scale32, threads);
@@ -744,7 +744,8 @@ void write_kv_impl(C* k_cache, C* v_cache, int16_t* v_exp, const T* k, int64_t k
       const int64_t dst = (slots[t] * kv_heads + h) * head_dim;
       store_on_grid(k + t * k_stride + h * head_dim, k_cache + dst, head_dim, QK_BITS);
       store_on_grid(v + t * v_stride + h * head_dim, v_cache + dst, head_dim, V_BITS);
-      if (v_exp != nullptr) v_exp[slots[t] * kv_heads + h] = static_cast<int16_t>(exponent(max_abs(v_cache + dst, head_dim)));
+      if (v_exp != nullptr)  // the stored row's exponent, as the attention would take it from the row
+        v_exp[slots[t] * kv_heads + h] = static_cast<int16_t>(exponent(max_abs(v_cache + dst, head_dim)));
     }
 }
 
@@ -775,8 +776,8 @@ void write_kv(int dtype, int cache_dtype, void* k_cache, void* v_cache, int16_t*
 }
 
 void paged_attention(int dtype, int cache_dtype, const void* q, const void* k_cache, const void* v_cache,
-                     const int16_t* v_exp, void* out, const int64_t* positions, const int64_t* tables, int64_t table_width,
-                     const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t kv_heads,
+                     const int16_t* v_exp, void* out, const int64_t* positions, const int64_t* tables,
+                     int64_t table_width, const int64_t* row_starts, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, int64_t block_size, double scale, int64_t window, int threads) {
   dispatch(dtype, cache_dtype, [&](auto* t, auto* c) {
     using T = std::remove_pointer_t<decltype(t)>;

@@ -57,10 +57,10 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  v_exponents: bool = False) -> "KVCache":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        records = [torch.zeros(shape[:3], dtype=torch.int16, device=device) for _ in range(num_layers)]
         return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
                    [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   records if v_exponents else None)
+                   [torch.zeros(shape[:3], dtype=torch.int16, device=device) for _ in range(num_layers)]
+                   if v_exponents else None)
 
     def v_exp_of(self, layer: int) -> torch.Tensor | None:
         return None if self.v_exp is None else self.v_exp[layer]
