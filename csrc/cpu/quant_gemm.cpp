@@ -680,8 +680,7 @@ void quant_linear_impl(const T* x, const uint8_t* packed, T* out, int64_t M, int
   // keep their capacity: a decode step's GEMMs allocate nothing after the first).
   static thread_local std::vector<RowQ> rows;
   if (static_cast<int64_t>(rows.size()) < M) rows.resize(M);
-  for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, L.blocks, kd.sub, &rows[r]);
-  const RowQ* row_q = rows.data();  // (inside the parallel region `rows` would name each thread's own)
+  RowQ* row_q = rows.data();  // (inside the parallel region `rows` would name each thread's own)
   const int log_terms = log2_ceil(L.blocks * (kd.has_min ? 2 : 1));
   const int shift0 = 62 - log_terms - kd.term_bits;  // a term's shift: (E - top) + (k - kmax) + shift0
   const int32_t* top = reinterpret_cast<const int32_t*>(packed + L.top);
@@ -689,20 +688,27 @@ void quant_linear_impl(const T* x, const uint8_t* packed, T* out, int64_t M, int
   // Tasks are runs of neighbouring groups (records back to back: one stream per thread); a few
   // per thread, taken dynamically, so a thread the OS parks takes fewer instead of stalling all.
   const int64_t tasks = std::min<int64_t>(L.groups, threads > 1 ? 4 * threads : 1);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    int64_t acc[ROWS_PER_PASS * GROUP];
-    for (int64_t g = t * L.groups / tasks; g < (t + 1) * L.groups / tasks; ++g) {
-      const int64_t cols = std::min<int64_t>(GROUP, N - g * GROUP);
-      for (int64_t r0 = 0; r0 < M; r0 += ROWS_PER_PASS) {
-        const int64_t r1 = std::min(M, r0 + ROWS_PER_PASS);
-        group_rows(L, static_cast<int>(h->kind), packed, row_q, r0, r1, g, shift0, top + g * GROUP, acc);
-        for (int64_t r = r0; r < r1; ++r)
-          for (int64_t j = 0; j < cols; ++j) {
-            const int grid = top[g * GROUP + j] + row_q[r].kmax + kd.term_bits - 62 + log_terms;
-            const double y = static_cast<double>(acc[(r - r0) * GROUP + j]) * pow2(grid);
-            out[r * N + g * GROUP + j] = from_f32<T>(static_cast<float>(y));
-          }
+#pragma omp parallel num_threads(threads) if (tasks > 1)
+  {
+    // Each row's activations quantized by one thread (row-local: which one cannot matter); every
+    // row is done before any group starts (the implicit barrier).
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, L.blocks, kd.sub, &row_q[r]);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      int64_t acc[ROWS_PER_PASS * GROUP];
+      for (int64_t g = t * L.groups / tasks; g < (t + 1) * L.groups / tasks; ++g) {
+        const int64_t cols = std::min<int64_t>(GROUP, N - g * GROUP);
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS_PER_PASS) {
+          const int64_t r1 = std::min(M, r0 + ROWS_PER_PASS);
+          group_rows(L, static_cast<int>(h->kind), packed, row_q, r0, r1, g, shift0, top + g * GROUP, acc);
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t j = 0; j < cols; ++j) {
+              const int grid = top[g * GROUP + j] + row_q[r].kmax + kd.term_bits - 62 + log_terms;
+              const double y = static_cast<double>(acc[(r - r0) * GROUP + j]) * pow2(grid);
+              out[r * N + g * GROUP + j] = from_f32<T>(static_cast<float>(y));
+            }
+        }
       }
     }
   }
