@@ -304,28 +304,29 @@ inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int j, in
 }
 
 #if defined(TF_QUANT_VNNI)
-// The same with 16 columns to a register, each lane's shift a 64-bit lane (slo, shi). Terms whose
-// shift is negative (rare: a block far below the row's largest) are added by on_grid, lane by lane,
-// after the vector shift added nothing for them; `may_be_negative` (the caller's bound) says
-// whether any lane's can be, else the lanes are not checked.
-inline void add_terms(__m512i* lo, __m512i* hi, __m512i ilo, __m512i ihi, __m512i slo, __m512i shi,
-                        bool may_be_negative, int term_bits) {
-  *lo = _mm512_add_epi64(*lo, _mm512_sllv_epi64(ilo, slo));  // a negative count reads as > 63: adds 0
-  *hi = _mm512_add_epi64(*hi, _mm512_sllv_epi64(ihi, shi));
+// The same with 16 columns to two registers of 64-bit lanes, the even columns and the odd ones
+// (even64): each term and its shift in a lane. Terms whose shift is negative (rare: a block far
+// below the row's largest) are added by on_grid, lane by lane, after the vector shift added
+// nothing for them; `may_be_negative` (the caller's bound) says whether any lane's can be, else
+// the lanes are not checked.
+inline void add_terms(__m512i* even, __m512i* odd, __m512i i_even, __m512i i_odd, __m512i s_even, __m512i s_odd,
+                      bool may_be_negative, int term_bits) {
+  *even = _mm512_add_epi64(*even, _mm512_sllv_epi64(i_even, s_even));  // a negative count reads as > 63: adds 0
+  *odd = _mm512_add_epi64(*odd, _mm512_sllv_epi64(i_odd, s_odd));
   if (!may_be_negative) return;
-  const __mmask8 nlo = _mm512_cmplt_epi64_mask(slo, _mm512_setzero_si512());
-  const __mmask8 nhi = _mm512_cmplt_epi64_mask(shi, _mm512_setzero_si512());
-  if ((nlo | nhi) == 0) return;
+  const __mmask8 n_even = _mm512_cmplt_epi64_mask(s_even, _mm512_setzero_si512());
+  const __mmask8 n_odd = _mm512_cmplt_epi64_mask(s_odd, _mm512_setzero_si512());
+  if ((n_even | n_odd) == 0) return;
   alignas(64) int64_t ints[16], shifts[16], fix[16];
-  _mm512_store_si512(ints, ilo);
-  _mm512_store_si512(ints + 8, ihi);
-  _mm512_store_si512(shifts, slo);
-  _mm512_store_si512(shifts + 8, shi);
-  const unsigned negative = nlo | (static_cast<unsigned>(nhi) << 8);
+  _mm512_store_si512(ints, i_even);
+  _mm512_store_si512(ints + 8, i_odd);
+  _mm512_store_si512(shifts, s_even);
+  _mm512_store_si512(shifts + 8, s_odd);
+  const unsigned negative = n_even | (static_cast<unsigned>(n_odd) << 8);
   for (int j = 0; j < 16; ++j)
     fix[j] = (negative >> j & 1) && ints[j] != 0 ? on_grid(ints[j], static_cast<int>(shifts[j]), term_bits) : 0;
-  *lo = _mm512_add_epi64(*lo, _mm512_load_si512(fix));
-  *hi = _mm512_add_epi64(*hi, _mm512_load_si512(fix + 8));
+  *even = _mm512_add_epi64(*even, _mm512_load_si512(fix));
+  *odd = _mm512_add_epi64(*odd, _mm512_load_si512(fix + 8));
 }
 
 // 16 float16 scales (their bits) as significands dm and shifts de - top (significand16).
@@ -345,8 +346,20 @@ inline __m512i load_i8x16(const uint8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline __m512i widen_lo(__m512i v) { return _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)); }
-inline __m512i widen_hi(__m512i v) { return _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1)); }
+// Sixteen int32 columns as two registers of 64-bit lanes: the even columns and the odd ones. A
+// block's int64 terms are kept in that order, because vpmuldq multiplies the low (even) int32 of
+// each 64-bit lane: the per-row products then need one shift (odd) and no widening.
+inline __m512i even64(__m512i v) { return _mm512_srai_epi64(_mm512_slli_epi64(v, 32), 32); }
+inline __m512i odd64(__m512i v) { return _mm512_srai_epi64(v, 32); }
+inline __m512i odd_low(__m512i v) { return _mm512_srli_epi64(v, 32); }  // the odd int32 as the low halves
+
+// Even and odd columns' int64 sums back into column order: acc[0..16).
+inline void store_columns(int64_t* acc, __m512i even, __m512i odd) {
+  const __m512i first = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);  // (8 + i: odd's lane i)
+  const __m512i second = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+  _mm512_storeu_si512(acc, _mm512_permutex2var_epi64(even, first, odd));
+  _mm512_storeu_si512(acc + 8, _mm512_permutex2var_epi64(even, second, odd));
+}
 
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
 // Each block dot runs as two independent vpdpbusd chains (an integer sum: any split gives the
@@ -358,8 +371,8 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
   constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
   const int term_bits = L.kind.term_bits;
-  __m512i lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+  __m512i even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const int8_t* xq_rows[R];
   const int32_t* kdelta[R];
@@ -401,14 +414,19 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
         mexp = load_i8x16(rec + L.mexp_at);
       }
     }
-    const __m512i s0lo = widen_lo(s0), s0hi = widen_hi(s0);
-    const __m512i mlo = widen_lo(mv), mhi = widen_hi(mv);
+    // vpmuldq's operands: the even columns' int32 in the low halves as loaded, the odd ones shifted there
+    const __m512i s0_odd = odd_low(s0), m_odd = odd_low(mv);
+    __m512i s1 = s0, s1_odd = s0_odd;
+    if constexpr (PER == 2) {  // the second half's scales (wide scales only: the K-quants)
+      s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);
+      s1_odd = odd_low(s1);
+    }
     // The block's column shifts as 64-bit lanes once for all rows; a row adds its own, and only a
     // row whose shift can make a lane negative (rare) has its lanes checked. That bound needs the
     // block's smallest column shift, a reduction shared by R rows; for one row it would cost as
     // much as the check it saves, so a lone row's lanes are always checked (`R == 1 || ...`).
-    const __m512i sexp_lo = widen_lo(sexp), sexp_hi = widen_hi(sexp);
-    const __m512i mexp_lo = widen_lo(mexp), mexp_hi = widen_hi(mexp);
+    const __m512i sexp_even = even64(sexp), sexp_odd = odd64(sexp);
+    const __m512i mexp_even = even64(mexp), mexp_odd = odd64(mexp);
     const int sexp_min = R > 1 ? _mm512_reduce_min_epi32(sexp) : 0;
     const int mexp_min = R > 1 && HAS_MIN ? _mm512_reduce_min_epi32(mexp) : 0;
     for (int r = 0; r < R; ++r) {
@@ -425,36 +443,32 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       }
       __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
       const __m512i m = _mm512_set1_epi32(ms[r][b]);  // A m < 2^19 2^11: int32
-      __m512i ilo, ihi;
+      __m512i i_even, i_odd;
       if constexpr (PER == 1) {
         __m512i dot = _mm512_add_epi32(h0, h1);
         if constexpr (OFFSET != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(OFFSET * xsum[0]));
         dot = _mm512_mullo_epi32(dot, m);
-        ilo = _mm512_mul_epi32(widen_lo(dot), s0lo);
-        ihi = _mm512_mul_epi32(widen_hi(dot), s0hi);
+        i_even = _mm512_mul_epi32(dot, s0);
+        i_odd = _mm512_mul_epi32(odd_low(dot), s0_odd);
       } else {  // two halves of 16, each with its own scale
         h0 = _mm512_mullo_epi32(_mm512_sub_epi32(h0, _mm512_set1_epi32(OFFSET * xsum[0])), m);
         h1 = _mm512_mullo_epi32(_mm512_sub_epi32(h1, _mm512_set1_epi32(OFFSET * xsum[1])), m);
-        const __m512i s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);
-        ilo = _mm512_add_epi64(_mm512_mul_epi32(widen_lo(h0), s0lo), _mm512_mul_epi32(widen_lo(h1), widen_lo(s1)));
-        ihi = _mm512_add_epi64(_mm512_mul_epi32(widen_hi(h0), s0hi), _mm512_mul_epi32(widen_hi(h1), widen_hi(s1)));
+        i_even = _mm512_add_epi64(_mm512_mul_epi32(h0, s0), _mm512_mul_epi32(h1, s1));
+        i_odd = _mm512_add_epi64(_mm512_mul_epi32(odd_low(h0), s0_odd), _mm512_mul_epi32(odd_low(h1), s1_odd));
       }
-      add_terms(&lo[r], &hi[r], ilo, ihi, _mm512_add_epi64(sexp_lo, kshift), _mm512_add_epi64(sexp_hi, kshift),
-                  R == 1 || sexp_min + row_shift < 0, term_bits);
+      add_terms(&even[r], &odd[r], i_even, i_odd, _mm512_add_epi64(sexp_even, kshift),
+                _mm512_add_epi64(sexp_odd, kshift), R == 1 || sexp_min + row_shift < 0, term_bits);
       if constexpr (HAS_MIN) {
         const __m512i xs = _mm512_set1_epi64(sms[r][b]);
         const int min_shift = sdeltas[r][b] + shift0;
         const __m512i mshift = _mm512_set1_epi64(min_shift);
-        add_terms(&lo[r], &hi[r], _mm512_mul_epi32(mlo, xs), _mm512_mul_epi32(mhi, xs),
-                    _mm512_add_epi64(mexp_lo, mshift), _mm512_add_epi64(mexp_hi, mshift),
-                    R == 1 || mexp_min + min_shift < 0, term_bits);
+        add_terms(&even[r], &odd[r], _mm512_mul_epi32(mv, xs), _mm512_mul_epi32(m_odd, xs),
+                  _mm512_add_epi64(mexp_even, mshift), _mm512_add_epi64(mexp_odd, mshift),
+                  R == 1 || mexp_min + min_shift < 0, term_bits);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_si512(acc + r * GROUP, lo[r]);
-    _mm512_storeu_si512(acc + r * GROUP + 8, hi[r]);
-  }
+  for (int r = 0; r < R; ++r) store_columns(acc + r * GROUP, even[r], odd[r]);
 }
 
 #endif
