@@ -414,10 +414,10 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
         mexp = load_i8x16(rec + L.mexp_at);
       }
     }
-    // vpmuldq's operands: the even columns' int32 in the low halves as loaded, the odd ones shifted there
+    // vpmuldq's operands: the even columns' int32 are the low halves as loaded, the odd ones shift there
     const __m512i s0_odd = odd_low(s0), m_odd = odd_low(mv);
     __m512i s1 = s0, s1_odd = s0_odd;
-    if constexpr (PER == 2) {  // the second half's scales (wide scales only: the K-quants)
+    if constexpr (PER == 2) {  // the second half's scales (q6_k: sub-blocks of 16, wide scales)
       s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);
       s1_odd = odd_low(s1);
     }
