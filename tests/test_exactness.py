@@ -29,7 +29,7 @@ import torch
 from serving import running
 from tensorfold.api.replies import token_sha
 from tensorfold.api.service import Service
-from tensorfold.backends import backend_ops
+from tensorfold.backends import backend_ops, keeps_v_exponents
 from tensorfold.chat.messages import render_chat
 from tensorfold.chat.template import ChatTemplate
 from tensorfold.engine.engine import Engine, EngineConfig
@@ -563,7 +563,7 @@ def _tiny_bytes_per_block(path, block_size=32):
     cfg = json.load(open(os.path.join(path, "config.json")))
     return KVCache.bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"],
                                    kv_cache_dtype(EngineConfig(), quantized=False),
-                                   getattr(backend_ops("cpu"), "V_EXPONENT_RECORD", False)) * block_size
+                                   keeps_v_exponents(backend_ops("cpu"))) * block_size
 
 
 def test_eviction_under_a_tiny_cache_budget_keeps_replies_exact(tiny_llama, solo):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorfold.api.replies import token_sha
-from tensorfold.backends import backend_ops, cpu_ops, native_problem
+from tensorfold.backends import backend_ops, cpu_ops, keeps_v_exponents, native_problem
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.engine.probes import probe_ops
 from tensorfold.kernels import reference
@@ -39,7 +39,7 @@ def greedy_run(model, prompts: list[list[int]], steps: int, kv_dtype: torch.dtyp
     the op set keeps one, as the engine allocates it."""
     a = model.args
     cache = KVCache.allocate(a.num_layers, 64, BLOCK, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype,
-                             v_exponents=getattr(model.ops, "V_EXPONENT_RECORD", False))
+                             v_exponents=keeps_v_exponents(model.ops))
     tables = [torch.arange(s * 8, s * 8 + 8).flip(0) for s in range(len(prompts))]  # shuffled-ish blocks
     seqs = [list(p) for p in prompts]
     fed = [0] * len(prompts)

@@ -195,8 +195,11 @@ struct Cache {
     const int64_t block = block_shift >= 0 ? key >> block_shift : key / block_size;
     return ((table[block] * block_size + key - block * block_size) * kv_heads + head) * head_dim;
   }
-  // The recorded exponent of the V row at `offset` (an offset() of this cache).
-  int recorded_exponent(int64_t offset) const { return v_exp[offset / head_dim]; }
+  // The exponent of the V row at `offset` (an offset() of this cache): as write_kv recorded it,
+  // or, without the record, read from the row.
+  int v_exponent(int64_t offset) const {
+    return v_exp != nullptr ? v_exp[offset / head_dim] : exponent(max_abs(v + offset, head_dim));
+  }
 };
 
 // Which keys the item's lanes see, q on its grid (step 1), its buffers sized. A split item's keys
@@ -302,14 +305,10 @@ void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t 
   for (int64_t c0 = k0; c0 < k1; c0 += KEY_CHUNK) {
     const int64_t n = std::min(KEY_CHUNK, k1 - c0);
     int* ve = s.v_exp.data() + c0 - s.first;
-    if (c.v_exp != nullptr)  // the exponents as recorded: V is not read here
-      load_chunk(s, c, c.k, static_cast<const T*>(nullptr), c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {
-        ve[hh * s.keys + j] = c.recorded_exponent(k_row - c.k);
-      });
-    else  // V for its exponents
-      load_chunk(s, c, c.k, c.v, c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {
-        ve[hh * s.keys + j] = exponent(max_abs(c.v + (k_row - c.k), d));
-      });
+    const T* v_read = c.v_exp != nullptr ? nullptr : c.v;  // V's rows, prefetched, only without the record
+    load_chunk(s, c, c.k, v_read, c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {
+      ve[hh * s.keys + j] = c.v_exponent(k_row - c.k);
+    });
     for (int64_t hh = 0; hh < s.heads(); ++hh)  // a short chunk's last eight: their dots are not used
       std::fill(kf + (hh * KEY_CHUNK + n) * d, kf + (hh * KEY_CHUNK + (n + 7) / 8 * 8) * d, 0.0);
     for (int64_t lane = 0; lane < s.lanes; ++lane) {
@@ -470,23 +469,21 @@ void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int6
     std::copy_n(ahead, KEY_CHUNK, offsets);
     chunk_offsets(s, c, c0 + KEY_CHUNK, KEY_CHUNK, k1, ahead);
     const int64_t n4 = (n + 3) / 4 * 4;
-    for (int64_t g = 0; g < n4; g += 4) {  // key by key: each key's V rows of all heads are one run
-      if (c.v_exp != nullptr) {  // the exponents as recorded: V is not read in this pass
+    int* ve = s.v_exp.data() + (c0 - s.first);  // [head][key]
+    if (c.v_exp != nullptr) {  // the exponents as recorded: V is not read in this pass
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t hh = 0; hh < s.heads(); ++hh) ve[hh * s.keys + j] = c.v_exponent(offsets[j] + hh * d);
+    } else {  // from V, four rows at a time
+      for (int64_t g = 0; g < n4; g += 4) {
+        for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j)  // the next chunk's V rows, a few at a time
+          prefetch_lines<TO_FAR>(c.v + ahead[j], run);          // (needed after the next few hundred cycles)
         for (int64_t hh = 0; hh < s.heads(); ++hh) {
-          int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
-          for (int64_t j = g; j < g + 4 && j < n; ++j) ve[j] = c.recorded_exponent(offsets[j] + hh * d);
+          const T* v_rows[4];
+          for (int64_t j = 0; j < 4; ++j) v_rows[j] = g + j < n ? c.v + offsets[g + j] + hh * d : zero_row<T>();
+          int e[4];
+          exponents4(v_rows, d, e);
+          for (int64_t j = 0; j < 4 && g + j < n; ++j) ve[hh * s.keys + g + j] = e[j];
         }
-        continue;
-      }
-      for (int64_t j = g; j < g + 4 && ahead[j] >= 0; ++j)  // the next chunk's V rows, a few at a time
-        prefetch_lines<TO_FAR>(c.v + ahead[j], run);          // (needed after the next few hundred cycles)
-      for (int64_t hh = 0; hh < s.heads(); ++hh) {
-        const T* v_rows[4];
-        for (int64_t j = 0; j < 4; ++j) v_rows[j] = g + j < n ? c.v + offsets[g + j] + hh * d : zero_row<T>();
-        int e[4];
-        exponents4(v_rows, d, e);
-        int* ve = s.v_exp.data() + hh * s.keys + (c0 - s.first);
-        for (int64_t j = 0; j < 4 && g + j < n; ++j) ve[g + j] = e[j];
       }
     }
     for (int64_t hh = 0; hh < s.heads(); ++hh) {

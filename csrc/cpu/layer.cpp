@@ -58,6 +58,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   check_weight(o_w, hidden, q_size, x, "o_proj");
   check_weight(gate_up_w, 2 * intermediate, hidden, x, "gate_up");
   check_weight(down_w, hidden, intermediate, x, "down");
+  int16_t* record = exponent_record(v_exp, k_cache, "decoder_layer");  // checked with the rest
   auto pos = positions.contiguous(), sl = slots.contiguous(), tab = tables.contiguous(), st = row_starts.contiguous();
   TORCH_CHECK(pos.scalar_type() == torch::kInt64 && sl.scalar_type() == torch::kInt64 &&
                   tab.scalar_type() == torch::kInt64 && st.scalar_type() == torch::kInt64 && pos.numel() == tokens &&
@@ -88,7 +89,6 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
            ptr_or_null(q_norm), eps, nt);
   tf::rope(code, qkv_p + q_size * el, qkv_width, k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens,
            kv_heads, d, ptr_or_null(k_norm), eps, nt);
-  int16_t* record = exponent_record(v_exp, k_cache, "decoder_layer");
   tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), record, k.data_ptr(), kv_size,
                qkv_p + (q_size + kv_size) * el, qkv_width, sl.data_ptr<int64_t>(), tokens, kv_heads, d, nt);
   const int64_t* tp = tab.data_ptr<int64_t>();

@@ -20,6 +20,13 @@ log = logging.getLogger("tensorfold.backends")
 IMPLEMENTED = ("cpu", "cuda")
 
 
+def keeps_v_exponents(ops) -> bool:
+    """Whether op set `ops` keeps a record of the V rows' exponents beside the KV cache
+    (KVCache.v_exp; an op set says so with V_EXPONENT_RECORD = True): its write_kv fills the
+    record and its attention reads it instead of the V rows."""
+    return getattr(ops, "V_EXPONENT_RECORD", False)
+
+
 def _cuda_problem() -> str | None:
     """Why the cuda backend cannot run here, or None when it can."""
     import torch

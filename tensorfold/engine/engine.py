@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensorfold.backends import keeps_v_exponents
 from tensorfold.engine.config import EngineConfig  # noqa: F401 (importers take it from here)
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
 from tensorfold.engine.loading import allocate_memory, load_model
@@ -67,7 +68,7 @@ class Engine:
         self.checkpoint, self.tokenizer, self.model = loaded.checkpoint, loaded.tokenizer, loaded.model
         self.probe_failures = loaded.probe_failures
         memory = allocate_memory(config, self.model.args, loaded.device, loaded.kv_dtype,
-                                 getattr(self.model.ops, "V_EXPONENT_RECORD", False))
+                                 keeps_v_exponents(self.model.ops))
         self.context_length, self.pool, self.cache = memory.context_length, memory.pool, memory.cache
         self.runner = ModelRunner(self.model, self.cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,

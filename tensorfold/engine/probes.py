@@ -9,6 +9,8 @@ could differ between solo and batched runs.
 """
 import torch
 
+from tensorfold.backends import keeps_v_exponents
+
 BATCH_SIZES = (2, 3, 7, 8, 13, 64)
 
 
@@ -75,7 +77,7 @@ def _probe_attention(model, ops, randn, kv_dtype: torch.dtype, failures: list[st
     slots = torch.arange(num_blocks * block_size, device=model.device)
     # the engine's cache: with the record of V's exponents where the op set keeps one (KVCache)
     record = {"v_exp": torch.zeros(k_cache.shape[:3], dtype=torch.int16, device=model.device)} \
-        if getattr(ops, "V_EXPONENT_RECORD", False) else {}
+        if keeps_v_exponents(ops) else {}
     ops.write_kv(k_cache, v_cache, randn(len(slots), a.num_kv_heads, a.head_dim),
                  randn(len(slots), a.num_kv_heads, a.head_dim), slots, **record)  # as the engine fills it
     table = torch.tensor([4, 1, 5, 0, 2, 3], device=model.device)

@@ -46,7 +46,7 @@ class ForwardBatch:
 class KVCache:
     """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each, in the
     cache's dtype (EngineConfig.kv_dtype), which may differ from the activations'. v_exp, for op
-    sets that ask for it (V_EXPONENT_RECORD), holds per layer each slot's V exponents, int16
+    sets that ask for it (backends.keeps_v_exponents), holds per layer each slot's V exponents, int16
     [num_blocks, block_size, num_kv_heads]: write_kv records them, the attention reads them."""
     k: list[torch.Tensor]
     v: list[torch.Tensor]
