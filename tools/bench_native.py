@@ -14,7 +14,9 @@ default, float16, halves what a float32 row's attention reads: --peer-kv default
 alternating. Columns:
 - decode: single-stream greedy tokens/s after a short prompt, drafting off on both sides;
 - prefill: a --prefill-token prompt (one 512-row chunk), tokens/s;
-- 4 streams: aggregate decode tokens/s of 4 concurrent requests over one stream's;
+- 4 streams: aggregate decode tokens/s of 4 concurrent requests, next to llama.cpp decoding 4
+  sequences in one batch per step (its own parallel-sequence API, as llama-server's slots do);
+  then each engine's 4 streams over its own one stream;
 - Python: the engine's own time per decode round (scheduling, batch building, bookkeeping,
   detokenizing: the round minus the model's forward and the draw), as a share of the round.
 --long N adds a prompt of N tokens: its prefill, then decode at that depth.
@@ -135,6 +137,8 @@ def llama_cpp_bench(dtype: str, args, kv_dtype: str = peer_llama_cpp.DEFAULT_KV)
         out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))
         out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens /
                              peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.prefill_tokens)))
+        out["four"] = max(out.get("four", 0), peer_llama_cpp.streams_decode_tps(
+            llm, [prompt_ids(16, offset=100 * i) for i in range(4)], args.tokens, kv_dtype))
         if args.long:
             out["long_prefill"] = max(out.get("long_prefill", 0),
                                       args.long / peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.long)))
@@ -180,14 +184,17 @@ def main(argv=None) -> None:
         row = [dtype, ours["ops"], ours["exact"], peer.get("kv", "-"),
                fmt(ours["decode"], 1), fmt(peer.get("decode"), 1), ratio(ours["decode"], peer.get("decode")),
                fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
-               f"{ours['four'] / ours['decode']:.2f}x", f"{100 * ours['python']:.1f}%"]
+               fmt(ours["four"], 1), fmt(peer.get("four"), 1), ratio(ours["four"], peer.get("four")),
+               f"{ours['four'] / ours['decode']:.2f}x", ratio(peer.get("four", 0), peer.get("decode")),
+               f"{100 * ours['python']:.1f}%"]
         if args.long:
             row += [fmt(ours["long_prefill"], 0), fmt(peer.get("long_prefill"), 0),
                     ratio(ours["long_prefill"], peer.get("long_prefill")), fmt(ours["long_decode"], 1),
                     fmt(peer.get("long_decode"), 1), ratio(ours["long_decode"], peer.get("long_decode"))]
         rows.append(row)
     headers = ["dtype", "ops, KV cache", "exact", "llama.cpp KV", "decode tok/s", "llama.cpp", "ratio",
-               f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams / 1", "Python per round"]
+               f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams tok/s", "llama.cpp", "ratio",
+               "4 streams / 1", "llama.cpp's 4 / 1", "Python per round"]
     if args.long:
         headers += [f"prefill {args.long} tok/s", "llama.cpp", "ratio", f"decode @{args.long}", "llama.cpp", "ratio"]
     print_table(headers, rows, f"{args.threads} threads, {args.tokens} new tokens, best of {args.repeats}")

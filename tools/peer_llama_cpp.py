@@ -16,7 +16,9 @@ this machine's AVX-512 CPU, without AMX:
 
 Decode tokens/s counts n_tokens steps of (greedy argmax of the last logits, eval of that one
 token), after the prompt has been evaluated and not timed; prefill is one eval of the prompt ids
-from an empty cache, in batches of n_batch=512.
+from an empty cache, in batches of n_batch=512. Several streams (streams_decode_tps) decode in a
+context of their own with one KV stream per sequence, all sequences' next tokens in one batch
+per step.
 """
 import argparse
 import os
@@ -71,6 +73,54 @@ def decode_tps(llm, prompt_ids: list[int], n_tokens: int) -> float:
     for _ in range(n_tokens):
         llm.eval([_greedy(llm)])
     return n_tokens / (time.perf_counter() - start)
+
+
+def streams_decode_tps(llm, prompts: list[list[int]], n_tokens: int, kv_dtype: str = DEFAULT_KV) -> float:
+    """Aggregate greedy decode tokens/s of len(prompts) sequences decoded together: a context of
+    its own on llm's model with one KV stream per sequence, each step one llama_decode of a batch
+    holding every sequence's next token (what llama-server does for parallel slots). The prompts
+    are evaluated first, not timed; then n_tokens steps are."""
+    import llama_cpp
+    import numpy as np
+
+    streams = len(prompts)
+    params = llama_cpp.llama_context_default_params()
+    per_stream = (max(map(len, prompts)) + n_tokens + 255) // 256 * 256  # llama.cpp pads a context to 256s
+    params.n_ctx = streams * per_stream
+    params.n_batch = params.n_ubatch = max(512, sum(map(len, prompts)))
+    params.n_seq_max = streams
+    params.n_threads = params.n_threads_batch = llm.context_params.n_threads
+    params.type_k = params.type_v = KV_TYPES[kv_dtype]
+    ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create a context for parallel sequences")
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+    vocab = llm.n_vocab()
+    try:
+        def run(tokens: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+            batch.n_tokens = len(tokens)
+            for i, (token, pos, seq, logits) in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, logits
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+
+        def greedy(i: int) -> int:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,))
+            return int(logits.argmax())
+
+        run([(t, p, s, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)])
+        ends = list(np.cumsum([len(ids) for ids in prompts]) - 1)
+        nexts, positions = [greedy(int(e)) for e in ends], [len(ids) for ids in prompts]
+        start = time.perf_counter()
+        for _ in range(n_tokens):
+            run([(nexts[s], positions[s], s, True) for s in range(streams)])
+            nexts = [greedy(s) for s in range(streams)]
+            positions = [p + 1 for p in positions]
+        return streams * n_tokens / (time.perf_counter() - start)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
 
 
 def prefill_seconds(llm, prompt_ids: list[int]) -> float:
