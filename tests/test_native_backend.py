@@ -120,6 +120,8 @@ def test_default_engine_serves_a_bfloat16_cache_in_exact_mode():
         return int(0.05 * 2**30) // (per_token * engine.config.block_size)
     assert engine.cache.v_exp is not None and all(t.dtype == torch.int16 for t in engine.cache.v_exp)
     assert engine.pool.num_blocks == engine.cache.num_blocks == blocks(torch.bfloat16) > 256 // 32
+    per_token = KVCache.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, torch.bfloat16, v_exponents=True)
+    assert engine.cache.nbytes == engine.cache.num_blocks * engine.config.block_size * per_token  # records counted
     forced = Engine(None, EngineConfig(kv_dtype="float32", probe=False, context=256, kv_cache_gib=0.05))
     assert forced.cache.dtype == torch.float32 and forced.pool.num_blocks == blocks(torch.float32)
     assert abs(blocks(torch.float32) * 2 - blocks(torch.bfloat16)) <= 2  # (the records: 2 bytes a KV head each)

@@ -110,7 +110,7 @@ def rss_child_ours(context: int, threads: int) -> dict:
     loaded = rss_mib()[0]
     done = engine.generate(prompt_ids(context - 96), SamplingParams(max_tokens=RSS_DECODE_TOKENS, **GREEDY))
     assert len(done.token_ids) == RSS_DECODE_TOKENS
-    kv_mib = sum(t.numel() * t.element_size() for t in (*engine.cache.k, *engine.cache.v)) / 2**20
+    kv_mib = engine.cache.nbytes / 2**20
     return {"runtime": runtime, "loaded": loaded, "after": rss_mib()[0], "peak": rss_mib()[1], "kv_mib": kv_mib}
 
 

@@ -84,7 +84,7 @@ class Engine:
                  "(%s, %.1f MiB)", self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
                  self.load_seconds, loaded.device, self.model.ops.NAME, self.context_length, self.pool.num_blocks,
                  config.block_size, str(self.cache.dtype).removeprefix("torch."),
-                 sum(t.numel() * t.element_size() for t in (*self.cache.k, *self.cache.v)) / 2**20)
+                 self.cache.nbytes / 2**20)
 
     # -- requests ---------------------------------------------------------------------------
 

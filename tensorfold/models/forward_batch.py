@@ -77,6 +77,11 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         return self.k[0].dtype
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the cache holds: K, V and the V exponents' records."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *(self.v_exp or ())))
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                         v_exponents: bool = False) -> int:
