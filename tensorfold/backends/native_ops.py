@@ -91,14 +91,15 @@ def attention(q, k_cache, v_cache, batch, scale, window, v_exp=None):
                                 scale, window or 0, v_exp=v_exp)
 
 
-def decoder_layer(model, layer, x, residual, next_norm, batch, cos, sin, k_cache, v_cache, v_exp=None):
+def decoder_layer(model, layer, x, residual, next_norm, batch, cos, sin, kv):
     """One llama/qwen3 layer in one native call: the model's op-by-op composition, the same bits
-    (tests/test_native_backend.py). Returns (the next layer's normed input or None, residual).
-    Layers with biases take the op-by-op path (llama.Model.forward)."""
+    (tests/test_native_backend.py), on the layer's part of the cache (kv: forward_batch.LayerKV).
+    Returns (the next layer's normed input or None, residual). Layers with biases take the
+    op-by-op path (llama.Model.forward)."""
     a = model.args
     return _cpu.decoder_layer(
         x, residual, layer.qkv.data, layer.o.data, layer.post_attn_norm, layer.gate_up.data, layer.down.data,
-        next_norm, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.positions,
+        next_norm, layer.q_norm, layer.k_norm, cos, sin, kv.k, kv.v, batch.slot_mapping, batch.positions,
         batch.block_tables, batch.row_starts_tensor, a.num_heads, a.intermediate_size, a.rms_norm_eps, model.scale,
-        layer.window or 0, v_exp)
+        layer.window or 0, kv.v_exp)
 

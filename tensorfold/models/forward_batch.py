@@ -42,6 +42,18 @@ class ForwardBatch:
         return torch.tensor(self.row_starts, dtype=torch.int64)
 
 
+@dataclass(frozen=True)
+class LayerKV:
+    """One attention layer's part of the cache, what its attention writes and reads: K and V
+    blocks [num_blocks, block_size, num_kv_heads, head_dim] and, where the op set keeps it, the
+    record of V's exponents [num_blocks, block_size, num_kv_heads] int16 (else None). The model
+    hands each layer its own (KVCache.layer), so a layer of another kind, a hybrid model's
+    state-space layer, can be handed a cache of another kind."""
+    k: torch.Tensor
+    v: torch.Tensor
+    v_exp: torch.Tensor | None = None
+
+
 @dataclass
 class KVCache:
     """Per-layer K and V blocks: [num_blocks, block_size, num_kv_heads, head_dim] each, in the
@@ -62,8 +74,13 @@ class KVCache:
                    [torch.zeros(shape[:3], dtype=torch.int16, device=device) for _ in range(num_layers)]
                    if v_exponents else None)
 
-    def v_exp_of(self, layer: int) -> torch.Tensor | None:
-        return None if self.v_exp is None else self.v_exp[layer]
+    def __post_init__(self):
+        self._layers = [LayerKV(k, v, None if self.v_exp is None else self.v_exp[i])
+                        for i, (k, v) in enumerate(zip(self.k, self.v))]
+
+    def layer(self, i: int) -> LayerKV:
+        """Layer i's part of the cache (views built once: a decode round asks for every layer's)."""
+        return self._layers[i]
 
     @property
     def block_size(self) -> int:

@@ -11,7 +11,7 @@ import torch
 from tensorfold.kernels import quant_gemm, reference
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
-from tensorfold.models.forward_batch import ForwardBatch, KVCache
+from tensorfold.models.forward_batch import ForwardBatch, KVCache, LayerKV
 
 
 class Layer:
@@ -87,11 +87,11 @@ class Model:
         fused = getattr(self.ops, "decoder_layer", None)  # an op set that runs a whole layer
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            kv = cache.layer(i)
             if fused is not None and layer.fusable:
-                x, residual = fused(self, layer, x, residual, next_norm, batch, cos, sin, cache.k[i], cache.v[i],
-                                    cache.v_exp_of(i))
+                x, residual = fused(self, layer, x, residual, next_norm, batch, cos, sin, kv)
                 continue
-            attn = self._attention(layer, x, batch, cos, sin, cache.k[i], cache.v[i], cache.v_exp_of(i))
+            attn = self._attention(layer, x, batch, cos, sin, kv)
             x, residual = self.ops.add_rms_norm(attn, residual, layer.post_attn_norm, a.rms_norm_eps)
             gate_up = self.linear(x, layer.gate_up)  # [num_rows, 2 * intermediate]
             gate, up = gate_up.split(a.intermediate_size, dim=-1)
@@ -115,7 +115,7 @@ class Model:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ops.embedding(self.embed, ids).to(self.dtype)
 
-    def _attention(self, layer: Layer, x, batch: ForwardBatch, cos, sin, k_cache, v_cache, v_exp=None):
+    def _attention(self, layer: Layer, x, batch: ForwardBatch, cos, sin, kv: LayerKV):
         a = self.args
         num_rows = x.shape[0]
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
@@ -129,9 +129,9 @@ class Model:
         else:
             q = self.ops.apply_rope(q, cos, sin)
             k = self.ops.apply_rope(k, cos, sin)
-        self.ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, v_exp=v_exp)
+        self.ops.write_kv(kv.k, kv.v, k, v, batch.slot_mapping, v_exp=kv.v_exp)
         # Every row of every sequence in one call: each row's result is the one it gets alone.
-        out = self.ops.attention(q, k_cache, v_cache, batch, self.scale, layer.window, v_exp=v_exp)
+        out = self.ops.attention(q, kv.k, kv.v, batch, self.scale, layer.window, v_exp=kv.v_exp)
         return self.linear(out.reshape(num_rows, -1), layer.o, layer.o_bias)
 
     def linear(self, x, weight, bias=None):
