@@ -180,7 +180,7 @@ def llama_greedy(llm, ids: list[int], n: int) -> list[int]:
     llm.eval(ids)
     out = []
     for _ in range(n):
-        out.append(peer_llama_cpp._greedy(llm))
+        out.append(peer_llama_cpp.greedy_token(llm.ctx, llm.n_vocab()))
         llm.eval(out[-1:])
     return out
 

@@ -55,13 +55,13 @@ def load(path: str, n_ctx: int, threads: int, kv_dtype: str = DEFAULT_KV):
                  type_k=KV_TYPES[kv_dtype], type_v=KV_TYPES[kv_dtype])
 
 
-def _greedy(llm) -> int:
-    """Argmax of the logits of the last evaluated token. (llm.scores is not filled without
-    logits_all, so the logits are read from the context.)"""
+def greedy_token(ctx, vocab: int, index: int = -1) -> int:
+    """Argmax of the logits of the batch's token `index` (-1: the last) in a llama.cpp context.
+    (llm.scores is not filled without logits_all, so the logits are read from the context.)"""
     import llama_cpp
     import numpy as np
 
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, index), shape=(vocab,))
     return int(logits.argmax())
 
 
@@ -71,7 +71,7 @@ def decode_tps(llm, prompt_ids: list[int], n_tokens: int) -> float:
     llm.eval(prompt_ids)
     start = time.perf_counter()
     for _ in range(n_tokens):
-        llm.eval([_greedy(llm)])
+        llm.eval([greedy_token(llm.ctx, llm.n_vocab())])
     return n_tokens / (time.perf_counter() - start)
 
 
@@ -105,17 +105,13 @@ def streams_decode_tps(llm, prompts: list[list[int]], n_tokens: int, kv_dtype: s
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
 
-        def greedy(i: int) -> int:
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,))
-            return int(logits.argmax())
-
         run([(t, p, s, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)])
         ends = list(np.cumsum([len(ids) for ids in prompts]) - 1)
-        nexts, positions = [greedy(int(e)) for e in ends], [len(ids) for ids in prompts]
+        nexts, positions = [greedy_token(ctx, vocab, int(e)) for e in ends], [len(ids) for ids in prompts]
         start = time.perf_counter()
         for _ in range(n_tokens):
             run([(nexts[s], positions[s], s, True) for s in range(streams)])
-            nexts = [greedy(s) for s in range(streams)]
+            nexts = [greedy_token(ctx, vocab, s) for s in range(streams)]
             positions = [p + 1 for p in positions]
         return streams * n_tokens / (time.perf_counter() - start)
     finally:

@@ -178,6 +178,13 @@ struct Scratch {
   ItemState whole;               // the state of an item this thread runs alone
 };
 
+// A stored V row's exponent (step 3's e_j: that of its largest magnitude), which write_kv records
+// beside the cache and the attention otherwise takes from the row itself.
+template <typename C>
+inline int v_row_exponent(const C* row, int64_t d) {
+  return exponent(max_abs(row, d));
+}
+
 template <typename T>
 struct Cache {
   const T* k;
@@ -198,7 +205,7 @@ struct Cache {
   // The exponent of the V row at `offset` (an offset() of this cache): as write_kv recorded it,
   // or, without the record, read from the row.
   int v_exponent(int64_t offset) const {
-    return v_exp != nullptr ? v_exp[offset / head_dim] : exponent(max_abs(v + offset, head_dim));
+    return v_exp != nullptr ? v_exp[offset / head_dim] : v_row_exponent(v + offset, head_dim);
   }
 };
 
@@ -742,7 +749,7 @@ void write_kv_impl(C* k_cache, C* v_cache, int16_t* v_exp, const T* k, int64_t k
       store_on_grid(k + t * k_stride + h * head_dim, k_cache + dst, head_dim, QK_BITS);
       store_on_grid(v + t * v_stride + h * head_dim, v_cache + dst, head_dim, V_BITS);
       if (v_exp != nullptr)  // the stored row's exponent, as the attention would take it from the row
-        v_exp[slots[t] * kv_heads + h] = static_cast<int16_t>(exponent(max_abs(v_cache + dst, head_dim)));
+        v_exp[slots[t] * kv_heads + h] = static_cast<int16_t>(v_row_exponent(v_cache + dst, head_dim));
     }
 }
 
