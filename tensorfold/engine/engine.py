@@ -15,12 +15,14 @@ import torch
 
 from tensorfold.backends import keeps_v_exponents
 from tensorfold.engine.config import EngineConfig  # noqa: F401 (importers take it from here)
+from tensorfold.engine.info import EngineInfo
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
 from tensorfold.engine.loading import allocate_memory, load_model
 from tensorfold.engine.reply_text import ReplyText
 from tensorfold.engine.request import Request, Status
 from tensorfold.engine.runner import ModelRunner
 from tensorfold.engine.scheduler import Scheduler, SchedulerConfig
+from tensorfold.engine.window import reply_budget
 from tensorfold.sampling import bitmask as bits
 from tensorfold.sampling.constraint import ConstraintError
 from tensorfold.sampling.keyed import request_seed
@@ -80,6 +82,15 @@ class Engine:
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - started
         args = self.model.args
+        self.info = EngineInfo(
+            model_path=self.checkpoint.path, architecture=self.checkpoint.architecture, num_layers=args.num_layers,
+            vocab_size=args.vocab_size, context_length=self.context_length,
+            default_max_tokens=config.default_max_tokens, backend=config.backend, ops=self.model.ops.NAME,
+            dtype=config.dtype if config.dtype != "auto" else "float32",
+            kv_dtype=str(self.cache.dtype).removeprefix("torch."), weights=self.model.weight_formats(),
+            cache=f"{self.pool.num_blocks} blocks x {config.block_size}", cache_bytes=self.cache.nbytes,
+            num_blocks=self.pool.num_blocks, block_size=config.block_size, exact=not self.probe_failures,
+            probe_failures=tuple(self.probe_failures), load_seconds=self.load_seconds)
         log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, KV pool %d blocks x %d "
                  "(%s, %.1f MiB)", self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
                  self.load_seconds, loaded.device, self.model.ops.NAME, self.context_length, self.pool.num_blocks,
@@ -89,22 +100,16 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, req_id: str | None = None,
-                    priority: int = 0, constraint=None) -> str:
+                    priority: int = 0, constraint=None, grammar_compile_s: float | None = None) -> str:
         if not prompt_ids:
             raise ValueError("empty prompt")
-        room = self.context_length - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                             f"{self.context_length}-token window")
-        max_tokens = params.max_tokens if params.max_tokens is not None else \
-            min(self.config.default_max_tokens, room)
-        if max_tokens > room:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds the "
-                             f"{self.context_length}-token window")
+        max_tokens = reply_budget(self.context_length, len(prompt_ids), params.max_tokens,
+                                  self.config.default_max_tokens)
         req_id = req_id or f"req-{next(self._ids)}"
         params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         req = Request(req_id, list(prompt_ids), params, request_seed(params.seed, prompt_ids),
                       frozenset(self.tokenizer.eos_token_ids), priority, constraint=constraint)
+        req.stats.grammar_compile_s = grammar_compile_s
         self.scheduler.add(req)
         self.requests[req_id] = req
         self._texts[req_id] = ReplyText(self.tokenizer.detokenizer(prompt_ids), params.stop)
