@@ -13,16 +13,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tensorfold.engine.probes import probe_ops
+from tensorfold.backends.probes import probe_ops
 from tensorfold.backends import backend_ops, cpu_ops
 from tensorfold.kernels.paged_attention import attention_by_sequence
-from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
+from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 from tensorfold.models.hf_dir import load_hf_dir
 from tensorfold.models.loader import build_model
 
 BLOCK = 32
 def _stock_rms_norm(x, w, eps):
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
+
+
+class StockLinear(LinearWeight):
+    """torch's GEMM as it is, no padding: its kernel may change with the row count."""
+
+    def pack(self, part):
+        return part
+
+    def multiply(self, x, part):
+        return F.linear(x, part)
 
 
 STOCK_OPS = types.SimpleNamespace(
@@ -37,7 +48,9 @@ STOCK_OPS = types.SimpleNamespace(
     write_kv=cpu_ops.write_kv,
     embedding=cpu_ops.embedding,
     NAME="stock",
-    pack_weight=lambda w: w,
+    Linear=StockLinear,
+    fuse=lambda layer: None,
+    V_EXPONENT_RECORD=False,
 )
 STOCK_OPS.attention = functools.partial(attention_by_sequence, STOCK_OPS.paged_attention,
                                         STOCK_OPS.paged_decode_attention)
@@ -48,8 +61,7 @@ class Harness:
 
     def __init__(self, model):
         self.model = model
-        a = model.args
-        self.cache = KVCache.allocate(a.num_layers, 128, BLOCK, a.num_kv_heads, a.head_dim, model.dtype)
+        self.cache = model.allocate_cache(128, BLOCK)
         self.tables = {s: list(range(s * 8, s * 8 + 8))[::-1] for s in range(16)}
 
     def run(self, pieces):

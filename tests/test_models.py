@@ -9,7 +9,7 @@ import torch
 from tensorfold.backends import backend_ops
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.models.checkpoint import CheckpointError
-from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
+from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 from tensorfold.models.hf_dir import load_hf_dir
 from tensorfold.models.loader import build_model
 from tensorfold.sampling.params import SamplingParams
@@ -30,8 +30,7 @@ def hf_model(checkpoint_dir):
 
 
 def _cache(model, num_blocks=64):
-    a = model.args
-    return KVCache.allocate(a.num_layers, num_blocks, BLOCK, a.num_kv_heads, a.head_dim, torch.float32)
+    return model.allocate_cache(num_blocks, BLOCK, torch.float32)
 
 
 def _rows(seq_tables, pieces):
@@ -98,7 +97,7 @@ def test_greedy_32_tokens_equal_transformers(checkpoint_dir, hf_model):
 def test_bfloat16_forward_is_close(checkpoint_dir, hf_model):
     model = build_model(load_hf_dir(checkpoint_dir), torch.bfloat16, backend_ops("cpu"))
     a = model.args
-    cache = KVCache.allocate(a.num_layers, 8, BLOCK, a.num_kv_heads, a.head_dim, torch.bfloat16)
+    cache = model.allocate_cache(8, BLOCK, torch.bfloat16)
     ids = list(range(100, 140))
     got = model.forward(_rows([list(range(2))], [(0, ids, 0, True)]), cache)
     expected = hf_model(torch.tensor([ids])).logits[0]
@@ -154,7 +153,7 @@ def test_sliding_window_matches_transformers(tmp_path, smollm2_tokenizer):
                              layer_types=["full_attention", "sliding_attention"])
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
     model = build_model(load_hf_dir(d), torch.float32, backend_ops("cpu"))
-    assert model.layers[1].window == 24 and model.layers[0].window is None
+    assert model.layers[1].mixer.spec.window == 24 and model.layers[0].mixer.spec.window is None
     ids = list(range(500, 580))
     expected = hf(torch.tensor([ids])).logits[0]
     got = model.forward(_rows([list(range(3))], [(0, ids, 0, True)]), _cache(model))

@@ -15,9 +15,9 @@ import torch
 from tensorfold.api.replies import token_sha
 from tensorfold.backends import backend_ops, cpu_ops, keeps_v_exponents, native_problem
 from tensorfold.engine.engine import Engine, EngineConfig
-from tensorfold.engine.probes import probe_ops
 from tensorfold.kernels import reference
-from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
+from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
+from tensorfold.models.cache import PagedKV
 from tensorfold.models.hf_dir import load_hf_dir
 from tensorfold.models.loader import build_model
 
@@ -29,7 +29,7 @@ BLOCK = 16
 def reference_ops():
     """The torch references under the op-set names, the GEMM included (its fixed-order oracle)."""
     ops = {name: getattr(cpu_ops, name) for name in dir(cpu_ops) if not name.startswith("_")}
-    ops.update(linear=reference.linear, NAME="reference")
+    ops.update(linear=reference.linear, Linear=cpu_ops.ReferenceLinear, NAME="reference")
     return types.SimpleNamespace(**ops)
 
 
@@ -37,9 +37,7 @@ def greedy_run(model, prompts: list[list[int]], steps: int, kv_dtype: torch.dtyp
     """Prefill the prompts together, then decode them together greedily; every forward's logits.
     The cache is of kv_dtype (default: the model's dtype), with the record of V's exponents where
     the op set keeps one, as the engine allocates it."""
-    a = model.args
-    cache = KVCache.allocate(a.num_layers, 64, BLOCK, a.num_kv_heads, a.head_dim, kv_dtype or model.dtype,
-                             v_exponents=keeps_v_exponents(model.ops))
+    cache = model.allocate_cache(64, BLOCK, kv_dtype, v_exponents=keeps_v_exponents(model.ops))
     tables = [torch.arange(s * 8, s * 8 + 8).flip(0) for s in range(len(prompts))]  # shuffled-ish blocks
     seqs = [list(p) for p in prompts]
     fed = [0] * len(prompts)
@@ -100,9 +98,9 @@ def test_default_model_is_exact_on_the_compiled_op_set(dtype):
     """The startup probes (every GEMM shape of the model at batch 1..64, threads 1 vs 2, norm,
     SiLU, attention) pass on this CPU: if they did not, the server would refuse exact mode."""
     engine = Engine(None, EngineConfig(dtype=dtype, probe=False, context=256, kv_cache_gib=0.01))
-    assert engine.model.ops.NAME.startswith("native-")
-    assert engine.cache.dtype == getattr(torch, dtype)  # --kv-dtype auto: the activations' dtype
-    assert probe_ops(engine.model, engine.model.ops, kv_dtype=engine.cache.dtype) == []
+    assert engine.info.ops.startswith("native-")
+    assert engine.info.kv_dtype == dtype  # --kv-dtype auto: the activations' dtype
+    assert engine.backend.probes() == []
 
 
 def test_default_engine_serves_a_bfloat16_cache_in_exact_mode():
@@ -110,20 +108,22 @@ def test_default_engine_serves_a_bfloat16_cache_in_exact_mode():
     bfloat16 KV cache, half the float32 one, and the startup probes (run on that cache's dtype)
     pass: exact mode is granted."""
     engine = Engine(None, EngineConfig(context=256, kv_cache_gib=0.05))  # probe=True, the default
-    assert engine.model.ops.NAME.startswith("native-") and engine.model.dtype == torch.float32
-    assert all(t.dtype == torch.bfloat16 for t in (*engine.cache.k, *engine.cache.v))
+    assert engine.info.ops.startswith("native-") and engine.info.dtype == "float32"
+    cache = engine.backend.cache
+    assert all(kv.k.dtype == kv.v.dtype == torch.bfloat16 for kv in cache.layers)
     assert engine.exact, engine.probe_failures
-    a = engine.model.args
+    a = engine.backend.model.args
+    layer = PagedKV(a.num_kv_heads, a.head_dim)
 
     def blocks(kv_dtype):  # what --kv-cache-gib 0.05 buys (above the one-window minimum here)
-        per_token = KVCache.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, kv_dtype, v_exponents=True)
+        per_token = a.num_layers * layer.bytes_per_token(kv_dtype, v_exponents=True)
         return int(0.05 * 2**30) // (per_token * engine.config.block_size)
-    assert engine.cache.v_exp is not None and all(t.dtype == torch.int16 for t in engine.cache.v_exp)
-    assert engine.pool.num_blocks == engine.cache.num_blocks == blocks(torch.bfloat16) > 256 // 32
-    per_token = KVCache.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, torch.bfloat16, v_exponents=True)
-    assert engine.cache.nbytes == engine.cache.num_blocks * engine.config.block_size * per_token  # records counted
+    assert all(kv.v_exp is not None and kv.v_exp.dtype == torch.int16 for kv in cache.layers)
+    assert engine.pool.num_blocks == cache.num_blocks == blocks(torch.bfloat16) > 256 // 32
+    per_token = a.num_layers * layer.bytes_per_token(torch.bfloat16, v_exponents=True)
+    assert cache.nbytes == engine.info.cache_bytes == cache.num_blocks * engine.config.block_size * per_token
     forced = Engine(None, EngineConfig(kv_dtype="float32", probe=False, context=256, kv_cache_gib=0.05))
-    assert forced.cache.dtype == torch.float32 and forced.pool.num_blocks == blocks(torch.float32)
+    assert forced.info.kv_dtype == "float32" and forced.pool.num_blocks == blocks(torch.float32)
     assert abs(blocks(torch.float32) * 2 - blocks(torch.bfloat16)) <= 2  # (the records: 2 bytes a KV head each)
     with pytest.raises(ValueError, match="kv_dtype"):
         Engine(None, EngineConfig(kv_dtype="float16", probe=False))
@@ -136,9 +136,9 @@ def test_one_call_per_layer_equals_the_op_by_op_layer(request, arch, dtype, kv_d
     model: the same logits, and the same cache contents."""
     native = backend_ops("cpu")
     fused = build_model(load_hf_dir(request.getfixturevalue(arch)), dtype, native)
-    op_by_op = build_model(load_hf_dir(request.getfixturevalue(arch)), dtype, native)
-    op_by_op.ops = types.SimpleNamespace(**{n: getattr(native, n) for n in dir(native)
-                                            if not n.startswith("_") and n != "decoder_layer"})
+    unfused = types.SimpleNamespace(**{n: getattr(native, n) for n in dir(native) if not n.startswith("_")})
+    unfused.fuse = lambda layer: None
+    op_by_op = build_model(load_hf_dir(request.getfixturevalue(arch)), dtype, unfused)
     prompts = [list(range(7, 47)), [9, 8, 7]]
     got, got_sha = greedy_run(fused, prompts, steps=4, kv_dtype=kv_dtype)
     want, want_sha = greedy_run(op_by_op, prompts, steps=4, kv_dtype=kv_dtype)

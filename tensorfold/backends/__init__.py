@@ -22,9 +22,9 @@ IMPLEMENTED = ("cpu", "cuda")
 
 def keeps_v_exponents(ops) -> bool:
     """Whether op set `ops` keeps a record of the V rows' exponents beside the KV cache
-    (KVCache.v_exp; an op set says so with V_EXPONENT_RECORD = True): its write_kv fills the
-    record and its attention reads it instead of the V rows."""
-    return getattr(ops, "V_EXPONENT_RECORD", False)
+    (LayerKV.v_exp; every op set says with V_EXPONENT_RECORD): its write_kv fills the record and
+    its attention reads it instead of the V rows."""
+    return ops.V_EXPONENT_RECORD
 
 
 def _cuda_problem() -> str | None:
@@ -81,6 +81,16 @@ def _cpu_op_set():
                 "torch's GEMM, which the startup probes check.", problem)
     from tensorfold.backends import cpu_ops
     return cpu_ops
+
+
+def open_backend(config):
+    """The Backend that serves `config` (backends/torch_backend.py: load, allocate, runner,
+    probes, describe), for the backend select_backend chose (EngineConfig.backend)."""
+    import torch
+
+    from tensorfold.backends.torch_backend import TorchBackend
+    device = torch.device(config.device or config.backend)
+    return TorchBackend(config.backend, backend_ops(config.backend), device, config.num_threads)
 
 
 def backend_ops(backend: str):

@@ -3,8 +3,8 @@
 The cpu backend runs it where the C++ kernels (native_ops.py) are not built; the startup
 probes then decide exact mode, because its GEMM is torch's (padded to 8 rows), row-invariant on
 some CPUs only. Quantized weights (kernels/quant_gemm.QuantWeight) run the quantized GEMM's
-torch reference, exact by construction but slow. `sample` is the engine's draw (the keyed sampler); its tokens come back as
-Python ints.
+torch reference, exact by construction but slow. `sample` is the engine's draw (the keyed sampler, in
+torch operations: nothing here calls tensorfold._cpu); its tokens come back as Python ints.
 """
 import functools
 
@@ -12,34 +12,53 @@ from tensorfold.kernels.paged_attention import attention_by_sequence
 from tensorfold.kernels.paged_attention import paged_attention_ref as paged_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import paged_decode_attention_ref as paged_decode_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
-from tensorfold.kernels import quant_gemm
+from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.kernels import quant_gemm, reference
 from tensorfold.kernels.reference import linear_padded
 from tensorfold.kernels.reference import (add_rms_norm, apply_rope, pad_rows, rms_norm,  # noqa: F401
                                           rms_norm_rope, rope_table, silu_and_mul)
 from tensorfold.sampling.sampler import sample  # noqa: F401
 
 NAME = "torch"
+V_EXPONENT_RECORD = False  # the attention reads V's exponents from the V rows
 
 
 attention = functools.partial(attention_by_sequence, paged_attention, paged_decode_attention)
 
 
-def pack_weight(weight):
-    """GEMM weights stay as they are: torch's GEMM takes them [N, K], the quantized reference
-    its QuantWeight."""
-    return weight
+class Linear(LinearWeight):
+    """Parts as they are: torch's GEMM takes a dense part [N, K] (rows padded to 8), a quantized
+    one (kernels/quant_gemm.QuantWeight) runs the quantized GEMM's torch reference."""
+
+    def pack(self, part):
+        return part
+
+    def multiply(self, x, part):
+        return quant_gemm.linear(x, part) if self.quantized(part) else linear_padded(x, part)
+
+    def rows(self, ids):
+        """Rows of a quantized table, dequantized (float32): the embedding lookup."""
+        return self.single.rows(ids).dequantize()
 
 
-def embedding(table, ids):
-    """Rows of an embedding table: dense, or blocks dequantized (float32)."""
-    if isinstance(table, quant_gemm.QuantWeight):
-        return table.rows(ids).dequantize()
-    return table[ids]
+class ReferenceLinear(Linear):
+    """The fixed-order reference GEMM (kernels/reference.linear) for dense parts: what the native
+    GEMM must equal bitwise (the tests' oracle op set; slow)."""
+
+    def multiply(self, x, part):
+        return quant_gemm.linear(x, part) if self.quantized(part) else reference.linear(x, part)
+
+
+def pack_weight(weight) -> Linear:
+    """One checkpoint matrix as this op set's weight (tests and benchmarks)."""
+    return Linear.of(weight)
 
 
 def linear(x, weight, bias=None):
-    """torch's GEMM padded to 8 rows, or for blocks the exact quantized GEMM's reference."""
-    if isinstance(weight, quant_gemm.QuantWeight):
-        out = quant_gemm.linear(x, weight)
-        return out if bias is None else out + bias
+    """x [M, K] @ weight^T (+ bias) for a plain [N, K] tensor: torch's GEMM padded to 8 rows."""
     return linear_padded(x, weight, bias)
+
+
+def fuse(layer):
+    """No fused layers here: every layer runs its blocks' composition (models/blocks.py)."""
+    return None

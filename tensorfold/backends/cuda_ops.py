@@ -7,7 +7,7 @@ backend is chosen: on a GPU, or in tests on CPU tensors under TRITON_INTERPRET=1
 What runs where, and why:
 - rms_norm, apply_rope: Triton (kernels/rms_norm_triton.py), plus the fused forms the model calls
   (add_rms_norm: residual add + the next norm; rms_norm_rope: qwen3's per-head norm + rope), all
-  bitwise the references (kernels/exact.py's rule).
+  bitwise the references (tensorfold/exact's rule).
 - paged_attention / paged_attention_varlen, write_kv: Triton exact attention
   (kernels/attention_triton.py: integer sums, bitwise the cpu reference's result); the cache write
   is the reference's (each vector rounded to its fixed-point grid, then an index_put: elementwise,
@@ -26,6 +26,7 @@ What runs where, and why:
   engine's startup probes vouch for it on a given device; a fixed-tile Triton GEMM without
   split-K is the next kernel (docs/kernels.md).
 """
+from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
@@ -38,18 +39,36 @@ from tensorfold.kernels.sampling_triton import sample  # noqa: F401
 from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa: F401
 
 NAME = "triton"
+V_EXPONENT_RECORD = False  # the attention reads V's exponents from the V rows
+
+
+class Linear(LinearWeight):
+    """Quantized parts packed once for the Triton quantized GEMM (PackedQuantWeight); dense parts
+    as they are: cuBLAS takes them [N, K] (rows padded to 8) on a GPU; on CPU tensors (the tests,
+    under the Triton interpreter) the cpu backend's GEMM, so the two op sets are compared on
+    equal GEMMs."""
+
+    def pack(self, part):
+        return pack_quant_weight(part) if self.quantized(part) else part
+
+    def multiply(self, x, part):
+        if isinstance(part, PackedQuantWeight):
+            return quant_linear(x, part)
+        return linear(x, part)
+
+    def rows(self, ids):
+        """Rows of a quantized table, dequantized (float32): the embedding lookup."""
+        t = self.single
+        return QuantWeight(t.kind, t.codes, t.scale, t.scale_exp, t.min, t.min_exp).rows(ids).dequantize()
+
+
+def pack_weight(weight) -> Linear:
+    """One checkpoint matrix as this op set's weight (tests and benchmarks)."""
+    return Linear.of(weight)
 
 
 def linear(x, weight, bias=None):
-    """x [M, K] @ weight^T (+ bias). A quantized weight (pack_weight's PackedQuantWeight, or a
-    QuantWeight, packed per call): the Triton quantized GEMM, on any device. A dense one: cuBLAS
-    with the rows padded to 8 on a GPU; on CPU tensors (the tests, under the Triton interpreter)
-    the cpu backend's GEMM, so the two op sets are compared on equal GEMMs."""
-    if isinstance(weight, QuantWeight):
-        weight = pack_quant_weight(weight)
-    if isinstance(weight, PackedQuantWeight):
-        out = quant_linear(x, weight)
-        return out if bias is None else out + bias
+    """x [M, K] @ weight^T (+ bias) for a plain dense [N, K] tensor."""
     if x.device.type != "cpu":
         return linear_padded(x, weight, bias)
     from tensorfold.backends import native_problem
@@ -57,22 +76,6 @@ def linear(x, weight, bias=None):
         from tensorfold.backends import native_ops
         return native_ops.linear(x, weight, bias)
     return linear_padded(x, weight, bias)
-
-
-def embedding(table, ids):
-    """Rows of an embedding table: dense, or a packed quantized table's rows dequantized (float32)."""
-    if isinstance(table, PackedQuantWeight):
-        return QuantWeight(table.kind, table.codes, table.scale, table.scale_exp, table.min, table.min_exp
-                           ).rows(ids).dequantize()
-    return table[ids]
-
-
-def pack_weight(weight):
-    """A QuantWeight becomes the quantized GEMM's PackedQuantWeight (.shape (N, K), .kind), once
-    at load; dense GEMM weights stay as they are: cuBLAS takes them [N, K]."""
-    if isinstance(weight, QuantWeight):
-        return pack_quant_weight(weight)
-    return weight
 
 
 def attention(q, k_cache, v_cache, batch, scale, window=None, v_exp=None):
@@ -86,3 +89,8 @@ def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, 
     row's result the one paged_attention gives it alone."""
     return paged_attention_varlen(q, k_cache, v_cache, positions, pad_block_tables(block_tables),
                                   list(range(q.shape[0] + 1)), scale, window)
+
+
+def fuse(layer):
+    """No fused layers here: every layer runs its blocks' composition (models/blocks.py)."""
+    return None

@@ -6,19 +6,32 @@ including the GEMMs: the dense one's order of summation is fixed by K alone, the
 path, so exactness holds whatever CPU this is. Importing this module fails (ImportError) when
 the extension was not built; backends.backend_ops then falls back to cpu_ops.
 """
+import functools
+from dataclasses import dataclass
+
 import torch
 
 from tensorfold import _cpu
 from tensorfold.backends.huge_pages import arena
-from tensorfold.kernels.quant_gemm import QuantWeight
+from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
-from tensorfold.sampling.sampler import sample  # noqa: F401
+from tensorfold.models.blocks import MLP, Attention
+from tensorfold.sampling import sampler
 
 NAME = f"native-{_cpu.isa()}"
 # The KV cache keeps a record of its V rows' exponents (KVCache.v_exp), which write_kv fills and
 # the attention reads: its first pass (the maxima) then reads K alone, not K and V.
 V_EXPONENT_RECORD = True
+
+
+@dataclass(frozen=True)
+class Packed:
+    data: torch.Tensor          # the kernel's layout
+    n: int
+    k: int
+    quantized: bool
+
 
 rms_norm = _cpu.rms_norm
 add_rms_norm = _cpu.add_rms_norm
@@ -26,49 +39,43 @@ apply_rope = _cpu.apply_rope
 rms_norm_rope = _cpu.rms_norm_rope
 silu_and_mul = _cpu.silu_and_mul
 write_kv = _cpu.write_kv
+# the keyed draw with the C++ steps (draw_rows, sample_keys, top_keys, gumbel): sampler.sample's bits
+sample = functools.partial(sampler.sample, native=_cpu)
 
 
-class PackedWeight:
-    """A GEMM weight [N, K] in the kernel's tile layout (packed once, at load), in huge pages where
-    the OS has them (backends/huge_pages.py: a decode step streams every weight)."""
+class Linear(LinearWeight):
+    """A GEMM weight in the kernels' layouts (packed once, at load, in huge pages where the OS has
+    them: backends/huge_pages.py; a decode step streams every weight): dense parts in the dense
+    GEMM's tile layout, quantized parts (kernels/quant_gemm.QuantWeight) in the quantized GEMM's
+    one byte tensor that carries its kind and shape."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.data = arena.place(_cpu.pack_weight(weight))
-        self.shape = tuple(weight.shape)
-        self.format = str(weight.dtype).removeprefix("torch.")
+    def pack(self, part) -> Packed:
+        if self.quantized(part):
+            data = _cpu.pack_quant(part.kind, part.codes, part.scale, part.scale_exp, part.min, part.min_exp)
+            return Packed(arena.place(data), *part.shape, quantized=True)
+        return Packed(arena.place(_cpu.pack_weight(part)), *part.shape, quantized=False)
 
+    def multiply(self, x: torch.Tensor, packed: Packed) -> torch.Tensor:
+        if packed.quantized:
+            return _cpu.quant_linear(x, packed.data, packed.n, packed.k)
+        return _cpu.linear_packed(x, packed.data, packed.n, packed.k)
 
-class PackedQuant:
-    """A quantized GEMM weight (kernels/quant_gemm.QuantWeight) in the quantized kernel's layout:
-    one byte tensor that carries its kind and shape (in huge pages too)."""
-
-    def __init__(self, weight: QuantWeight):
-        self.data = arena.place(_cpu.pack_quant(weight.kind, weight.codes, weight.scale, weight.scale_exp, weight.min,
-                                                weight.min_exp))
-        self.shape = weight.shape
-        self.format = weight.kind
-
-
-def pack_weight(weight):
-    return PackedQuant(weight) if isinstance(weight, QuantWeight) else PackedWeight(weight)
-
-
-def embedding(table, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of an embedding table: dense, or a PackedQuant's rows dequantized (float32)."""
-    if isinstance(table, PackedQuant):
-        return _cpu.quant_rows(table.data, ids, *table.shape)
-    return table[ids]
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of a quantized table, dequantized (float32): the embedding lookup."""
+        packed = self.single
+        if packed is None or not packed.quantized:
+            raise TypeError("rows() reads a one-part quantized weight (dense tables are looked up as tensors)")
+        return _cpu.quant_rows(packed.data, ids, packed.n, packed.k)
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight^T with a PackedWeight or PackedQuant (or a plain [N, K] tensor, packed
-    per call)."""
-    if isinstance(weight, PackedQuant):
-        out = _cpu.quant_linear(x, weight.data, *weight.shape)
-    elif isinstance(weight, PackedWeight):
-        out = _cpu.linear_packed(x, weight.data, *weight.shape)
-    else:
-        out = _cpu.linear(x, weight)
+def pack_weight(weight) -> Linear:
+    """One checkpoint matrix as this op set's weight (tests and benchmarks)."""
+    return Linear.of(weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight^T (+ bias) for a plain [N, K] tensor, packed per call."""
+    out = _cpu.linear(x, weight)
     return out if bias is None else out + bias
 
 
@@ -91,15 +98,24 @@ def attention(q, k_cache, v_cache, batch, scale, window, v_exp=None):
                                 scale, window or 0, v_exp=v_exp)
 
 
-def decoder_layer(model, layer, x, residual, next_norm, batch, cos, sin, kv):
-    """One llama/qwen3 layer in one native call: the model's op-by-op composition, the same bits
-    (tests/test_native_backend.py), on the layer's part of the cache (kv: forward_batch.LayerKV).
-    Returns (the next layer's normed input or None, residual). Layers with biases take the
-    op-by-op path (llama.Model.forward)."""
-    a = model.args
-    return _cpu.decoder_layer(
-        x, residual, layer.qkv.data, layer.o.data, layer.post_attn_norm, layer.gate_up.data, layer.down.data,
-        next_norm, layer.q_norm, layer.k_norm, cos, sin, kv.k, kv.v, batch.slot_mapping, batch.positions,
-        batch.block_tables, batch.row_starts_tensor, a.num_heads, a.intermediate_size, a.rms_norm_eps, model.scale,
-        layer.window or 0, kv.v_exp)
+def fuse(layer):
+    """A DecoderLayer (models/blocks.py) as one native call, or None where the native layer does
+    not cover it (biases, weights of mixed formats, other block kinds): the block's Python
+    composition, the same bits (tests/test_native_backend.py), with one Python-to-C++ crossing
+    per layer instead of eleven. Returns a callable with DecoderLayer.forward's signature."""
+    mixer, ffn = layer.mixer, layer.ffn
+    if not (isinstance(mixer, Attention) and isinstance(ffn, MLP)):
+        return None
+    weights = (mixer.qkv, mixer.o, ffn.gate_up, ffn.down)
+    if any(w.single is None or w.bias is not None for w in weights):
+        return None
+    qkv, o, gate_up, down = (w.single.data for w in weights)
+    s = mixer.spec
 
+    def run(x, residual, next_norm, batch, kv):
+        cos, sin = batch.rope_rows(mixer.rope)
+        return _cpu.decoder_layer(
+            x, residual, qkv, o, layer.post_mixer_norm, gate_up, down, next_norm, mixer.q_norm, mixer.k_norm, cos,
+            sin, kv.k, kv.v, batch.slot_mapping, batch.positions, batch.block_tables, batch.row_starts_tensor,
+            s.num_heads, ffn.spec.intermediate_size, layer.eps, s.scale, s.window or 0, kv.v_exp)
+    return run

@@ -22,6 +22,7 @@ class EngineConfig:
     default_max_tokens: int = 4096
     num_threads: int | None = None
     probe: bool = True               # check batch invariance on the model's shapes at startup
-    backend: str = "cpu"             # op set: "cpu" (torch references) or "cuda" (Triton kernels)
+    backend: str = "cpu"             # the backend select_backend chose: "cpu" (the C++ kernels, else
+                                     # the torch references) or "cuda" (Triton kernels)
     device: str | None = None        # torch device; None = the backend's. Tests set "cpu" to run
                                      # the cuda op set on CPU tensors under TRITON_INTERPRET=1

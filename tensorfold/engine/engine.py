@@ -2,7 +2,7 @@
 
     step(): propose drafts -> schedule -> run the model and draw -> accept, append, finish.
 
-Acceptance is the exactness rule of ARCHITECTURE.md: a drafted token is kept iff it equals the
+Acceptance is the exactness rule (docs/architecture.md): a drafted token is kept iff it equals the
 keyed draw at its position; the first mismatch is replaced by that draw, and a fully accepted
 run earns the bonus draw. So a drafted reply equals its serial one, token for token.
 """
@@ -11,16 +11,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from tensorfold.backends import keeps_v_exponents
+from tensorfold.backends import open_backend
+from tensorfold.engine.block_pool import BlockPool
+from tensorfold.engine.cache_book import CacheBook
 from tensorfold.engine.config import EngineConfig  # noqa: F401 (importers take it from here)
-from tensorfold.engine.info import EngineInfo
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
-from tensorfold.engine.loading import allocate_memory, load_model
+from tensorfold.engine.info import EngineInfo
 from tensorfold.engine.reply_text import ReplyText
 from tensorfold.engine.request import Request, Status
-from tensorfold.engine.runner import ModelRunner
 from tensorfold.engine.scheduler import Scheduler, SchedulerConfig
 from tensorfold.engine.window import reply_budget
 from tensorfold.sampling import bitmask as bits
@@ -62,40 +60,39 @@ class Completion:
 
 class Engine:
     def __init__(self, model_path: str | None = None, config: EngineConfig = EngineConfig()):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         started = time.perf_counter()
-        loaded = load_model(model_path, config)
+        self.backend = backend = open_backend(config)
+        loaded = backend.load(model_path, config)
         self.config = config = loaded.config  # one request at a time if the probes failed
-        self.checkpoint, self.tokenizer, self.model = loaded.checkpoint, loaded.tokenizer, loaded.model
-        self.probe_failures = loaded.probe_failures
-        memory = allocate_memory(config, self.model.args, loaded.device, loaded.kv_dtype,
-                                 keeps_v_exponents(self.model.ops))
-        self.context_length, self.pool, self.cache = memory.context_length, memory.pool, memory.cache
-        self.runner = ModelRunner(self.model, self.cache)
+        self.checkpoint, self.tokenizer = loaded.checkpoint, loaded.tokenizer
+        self.vocab_size = loaded.vocab_size
+        self.context_length = min(config.context or loaded.max_position, loaded.max_position)
+        memory = backend.allocate(self.context_length)
+        self.pool = BlockPool(memory.num_blocks, config.block_size, max_cached_blocks=memory.max_cached_blocks)
+        self.book = CacheBook(self.pool)
+        self.runner = backend.runner()
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,
-                                                   config.decode_share), self.pool)
+                                                   config.decode_share), self.pool, self.book)
         self.drafter = PromptLookupDrafter(max_depth=config.max_draft)
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, ReplyText] = {}
         self._drafts: dict[str, DraftState] = {}
         self._ids = itertools.count()
-        self.load_seconds = time.perf_counter() - started
-        args = self.model.args
+        described = backend.describe()
         self.info = EngineInfo(
-            model_path=self.checkpoint.path, architecture=self.checkpoint.architecture, num_layers=args.num_layers,
-            vocab_size=args.vocab_size, context_length=self.context_length,
-            default_max_tokens=config.default_max_tokens, backend=config.backend, ops=self.model.ops.NAME,
-            dtype=config.dtype if config.dtype != "auto" else "float32",
-            kv_dtype=str(self.cache.dtype).removeprefix("torch."), weights=self.model.weight_formats(),
-            cache=f"{self.pool.num_blocks} blocks x {config.block_size}", cache_bytes=self.cache.nbytes,
-            num_blocks=self.pool.num_blocks, block_size=config.block_size, exact=not self.probe_failures,
-            probe_failures=tuple(self.probe_failures), load_seconds=self.load_seconds)
-        log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, KV pool %d blocks x %d "
-                 "(%s, %.1f MiB)", self.checkpoint.path, self.checkpoint.architecture, args.num_layers, config.dtype,
-                 self.load_seconds, loaded.device, self.model.ops.NAME, self.context_length, self.pool.num_blocks,
-                 config.block_size, str(self.cache.dtype).removeprefix("torch."),
-                 self.cache.nbytes / 2**20)
+            model_path=self.checkpoint.path, architecture=self.checkpoint.architecture,
+            num_layers=loaded.num_layers, vocab_size=loaded.vocab_size, context_length=self.context_length,
+            default_max_tokens=config.default_max_tokens, backend=described["backend"], ops=described["ops"],
+            dtype=described["dtype"], kv_dtype=described["kv_dtype"], weights=described["weights"],
+            cache=memory.kinds, cache_bytes=memory.nbytes, num_blocks=memory.num_blocks,
+            block_size=config.block_size, exact=not loaded.probe_failures,
+            probe_failures=tuple(loaded.probe_failures), load_seconds=time.perf_counter() - started)
+        self.probe_failures = loaded.probe_failures
+        self.load_seconds = self.info.load_seconds
+        log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, cache %d blocks x %d "
+                 "(%s; %s, %.1f MiB)", self.info.model_path, self.info.architecture, self.info.num_layers, config.dtype,
+                 self.load_seconds, described["device"], self.info.ops, self.context_length, memory.num_blocks,
+                 config.block_size, memory.kinds, self.info.kv_dtype, memory.nbytes / 2**20)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -177,7 +174,7 @@ class Engine:
             drafts = self.drafter.propose(tokens, self._drafts[req.req_id], limit)
             if drafts and req.constraint is not None:  # drafts the constraint rejects never run
                 drafts = drafts[:self._guarded(req, req.constraint.num_valid_drafts, req.output_ids, drafts,
-                                               self.model.args.vocab_size)]
+                                               self.vocab_size)]
             req.draft_ids = drafts
 
     def _attach_masks(self, plan) -> None:
@@ -187,7 +184,7 @@ class Engine:
         if not constrained:
             plan.bitmask = None
             return
-        plan.bitmask = bits.full(sum(len(s.rows) for s in plan.requests), self.model.args.vocab_size)
+        plan.bitmask = bits.full(sum(len(s.rows) for s in plan.requests), self.vocab_size)
         first = 0
         for scheduled in plan.requests:
             req = self.requests[scheduled.req_id]
@@ -234,7 +231,8 @@ class Engine:
         accepted = 0
         while accepted < len(drafts) and live[accepted] == drafts[accepted]:
             accepted += 1
-        req.num_computed_tokens += len(fed) - len(drafts) + accepted
+        req.num_computed_tokens += len(fed)
+        self.book.rollback(req, len(drafts) - accepted)  # the rejected drafts' positions
         req.stats.drafted += len(drafts)
         req.stats.accepted += accepted
         self.drafter.update(self._drafts[req.req_id], len(drafts), accepted)

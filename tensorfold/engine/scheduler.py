@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from tensorfold.engine.block_pool import BlockPool
+from tensorfold.engine.cache_book import CacheBook
 from tensorfold.engine.request import Request, Status
 from tensorfold.engine.step_plan import ScheduledRequest, StepPlan
 from tensorfold.sampling.sampler import RowSampling
@@ -32,9 +33,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, book: CacheBook | None = None):
         self.config = config
         self.pool = pool
+        self.book = book or CacheBook(pool)  # what admission, preemption and the end do to the cache
         self.waiting: list[Request] = []   # kept in scheduling order
         self.running: list[Request] = []
         self._arrivals = itertools.count()
@@ -64,7 +66,7 @@ class Scheduler:
             # The last round's blocks too; accepted drafts past a stop are not reply tokens.
             self.pool.register(req.block_ids, req.prompt_ids + req.output_ids,
                                min(req.num_computed_tokens, req.num_tokens), req.block_hashes)
-        self._release(req)
+        self.book.release(req)
         req.status = Status.FINISHED
 
     def commit(self, req: Request) -> None:
@@ -125,7 +127,7 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.book.release(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -153,8 +155,7 @@ class Scheduler:
                 self.preempt(max(background, key=lambda r: r.order))
                 continue
             self.waiting.pop(0)
-            req.block_ids, req.block_hashes = hits, hashes
-            req.num_computed_tokens = len(hits) * self.pool.block_size
+            self.book.resume(req, hits, hashes)
             if not req.output_ids:  # what this admission found is what the prompt reuses
                 req.stats.cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
             if req.stats.scheduled_s is None:
@@ -168,10 +169,6 @@ class Scheduler:
         while i < len(self.waiting) and self.waiting[i].order <= req.order:
             i += 1
         self.waiting.insert(i, req)
-
-    def _release(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
-        req.block_ids, req.block_hashes = [], []
 
     @staticmethod
     def _rows(req: Request, num_fed: int, drafts: list[int]) -> ScheduledRequest:

@@ -6,7 +6,8 @@ import torch
 from tensorfold.models.checkpoint import Checkpoint, CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.progress import LoadProgress
-from tensorfold.models.registry import model_class
+from tensorfold.models.decoder import Model
+from tensorfold.models.registry import model_family
 
 
 def load_checkpoint(path: str | None = None, keep_quantized: bool = False) -> Checkpoint:
@@ -45,11 +46,11 @@ def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
             ckpt.tensors[name] = quantize(tensor, kind)
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu"):
-    """The checkpoint's model class over `ops`, the backend's op set (backends.backend_ops)."""
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu") -> Model:
+    """The checkpoint's family's layers over `ops`, the backend's op set (backends.backend_ops)."""
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
-    cls = model_class(ckpt.architecture, ckpt.path)
+    family = model_family(ckpt.architecture, ckpt.path)
     tensors = LoadProgress(ckpt.tensors)
-    model = cls(args, tensors, dtype, ops, device=device)
+    model = Model(args, family.layer_specs(args), tensors, dtype, ops, device, family.blocks)
     tensors.finish()
     return model

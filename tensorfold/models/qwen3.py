@@ -1,16 +1,13 @@
-"""Qwen3 dense decoder: the llama block plus per-head RMSNorm on Q and K before rope (QK-norm),
-and an explicit head_dim that need not equal hidden / heads. The llama file reads q_norm/k_norm
-when the checkpoint has them; this file names the architecture and insists on them.
+"""Qwen3 dense: the llama layout plus per-head RMSNorm on Q and K before rope (QK-norm, which
+the checkpoint must carry), and an explicit head_dim that need not equal hidden / heads.
 """
-import torch
-
-from tensorfold.models import llama
-from tensorfold.models.checkpoint import CheckpointError
+from tensorfold.models.blocks import BLOCKS
 from tensorfold.models.config import ModelArgs
+from tensorfold.models.spec import Family, LayerSpec, dense_attention_layers
 
 
-class Model(llama.Model):
-    def __init__(self, args: ModelArgs, tensors: dict, dtype: torch.dtype, ops, device: torch.device | str = "cpu"):
-        super().__init__(args, tensors, dtype, ops, device)
-        if any(layer.q_norm is None or layer.k_norm is None for layer in self.layers):
-            raise CheckpointError("qwen3 checkpoint lacks self_attn.q_norm / k_norm weights")
+def layer_specs(args: ModelArgs) -> list[LayerSpec]:
+    return dense_attention_layers(args, qk_norm=True)
+
+
+FAMILY = Family("qwen3", layer_specs, BLOCKS)

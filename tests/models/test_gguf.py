@@ -372,13 +372,13 @@ def test_default_model_tokenizer_matches_transformers(smollm):
 @pytest.mark.slow
 def test_default_model_logits_match_transformers(smollm):
     """Our forward over the dequantized GGUF against transformers loading the same file."""
-    from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
+    from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
     from tensorfold.models.loader import build_model
     ours, _, hf_tokenizer = smollm
     model = build_model(ours, torch.float32, backend_ops("cpu"))
     ids = hf_tokenizer("The quick brown fox jumps over the lazy dog because it was")["input_ids"]
     a = model.args
-    cache = KVCache.allocate(a.num_layers, 2, 32, a.num_kv_heads, a.head_dim, torch.float32)
+    cache = model.allocate_cache(2, 32, torch.float32)
     n = len(ids)
     batch = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(n),
                          [SequenceRows(0, n, torch.tensor([0, 1]))], torch.arange(n))

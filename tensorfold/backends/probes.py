@@ -10,6 +10,7 @@ could differ between solo and batched runs.
 import torch
 
 from tensorfold.backends import keeps_v_exponents
+from tensorfold.models.spec import AttentionSpec
 
 BATCH_SIZES = (2, 3, 7, 8, 13, 64)
 
@@ -29,9 +30,8 @@ def _rows_invariant(fn, make_rows, name: str, failures: list[str]) -> None:
 
 def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -> list[str]:
     """Run every probe; returns the failures (empty when the path is batch-invariant). The GEMMs
-    run through model.linear (the model's op set, fused parts of mixed formats included); kv_dtype:
-    the KV cache's dtype the engine serves with (default: the model's)."""
-    a = model.args
+    are the first layer's and the head (the model's LinearWeights, parts of mixed formats
+    included); kv_dtype: the KV cache's dtype the engine serves with (default: the model's)."""
     dtype, device = model.dtype, model.device
     gen = torch.Generator().manual_seed(1234)  # drawn on the CPU, the same inputs on every device
     failures: list[str] = []
@@ -40,49 +40,50 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     layer = model.layers[0]
-    q_size = a.num_heads * a.head_dim
-    gemms = {"qkv": (layer.qkv, a.hidden_size), "o_proj": (layer.o, q_size),  # (weight, K)
-             "gate_up": (layer.gate_up, a.hidden_size), "down": (layer.down, a.intermediate_size),
-             "lm_head": (model.lm_head, a.hidden_size)}
-    for name, (weight, k) in gemms.items():  # through the model's linear: fused parts included
-        _rows_invariant(lambda x, w=weight: model.linear(x, w), lambda m, k=k: randn(m, k),
-                        f"linear {name} (K {k})", failures)
-    _rows_invariant(lambda x: ops.rms_norm(x, layer.input_norm, a.rms_norm_eps),
-                    lambda m: randn(m, a.hidden_size), "rms_norm", failures)
-    _rows_invariant(lambda x: ops.silu_and_mul(x, x), lambda m: randn(m, a.intermediate_size),
-                    "silu_and_mul", failures)
-    _probe_attention(model, ops, randn, kv_dtype or dtype, failures)
+    gemms = {name.removeprefix("layers.0."): w for name, w in model.gemms().items()
+             if name.startswith("layers.0.") or name == "lm_head"}
+    for name, weight in gemms.items():  # each LinearWeight whole: parts of mixed formats included
+        k = weight.shape[1]
+        _rows_invariant(lambda x, w=weight: w(x), lambda m, k=k: randn(m, k), f"linear {name} (K {k})", failures)
+    hidden, eps = layer.input_norm.shape[0], layer.eps
+    _rows_invariant(lambda x: ops.rms_norm(x, layer.input_norm, eps), lambda m: randn(m, hidden), "rms_norm",
+                    failures)
+    width = gemms["down"].shape[1] if "down" in gemms else hidden
+    _rows_invariant(lambda x: ops.silu_and_mul(x, x), lambda m: randn(m, width), "silu_and_mul", failures)
+    attention = next((spec.mixer for spec in model.specs if isinstance(spec.mixer, AttentionSpec)), None)
+    if attention is not None:
+        _probe_attention(attention, device, ops, randn, kv_dtype or dtype, failures)
+    gate_up = gemms.get("gate_up", gemms["lm_head"])
     before = torch.get_num_threads()
     try:
         for n in threads:
             torch.set_num_threads(n)
-            x = torch.randn(5, a.hidden_size, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+            x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(7)).to(device, dtype)
             if n == threads[0]:
-                reference = model.linear(x, layer.gate_up)
-            elif not torch.equal(model.linear(x, layer.gate_up), reference):
+                reference = gate_up(x)
+            elif not torch.equal(gate_up(x), reference):
                 failures.append(f"linear gate_up: result depends on the thread count ({threads})")
     finally:
         torch.set_num_threads(before)
     return failures
 
 
-def _probe_attention(model, ops, randn, kv_dtype: torch.dtype, failures: list[str]) -> None:
+def _probe_attention(a: AttentionSpec, device, ops, randn, kv_dtype: torch.dtype, failures: list[str]) -> None:
     """A query row alone vs inside a prefill chunk of other rows of the same sequence, over a
-    cache of the engine's KV dtype."""
-    a = model.args
+    cache of the engine's KV dtype (the shape of the model's first attention layer)."""
     block_size = 32
     num_blocks = 6
     k_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim).to(kv_dtype)
     v_cache = torch.empty_like(k_cache)
-    slots = torch.arange(num_blocks * block_size, device=model.device)
+    slots = torch.arange(num_blocks * block_size, device=device)
     # the engine's cache: with the record of V's exponents where the op set keeps one (KVCache)
-    record = {"v_exp": torch.zeros(k_cache.shape[:3], dtype=torch.int16, device=model.device)} \
+    record = {"v_exp": torch.zeros(k_cache.shape[:3], dtype=torch.int16, device=device)} \
         if keeps_v_exponents(ops) else {}
     ops.write_kv(k_cache, v_cache, randn(len(slots), a.num_kv_heads, a.head_dim),
                  randn(len(slots), a.num_kv_heads, a.head_dim), slots, **record)  # as the engine fills it
-    table = torch.tensor([4, 1, 5, 0, 2, 3], device=model.device)
+    table = torch.tensor([4, 1, 5, 0, 2, 3], device=device)
     q = randn(150, a.num_heads, a.head_dim)
-    positions = torch.arange(150, device=model.device)
+    positions = torch.arange(150, device=device)
     scale = a.head_dim ** -0.5
     whole = ops.paged_attention(q, k_cache, v_cache, positions, table, scale, **record)
     for row in (0, 31, 32, 77, 149):
@@ -90,7 +91,7 @@ def _probe_attention(model, ops, randn, kv_dtype: torch.dtype, failures: list[st
         if not torch.equal(alone[0], whole[row]):
             failures.append(f"paged attention: row at position {row} differs alone vs in a 150-row chunk")
             return
-    rows = torch.tensor([5, 77, 149, 31], device=model.device)
+    rows = torch.tensor([5, 77, 149, 31], device=device)
     tables = [table, table.flip(0), table, table.roll(2)]
     together = ops.paged_decode_attention(q[rows], k_cache, v_cache, positions[rows], tables, scale, **record)
     for i, row in enumerate(rows.tolist()):

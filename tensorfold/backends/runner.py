@@ -8,11 +8,12 @@ set's `sample` (the torch sampler on cpu, the Triton one on cuda), which returns
 import torch
 
 from tensorfold.engine.step_plan import StepPlan
-from tensorfold.models.forward_batch import ForwardBatch, KVCache, SequenceRows
+from tensorfold.models.cache import ModelCache
+from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache):
+    def __init__(self, model, cache: ModelCache):
         self.model = model
         self.cache = cache
 

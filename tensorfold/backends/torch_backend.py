@@ -1,0 +1,130 @@
+"""The torch backends (cpu, cuda): a model on an op set and a device, its cache, its runner.
+
+The engine asks a backend for four things and sees plain Python data back:
+
+    load(model_path, config)   the checkpoint onto the device, in the op set's weight types,
+                               checked by the batch-invariance probes -> Loaded
+    allocate(context_length)   every layer's cache kind within --kv-cache-gib -> Allocation
+    runner()                   executes a StepPlan, returns token ids as Python ints
+    describe()                 plain strings for /health and the startup log
+
+torch dtypes, devices and tensors stay below this line; an MLX backend is another class with
+the same four methods.
+"""
+import ctypes
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from tensorfold.backends import keeps_v_exponents
+from tensorfold.backends.probes import probe_ops
+from tensorfold.backends.runner import ModelRunner
+from tensorfold.models.cache import ModelCache
+from tensorfold.models.loader import build_model, load_checkpoint, quantize_checkpoint
+from tensorfold.models.tokenizer import Tokenizer
+
+log = logging.getLogger("tensorfold.engine")
+
+DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}  # activations
+
+
+def kv_cache_dtype(config, quantized: bool) -> torch.dtype:
+    """The KV cache's dtype: config.kv_dtype, where "auto" is bfloat16 for a model whose matrices
+    are served in blocks (`quantized`: a GGUF under dtype auto, or --quantize; half a float32
+    cache, as llama.cpp's f16 one) and the activations' dtype otherwise (a dense model computes as
+    it always did). Exact either way: write_kv rounds K/V to the cache's dtype before their grid,
+    and attention widens the cache's values exactly."""
+    if config.kv_dtype == "auto":
+        return torch.bfloat16 if quantized else DTYPES[config.dtype]
+    if config.kv_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"kv_dtype {config.kv_dtype!r}: expected auto, float32 or bfloat16")
+    return DTYPES[config.kv_dtype]
+
+
+@dataclass
+class Loaded:
+    """What load() gives the engine: plain data and the objects it passes on untouched."""
+    checkpoint: object            # its metadata (path, architecture, template, configs); tensors dropped
+    tokenizer: Tokenizer
+    config: object                # the EngineConfig to serve with (narrowed if the probes failed)
+    probe_failures: list[str]
+    vocab_size: int
+    max_position: int
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The cache's size in plain numbers: blocks of config.block_size tokens."""
+    num_blocks: int
+    max_cached_blocks: int | None  # --prompt-cache-gib's cap on cached free blocks
+    nbytes: int
+    kinds: str                    # the cache kinds in words
+
+
+class TorchBackend:
+    def __init__(self, name: str, ops, device: torch.device, num_threads: int | None = None):
+        self.name, self.ops, self.device = name, ops, device
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model = None
+        self.cache: ModelCache | None = None
+        self.kv_dtype: torch.dtype | None = None
+        self.config = None
+
+    def load(self, model_path: str | None, config) -> Loaded:
+        kv_cache_dtype(config, quantized=False)  # a bad value fails before the load
+        checkpoint = load_checkpoint(model_path, keep_quantized=config.dtype == "auto")
+        if config.quantize:
+            quantize_checkpoint(checkpoint, config.quantize)
+        tokenizer = Tokenizer.from_checkpoint(checkpoint)
+        self.model = model = build_model(checkpoint, DTYPES[config.dtype], self.ops, self.device)
+        checkpoint.tensors = {}  # the model holds its own (converted) copies
+        _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)
+        formats = model.weight_formats()
+        log.info("GEMM weights: %s", ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items())))
+        self.kv_dtype = kv_cache_dtype(config, quantized=any(f not in ("float32", "bfloat16") for f in formats))
+        failures = self.probes() if config.probe else []
+        if failures:
+            # Without a batch-invariant forward, batching, chunking and drafting could change a
+            # reply: serve one request at a time, whole prompts, no drafts.
+            log.error("EXACT MODE REFUSED: batch-invariance probes failed on this machine: %s. "
+                      "Serving one request at a time without drafts.", "; ".join(failures))
+            config = replace(config, max_num_seqs=1, drafting=False, max_tokens_per_step=1 << 30)
+        self.config = config
+        a = model.args
+        return Loaded(checkpoint, tokenizer, config, failures, a.vocab_size, a.max_position, a.num_layers)
+
+    def probes(self) -> list[str]:
+        """The batch-invariance probes on the loaded model (empty: exact mode holds)."""
+        return probe_ops(self.model, self.ops, kv_dtype=self.kv_dtype)
+
+    def allocate(self, context_length: int) -> Allocation:
+        """Every layer's cache (of the K/V dtype, with the record of V's exponents where the op set
+        keeps one) within --kv-cache-gib, and at least one full window."""
+        config, specs = self.config, self.model.cache_specs()
+        record = keeps_v_exponents(self.ops)
+        per_block = ModelCache.bytes_per_token(specs, self.kv_dtype, record) * config.block_size
+        budget = int(config.kv_cache_gib * 2**30) // per_block
+        num_blocks = max(budget, -(-context_length // config.block_size))
+        cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
+        self.cache = ModelCache(specs, num_blocks, config.block_size, self.kv_dtype, self.device, record)
+        return Allocation(num_blocks, cached, self.cache.nbytes, self.cache.describe())
+
+    def runner(self) -> ModelRunner:
+        return ModelRunner(self.model, self.cache)
+
+    def describe(self) -> dict:
+        """Plain strings (and the weight-format counts) for EngineInfo, /health and the log."""
+        return {"backend": self.name, "ops": self.ops.NAME, "device": str(self.device),
+                "dtype": str(self.model.dtype).removeprefix("torch."),
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "weights": self.model.weight_formats()}
+
+
+def _return_freed_heap() -> None:
+    """Give glibc's freed heap back to the OS (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

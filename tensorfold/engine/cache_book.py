@@ -1,0 +1,37 @@
+"""The cache as the engine speaks of it: blocks and counts, never tensors.
+
+Every layer's cache kind (models/cache.py) is indexed by the same block ids, so one block table
+per request serves them all; the backend sized the blocks from the layers' specs. What a round
+leaves in the cache changes in three ways, each an operation here, so that a kind whose state
+is not a count (a recurrent state, restored from a snapshot) plugs in without touching the
+scheduler or the engine:
+
+    rollback(req, n)         the last n computed positions were rejected drafts: forget them
+    resume(req, blocks, ...) admission found a cached prefix: the request starts after it
+    release(req)             preemption or the end: the blocks go back (full ones stay cached)
+
+For paged K/V (the only kind so far) each is a count: positions past num_computed_tokens are
+never read, and a hit's blocks hold exactly what a fresh prefill writes.
+"""
+from tensorfold.engine.block_pool import BlockPool
+from tensorfold.engine.request import Request
+
+
+class CacheBook:
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def rollback(self, req: Request, num_tokens: int) -> None:
+        req.num_computed_tokens -= num_tokens
+
+    def resume(self, req: Request, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        req.block_ids, req.block_hashes = block_ids, block_hashes
+        req.num_computed_tokens = len(block_ids) * self.pool.block_size
+
+    def release(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids, req.block_hashes = [], []

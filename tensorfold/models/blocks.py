@@ -1,0 +1,120 @@
+"""Block classes: each layer kind's weights, its reference forward, its GEMMs and its cache.
+
+A block is built from its spec (models/spec.py) and a WeightReader at its checkpoint prefix; it
+runs on the op set it was built with (`ops`: the backend's batch-invariant ops), so the same
+block serves every backend. The composition written here is the reference; a backend may run a
+whole layer in a fused form of its own (ops.fuse), which tests hold bitwise equal to this one.
+
+    Attention  GQA over paged K/V, rope, optional QK-norm and window    cache: PagedKV
+    MLP        SwiGLU                                                   cache: none
+    DecoderLayer  norm -> mixer -> add & norm -> ffn -> add & next norm
+
+`gemms()` names each block's LinearWeights: the probes and the weight-format report read it.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from tensorfold.models.cache import LayerKV, PagedKV
+from tensorfold.models.checkpoint import CheckpointError
+from tensorfold.models.forward_batch import ForwardBatch
+from tensorfold.models.rope import RopeTables
+from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
+from tensorfold.models.weights import WeightReader
+
+
+@dataclass
+class BuildContext:
+    """What a block may need beyond its spec and weights: the model's shared rope tables, and
+    its layer's norm eps."""
+    rope_tables: RopeTables
+    norm_eps: float
+
+
+class Attention:
+    def __init__(self, spec: AttentionSpec, w: WeightReader, ctx: BuildContext):
+        self.spec, self.ops, self.eps = spec, w.ops, ctx.norm_eps
+        self.rope = ctx.rope_tables.get(spec.rope, spec.head_dim, spec.max_position)
+        attn = w.under("self_attn.")
+        self.qkv = attn.linear("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                               biases=("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+        self.o = attn.linear("o_proj.weight", biases=("o_proj.bias",))
+        self.q_norm, self.k_norm = attn.maybe("q_norm.weight"), attn.maybe("k_norm.weight")
+        if spec.qk_norm and (self.q_norm is None or self.k_norm is None):
+            raise CheckpointError(f"{attn.prefix}: the config asks for QK-norm, the checkpoint lacks "
+                                  "q_norm / k_norm weights")
+        self.cache_spec = PagedKV(spec.num_kv_heads, spec.head_dim, spec.window)
+
+    def gemms(self) -> dict:
+        return {"qkv": self.qkv, "o_proj": self.o}
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: LayerKV) -> torch.Tensor:
+        s, ops = self.spec, self.ops
+        num_rows = x.shape[0]
+        cos, sin = batch.rope_rows(self.rope)  # [num_rows, head_dim] each
+        qkv = self.qkv(x)  # [num_rows, (heads + 2 kv_heads) * head_dim]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q = qkv[:, :q_size].reshape(num_rows, s.num_heads, s.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(num_rows, s.num_kv_heads, s.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(num_rows, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:  # per-head norm, then rope, in one op
+            q = ops.rms_norm_rope(q, self.q_norm, self.eps, cos, sin)
+            k = ops.rms_norm_rope(k, self.k_norm, self.eps, cos, sin)
+        else:
+            q = ops.apply_rope(q, cos, sin)
+            k = ops.apply_rope(k, cos, sin)
+        ops.write_kv(kv.k, kv.v, k, v, batch.slot_mapping, v_exp=kv.v_exp)
+        # Every row of every sequence in one call: each row's result is the one it gets alone.
+        out = ops.attention(q, kv.k, kv.v, batch, s.scale, s.window, v_exp=kv.v_exp)
+        return self.o(out.reshape(num_rows, -1))
+
+
+class MLP:
+    def __init__(self, spec: MLPSpec, w: WeightReader, ctx: BuildContext):
+        self.spec, self.ops = spec, w.ops
+        mlp = w.under("mlp.")
+        self.gate_up = mlp.linear("gate_proj.weight", "up_proj.weight")
+        self.down = mlp.linear("down_proj.weight")
+        self.cache_spec = None
+
+    def gemms(self) -> dict:
+        return {"gate_up": self.gate_up, "down": self.down}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.spec.intermediate_size, dim=-1)  # [num_rows, intermediate] each
+        return self.down(self.ops.silu_and_mul(gate, up))
+
+
+BLOCKS = {AttentionSpec: Attention, MLPSpec: MLP}  # spec type -> block class
+
+
+class DecoderLayer:
+    """x + mixer(norm(x)), then + ffn(norm(.)). The layer's input arrives normed (the previous
+    layer's add and this layer's norm are one op) and it returns the next layer's normed input
+    with the residual stream."""
+
+    def __init__(self, spec: LayerSpec, w: WeightReader, rope_tables: RopeTables, blocks: dict):
+        """blocks: spec type -> block class (BLOCKS, or a family's own)."""
+        self.spec, self.ops, self.eps = spec, w.ops, spec.norm_eps
+        self.input_norm = w.dense("input_layernorm.weight")
+        self.post_mixer_norm = w.dense("post_attention_layernorm.weight")
+        ctx = BuildContext(rope_tables, spec.norm_eps)
+        self.mixer = blocks[type(spec.mixer)](spec.mixer, w, ctx)
+        self.ffn = blocks[type(spec.ffn)](spec.ffn, w, ctx)
+
+    @property
+    def cache_spec(self):
+        return self.mixer.cache_spec
+
+    def gemms(self) -> dict:
+        return {**self.mixer.gemms(), **self.ffn.gemms()}
+
+    def forward(self, x, residual, next_norm, batch: ForwardBatch, cache):
+        """Returns (the next layer's normed input, or None after the last layer; the residual)."""
+        ops = self.ops
+        mixed = self.mixer.forward(x, batch, cache)
+        x, residual = ops.add_rms_norm(mixed, residual, self.post_mixer_norm, self.eps)
+        out = self.ffn.forward(x)
+        if next_norm is None:
+            return None, residual + out
+        return ops.add_rms_norm(out, residual, next_norm, self.eps)  # the add and the next norm, in one op

@@ -1,0 +1,91 @@
+"""The decoder every family is built into: embedding, a stack of DecoderLayers, norm, LM head.
+
+A family file gives the layer specs (its `layer_specs(args)`) and, where it has layer kinds of
+its own, the block classes they name; this file composes them. Weights arrive as a dict of
+Hugging Face parameter names; every op comes from `ops` (the backend's batch-invariant set) and
+every matrix is the op set's LinearWeight, so the same model runs the cpu reference, the
+native kernels and the cuda kernels. A backend that runs a whole layer natively offers
+`ops.fuse(layer)`; where it returns None the layer runs its Python composition.
+"""
+import torch
+
+from tensorfold.models.blocks import BLOCKS, DecoderLayer
+from tensorfold.models.cache import ModelCache
+from tensorfold.models.checkpoint import CheckpointError
+from tensorfold.models.config import ModelArgs
+from tensorfold.models.forward_batch import ForwardBatch
+from tensorfold.models.rope import RopeTables
+from tensorfold.models.spec import LayerSpec
+from tensorfold.models.weights import WeightReader
+
+
+class Model:
+    """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows."""
+
+    def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype, ops,
+                 device: torch.device | str = "cpu", blocks: dict = BLOCKS):
+        self.args, self.specs, self.dtype, self.ops = args, list(specs), dtype, ops
+        self.device = device = torch.device(device)
+        w = WeightReader(tensors, dtype, device, ops)
+        embed = w.matrix("model.embed_tokens.weight")
+        if tuple(embed.shape) != (args.vocab_size, args.hidden_size):
+            raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, "
+                                  f"config says ({args.vocab_size}, {args.hidden_size})")
+        self.rope_tables = RopeTables(device)
+        self.layers = [DecoderLayer(spec, w.under(f"model.layers.{i}."), self.rope_tables, blocks)
+                       for i, spec in enumerate(self.specs)]
+        self.norm = w.dense("model.norm.weight")
+        self.embed, self.lm_head = _embedding_and_head(w, embed, args)
+        self._run = [ops.fuse(layer) or layer.forward for layer in self.layers]
+
+    def cache_specs(self) -> list:
+        """Each layer's cache kind (models/cache.py), in layer order."""
+        return [layer.cache_spec for layer in self.layers]
+
+    def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                       v_exponents: bool = False) -> ModelCache:
+        return ModelCache(self.cache_specs(), num_blocks, block_size, dtype or self.dtype, self.device, v_exponents)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        ops, eps = self.ops, self.specs[0].norm_eps
+        residual = self.embed(batch.input_ids).to(self.dtype)  # [num_rows, hidden]
+        x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        last = len(self.layers) - 1
+        for i, run in enumerate(self._run):
+            next_norm = self.layers[i + 1].input_norm if i < last else None
+            x, residual = run(x, residual, next_norm, batch, cache.layer(i))
+        out = ops.rms_norm(residual[batch.logits_rows], self.norm, self.specs[-1].norm_eps)
+        return self.lm_head(out).float()  # [num_logits, vocab]
+
+    def gemms(self) -> dict:
+        """Every LinearWeight by name (layers.{i}.qkv, ..., lm_head)."""
+        named = {f"layers.{i}.{name}": weight for i, layer in enumerate(self.layers)
+                 for name, weight in layer.gemms().items()}
+        named["lm_head"] = self.lm_head
+        return named
+
+    def weight_formats(self) -> dict[str, int]:
+        """How many GEMM matrices use each weight format (float32, bfloat16, q4_1, ...); a weight
+        of parts in several formats counts each part."""
+        formats: dict[str, int] = {}
+        for weight in self.gemms().values():
+            for fmt in weight.formats:
+                formats[fmt] = formats.get(fmt, 0) + 1
+        return formats
+
+
+def _embedding_and_head(w: WeightReader, embed, args: ModelArgs):
+    """The embedding lookup and the LM head. A quantized table is kept once, as a LinearWeight
+    whose rows() are the lookup, and a tied head is the same object; a dense table is looked up
+    as a tensor, and a tied head packs its own copy where the op set packs."""
+    linear = w.ops.Linear
+    table = linear.of(embed) if linear.quantized(embed) else None
+    lookup = table.rows if table is not None else embed.__getitem__
+    if w.has("lm_head.weight"):
+        head = w.linear("lm_head.weight")
+    elif args.tie_word_embeddings:
+        head = table if table is not None else linear.of(embed)
+    else:
+        raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
+    return lookup, head

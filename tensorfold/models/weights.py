@@ -1,0 +1,46 @@
+"""WeightReader: a block's view of the checkpoint's tensors while the model is built.
+
+A block asks for its tensors by name under its prefix; dense vectors (norms, biases) arrive in
+the activations' dtype on the model's device, GEMM matrices as the op set's LinearWeight (blocks
+stay blocks; dense ones are converted to the dtype first). A missing tensor is a CheckpointError
+that names it.
+"""
+import torch
+
+from tensorfold.kernels import quant_gemm
+from tensorfold.models.checkpoint import CheckpointError
+
+
+class WeightReader:
+    def __init__(self, tensors: dict, dtype: torch.dtype, device: torch.device, ops, prefix: str = ""):
+        self.tensors, self.dtype, self.device, self.ops, self.prefix = tensors, dtype, device, ops, prefix
+
+    def under(self, prefix: str) -> "WeightReader":
+        return WeightReader(self.tensors, self.dtype, self.device, self.ops, self.prefix + prefix)
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.tensors
+
+    def dense(self, name: str) -> torch.Tensor:
+        full = self.prefix + name
+        if full not in self.tensors:
+            raise CheckpointError(f"missing tensor '{full}'")
+        return self.tensors[full].to(device=self.device, dtype=self.dtype).contiguous()
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.dense(name) if self.has(name) else None
+
+    def matrix(self, name: str):
+        """A GEMM matrix as stored for the op set: quantized blocks stay blocks (on the device),
+        dense ones become the dtype."""
+        full = self.prefix + name
+        if isinstance(self.tensors.get(full), quant_gemm.QuantWeight):
+            return self.tensors[full].to(self.device)
+        return self.dense(name)
+
+    def linear(self, *names: str, biases: tuple[str, ...] = ()):
+        """One LinearWeight from matrices stacked along N (Q/K/V, gate/up), with their biases
+        where the checkpoint has every one of them."""
+        bias_parts = [self.maybe(b) for b in biases]
+        bias = torch.cat(bias_parts) if bias_parts and all(b is not None for b in bias_parts) else None
+        return self.ops.Linear.of(*(self.matrix(n) for n in names), bias=bias)
