@@ -18,7 +18,7 @@ from kernel_inputs import DEVICE, NAN, gpu  # first: sets TRITON_INTERPRET witho
 import pytest  # noqa: E402
 
 from tensorfold.kernels import attention_triton as attention  # noqa: E402
-from tensorfold.kernels import exact  # noqa: E402
+from tensorfold.exact import float32, grid  # noqa: E402
 from tensorfold.kernels.paged_attention import (paged_attention_ref, paged_decode_attention_ref,  # noqa: E402
                                                 write_kv_ref)
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
@@ -145,7 +145,7 @@ def test_bitwise_checks_can_fail(draw):
     assert not torch.equal(stock, want), f"{draw}"  # ...but not the same bits
     nudged = v.clone()
     newest = nudged[block_table[107 // 8], 107 % 8]
-    newest += exact.on_grid(newest * 2.0 ** -12, 20)
+    newest += grid.on_grid(newest * 2.0 ** -12, 20)
     assert not torch.equal(paged_attention_ref(q, k, nudged, positions, block_table, 0.25), want)
 
 
@@ -153,10 +153,10 @@ def test_cache_vectors_sit_on_their_grid(draw):
     """write_kv_ref's rounding is a fixed point, and the kernel refuses what it cannot sum exactly."""
     for dtype, bits in ((torch.float32, 22), (torch.bfloat16, 22), (torch.float32, 20)):
         x = (draw.randn(64, 2, 128) * torch.pow(2.0, torch.randint(-30, 30, (64, 2, 1), generator=draw.gen))).to(dtype)
-        once = exact.on_grid(x, bits)
-        assert torch.equal(exact.on_grid(once, bits), once)
-        ints, e = exact.to_fixed(once, bits)
-        assert torch.equal(ints, once.double() * exact.pow2(bits - 1 - e).unsqueeze(-1)), "not on the grid"
+        once = grid.on_grid(x, bits)
+        assert torch.equal(grid.on_grid(once, bits), once)
+        ints, e = grid.to_fixed(once, bits)
+        assert torch.equal(ints, once.double() * grid.pow2(bits - 1 - e).unsqueeze(-1)), "not on the grid"
         assert float(ints.abs().max()) <= 2 ** bits
         assert (once.float() - x.float()).abs().le(x.float().abs().amax(-1, keepdim=True) * 2.0 ** (1 - bits)).all()
     k, v, block_table = make_cache(draw)
@@ -167,7 +167,7 @@ def test_cache_vectors_sit_on_their_grid(draw):
 
 def test_exp_polynomial_is_accurate():
     x = torch.cat([-torch.logspace(-30, 2, 20000), torch.tensor([0.0, -0.0, -87.0, -86.99, -float("inf")])])
-    got = exact.exp_neg(x.float())
+    got = float32.exp_neg(x.float())
     want = torch.exp(x.float().double())
     close = x > -80
     rel = ((got[close].double() - want[close]) / want[close]).abs()

@@ -7,7 +7,7 @@ must be unset there) and the floating-point instructions are counted:
 - none is an `fma` or `mad` on floats (the launches pass LAUNCH_EXACT, so a * b + c stays a
   rounded product and a rounded sum, as in the torch references);
 - none is approximate: no `div.approx`/`div.full`, `sqrt.approx`, `rcp`, `rsqrt`, `ex2`, `lg2`
-  (exp and log are the project's own polynomials in exact.py);
+  (exp and log are the project's own polynomials in tensorfold/exact);
 - attention's dot products are float64 tensor-core MMAs (exact on integers, any order).
 What compiled PTX cannot show (ptxas/SASS, occupancy, speed) needs a GPU: docs/kernels.md.
 """

@@ -12,7 +12,7 @@ import torch
 
 from kernel_inputs import NAN
 from tensorfold.backends import native_problem
-from tensorfold.kernels import exact
+from tensorfold.exact import float64
 from tensorfold.kernels import paged_attention as attention_ref
 from tensorfold.kernels import reference
 from tensorfold.sampling import keyed
@@ -370,21 +370,21 @@ def test_exp64_and_log64_equal_their_torch_steps(draw):
                    -torch.rand(10_000, generator=g, dtype=torch.float64) * 1e-6,
                    torch.tensor([0.0, -0.0, -708.4, -709.1, -745.9, -746.0, -746.1, float("-inf"), float("nan")],
                                 dtype=torch.float64)])
-    assert same_bits(_cpu.exp64(x), exact.exp64_torch(x)), str(draw)
+    assert same_bits(_cpu.exp64(x), float64.exp64(x)), str(draw)
     y = torch.cat([torch.rand(200_000, generator=g, dtype=torch.float64) * 40,
                    torch.exp2(torch.rand(10_000, generator=g, dtype=torch.float64) * 2000 - 1070),
                    torch.tensor([0.0, -0.0, -1.0, 1.0, float("inf"), float("nan"), 5e-324, 2.0 ** -1022, 2.0 ** -1023],
                                 dtype=torch.float64)])
-    assert same_bits(_cpu.log64(y), exact.log64_torch(y)), str(draw)
+    assert same_bits(_cpu.log64(y), float64.log64(y)), str(draw)
 
 
 def test_gumbel_equals_its_torch_steps(draw):
     seeds = [int(s) for s in torch.randint(0, 2 ** 62, (3,), generator=draw.gen)] + [2 ** 64 - 1]
     keys = keyed.row_keys(seeds, [0, 5, 999_999, 3])
     ids = torch.arange(49_152).reshape(1, -1)
-    assert torch.equal(_cpu.gumbel(keys, ids), keyed.gumbel_torch(keys, ids)), str(draw)
+    assert torch.equal(_cpu.gumbel(keys, ids), keyed.gumbel(keys, ids)), str(draw)
     some = torch.randint(0, 2 ** 30, (4, 100), generator=draw.gen)
-    assert torch.equal(_cpu.gumbel(keys, some), keyed.gumbel_torch(keys, some)), str(draw)
+    assert torch.equal(_cpu.gumbel(keys, some), keyed.gumbel(keys, some)), str(draw)
 
 
 def test_sample_keys_and_top_keys_equal_the_torch_steps(draw, threads):
@@ -393,7 +393,7 @@ def test_sample_keys_and_top_keys_equal_the_torch_steps(draw, threads):
     m = z.amax(dim=1, keepdim=True)
     ids = (torch.arange(5000) + 17).reshape(1, -1)  # a shard's global ids
     valid = z > float("-inf")
-    q = exact.exp64_torch(z - m).mul_(float(2 ** 32)).floor_().to(torch.int64)
+    q = float64.exp64(z - m).mul_(float(2 ** 32)).floor_().to(torch.int64)
     want_keys = torch.where(valid, (q << 30) | ((2 ** 30 - 1) - ids), -1)
     got_q, got_keys = _cpu.sample_keys(z, m, ids)
     assert torch.equal(got_q, torch.where(valid, q, 0)) and torch.equal(got_keys, want_keys), str(draw)

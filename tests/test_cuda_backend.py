@@ -7,7 +7,7 @@ compiled on "cuda". Tiny random llamas (hidden 64, 2 layers):
 - the kernels are on the path: the engine calls cuda_ops' attention, norms, rope and sampler,
   never the cpu references'; weights, rope tables and the KV cache sit on the backend's device;
 - against the cpu backend (SmolLM2's 49,152-token vocabulary, so the sampler folds 12 chunks):
-  every round's logits bitwise equal (attention and the norm sum exactly, kernels/exact.py), so
+  every round's logits bitwise equal (attention and the norm sum exactly, tensorfold/exact), so
   the same tokens and token_sha, greedy and sampled, with drafts;
 - within the cuda backend, bitwise by construction (a 512-token vocabulary keeps the interpreter
   fast and makes prompt-lookup drafts hit): every draw's logits row and every reply token equal

@@ -1,4 +1,4 @@
-"""exact.exp64 / exact.log64, the sampler's libm-free float64 exp and log.
+"""exact/float64.py's exp64 / log64, the sampler's libm-free float64 exp and log.
 
 - Accuracy: within 2 ulp of Python's math.exp / math.log (libm, itself within about half an ulp)
   over wide random ranges and at the edges (measured: at most 1 ulp apart; against a 200-bit
@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tensorfold.kernels import exact  # noqa: E402
+from tensorfold.exact import float64  # noqa: E402
 from tensorfold.kernels import exact_triton as ex  # noqa: E402
 from tensorfold.kernels import sampling_triton  # noqa: E402
 from tensorfold.sampling import keyed  # noqa: E402
@@ -72,7 +72,7 @@ def log_inputs(draw, n=40_000):
 
 def test_exp64_within_2_ulp_of_libm(draw):
     x = exp_inputs(draw)
-    got = exact.exp64(x)
+    got = float64.exp64(x)
     want = f64([math.exp(v) for v in x.tolist()])
     err = ulps(got, want)
     worst = int(err.argmax())
@@ -82,7 +82,7 @@ def test_exp64_within_2_ulp_of_libm(draw):
 
 def test_log64_within_2_ulp_of_libm(draw):
     x = log_inputs(draw)
-    got = exact.log64(x)
+    got = float64.log64(x)
     want = f64([math.log(v) for v in x.tolist()])
     err = ulps(got, want)
     worst = int(err.argmax())
@@ -91,29 +91,29 @@ def test_log64_within_2_ulp_of_libm(draw):
 
 
 def test_exact_values_and_specials():
-    assert exact.exp64(f64([0.0, -0.0])).tolist() == [1.0, 1.0]
-    assert exact.exp64(f64([-746.0, -1e300, -INF])).tolist() == [0.0, 0.0, 0.0]
-    assert exact.exp64(f64([-745.0])).item() == SUBNORMAL_MIN == math.exp(-745.0)
-    assert math.isnan(exact.exp64(f64([NAN])).item())
+    assert float64.exp64(f64([0.0, -0.0])).tolist() == [1.0, 1.0]
+    assert float64.exp64(f64([-746.0, -1e300, -INF])).tolist() == [0.0, 0.0, 0.0]
+    assert float64.exp64(f64([-745.0])).item() == SUBNORMAL_MIN == math.exp(-745.0)
+    assert math.isnan(float64.exp64(f64([NAN])).item())
     # -log(u) for the extreme uniforms (2k + 1) / 2^53 of keyed.uniform
-    assert exact.log64(f64([1.0])).item() == 0.0
-    assert exact.log64(f64([1 - 2.0 ** -53])).item() == -2.0 ** -53
-    assert exact.log64(f64([2.0 ** -53])).item() == math.log(2.0 ** -53)
-    assert exact.log64(f64([SUBNORMAL_MIN])).item() == math.log(SUBNORMAL_MIN)
-    out = exact.log64(f64([0.0, -0.0, INF, -1.0, -INF, NAN, 2.0]))
+    assert float64.log64(f64([1.0])).item() == 0.0
+    assert float64.log64(f64([1 - 2.0 ** -53])).item() == -2.0 ** -53
+    assert float64.log64(f64([2.0 ** -53])).item() == math.log(2.0 ** -53)
+    assert float64.log64(f64([SUBNORMAL_MIN])).item() == math.log(SUBNORMAL_MIN)
+    out = float64.log64(f64([0.0, -0.0, INF, -1.0, -INF, NAN, 2.0]))
     assert out[:3].tolist() == [-INF, -INF, INF]
     assert torch.isnan(out[3:6]).all() and out[6].item() == math.log(2.0)
     with pytest.raises(TypeError):
-        exact.exp64(torch.zeros(3))
+        float64.exp64(torch.zeros(3))
     with pytest.raises(TypeError):
-        exact.log64(torch.ones(3))
-    assert exact.exp64(f64([])).shape == (0,) and exact.log64(f64([])).shape == (0,)
+        float64.log64(torch.ones(3))
+    assert float64.exp64(f64([])).shape == (0,) and float64.log64(f64([])).shape == (0,)
 
 
 def test_torch_versions_are_elementwise(draw):
     """The same bits for an element alone, in a slice, in a strided view or a 2-D tensor (vector
     and scalar loops of torch's kernels agree), and the input is left untouched."""
-    for fn, x in ((exact.exp64, exp_inputs(draw, 1000)), (exact.log64, log_inputs(draw, 1000))):
+    for fn, x in ((float64.exp64, exp_inputs(draw, 1000)), (float64.log64, log_inputs(draw, 1000))):
         x = torch.cat([x, f64([0.0, INF, -1.0, SUBNORMAL_MIN])])
         before = x.clone()
         whole = fn(x)
@@ -163,19 +163,19 @@ def assert_same_bits(got, want, x, what, draw):
 
 def test_triton_exp64_equals_torch_bitwise(draw):
     x = exp_inputs(draw, 4000)
-    assert_same_bits(triton_math(x, log=False), exact.exp64(x), x, "exp64", draw)
+    assert_same_bits(triton_math(x, log=False), float64.exp64(x), x, "exp64", draw)
 
 
 def test_triton_log64_equals_torch_bitwise(draw):
     x = log_inputs(draw, 4000)
-    assert_same_bits(triton_math(x, log=True), exact.log64(x), x, "log64", draw)
+    assert_same_bits(triton_math(x, log=True), float64.log64(x), x, "log64", draw)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the discarded lanes of specials
 def test_triton_specials_equal_torch():
     x = f64([NAN, 0.0, -0.0, INF, -INF, -1.0, SUBNORMAL_MIN, 1.0])
-    assert_same_bits(triton_math(x, log=False)[:2], exact.exp64(x[:2]), x[:2], "exp64", "fixed")
-    assert_same_bits(triton_math(x, log=True), exact.log64(x), x, "log64", "fixed")
+    assert_same_bits(triton_math(x, log=False)[:2], float64.exp64(x[:2]), x[:2], "exp64", "fixed")
+    assert_same_bits(triton_math(x, log=True), float64.log64(x), x, "log64", "fixed")
 
 
 def test_triton_gumbel_equals_keyed_bitwise(draw):

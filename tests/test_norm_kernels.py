@@ -21,7 +21,8 @@ from kernel_inputs import DEVICE, NAN, gpu  # first: sets TRITON_INTERPRET witho
 
 import pytest  # noqa: E402
 
-from tensorfold.kernels import exact, reference  # noqa: E402
+from tensorfold.exact import grid  # noqa: E402
+from tensorfold.kernels import reference  # noqa: E402
 from tensorfold.kernels import rms_norm_triton as norm  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
@@ -200,13 +201,13 @@ def test_reference_is_within_2_ulp_of_float64(draw, dtype):
 
 def test_precision_check_can_fail():
     """Negative control for the ulp check: the same exact sum over x rounded to NORM_BITS bits
-    (exact.to_fixed) before squaring is order-free too, but its error is 2 * x * dx per element,
+    (grid.to_fixed) before squaring is order-free too, but its error is 2 * x * dx per element,
     all the same sign on the skewed row: hundreds of float32 ulps."""
     n = 576
     x = adversarial_rows(n, torch.float32).cpu()
     w = torch.ones(n)
-    x_int, e = exact.to_fixed(x, reference.NORM_BITS)
-    var = (x_int * x_int).sum(dim=-1) * exact.pow2(2 * (e - reference.NORM_BITS + 1)) / n
+    x_int, e = grid.to_fixed(x, reference.NORM_BITS)
+    var = (x_int * x_int).sum(dim=-1) * grid.pow2(2 * (e - reference.NORM_BITS + 1)) / n
     inv = 1.0 / torch.sqrt(var + EPS)
     rounded_first = (x.double() * inv[:, None]).float() * w
     assert ulp_distance(rounded_first, textbook(x, w)) > 100

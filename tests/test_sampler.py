@@ -7,6 +7,7 @@ Fractions) and the Gumbel-max draw.
 import dataclasses
 import hashlib
 import math
+import sys
 from fractions import Fraction
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tensorfold
+from tensorfold.backends import cpu_ops, native_problem
 from tensorfold.sampling import bitmask as bits, keyed, sampler
 from tensorfold.sampling.params import SamplingParams
 from tensorfold.sampling.sampler import RowSampling as PlainRow
@@ -317,7 +320,7 @@ def test_hash_and_uniform_match_python_ints():
         for c, v in enumerate(ids.tolist()):
             key = mix64_ref((mix64_ref(s) + (p + 1) * 0xD1B54A32D192ED03) & M64)
             assert words[r, c].item() & M64 == mix64_ref((key + (v + 1) * 0x9E3779B97F4A7C15) & M64)
-            # the sampler's log (exact.log64) and libm's may differ in the last ulp: the bits
+            # the sampler's log (exact.float64.log64) and libm's may differ in the last ulp: the bits
             # are checked for layout independence by the shard tests, the value here
             assert g[r, c].item() == pytest.approx(gumbel_ref(s, p, v), rel=1e-14, abs=1e-15)
     u = keyed.uniform(torch.tensor([0, -1, 1 << 62, -(1 << 63)]))
@@ -430,8 +433,9 @@ def test_row_from_params():
 
 # ---- the native draw (csrc/cpu/draw.cpp) against the torch steps ----
 
-native_only = pytest.mark.skipif(__import__("tensorfold.kernels.exact", fromlist=["x"]).native_kernels() is None,
-                                 reason="the C++ extension is not built")
+native_only = pytest.mark.skipif(native_problem() is not None, reason=str(native_problem()))
+if native_problem() is None:
+    from tensorfold import _cpu
 
 
 def _random_rows(gen, count, temps, min_ps):
@@ -445,7 +449,7 @@ def _random_rows(gen, count, temps, min_ps):
 def test_native_draw_equals_the_torch_steps(draw, scale):
     """Greedy and order-free sampled rows (min-p on and off, masks, -inf columns), flat to very
     peaked logits and logits past 2^40 (where the kernel computes every token's noise): the one
-    C++ call draws sample_torch's tokens. Order-dependent rows never reach it."""
+    C++ call draws the torch steps' tokens. Order-dependent rows never reach it."""
     gen = draw.gen
     for trial in range(40):
         num_rows, vocab = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 9000, (1,), generator=gen))
@@ -459,7 +463,7 @@ def test_native_draw_equals_the_torch_steps(draw, scale):
             allowed[:, 0] = True
             logits[:, 0] = logits[:, 0].clamp(min=-1e30)
             mask = bits.pack(allowed)
-        assert sampler.sample(logits, rows, bitmask=mask) == sampler.sample_torch(logits, rows, bitmask=mask), \
+        assert sampler.sample(logits, rows, bitmask=mask, native=_cpu) == sampler.sample(logits, rows, bitmask=mask), \
             f"{draw} trial {trial}"
 
 
@@ -478,27 +482,67 @@ def test_native_draw_raises_what_the_torch_steps_raise():
         (torch.tensor([[float("nan"), 2.0]]), [plain], bits.pack(torch.tensor([[False, True]])), "NaN"),
     ]
     for logits, rows, mask, words in cases:
-        for fn in (sampler.sample, sampler.sample_torch):
+        for native in (_cpu, None):
             with pytest.raises(ValueError, match=words.replace("+", r"\+")):
-                fn(logits, rows, bitmask=mask)
+                sampler.sample(logits, rows, bitmask=mask, native=native)
 
 
 @native_only
-def test_top_k_or_top_p_rows_take_the_torch_steps(monkeypatch):
+def test_top_k_or_top_p_rows_take_the_torch_steps():
     """A batch with an order-dependent row is drawn by the tensor steps (the heads and cuts);
     the native draw is not called for it."""
-    native = sampler.exact.native_kernels()
     called = []
 
     class Spy:
         def __getattr__(self, name):
             if name == "draw_rows":
                 called.append(name)
-            return getattr(native, name)
+            return getattr(_cpu, name)
 
-    monkeypatch.setattr(sampler.exact, "native_kernels", lambda: Spy())
     logits = torch.randn(2, 500)
-    sampler.sample(logits, [PlainRow(0.0, 0, 1.0, 0.0, 1, 0), PlainRow(1.0, 40, 1.0, 0.0, 1, 0)])
+    sampler.sample(logits, [PlainRow(0.0, 0, 1.0, 0.0, 1, 0), PlainRow(1.0, 40, 1.0, 0.0, 1, 0)], native=Spy())
     assert called == []
-    sampler.sample(logits, [PlainRow(0.0, 0, 1.0, 0.0, 1, 0), PlainRow(1.0, 0, 1.0, 0.2, 1, 0)])
+    sampler.sample(logits, [PlainRow(0.0, 0, 1.0, 0.0, 1, 0), PlainRow(1.0, 0, 1.0, 0.2, 1, 0)], native=Spy())
     assert called == ["draw_rows"]
+
+
+def _untouchable(name):
+    def called(*args, **kwargs):
+        raise AssertionError(f"tensorfold._cpu.{name} was used")
+    return called
+
+
+class _Untouchable:
+    """Stands in for tensorfold._cpu: any use of it fails."""
+
+    def __getattr__(self, name):
+        _untouchable(name)()
+
+
+def test_torch_op_set_draws_without_the_extension(monkeypatch):
+    """The torch op set (TENSORFOLD_CPU_OPS=torch) draws greedy, order-free, min-p, top-k and top-p
+    rows, masked or not, without touching tensorfold._cpu, and draws the native op set's tokens
+    where the extension is built."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 3000, generator=gen) * 3
+    logits[:, ::5] = -INF
+    rows = [PlainRow(0.0, 0, 1.0, 0.0, 1, 3), PlainRow(0.8, 0, 1.0, 0.0, 2, 4), PlainRow(1.0, 0, 1.0, 0.1, 3, 5),
+            PlainRow(1.0, 40, 1.0, 0.0, 4, 6), PlainRow(0.7, 0, 0.9, 0.0, 5, 7), PlainRow(1.2, 100, 0.95, 0.05, 6, 8)]
+    allowed = torch.rand(6, 3000, generator=gen) < 0.7
+    allowed[:, 1] = True
+    # with order-dependent rows (the torch steps), and without (natively one draw_rows call)
+    batches = [(rows, None), (rows, bits.pack(allowed)), (rows[:3], None), (rows[:3], bits.pack(allowed[:3]))]
+    want = None
+    if native_problem() is None:
+        from tensorfold.backends import native_ops
+        want = [native_ops.sample(logits[:len(r)], r, bitmask=m) for r, m in batches]
+        for name in ("draw_rows", "sample_keys", "top_keys", "gumbel", "exp64", "log64"):  # held references
+            monkeypatch.setattr(_cpu, name, _untouchable(name))
+    monkeypatch.setitem(sys.modules, "tensorfold._cpu", _Untouchable())  # and imports from now on
+    monkeypatch.setattr(tensorfold, "_cpu", _Untouchable(), raising=False)
+    with pytest.raises(AssertionError, match="_cpu.draw_rows"):  # the stand-in does catch a use
+        sampler.sample(logits[:3], rows[:3], native=sys.modules["tensorfold._cpu"])
+    got = [cpu_ops.sample(logits[:len(r)], r, bitmask=m) for r, m in batches]
+    assert len(set(t for draw in got for t in draw)) > 6  # not all one token
+    if want is not None:
+        assert got == want

@@ -4,7 +4,7 @@ reference, and next to its stock torch counterpart.
     python tools/bench_exact.py                # SmolLM2-135M shapes (9 heads over 3, head_dim 64), 2 threads
     python tools/bench_exact.py --threads 1
 
-The exact ops (kernels/exact.py rule: integer sums, own exp/log) are what the cpu backend runs
+The exact ops (tensorfold/exact's rule: integer sums, own exp/log) are what the cpu backend runs
 and what the Triton kernels reproduce bit for bit: the cpu backend runs them compiled (the C++
 column, tensorfold._cpu: the reference's bits) and falls back to the torch references (the
 reference column) without a compiler. Their stock counterparts compute the same function the
@@ -27,7 +27,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tensorfold.kernels import exact, reference  # noqa: E402
+from tensorfold.exact import float64  # noqa: E402
+from tensorfold.kernels import reference  # noqa: E402
 from tensorfold.kernels.paged_attention import (paged_attention_ref, paged_decode_attention_ref,  # noqa: E402
                                                 write_kv_ref)
 from tools.bench_core import cpu_model, loadavg, print_table  # noqa: E402
@@ -137,9 +138,9 @@ def other_cases(dtype):
                       _cpu and (lambda x=x: _cpu.linear_packed(x, packed, 2 * INTERMEDIATE, HIDDEN))))
     z = -torch.rand(8, 49152, generator=gen, dtype=torch.float64) * 40
     u = torch.rand(8, 49152, generator=gen, dtype=torch.float64)
-    cases.append(("exp64 (sampler weights), 8 x 49,152", lambda: exact.exp64(z), lambda: torch.exp(z),
+    cases.append(("exp64 (sampler weights), 8 x 49,152", lambda: float64.exp64(z), lambda: torch.exp(z),
                   _cpu and (lambda: _cpu.exp64(z))))
-    cases.append(("log64 (Gumbel noise, once), 8 x 49,152", lambda: exact.log64(u), lambda: torch.log(u),
+    cases.append(("log64 (Gumbel noise, once), 8 x 49,152", lambda: float64.log64(u), lambda: torch.log(u),
                   _cpu and (lambda: _cpu.log64(u))))
     return cases
 

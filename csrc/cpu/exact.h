@@ -1,4 +1,4 @@
-// The scalar steps of tensorfold/kernels/exact.py, one IEEE operation each, in the same order.
+// The scalar steps of tensorfold/exact (grid.py, float32.py), one IEEE operation each, in the same order.
 // Built with -ffp-contract=off and without fast-math: the compiler may neither fuse a multiply
 // into an add nor reorder a sum, so every line below rounds exactly where the torch one does.
 #pragma once

@@ -14,7 +14,7 @@ namespace tf {
 inline double f64_from_bits(uint64_t b) { double d; std::memcpy(&d, &b, 8); return d; }
 inline int64_t f64_bits(double d) { int64_t b; std::memcpy(&b, &d, 8); return b; }
 
-namespace c64 {  // the constants of exact.py, by their bits
+namespace c64 {  // the constants of exact/float64.py, by their bits
 inline const double LN2_HI = f64_from_bits(0x3FE62E42FEE00000ull);
 inline const double LN2_LO = f64_from_bits(0x3DEA39EF35793C76ull);
 inline const double INV_LN2 = f64_from_bits(0x3FF71547652B82FEull);

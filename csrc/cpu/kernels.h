@@ -1,6 +1,6 @@
 // The cpu backend's exact kernels on raw pointers (no torch types: module.cpp binds them).
 // Each is bitwise equal to its torch reference in tensorfold/kernels (reference.py,
-// paged_attention.py): the rule is kernels/exact.py's, and the file of each kernel says how.
+// paged_attention.py): the rule is tensorfold/exact's, and the file of each kernel says how.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
 """Paged attention in Triton for prefill chunks and decode/verify rows (GQA, causal, sliding window).
 
 The contract is bitwise: the same bits as `paged_attention_ref` (kernels/paged_attention.py),
-whose docstring lists the steps. Both compute every sum exactly on integers (kernels/exact.py):
+whose docstring lists the steps. Both compute every sum exactly on integers (tensorfold/exact):
 q on its fixed-point grid against a cache whose vectors `write_kv_ref` put on theirs, so q.k is
 an exact float64 dot product; softmax weights and v on one integer grid per row, so the weighted
 sum is exact too; exp is exact.exp_neg's polynomial, not libdevice's. Exact sums have no order,

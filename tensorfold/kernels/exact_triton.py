@@ -1,4 +1,4 @@
-"""exact.py's helpers as Triton device functions: the same IEEE steps in the same order.
+"""tensorfold/exact's steps as Triton device functions: the same IEEE steps in the same order.
 
 Kernels that use them are launched with `enable_fp_fusion=False` (LAUNCH_EXACT), so `a * b + c`
 stays a rounded product and a rounded sum, as in torch, instead of becoming one FMA.
@@ -6,21 +6,16 @@ stays a rounded product and a rounded sum, as in torch, instead of becoming one 
 import triton
 import triton.language as tl
 
-from tensorfold.kernels import exact
+from tensorfold.exact import float32 as ref32, float64 as ref64, grid
 
 LAUNCH_EXACT = {"enable_fp_fusion": False}
 
-ROUND_MAGIC: tl.constexpr = tl.constexpr(exact.ROUND_MAGIC)
-EXP_MIN: tl.constexpr = tl.constexpr(exact.EXP_MIN)
-LOG2E: tl.constexpr = tl.constexpr(exact.LOG2E)
-LN2_HI: tl.constexpr = tl.constexpr(exact.LN2_HI)
-LN2_LO: tl.constexpr = tl.constexpr(exact.LN2_LO)
-P0: tl.constexpr = tl.constexpr(exact.EXP_POLY[0])
-P1: tl.constexpr = tl.constexpr(exact.EXP_POLY[1])
-P2: tl.constexpr = tl.constexpr(exact.EXP_POLY[2])
-P3: tl.constexpr = tl.constexpr(exact.EXP_POLY[3])
-P4: tl.constexpr = tl.constexpr(exact.EXP_POLY[4])
-P5: tl.constexpr = tl.constexpr(exact.EXP_POLY[5])
+ROUND_MAGIC: tl.constexpr = tl.constexpr(grid.ROUND_MAGIC)
+EXP_MIN: tl.constexpr = tl.constexpr(ref32.EXP_MIN)
+LOG2E: tl.constexpr = tl.constexpr(ref32.LOG2E)
+LN2_HI: tl.constexpr = tl.constexpr(ref32.LN2_HI)
+LN2_LO: tl.constexpr = tl.constexpr(ref32.LN2_LO)
+P0, P1, P2, P3, P4, P5 = (tl.constexpr(c) for c in ref32.EXP_POLY)
 
 
 @triton.jit
@@ -51,7 +46,7 @@ def to_fixed(x, e, BITS: tl.constexpr):
 
 @triton.jit
 def exp_neg(x):
-    """exact.exp_neg: exp of float32 x <= 0 in the same IEEE steps."""
+    """exact.float32.exp_neg: exp of float32 x <= 0 in the same IEEE steps."""
     x = tl.where(x < EXP_MIN, EXP_MIN, x)
     n = tl.floor(x * LOG2E + 0.5)
     r = x - n * LN2_HI
@@ -66,39 +61,29 @@ def exp_neg(x):
     return tl.where(x <= EXP_MIN, 0.0, p * scale)
 
 
-# ---- float64 exp and log without libm or libdevice (exact.exp64, exact.log64) ----
+# ---- float64 exp and log without libm or libdevice (exact.float64.exp64, log64) ----
 # Same steps, same order as the torch versions; kernels calling them launch with LAUNCH_EXACT.
 # Float64 `/` and tl.sqrt are IEEE here and in every kernel: Triton lowers them to div.rn.f64 and
 # sqrt.rn.f64 on NVIDIA GPUs (only the float32 forms are approximate; tl.math.div_rn/sqrt_rn take
 # float32 only) and to numpy's correctly rounded ones in the interpreter. tests/test_compiled_kernels.py
 # reads the PTX of every kernel and fails on any approximate instruction.
 
-LN2_HI64: tl.constexpr = tl.constexpr(exact.LN2_HI64)
-LN2_LO64: tl.constexpr = tl.constexpr(exact.LN2_LO64)
-INV_LN2: tl.constexpr = tl.constexpr(exact.INV_LN2)
-EXP64_MIN: tl.constexpr = tl.constexpr(exact.EXP64_MIN)
-E1: tl.constexpr = tl.constexpr(exact.EXP64_P[0])
-E2: tl.constexpr = tl.constexpr(exact.EXP64_P[1])
-E3: tl.constexpr = tl.constexpr(exact.EXP64_P[2])
-E4: tl.constexpr = tl.constexpr(exact.EXP64_P[3])
-E5: tl.constexpr = tl.constexpr(exact.EXP64_P[4])
-SCALE_BIAS: tl.constexpr = tl.constexpr(exact.SCALE_BIAS)
-TWO_M64: tl.constexpr = tl.constexpr(exact.TWO_M64)
-LG1: tl.constexpr = tl.constexpr(exact.LOG64_LG[0])
-LG2: tl.constexpr = tl.constexpr(exact.LOG64_LG[1])
-LG3: tl.constexpr = tl.constexpr(exact.LOG64_LG[2])
-LG4: tl.constexpr = tl.constexpr(exact.LOG64_LG[3])
-LG5: tl.constexpr = tl.constexpr(exact.LOG64_LG[4])
-LG6: tl.constexpr = tl.constexpr(exact.LOG64_LG[5])
-LG7: tl.constexpr = tl.constexpr(exact.LOG64_LG[6])
-TINY64: tl.constexpr = tl.constexpr(exact.TINY64)
-TWO54: tl.constexpr = tl.constexpr(exact.TWO54)
-SQRT_HALF_SHIFT: tl.constexpr = tl.constexpr(exact.SQRT_HALF_SHIFT)
+LN2_HI64: tl.constexpr = tl.constexpr(ref64.LN2_HI64)
+LN2_LO64: tl.constexpr = tl.constexpr(ref64.LN2_LO64)
+INV_LN2: tl.constexpr = tl.constexpr(ref64.INV_LN2)
+EXP64_MIN: tl.constexpr = tl.constexpr(ref64.EXP64_MIN)
+E1, E2, E3, E4, E5 = (tl.constexpr(c) for c in ref64.EXP64_P)
+SCALE_BIAS: tl.constexpr = tl.constexpr(ref64.SCALE_BIAS)
+TWO_M64: tl.constexpr = tl.constexpr(ref64.TWO_M64)
+LG1, LG2, LG3, LG4, LG5, LG6, LG7 = (tl.constexpr(c) for c in ref64.LOG64_LG)
+TINY64: tl.constexpr = tl.constexpr(ref64.TINY64)
+TWO54: tl.constexpr = tl.constexpr(ref64.TWO54)
+SQRT_HALF_SHIFT: tl.constexpr = tl.constexpr(ref64.SQRT_HALF_SHIFT)
 
 
 @triton.jit
 def exp64(x):
-    """exact.exp64: exp of float64 x <= 0 in the same IEEE steps."""
+    """exact.float64.exp64: exp of float64 x <= 0 in the same IEEE steps."""
     x = tl.where(x < EXP64_MIN, EXP64_MIN, x)
     t = x * INV_LN2 + ROUND_MAGIC
     n = t - ROUND_MAGIC
@@ -118,7 +103,7 @@ def exp64(x):
 
 @triton.jit
 def log64(x):
-    """exact.log64: log of float64 x in the same IEEE steps (specials as there)."""
+    """exact.float64.log64: log of float64 x in the same IEEE steps (specials as there)."""
     sub = x < TINY64
     bits = (x * tl.where(sub, TWO54, 1.0)).to(tl.int64, bitcast=True)
     k = ((bits + SQRT_HALF_SHIFT) >> 52) - 1023

@@ -4,7 +4,7 @@ The cache holds K/V in blocks of `block_size` tokens: [num_blocks, block_size, n
 A sequence's block table lists its blocks in order, so block j holds absolute positions
 [j * block_size, (j + 1) * block_size). K/V of the new rows are written before attention reads.
 
-The arithmetic (kernels/exact.py has the rule; attention_triton.py does the same steps):
+The arithmetic (tensorfold/exact has the rule; attention_triton.py does the same steps):
 0. `write_kv_ref` stores each k vector on its fixed-point grid (QK_BITS significant bits against
    its largest element) and each v vector likewise (V_BITS), in the cache's own dtype, which may
    differ from the activations' (EngineConfig.kv_dtype): k, v are rounded to it first, and the
@@ -28,7 +28,8 @@ import functools
 
 import torch
 
-from tensorfold.kernels.exact import exp_neg, exponent, f32, on_grid, pow2, round_even, to_fixed
+from tensorfold.exact.float32 import exp_neg, f32
+from tensorfold.exact.grid import exponent, on_grid, pow2, round_even, to_fixed
 
 QK_BITS = 22      # |q_int|, |k_int| <= 2^22: a product <= 2^44, head_dim <= 256 -> < 2^53
 V_BITS = 20       # |v_int| <= 2^20

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorfold.kernels.exact import exponent, pow2
+from tensorfold.exact.grid import exponent, pow2
 
 BLOCK = 32
 X_MAX = 127           # |xq| <= X_MAX

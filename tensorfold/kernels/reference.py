@@ -9,14 +9,14 @@ how many there are, and where row i sits:
   startup probes decide whether it holds on the machine (it does on AMD EPYC, not on Intel Xeon
   with AMX: shared measurements in docs/kernels.md).
 - RMSNorm reduces each row alone, and exactly: its sum of squares is an integer sum (see
-  `rms_norm`), so it has no order to depend on; SiLU uses the project's exp (exact.exp_neg), not
+  `rms_norm`), so it has no order to depend on; SiLU uses the project's exp (exact.float32.exp_neg), not
   libm's; rope reads a precomputed table.
 The engine re-checks these at startup on the loaded model's shapes (engine/probes.py).
 """
 import torch
 import torch.nn.functional as F
 
-from tensorfold.kernels import exact
+from tensorfold.exact import float32, grid
 
 ROW_PAD = 8
 NORM_BITS = 20                 # each square kept to 2 * NORM_BITS bits below the row's largest one
@@ -179,14 +179,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # arithmetic: glibc gave them back to the OS on every call (2-3 ms at 512 x 576, not 0.4).
     x32 = x.float() if x.dtype == torch.float64 else x  # float32 values (fp32/bf16/fp16 as they are)
     amax = torch.maximum(x32.amax(dim=-1, keepdim=True), x32.amin(dim=-1, keepdim=True).neg_())
-    e = exact.exponent(amax)  # [..., 1] int32
+    e = grid.exponent(amax)  # [..., 1] int32
     buf = x32.double()
     buf *= buf  # the squares, exact
-    buf *= exact.pow2(2 * (NORM_BITS - 1 - e))
-    buf += exact.ROUND_MAGIC  # exact.round_even, in place: sq, integers <= 2^40
-    buf -= exact.ROUND_MAGIC
+    buf *= grid.pow2(2 * (NORM_BITS - 1 - e))
+    buf += grid.ROUND_MAGIC  # grid.round_even, in place: sq, integers <= 2^40
+    buf -= grid.ROUND_MAGIC
     ss = buf.sum(dim=-1, keepdim=True)  # exact: every partial sum is an integer <= 2^53
-    var = ss * exact.pow2(2 * (e - NORM_BITS + 1)) / n
+    var = ss * grid.pow2(2 * (e - NORM_BITS + 1)) / n
     inv = 1.0 / torch.sqrt(var + eps)
     buf.copy_(x32)  # x64
     out = buf.mul_(inv).float()
@@ -211,7 +211,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in float32, rounded to gate's dtype, with the project's exp (no libm):
     t = exp_neg(-|g|); silu(g) = g / (1 + t) for g >= 0 and (g t) / (1 + t) below (g e^g / (1 + e^g))."""
     g = gate.float()
-    t = exact.exp_neg(-g.abs())
+    t = float32.exp_neg(-g.abs())
     s = torch.where(g >= 0, g, g * t) / (1.0 + t)
     return (s * up.float()).to(gate.dtype)
 

@@ -23,7 +23,7 @@ selection of unique keys), so the result does not depend on CHUNK, the batch or 
 
 Bitwise parity needs the same float64 arithmetic as the reference's. Division is correctly
 rounded on both sides (float64 `/` is div.rn.f64 on the GPU). exp and log are not
-library calls on either side: both use exact.py's `exp64`/`log64`, fdlibm's algorithms written
+library calls on either side: both use exact/float64.py's `exp64`/`log64`, fdlibm's algorithms written
 as fixed sequences of correctly rounded float64 operations, which exact_triton.py spells out in
 the same order, and the kernel is launched without FMA contraction (`LAUNCH_EXACT`). So the
 kernel on any GPU, in the interpreter, and the torch reference on any CPU give the same bits,

@@ -4,7 +4,7 @@ Invariants:
 - A token's noise is a pure function of (seed, absolute reply position, global token id). It never
   depends on the shard layout, the row order, the batch or the tensor the id sits in, nor on the
   machine: the hash is elementwise integer arithmetic, and the log is not libm's but
-  `exact.log64`, a fixed sequence of correctly rounded float64 operations, so the noise has the
+  `exact.float64.log64`, a fixed sequence of correctly rounded float64 operations, so the noise has the
   same bits on every CPU kind and in the Triton sampler on any device (tests/test_exact_math.py
   checks the Triton spelling against this one bit for bit; tests/test_sampler.py re-checks layout
   independence through the sharded sampler).
@@ -22,12 +22,12 @@ its `>>` is arithmetic, so a logical shift is emulated by masking off the sign-e
 The uniform takes the top 52 bits k of the hash: u = (2k + 1) / 2^53. That is the midpoint grid
 of 2^52 cells, exact in float64 and never 0 or 1 (a 53-bit k with a half offset would need 54
 significand bits and round 1 - 2^-54 up to 1.0). Gumbel noise is g = -log(-log(u)) in float64,
-both logs `exact.log64` (within 1 ulp of the true log; -log(u) lies in [2^-53, 36.8])."""
+both logs `log64` (within 1 ulp of the true log; -log(u) lies in [2^-53, 36.8])."""
 import hashlib
 
 import torch
 
-from tensorfold.kernels import exact
+from tensorfold.exact.float64 import log64
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15        # splitmix64's increment (odd, golden ratio)
@@ -105,15 +105,7 @@ def uniform(words: torch.Tensor) -> torch.Tensor:
 
 def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise -log(-log(u)) in float64 for each (row key, token id), with the
-    libm-free exact.log64. On CPU tensors the C++ spelling runs where it is built (the same
-    bits: tests/test_cpu_kernels.py); `gumbel_torch` is the torch one."""
-    native = exact.native_kernels()
-    if native is not None and keys.device.type == "cpu" and token_ids.dim() == 2:
-        return native.gumbel(keys, token_ids)
-    return gumbel_torch(keys, token_ids)
-
-
-def gumbel_torch(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """gumbel in torch operations (any device)."""
-    neg_log_u = exact.log64(uniform(token_hash(keys, token_ids))).neg_()  # in [2^-53, 36.8]
-    return exact.log64(neg_log_u).neg_()
+    libm-free log64, in torch operations (any device). The native op set's sampler runs the C++
+    spelling, tensorfold._cpu.gumbel, instead (the same bits: tests/test_cpu_kernels.py)."""
+    neg_log_u = log64(uniform(token_hash(keys, token_ids))).neg_()  # in [2^-53, 36.8]
+    return log64(neg_log_u).neg_()

@@ -18,7 +18,7 @@ The rule for one row (RowSampling), exactly:
   lowest id.
 - Each cut keeps a prefix of the key order, so the kept set is the first L tokens for some L, and
   every quantity above (max, integer sums, keys, per-token noise) is independent of the layout.
-- exp here (and log in the noise, keyed.py) is not libm's: it is `exact.exp64`, fdlibm's
+- exp here (and log in the noise, keyed.py) is not libm's: it is `exact.float64.exp64`, fdlibm's
   algorithm written as a fixed sequence of correctly rounded float64 operations (within 1 ulp of
   the true exp). So the draw calls no libm at all, and given the same logits it picks the same
   token on any CPU kind and in the Triton sampler on any device, bit for bit, even where
@@ -37,13 +37,17 @@ Rows whose nucleus may run past it gather whole shards. Greedy and order-free ro
 shard's local winner. `LocalExchange` simulates the collectives in one process; a
 torch.distributed version passes its one shard to `_sample_shards` with an `Exchange` that calls
 all_reduce / all_gather, and nothing else changes.
+
+Everything here is torch operations. The native op set (backends/native_ops.py) passes its C++
+spellings of the vocabulary-wide steps as `sample(..., native=...)` (`NativeSteps`: the same bits,
+tested in tests/test_sampler.py and tests/test_cpu_kernels.py); without it, nothing calls them.
 """
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from tensorfold.kernels import exact
+from tensorfold.exact.float64 import exp64
 from tensorfold.sampling import bitmask as bits, keyed
 from tensorfold.sampling.params import SamplingParams
 
@@ -84,6 +88,19 @@ class RowSampling:
         return 0 < self.top_k < vocab_size or self.top_p < 1.0
 
 
+class NativeSteps(Protocol):
+    """Compiled spellings of the draw's vocabulary-wide steps (tensorfold._cpu: csrc/cpu/draw.cpp,
+    module.cpp), each with the bits of the torch step named beside it."""
+
+    def draw_rows(self, logits, temps, keys, min_q, offset): ...  # sample, order-free rows
+
+    def sample_keys(self, z, m, ids): ...  # _keys
+
+    def top_keys(self, keys, k): ...  # _top
+
+    def gumbel(self, keys, ids): ...  # keyed.gumbel
+
+
 # ---- per-shard arithmetic (elementwise in the token, so identical on any layout) ----
 
 def _masked(logits: torch.Tensor, bitmask: torch.Tensor | None, offset: int) -> torch.Tensor:
@@ -104,21 +121,23 @@ def _scaled(x: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     return z
 
 
-def _keys(z: torch.Tensor, m: torch.Tensor, ids: torch.Tensor):
+def _keys(z: torch.Tensor, m: torch.Tensor, ids: torch.Tensor, native: NativeSteps | None = None):
     """Weights q and order keys of each token; key -1 marks a token that is not drawable.
-    (One pass in C++ on CPU tensors where it is built, with these bits.)"""
-    native = exact.native_kernels()
+    (One pass in C++ on CPU tensors with `native`, with these bits.)"""
     if native is not None and z.device.type == "cpu" and ids.shape[0] == 1:
         return native.sample_keys(z, m, ids)
     valid = z > float("-inf")
-    q = exact.exp64(z - m).mul_(float(Q_ONE)).floor_().to(torch.int64)  # [R, width]
+    q = exp64(z - m).mul_(float(Q_ONE)).floor_().to(torch.int64)  # [R, width]
     keys = torch.where(valid, (q << ID_BITS) | (ID_MASK - ids), -1)
     return torch.where(valid, q, 0), keys
 
 
-def _scores(z: torch.Tensor, rows: list[RowSampling], ids: torch.Tensor) -> torch.Tensor:
+def _scores(z: torch.Tensor, rows: list[RowSampling], ids: torch.Tensor,
+            native: NativeSteps | None = None) -> torch.Tensor:
     """z_v + Gumbel(seed, position, v) for the tokens `ids` ([R|1, N] global ids) of each row."""
     rk = keyed.row_keys([r.seed for r in rows], [r.position for r in rows])
+    if native is not None and ids.device.type == "cpu" and ids.dim() == 2:
+        return z + native.gumbel(rk, ids)
     return z + keyed.gumbel(rk, ids)
 
 
@@ -182,28 +201,29 @@ def _draw(keys: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> torch
 # ---- one shard ----
 
 def sample(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = NUM_CANDIDATES, *,
-           bitmask: torch.Tensor | None = None) -> list[int]:
+           bitmask: torch.Tensor | None = None, native: NativeSteps | None = None) -> list[int]:
     """One token per row of `logits` [num_rows, vocab] (the whole vocabulary in one tensor);
     `bitmask` (int32 [num_rows, >= vocab / 32]) the allowed tokens of each row.
 
-    Where no row has an order-dependent cut (greedy rows; sampled rows with top-k and top-p off,
-    the OpenAI default), float32 CPU logits are drawn by one C++ call (csrc/cpu/draw.cpp), the
-    same tokens as `sample_torch`'s steps; every other case runs those steps."""
-    native = exact.native_kernels()
+    In torch operations, unless `native` is given (the native op set's draw): then, where no row
+    has an order-dependent cut (greedy rows; sampled rows with top-k and top-p off, the OpenAI
+    default), float32 CPU logits are drawn by one call, native.draw_rows (csrc/cpu/draw.cpp), and
+    otherwise the steps below run with native's keys, head selection and noise: the same tokens."""
     if (native is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
             and logits.dim() == 2 and not any(r.temperature != 0.0 and r.ordered(logits.shape[1]) for r in rows)):
         return _sample_native(native, logits, rows, bitmask)
-    return sample_torch(logits, rows, num_candidates, bitmask=bitmask)
+    return _sample_steps(logits, rows, num_candidates, bitmask, native)
 
 
-# draw_rows' status codes, in the order sample_torch meets them
+# draw_rows' status codes, in the order _sample_steps meets them
 _DRAW_ERRORS = {1: "logits contain NaN", 2: "a logit divided by its temperature is +inf",
                 3: "a row has no drawable token"}
 
 
-def _sample_native(native, logits: torch.Tensor, rows: list[RowSampling], bitmask: torch.Tensor | None) -> list[int]:
+def _sample_native(native: NativeSteps, logits: torch.Tensor, rows: list[RowSampling],
+                   bitmask: torch.Tensor | None) -> list[int]:
     """sample() for rows without an order-dependent cut, in one native call; errors as
-    sample_torch raises them. (A bitmask is applied by `_masked`, which also rejects a NaN under
+    _sample_steps raises them. (A bitmask is applied by `_masked`, which also rejects a NaN under
     a cleared bit; without one the call itself reports NaN.)"""
     _check(logits, rows, 0, bitmask)
     x = logits if bitmask is None else _masked(logits, bitmask, 0)
@@ -217,9 +237,10 @@ def _sample_native(native, logits: torch.Tensor, rows: list[RowSampling], bitmas
     return tokens.tolist()
 
 
-def sample_torch(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int = NUM_CANDIDATES, *,
-                 bitmask: torch.Tensor | None = None) -> list[int]:
-    """sample() in tensor operations (any device, any cut): the steps the native draw equals."""
+def _sample_steps(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int,
+                  bitmask: torch.Tensor | None, native: NativeSteps | None) -> list[int]:
+    """sample() in tensor operations (any device, any cut): the steps the native draw equals;
+    `native` (CPU tensors) computes keys, heads and noise with the same bits."""
     x, greedy, sampled = _split(logits, rows, 0, bitmask)
     vocab = x.shape[1]
     ids = torch.arange(vocab).reshape(1, -1)
@@ -242,22 +263,22 @@ def sample_torch(logits: torch.Tensor, rows: list[RowSampling], num_candidates: 
         zf = _take(z, free)
         keep = zf > float("-inf")
         if any(r.min_p > 0.0 for r in frows):
-            keep &= _keys(zf, m[free], ids)[0] >= _min_q(frows)
-        _assign(out, [sampled[j] for j in free], _pick(_scores(zf, frows, ids), ids, keep)[1])
+            keep &= _keys(zf, m[free], ids, native)[0] >= _min_q(frows)
+        _assign(out, [sampled[j] for j in free], _pick(_scores(zf, frows, ids, native), ids, keep)[1])
     ordered = [j for j, r in enumerate(srows) if r.ordered(vocab)]
     if not ordered:
         return out
     z = _take(z, ordered)
-    q, keys = _keys(z, m[ordered], ids)
+    q, keys = _keys(z, m[ordered], ids, native)
     total, num_drawable = q.sum(dim=1), (keys >= 0).sum(dim=1)
     # Heads of growing size until every row's kept set lies inside its head; the last is the
     # whole row (topk of everything is a sort).
     pending = list(range(len(ordered)))
     for size in (num_candidates, 8 * num_candidates, vocab):
-        head_keys, head_ids = _top(_take(keys, pending), min(size, vocab))   # sorted
+        head_keys, head_ids = _top(_take(keys, pending), min(size, vocab), native)   # sorted
         prows = [rows[sampled[ordered[j]]] for j in pending]
         keep, decided = _decide(head_keys, total[pending], num_drawable[pending], prows)
-        scores = _scores(_take(z, pending).gather(1, head_ids), prows, head_ids)
+        scores = _scores(_take(z, pending).gather(1, head_ids), prows, head_ids, native)
         tokens = _draw(head_keys, scores, keep).tolist()
         for j, d, t in zip(pending, decided.tolist(), tokens):
             if d:
@@ -268,11 +289,10 @@ def sample_torch(logits: torch.Tensor, rows: list[RowSampling], num_candidates: 
     return out
 
 
-def _top(keys: torch.Tensor, k: int):
-    """The k largest keys of each row, descending, and their indices (torch.topk; a partial sort
-    in C++ on CPU tensors where it is built: the drawable keys are distinct, so both agree on
-    them, and the not-drawable ones (-1) are never kept)."""
-    native = exact.native_kernels()
+def _top(keys: torch.Tensor, k: int, native: NativeSteps | None = None):
+    """The k largest keys of each row, descending, and their indices (torch.topk; with `native`, a
+    partial sort in C++ on CPU tensors: the drawable keys are distinct, so both agree on them, and
+    the not-drawable ones (-1) are never kept)."""
     if native is not None and keys.device.type == "cpu":
         return native.top_keys(keys, k)
     return keys.topk(k, dim=1)

@@ -1,117 +1,21 @@
-"""Order-free arithmetic: the rule that makes a kernel and its torch reference agree bit for bit.
+"""exp and log without libm in float64: `exp64` and `log64`, the keyed sampler's weights and noise.
 
-A float sum depends on the order of its terms, and a GPU kernel, a CPU BLAS and Triton's
-interpreter all add in different orders. So every reduction in attention and RMSNorm is done on
-integers instead: each vector is written in fixed point against its own largest power of two,
-
-    x = x_int * 2^(e - bits + 1),   e = exponent of max|x|,   |x_int| <= 2^bits,
-
-the products and sums of those integers are carried in float64 where every partial sum stays
-below 2^53 (so any order, any tiling, any GEMM gives the exact integer), or in int64 across
-chunks. A result is then rounded once. The remaining steps are single IEEE operations (+, -, *,
-/, sqrt, floor, conversions), all correctly rounded on every device, written in the same order
-on both sides; the kernels are launched with FMA contraction off. exp is not a libm call
-(libm, libdevice and numpy differ in the last bit) but `exp_neg` below: a fixed polynomial in
-those operations, spelled out identically in exact_triton.py.
-
-What this costs in precision: a value is kept to `bits` significant bits relative to its
-vector's largest element (22 for attention's q and k, 20 for v and for RMSNorm's sum of squares),
-which is finer than bf16 and within a few fp32 ulps of the largest term.
+fdlibm's algorithms (e_exp.c; e_log.c in musl's branch-free form), each a fixed sequence of
+correctly rounded float64 operations: +, -, *, / and integer operations on the bits. Both are
+under 1 ulp from the true value, but the point is that the last bit is the same in torch on any
+CPU and in Triton on any device: kernels/exact_triton.py spells the same steps in the same order
+(and its kernels run without FMA), and so does csrc/cpu/exact64.h (the native op set's
+`tensorfold._cpu.exp64`/`log64`, tested against these). The torch versions work in place where
+they can (they run over whole vocabularies); each in-place step is the same single rounding as
+its plain form, noted beside it. Constants are given by their bits, so torch and Triton see the
+same values.
 """
-import functools
 import struct
 
 import torch
 
-ROUND_MAGIC = 6755399441055744.0  # 1.5 * 2^52: (x + M) - M rounds |x| < 2^51 to an integer, ties to even
+from tensorfold.exact.grid import ROUND_MAGIC
 
-
-def f32(value: float) -> float:
-    """`value` rounded to the nearest float32 (so a constant means the same in torch and Triton)."""
-    return struct.unpack("f", struct.pack("f", value))[0]
-
-
-# exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-7 polynomial (Cephes expf).
-EXP_MIN = f32(-87.0)           # below: 0 (2^n would leave the normal range)
-LOG2E = f32(1.4426950408889634)
-LN2_HI = f32(0.693359375)      # 9 significant bits: n * LN2_HI is exact
-LN2_LO = f32(-2.12194440e-4)
-EXP_POLY = tuple(f32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
-                                  4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
-
-
-def exponent(amax: torch.Tensor) -> torch.Tensor:
-    """floor(log2(amax)) of a non-negative float32 tensor as int32 (0 and subnormals: -127)."""
-    return ((amax.float().view(torch.int32) >> 23) & 0xFF) - 127
-
-
-def pow2(e: torch.Tensor) -> torch.Tensor:
-    """2^e as float64 for integer e in [-1022, 1023], built from its bits (exact)."""
-    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
-
-
-def round_even(x: torch.Tensor) -> torch.Tensor:
-    """float64 x rounded to an integer, ties to even, for |x| < 2^51."""
-    out = x + ROUND_MAGIC
-    return out.sub_(ROUND_MAGIC)
-
-
-def to_fixed(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each vector along the last dim as integers (float64) and its exponent (int32, one less dim):
-    x == x_int * 2^(e - bits + 1) up to rounding the last bit kept, |x_int| <= 2^bits."""
-    x32 = x.float()
-    e = exponent(x32.abs().amax(dim=-1))
-    return round_even(x32.double() * pow2(bits - 1 - e).unsqueeze(-1)), e
-
-
-def on_grid(x: torch.Tensor, bits) -> torch.Tensor:
-    """x with each vector (last dim) rounded to its fixed-point grid, in x's dtype (it fits).
-
-    `bits` is an int or an integer tensor broadcastable to x.shape[:-1] + (1,). The grid step is
-    2^(e - bits + 1), e = exponent(max|x|); (x + 1.5 * 2^52 * step) - 1.5 * 2^52 * step rounds to
-    it, ties to even. Rounding can lift the largest element to the next power of two; then a
-    second rounding puts the vector on the grid of its new exponent, so the result is a fixed
-    point: on_grid(on_grid(x)) == on_grid(x), every element a multiple of its vector's step."""
-    y = x.double()
-    e = exponent(y.abs().amax(dim=-1, keepdim=True))
-    for _ in range(2):
-        magic = pow2(e - bits + 1) * ROUND_MAGIC
-        y = (y + magic).sub_(magic)
-        lifted = exponent(y.abs().amax(dim=-1, keepdim=True))
-        # A second pass at an unchanged exponent changes nothing; skip it on the CPU, where the
-        # check is free, and always run it on a GPU rather than wait for the check.
-        if y.device.type == "cpu" and torch.equal(lifted, e):
-            break
-        e = lifted
-    return y.to(x.dtype)
-
-
-def exp_neg(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) for float32 x <= 0 (-inf gives 0), about 1 ulp, in plain IEEE float32 steps."""
-    x = x.clamp_min(EXP_MIN)  # NaN stays NaN
-    n = (x * LOG2E).add_(0.5).floor_()
-    r = x - n * LN2_HI
-    r -= n * LN2_LO
-    p = r * EXP_POLY[0]
-    for c in EXP_POLY[1:]:  # in place: this runs over every score of a prefill
-        p += c
-        p *= r
-    p *= r
-    p += r
-    p += 1.0
-    p *= ((n.to(torch.int32) + 127) << 23).view(torch.float32)  # 2^n
-    return p.masked_fill_(x <= EXP_MIN, 0.0)
-
-
-# ---- float64 exp and log without libm: the keyed sampler's weights and Gumbel noise ----
-#
-# fdlibm's algorithms (e_exp.c; e_log.c in musl's branch-free form), each a fixed sequence of
-# correctly rounded float64 operations: +, -, *, / and integer operations on the bits. Both are
-# under 1 ulp from the true value, but the point is that the last bit is the same in torch on any
-# CPU and in Triton on any device: exact_triton.py spells the same steps in the same order (and
-# its kernels run without FMA). The torch versions work in place where they can (they run over
-# whole vocabularies); each in-place step is the same single rounding as its plain form, noted
-# beside it. Constants are given by their bits, so torch and Triton see the same values.
 
 def f64(bits: int) -> float:
     """The float64 whose IEEE-754 bit pattern is `bits`."""
@@ -148,14 +52,7 @@ def exp64(x: torch.Tensor) -> torch.Tensor:
 
     x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2, ln2 = LN2_HI64 + LN2_LO64 (Cody-Waite:
     hi = x - n LN2_HI64 is exact); exp(r) by fdlibm's rational form; times 2^n through the
-    exponent bits. n is rounded with ROUND_MAGIC: t = x / ln2 + M holds n in its low bits.
-    CPU tensors go through the C++ spelling of these steps where it is built (csrc/cpu/exact64.h,
-    the same bits, ~8x faster); `exp64_torch` is the torch one, the reference it is tested against."""
-    return _native_or_torch("exp64", exp64_torch, x)
-
-
-def exp64_torch(x: torch.Tensor) -> torch.Tensor:
-    """exp64 in torch operations (any device)."""
+    exponent bits. n is rounded with ROUND_MAGIC: t = x / ln2 + M holds n in its low bits."""
     _check_f64(x)
     return _by_chunks(_exp64_step, 5, x)
 
@@ -195,22 +92,7 @@ def log64(x: torch.Tensor) -> torch.Tensor:
 
     x = 2^k m with m in [sqrt(1/2), sqrt(2)) through the exponent bits; f = m - 1,
     s = f / (2 + f), log(m) = f - f^2/2 + s (f^2/2 + R(s^2)) (fdlibm's series); plus k ln2 in
-    two parts. CPU tensors go through the C++ spelling where it is built (as exp64)."""
-    return _native_or_torch("log64", log64_torch, x)
-
-
-def _native_or_torch(name: str, torch_version, x: torch.Tensor) -> torch.Tensor:
-    """The C++ function `name` on a CPU tensor where the kernels are built (the same bits), else
-    the torch version."""
-    _check_f64(x)
-    native = native_kernels()
-    if native is not None and x.device.type == "cpu":
-        return getattr(native, name)(x)
-    return torch_version(x)
-
-
-def log64_torch(x: torch.Tensor) -> torch.Tensor:
-    """log64 in torch operations (any device)."""
+    two parts."""
     _check_f64(x)
     if x.numel():
         low, high = x.aminmax()
@@ -281,17 +163,6 @@ def _by_chunks(step, num_scratch: int, x: torch.Tensor, *more) -> torch.Tensor:
         step(out[a:b], *(buf[:b - a] for buf in scratch), flat[a:b],
              *(t[a:b] if t is not None else None for t in more))
     return out.view(x.shape)
-
-
-@functools.cache
-def native_kernels():
-    """The C++ kernels (tensorfold._cpu) where they are built, else None: exp64, log64 and the
-    sampler's vocabulary-wide steps run there on CPU tensors, with these functions' bits."""
-    try:
-        from tensorfold import _cpu
-    except ImportError:
-        return None
-    return _cpu
 
 
 def _check_f64(x: torch.Tensor) -> None:

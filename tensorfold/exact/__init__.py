@@ -1,0 +1,26 @@
+"""Order-free arithmetic: the rule that makes a kernel and its torch reference agree bit for bit.
+
+A float sum depends on the order of its terms, and a GPU kernel, a CPU BLAS and Triton's
+interpreter all add in different orders. So every reduction in attention and RMSNorm is done on
+integers instead: each vector is written in fixed point against its own largest power of two,
+
+    x = x_int * 2^(e - bits + 1),   e = exponent of max|x|,   |x_int| <= 2^bits,
+
+the products and sums of those integers are carried in float64 where every partial sum stays
+below 2^53 (so any order, any tiling, any GEMM gives the exact integer), or in int64 across
+chunks. A result is then rounded once. The remaining steps are single IEEE operations (+, -, *,
+/, sqrt, floor, conversions), all correctly rounded on every device, written in the same order
+on both sides; the kernels are launched with FMA contraction off. exp and log are not libm calls
+(libm, libdevice and numpy differ in the last bit) but fixed sequences of those operations,
+spelled out identically in kernels/exact_triton.py (and in csrc/cpu/exact.h, exact64.h).
+
+What this costs in precision: a value is kept to `bits` significant bits relative to its
+vector's largest element (22 for attention's q and k, 20 for v and for RMSNorm's sum of squares),
+which is finer than bf16 and within a few fp32 ulps of the largest term.
+
+The modules, each plain torch (any device; nothing here imports triton or the C++ extension, so
+the kernels and the sampler can both import it):
+- grid.py: the fixed-point grid (exponent, pow2, round_even, to_fixed, on_grid);
+- float32.py: exp_neg, the float32 exp of attention's softmax and SiLU;
+- float64.py: exp64 and log64, the float64 exp and log of the keyed sampler.
+"""
