@@ -46,7 +46,6 @@ STOCK_OPS = types.SimpleNamespace(
     paged_attention=cpu_ops.paged_attention,
     paged_decode_attention=cpu_ops.paged_decode_attention,
     write_kv=cpu_ops.write_kv,
-    embedding=cpu_ops.embedding,
     NAME="stock",
     Linear=StockLinear,
     fuse=lambda layer: None,

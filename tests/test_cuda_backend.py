@@ -95,7 +95,7 @@ class Recorder:
 
     def __init__(self, engine: Engine):
         self.logits, self.round_sizes, self.draws = [], [], {}
-        forward, execute = engine.model.forward, engine.runner.execute
+        forward, execute = engine.backend.model.forward, engine.runner.execute
 
         def record_forward(batch, cache):
             logits = forward(batch, cache)
@@ -109,7 +109,7 @@ class Recorder:
             for row, logits in zip(rows, self.logits[-1]):
                 self.draws[row.seed, row.position] = logits
             return drawn
-        engine.model.forward, engine.runner.execute = record_forward, record_execute
+        engine.backend.model.forward, engine.runner.execute = record_forward, record_execute
 
 
 def run(engine: Engine, prompts, params, constraints=None) -> list:
@@ -165,8 +165,10 @@ def test_either_path_gives_the_same_logits_and_token_sha(tiny_llama, monkeypatch
     kernel_calls = spy(monkeypatch, cuda_ops, KERNEL_OPS)
     reference_calls = spy(monkeypatch, cpu_ops, OP_NAMES)
     gpu = cuda_engine(tiny_llama, **config)
-    assert gpu.model.ops is cuda_ops
-    for t in (gpu.model.embed, gpu.model.layers[1].qkv, gpu.model.cos, gpu.cache.k[1]):
+    assert gpu.backend.model.ops is cuda_ops
+    model = gpu.backend.model
+    for t in (model.norm, model.layers[1].mixer.qkv.parts[0], next(iter(model.rope_tables)).cos,
+              gpu.backend.cache.layer(1).k):
         assert t.device.type == DEVICE
     got = Recorder(gpu)
     assert [token_sha(r.output_ids) for r in run(gpu, prompts, params)] == expected
@@ -209,7 +211,7 @@ def test_a_bfloat16_cache_under_float32_activations_matches_cpu_backend(tiny_lla
     want = Recorder(cpu)
     expected = [r.output_ids for r in run(cpu, prompts, params)]
     gpu = cuda_engine(tiny_llama, **config)
-    assert gpu.cache.dtype == cpu.cache.dtype == torch.bfloat16 and gpu.model.dtype == torch.float32
+    assert gpu.backend.cache.dtype == cpu.backend.cache.dtype == torch.bfloat16 and gpu.backend.model.dtype == torch.float32
     got = Recorder(gpu)
     assert [r.output_ids for r in run(gpu, prompts, params)] == expected
     assert len(want.draws) == 6 and want.draws.keys() == got.draws.keys()
@@ -230,7 +232,7 @@ def test_a_grammar_on_the_cuda_op_set_alone_batched_and_drafted(small_vocab_llam
 
     regex = "[a-z]{2,6}( [a-z]{2,6}){1,4}\\."
     solo = cuda_engine(small_vocab_llama, drafting=False, max_num_seqs=1)
-    compiled, _ = GrammarCompiler(solo.tokenizer, solo.model.args.vocab_size).compile(GrammarSpec("regex", regex, "t"))
+    compiled, _ = GrammarCompiler(solo.tokenizer, solo.info.vocab_size).compile(GrammarSpec("regex", regex, "t"))
     grammar = lambda: GrammarConstraint(compiled, solo.tokenizer.eos_token_ids)  # noqa: E731
     loop = [11, 12, 13, 14] * 6
     prompts = [loop, loop[:10] + [40, 41], loop[3:]]

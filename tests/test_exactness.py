@@ -33,12 +33,12 @@ from tensorfold.backends import backend_ops, keeps_v_exponents
 from tensorfold.chat.messages import render_chat
 from tensorfold.chat.template import ChatTemplate
 from tensorfold.engine.engine import Engine, EngineConfig
-from tensorfold.engine.loading import kv_cache_dtype
+from tensorfold.backends.torch_backend import kv_cache_dtype
 from tensorfold.engine.request import Status
 from tensorfold.http.server import HttpServer
-from tensorfold.models.forward_batch import KVCache
+from tensorfold.models.cache import PagedKV
 from tensorfold.sampling.params import SamplingParams
-from tensorfold.server import build_router
+from tensorfold.server import build_router, served_model_of
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -291,7 +291,7 @@ class Served:
 
 @contextlib.contextmanager
 def serving(engine: Engine, name="tiny"):
-    service = Service(engine, (name,))
+    service = Service(engine, served_model_of(engine), (name,))
     gate = threading.Event()
     gate.set()
     plans = []
@@ -561,9 +561,9 @@ def _tiny_bytes_per_block(path, block_size=32):
     """A block's bytes in the cache tiny_engine allocates (--kv-dtype auto: a dense model's own
     dtype; the record of V's exponents where the cpu backend's op set keeps one)."""
     cfg = json.load(open(os.path.join(path, "config.json")))
-    return KVCache.bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"],
-                                   kv_cache_dtype(EngineConfig(), quantized=False),
-                                   keeps_v_exponents(backend_ops("cpu"))) * block_size
+    layer = PagedKV(cfg["num_key_value_heads"], cfg["head_dim"])
+    return cfg["num_hidden_layers"] * layer.bytes_per_token(kv_cache_dtype(EngineConfig(), quantized=False),
+                                                            keeps_v_exponents(backend_ops("cpu"))) * block_size
 
 
 def test_eviction_under_a_tiny_cache_budget_keeps_replies_exact(tiny_llama, solo):

@@ -78,6 +78,6 @@ def test_the_compiled_op_sets_packed_weights_live_in_huge_pages(draw):
     from tensorfold.backends import native_ops
     from tensorfold.kernels import reference
     w, x = draw.randn(40, 70, dtype=torch.bfloat16), draw.randn(3, 70, dtype=torch.bfloat16)
-    packed = native_ops.pack_weight(w)
-    assert advised_for_huge_pages(packed.data)
-    assert torch.equal(native_ops.linear(x, packed), reference.linear(x, w)), str(draw)
+    packed = native_ops.Linear.of(w)
+    assert advised_for_huge_pages(packed.single.data)
+    assert torch.equal(packed(x), reference.linear(x, w)), str(draw)

@@ -238,19 +238,20 @@ def test_pack_refuses_malformed():
 
 
 def test_cuda_ops_wiring(draw):
-    """cuda_ops.pack_weight / linear take a QuantWeight to the Triton kernel (bias added in x's
-    dtype, as for dense weights); dense weights still take the dense path."""
+    """cuda_ops.Linear takes a QuantWeight to the Triton kernel (bias added in x's dtype, as for
+    dense weights); dense weights still take the dense path."""
     from tensorfold.backends import cuda_ops
     w = random_weight(draw.gen, "q6_k", 21, 64)
-    packed = cuda_ops.pack_weight(_to(w, DEVICE))
-    assert packed.shape == (21, 64) and packed.kind == "q6_k"
+    packed = cuda_ops.Linear.of(_to(w, DEVICE))
+    assert packed.shape == (21, 64) and packed.single.kind == "q6_k" and packed.format == "q6_k"
     x = random_x(draw.gen, 3, 64, torch.bfloat16)
     bias = torch.randn(21, generator=draw.gen).bfloat16()
-    same(cuda_ops.linear(x.to(DEVICE), packed).cpu(), qg.linear(x, w), f"no bias {draw}")
-    same(cuda_ops.linear(x.to(DEVICE), packed, bias.to(DEVICE)).cpu(), qg.linear(x, w) + bias, f"bias {draw}")
+    same(packed(x.to(DEVICE)).cpu(), qg.linear(x, w), f"no bias {draw}")
+    with_bias = cuda_ops.Linear.of(_to(w, DEVICE), bias=bias.to(DEVICE))
+    same(with_bias(x.to(DEVICE)).cpu(), qg.linear(x, w) + bias, f"bias {draw}")
     dense = torch.randn(21, 64, generator=draw.gen).to(DEVICE)
-    assert cuda_ops.pack_weight(dense) is dense
-    assert cuda_ops.linear(x.float().to(DEVICE), dense).shape == (3, 21)
+    assert cuda_ops.Linear.of(dense).single is dense
+    assert cuda_ops.Linear.of(dense)(x.float().to(DEVICE)).shape == (3, 21)
 
 
 @triton.jit

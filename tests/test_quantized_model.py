@@ -133,8 +133,8 @@ def test_quantized_at_load_cuda_op_set_equals_cpu(request, arch, kind):
     want = Recorder(cpu)
     expected = [r.output_ids for r in run_together(cpu, prompts, params)]
     gpu = Engine(path, EngineConfig(backend="cuda", device=DEVICE, **config))
-    assert gpu.model.ops.NAME == "triton" and gpu.model.weight_formats() == {kind: 9}
-    assert gpu.model.layers[0].qkv.kind == kind  # packed for the Triton GEMM
+    assert gpu.backend.model.ops.NAME == "triton" and gpu.backend.model.weight_formats() == {kind: 9}
+    assert gpu.backend.model.layers[0].mixer.qkv.single.kind == kind  # packed for the Triton GEMM
     got = Recorder(gpu)
     assert [r.output_ids for r in run_together(gpu, prompts, params)] == expected
     assert len(want.draws) == 6 and want.draws.keys() == got.draws.keys()
@@ -157,7 +157,8 @@ def test_q4_k_m_gguf_native_equals_torch_references(tiny_q4_k_m_gguf):
                          for ops in (backend_ops("cpu"), cpu_ops))
     # per layer q, k, o, gate_up Q4_K and v, down Q6_K; the tied head Q6_K (token_embd)
     assert native.weight_formats() == {"q4_k": 8, "q6_k": 5}
-    assert isinstance(native.layers[0].qkv, tuple) and not native.layers[0].fusable  # Q4_K q, k beside Q6_K v
+    qkv = native.layers[0].mixer.qkv  # Q4_K q, k beside Q6_K v: two parts, so no fused layer
+    assert qkv.formats == ("q4_k", "q4_k", "q6_k") and len(qkv.parts) == 3 and native.ops.fuse(native.layers[0]) is None
     got, got_sha = greedy_run(native, PROMPTS, steps=3)
     want, want_sha = greedy_run(reference, PROMPTS, steps=3)
     assert_same_logits(got, want, "q4_k_m")
@@ -174,8 +175,8 @@ def test_q4_k_m_gguf_generates_the_same_on_both_op_sets(tiny_q4_k_m_gguf):
     for name in ("native", "torch"):
         with cpu_op_set(name):
             engine = Engine(tiny_q4_k_m_gguf, EngineConfig(**SMALL))
-        assert engine.config.dtype == "auto" and engine.model.weight_formats() == {"q4_k": 8, "q6_k": 5}
-        assert engine.model.ops.NAME.startswith(name)
+        assert engine.config.dtype == "auto" and engine.backend.model.weight_formats() == {"q4_k": 8, "q6_k": 5}
+        assert engine.backend.model.ops.NAME.startswith(name)
         replies[name] = [r.output_ids for r in run_together(engine, prompts, params)]
     assert all(len(r) == 6 for r in replies["native"])
     assert [token_sha(r) for r in replies["native"]] == [token_sha(r) for r in replies["torch"]]
@@ -211,7 +212,7 @@ def solo(request, small_vocab_llama):
     """Solo, serial (draft: false), whole-prompt references on the native op set."""
     kind = request.param
     engine = Engine(small_vocab_llama, EngineConfig(**SMALL, quantize=kind, drafting=False, max_num_seqs=1))
-    assert engine.model.ops.NAME.startswith("native-") and engine.model.weight_formats() == {kind: 9}
+    assert engine.backend.model.ops.NAME.startswith("native-") and engine.backend.model.weight_formats() == {kind: 9}
     tokens, rec = solo_runs(engine)
     assert len(set(map(tuple, tokens))) == len(tokens)
     return kind, tokens, rec.draws
@@ -225,7 +226,7 @@ def test_engine_native_equals_torch_op_set(small_vocab_llama, solo):
     kind, want, want_draws = solo
     with cpu_op_set("torch"):
         engine = quantized_engine(small_vocab_llama, kind, drafting=False, max_num_seqs=1)
-    assert engine.model.ops is cpu_ops
+    assert engine.backend.model.ops is cpu_ops
     got, rec = solo_runs(engine)
     assert [token_sha(t) for t in got] == [token_sha(t) for t in want]
     assert rec.draws.keys() == want_draws.keys()
@@ -286,8 +287,8 @@ def forward_all(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.slow
 def test_default_model_is_exact_in_its_blocks(smol):
     assert smol.exact, smol.probe_failures
-    assert smol.model.ops.NAME.startswith("native-")
-    assert smol.model.weight_formats() == {"q4_1": 120, "q8_0": 1}
+    assert smol.backend.model.ops.NAME.startswith("native-")
+    assert smol.backend.model.weight_formats() == {"q4_1": 120, "q8_0": 1}
 
 
 @pytest.mark.slow
@@ -297,11 +298,11 @@ def test_default_model_greedy_reply_native_equals_torch_op_set(smol):
     got = smol.generate(prompt, params)
     with cpu_op_set("torch"):
         reference = Engine(None, EngineConfig(probe=False, context=1024, kv_cache_gib=0.05))
-    assert reference.model.ops is cpu_ops and reference.model.weight_formats() == {"q4_1": 120, "q8_0": 1}
+    assert reference.backend.model.ops is cpu_ops and reference.backend.model.weight_formats() == {"q4_1": 120, "q8_0": 1}
     want = reference.generate(prompt, params)
     assert got.token_ids == want.token_ids and got.text == want.text
     assert "Paris" in got.text
-    assert torch.equal(forward_all(smol.model, prompt), forward_all(reference.model, prompt))
+    assert torch.equal(forward_all(smol.backend.model, prompt), forward_all(reference.backend.model, prompt))
 
 
 # Prose written for this test (public domain), ~700 tokens; the first 500 are scored.
@@ -360,9 +361,9 @@ def test_default_model_top1_agrees_with_the_float32_path(smol):
     assert len(ids) >= 600
     ids = ids[:POSITIONS]
     dense = Engine(None, EngineConfig(dtype="float32", probe=False, context=1024, kv_cache_gib=0.05))
-    assert dense.model.weight_formats() == {"float32": 121}
-    top_quant = forward_all(smol.model, ids).argmax(dim=-1)
-    top_dense = forward_all(dense.model, ids).argmax(dim=-1)
+    assert dense.backend.model.weight_formats() == {"float32": 121}
+    top_quant = forward_all(smol.backend.model, ids).argmax(dim=-1)
+    top_dense = forward_all(dense.backend.model, ids).argmax(dim=-1)
     agree = int((top_quant == top_dense).sum())
     assert agree >= MIN_AGREEMENT, f"top-1 agreement {agree}/{POSITIONS} = {agree / POSITIONS:.3f}"
     assert agree / POSITIONS >= 0.95

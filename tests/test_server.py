@@ -165,7 +165,7 @@ def test_health_reports_every_counter_and_counts_a_request(served):
     assert set(before["streams"]) == {"decoding", "prefilling", "maximum"}
     assert before["streams"]["maximum"] == 8
     assert before["ops"] == backend_ops("cpu").NAME  # the C++ kernels where built, else "torch"
-    assert before["weights"] == served.engine.model.weight_formats() == {"float32": 9} and sum(before["weights"].values()) > 0
+    assert before["weights"] == served.engine.info.weights == {"float32": 9} and sum(before["weights"].values()) > 0
     assert before["kv_dtype"] == "float32"  # --kv-dtype auto: a dense model's own dtype
     for key in HEALTH_COUNTERS:
         assert isinstance(before[key], (int, float)) and before[key] >= 0, key

@@ -141,7 +141,7 @@ def worker_tensorfold(dtype: str, threads: int, tokens: int, prompt: str, repeat
     engine = Engine(None, EngineConfig(dtype=dtype, num_threads=threads, prompt_cache_gib=0))  # every run prefills
     load_s = time.perf_counter() - started
     rss_after, peak = rss_mib()
-    kv_mib = engine.cache.nbytes / 2**20
+    kv_mib = engine.backend.cache.nbytes / 2**20
     prompt_ids = chat_prompt_ids(engine, prompt)
     engine.generate(prompt_ids[:8], SamplingParams(temperature=0, max_tokens=2, draft=False))  # warm-up
     out = {"load_s": load_s, "rss_before": rss_before, "rss_after": rss_after, "kv_mib": kv_mib,

@@ -5,7 +5,7 @@ gate_up and down (and, with --head, the output projection) for a few row counts 
     python tools/bench_gemm.py --dtypes float32,bfloat16,auto --rows 1,4
     python tools/bench_gemm.py --dtypes auto --rows 1,4,64 --head
 
-One round calls `ops.linear` once per weight, layer after layer, as a decode step does, so every
+One round calls each LinearWeight once, layer after layer, as a decode step does, so every
 weight is read from memory (the whole set is larger than the caches, unless it is not: the
 default model's Q4_1 layers are 66 MB, and a CPU with a large L3 may keep part of them). Best of
 --repeats rounds, in milliseconds; the "per row" column divides by the rows. The weights are
@@ -22,10 +22,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 
-def round_ms(ops, weights, xs) -> float:
+def round_ms(weights, xs) -> float:
     started = time.perf_counter()
     for w, x in zip(weights, xs):
-        ops.linear(x, w)
+        w(x)
     return (time.perf_counter() - started) * 1e3
 
 
@@ -52,16 +52,16 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         engine = Engine(None, EngineConfig(dtype=dtype, num_threads=args.threads, prompt_cache_gib=0, context=256,
                                            kv_cache_gib=0.01))
-        model = engine.model
-        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        model = engine.backend.model
+        weights = [w for name, w in model.gemms().items() if name != "lm_head"]  # in layer order
         weights += [model.lm_head] if args.head else []
         act = torch.float32 if dtype == "auto" else getattr(torch, dtype)
-        megabytes = sum(w.data.numel() * w.data.element_size() for w in weights) / 1e6
+        megabytes = sum(p.data.numel() * p.data.element_size() for w in weights for p in w.parts) / 1e6
         cells = []
         for m in rows:
             xs = [torch.randn(m, w.shape[1]).to(act) for w in weights]
-            round_ms(model.ops, weights, xs)
-            best = min(round_ms(model.ops, weights, xs) for _ in range(args.repeats))
+            round_ms(weights, xs)
+            best = min(round_ms(weights, xs) for _ in range(args.repeats))
             cells.append(f"{best:.2f} | {best / m:.2f}")
         formats = ", ".join(sorted({str(w.format) for w in weights}))
         print(f"| {dtype} | {len(weights)} {formats} | {megabytes:.0f} | " + " | ".join(cells) + " |")

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
     serial = Engine(None, EngineConfig(dtype=args.dtype, num_threads=args.threads, drafting=False, probe=False))
     drafted = Engine(None, EngineConfig(dtype=args.dtype, num_threads=args.threads, drafting=True, probe=False))
-    compiler = GrammarCompiler(serial.tokenizer, serial.model.args.vocab_size)
+    compiler = GrammarCompiler(serial.tokenizer, serial.info.vocab_size)
     eos = serial.tokenizer.eos_token_ids
     clock = MaskClock(serial)
     print(machine_line())
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                  "of a round", "accepted/drafted", "drafted == serial"], rows)
 
     print("\ncompile (GrammarCompiler, 2 threads)\n")
-    fresh = GrammarCompiler(serial.tokenizer, serial.model.args.vocab_size)
+    fresh = GrammarCompiler(serial.tokenizer, serial.info.vocab_size)
     fresh.warm().result()
     crow = []
     for name, spec, _ in CASES + [("json object", GrammarSpec("json_object", "", "bench"), "")]:

@@ -43,7 +43,7 @@ class RoundClock:
 
     def __init__(self, engine):
         self.forward_s = self.round_s = 0.0
-        model = engine.runner.model
+        model = engine.backend.model
         model.forward = self._timed(model.forward)
         model.ops = _with(model.ops, sample=self._timed(model.ops.sample))
 
@@ -78,8 +78,8 @@ def tensorfold_bench(dtype: str, args):
     context = max(2048, args.long + args.tokens + 16)
     engine = Engine(None, EngineConfig(dtype=dtype, kv_dtype=getattr(args, "kv_dtype", "auto"), num_threads=args.threads, prompt_cache_gib=0,
                                        context=context, kv_cache_gib=0.5, max_tokens_per_step=512))
-    cache = str(engine.cache.k[0].dtype).replace("torch.", "")
-    out = {"exact": engine.exact, "ops": f"{engine.model.ops.NAME}, {cache}", "cache": cache}
+    cache = engine.info.kv_dtype
+    out = {"exact": engine.exact, "ops": f"{engine.info.ops}, {cache}", "cache": cache}
     greedy = dict(temperature=0, ignore_eos=True, draft=False)
     engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **greedy))  # warm-up
     clock = RoundClock(engine)

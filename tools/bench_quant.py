@@ -86,7 +86,7 @@ def kv_cache_gib(tokens: int) -> float:
     """The default model's cache under dtype auto (its dtype: loading.kv_cache_dtype) for exactly
     `tokens` tokens (loading.allocate_memory's sizing)."""
     from tensorfold.engine.engine import EngineConfig
-    from tensorfold.engine.loading import kv_cache_dtype
+    from tensorfold.backends.torch_backend import kv_cache_dtype
     from tensorfold.models.forward_batch import KVCache
 
     dtype = kv_cache_dtype(EngineConfig(dtype="auto"), quantized=True)
@@ -103,14 +103,14 @@ def rss_child_ours(context: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     engine = Engine(None, EngineConfig(dtype="auto", num_threads=threads, context=context,
                                        kv_cache_gib=kv_cache_gib(context), prompt_cache_gib=0))
-    args = engine.model.args
+    args = engine.backend.model.args
     assert (args.num_layers, args.num_kv_heads, args.head_dim) == tuple(DEFAULT_SHAPE.values()), args
-    cache_tokens = engine.cache.num_blocks * engine.cache.block_size
+    cache_tokens = engine.backend.cache.num_blocks * engine.backend.cache.block_size
     assert cache_tokens == context, f"the cache holds {cache_tokens} tokens, not {context}"
     loaded = rss_mib()[0]
     done = engine.generate(prompt_ids(context - 96), SamplingParams(max_tokens=RSS_DECODE_TOKENS, **GREEDY))
     assert len(done.token_ids) == RSS_DECODE_TOKENS
-    kv_mib = engine.cache.nbytes / 2**20
+    kv_mib = engine.backend.cache.nbytes / 2**20
     return {"runtime": runtime, "loaded": loaded, "after": rss_mib()[0], "peak": rss_mib()[1], "kv_mib": kv_mib}
 
 
@@ -233,7 +233,7 @@ def ours_decode_tps(path: str, args) -> tuple[float, str]:
     # beside Q6_K v; see tests/test_quantized_model.py).
     engine = Engine(path, EngineConfig(dtype="auto", num_threads=args.threads, context=256, kv_cache_gib=0.01,
                                        prompt_cache_gib=0, probe=False))
-    formats = ", ".join(f"{n} {kind}" for kind, n in sorted(engine.model.weight_formats().items()))
+    formats = ", ".join(f"{n} {kind}" for kind, n in sorted(engine.backend.model.weight_formats().items()))
     engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **GREEDY))  # warm-up
     best = 0.0
     for _ in range(args.repeats):

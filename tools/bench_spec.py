@@ -112,6 +112,19 @@ def drafting_table(args) -> None:
 
 # -- table 2: exact vs stock ops ---------------------------------------------------------------
 
+def _stock_linear_class():
+    import torch.nn.functional as F
+
+    from tensorfold.backends.cpu_ops import Linear
+
+    class StockLinear(Linear):
+        """torch's GEMM as it is (no row padding): dense parts through F.linear."""
+
+        def multiply(self, x, part):
+            return super().multiply(x, part) if self.quantized(part) else F.linear(x, part)
+    return StockLinear
+
+
 def stock_ops(**overrides):
     """Stock torch ops under the cpu op set's names (what a plain port would call); attention
     and the cache write stay the cpu backend's unless overridden."""
@@ -137,7 +150,8 @@ def stock_ops(**overrides):
     ops.update(overrides)
     ops["attention"] = functools.partial(attention_by_sequence, ops["paged_attention"], ops["paged_decode_attention"])
     ops["NAME"] = "stock"
-    ops["pack_weight"] = cpu_ops.pack_weight
+    ops["Linear"] = _stock_linear_class()
+    ops["fuse"] = lambda layer: None
     return types.SimpleNamespace(**ops)
 
 
@@ -201,8 +215,7 @@ def profile_step(model, batch, cache, label: str) -> None:
 def cost_table(args) -> None:
     import torch
 
-    from tensorfold.backends import backend_ops, cpu_ops
-    from tensorfold.models.forward_batch import KVCache
+    from tensorfold.backends import cpu_ops
     from tensorfold.models.loader import build_model, load_checkpoint
 
     torch.set_num_threads(args.threads)
@@ -213,23 +226,24 @@ def cost_table(args) -> None:
     rows = []
     for dtype_name in args.cost_dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        model = build_model(ckpt, dtype, backend_ops("cpu"))
+        # one model per op set: a model's blocks and weights belong to the op set it was built on
+        models = {name: build_model(ckpt, dtype, ops) for name, ops in variants.items()}
+        model = models["exact"]
         a = model.args
         for num_seqs, rows_per_seq, label in shapes:
             batch, num_blocks = decode_batch(num_seqs, rows_per_seq, args.context, 32, a.vocab_size)
-            cache = KVCache.allocate(a.num_layers, num_blocks, 32, a.num_kv_heads, a.head_dim, dtype)
-            for t in cache.k + cache.v:
-                t.normal_()
+            cache = model.allocate_cache(num_blocks, 32, dtype)
+            for kv in cache.layers:
+                kv.k.normal_()
+                kv.v.normal_()
             times = {name: [] for name in variants}
             reps = args.reps if num_seqs * rows_per_seq < 64 else max(2, args.reps // 3)
             for rep in range(reps + 1):  # rep 0 warms up
-                for name, ops in variants.items():
-                    model.ops = ops
+                for name, variant in models.items():
                     t0 = time.perf_counter()
-                    model.forward(batch, cache)
+                    variant.forward(batch, cache)
                     if rep:
                         times[name].append(time.perf_counter() - t0)
-            model.ops = cpu_ops
             if args.profile and num_seqs * rows_per_seq == 1:
                 profile_step(model, batch, cache, f"{dtype_name} exact, {label}")
             ms = {name: min(v) * 1e3 for name, v in times.items()}
@@ -242,7 +256,7 @@ def cost_table(args) -> None:
                          f"{ms['stock+SDPA']:.1f} ({med['stock+SDPA']:.0f})", f"{ms['exact'] / ms['stock+SDPA']:.2f}x"])
             print(f"  {dtype_name} {label}: done", flush=True)
             del cache
-        del model
+        del model, models
     print_table(["dtype", "batch", "exact ms (median)", "stock ms (median)", "exact / stock",
                  "of medians", "target (bf16)", "stock+SDPA ms (median)", "exact / stock+SDPA"], rows,
                 title=f"Whole-model decode step, exact vs stock ops ({args.threads} threads, "

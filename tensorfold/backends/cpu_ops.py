@@ -49,11 +49,6 @@ class ReferenceLinear(Linear):
         return quant_gemm.linear(x, part) if self.quantized(part) else reference.linear(x, part)
 
 
-def pack_weight(weight) -> Linear:
-    """One checkpoint matrix as this op set's weight (tests and benchmarks)."""
-    return Linear.of(weight)
-
-
 def linear(x, weight, bias=None):
     """x [M, K] @ weight^T (+ bias) for a plain [N, K] tensor: torch's GEMM padded to 8 rows."""
     return linear_padded(x, weight, bias)

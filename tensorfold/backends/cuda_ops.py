@@ -15,7 +15,7 @@ What runs where, and why:
 - sample (the engine's draw; Python ints back), verify, apply_token_bitmask: Triton keyed
   sampling and grammar-masked verification.
 - linear with a quantized weight (a QuantWeight from kernels/quant_gemm.py, packed once by
-  pack_weight): the Triton exact quantized GEMM (kernels/quant_gemm_triton.py: int8 activation
+  Linear): the Triton exact quantized GEMM (kernels/quant_gemm_triton.py: int8 activation
   blocks, integer block dots, an int64 sum on a grid known before any block), bitwise
   quant_gemm.linear for every kind, fixed tiles whatever M, so a row's bits never depend on the
   batch; on CUDA tensors and, in tests, on CPU tensors under the interpreter alike.
@@ -60,11 +60,6 @@ class Linear(LinearWeight):
         """Rows of a quantized table, dequantized (float32): the embedding lookup."""
         t = self.single
         return QuantWeight(t.kind, t.codes, t.scale, t.scale_exp, t.min, t.min_exp).rows(ids).dequantize()
-
-
-def pack_weight(weight) -> Linear:
-    """One checkpoint matrix as this op set's weight (tests and benchmarks)."""
-    return Linear.of(weight)
 
 
 def linear(x, weight, bias=None):

@@ -68,11 +68,6 @@ class Linear(LinearWeight):
         return _cpu.quant_rows(packed.data, ids, packed.n, packed.k)
 
 
-def pack_weight(weight) -> Linear:
-    """One checkpoint matrix as this op set's weight (tests and benchmarks)."""
-    return Linear.of(weight)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight^T (+ bias) for a plain [N, K] tensor, packed per call."""
     out = _cpu.linear(x, weight)

@@ -6,8 +6,6 @@ cache blocks they read and write, and the sampling settings of each row that nee
 """
 from dataclasses import dataclass, field
 
-import torch
-
 from tensorfold.sampling.sampler import RowSampling
 
 
@@ -25,9 +23,10 @@ class ScheduledRequest:
 @dataclass
 class StepPlan:
     requests: list[ScheduledRequest] = field(default_factory=list)
-    # The allowed tokens of every drawing row, in order (sampling/bitmask.py); None: all allowed.
-    # The engine writes it after scheduling, from the requests' constraints.
-    bitmask: torch.Tensor | None = None
+    # The allowed tokens of every drawing row, in order: sampling/bitmask.py's host int32 tensor
+    # [rows, ceil(vocab / 32)] (xgrammar's format; the runner moves it to its device); None: all
+    # allowed. The engine writes it after scheduling, from the requests' constraints.
+    bitmask: object | None = None
 
     @property
     def num_tokens(self) -> int:
