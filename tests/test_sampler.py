@@ -19,7 +19,7 @@ import tensorfold
 from tensorfold.backends import cpu_ops, native_problem
 from tensorfold.sampling import bitmask as bits, keyed, sampler
 from tensorfold.sampling.params import SamplingParams
-from tensorfold.sampling.sampler import RowSampling as PlainRow
+from tensorfold.sampling.params import RowSampling as PlainRow
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 from tensorfold.kernels import sampling_triton as sampling  # noqa: E402
 from tensorfold.kernels import verify_triton as verify  # noqa: E402
 from tensorfold.sampling import bitmask as bits, sampler  # noqa: E402
-from tensorfold.sampling.sampler import RowSampling  # noqa: E402
+from tensorfold.sampling.params import RowSampling  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 INF = float("inf")

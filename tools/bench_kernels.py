@@ -76,7 +76,7 @@ def benchmarks(torch, device: str, smoke: bool):
     from tensorfold.kernels import attention_triton, reference, rms_norm_triton, sampling_triton, verify_triton
     from tensorfold.kernels.paged_attention import paged_attention_ref, write_kv_ref
     from tensorfold.sampling import bitmask as bits, sampler
-    from tensorfold.sampling.sampler import RowSampling
+    from tensorfold.sampling.params import RowSampling
 
     s = (lambda big, small: small) if smoke else (lambda big, small: big)  # noqa: E731
     bf16 = torch.bfloat16

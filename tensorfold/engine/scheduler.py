@@ -21,7 +21,7 @@ from tensorfold.engine.block_pool import BlockPool
 from tensorfold.engine.cache_book import CacheBook
 from tensorfold.engine.request import Request, Status
 from tensorfold.engine.step_plan import ScheduledRequest, StepPlan
-from tensorfold.sampling.sampler import RowSampling
+from tensorfold.sampling.params import RowSampling
 
 
 @dataclass(frozen=True)

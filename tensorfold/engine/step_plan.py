@@ -6,7 +6,7 @@ cache blocks they read and write, and the sampling settings of each row that nee
 """
 from dataclasses import dataclass, field
 
-from tensorfold.sampling.sampler import RowSampling
+from tensorfold.sampling.params import RowSampling
 
 
 @dataclass

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from tensorfold.kernels import exact_triton as ex
 from tensorfold.sampling import bitmask as bits, keyed, sampler
-from tensorfold.sampling.sampler import RowSampling
+from tensorfold.sampling.params import RowSampling
 
 NUM_CANDIDATES = sampler.NUM_CANDIDATES
 CHUNK = 4096                  # tokens per program, held in registers (8 warps: 16 per thread)

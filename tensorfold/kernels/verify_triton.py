@@ -33,7 +33,7 @@ from tensorfold.kernels import sampling_triton
 from tensorfold.kernels.sampling_triton import allowed_bits, drawable_logits, gumbel
 from tensorfold.sampling import bitmask as bits
 from tensorfold.sampling import keyed, sampler
-from tensorfold.sampling.sampler import RowSampling
+from tensorfold.sampling.params import RowSampling
 
 TILE = 2048  # vocabulary tokens per step of a row's pass
 

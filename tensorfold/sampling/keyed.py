@@ -28,8 +28,8 @@ import hashlib
 import torch
 
 from tensorfold.exact.float64 import log64
+from tensorfold.sampling.params import MASK64
 
-MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15        # splitmix64's increment (odd, golden ratio)
 GAMMA_POS = 0xD1B54A32D192ED03    # a second odd increment for positions
 MIX_MUL1 = 0xBF58476D1CE4E5B9

@@ -49,7 +49,7 @@ import torch
 
 from tensorfold.exact.float64 import exp64
 from tensorfold.sampling import bitmask as bits, keyed
-from tensorfold.sampling.params import SamplingParams
+from tensorfold.sampling.params import RowSampling
 
 NUM_CANDIDATES = 1024
 ID_BITS = 30                      # vocabularies up to 2^30 tokens
@@ -58,34 +58,6 @@ Q_ONE = 1 << 32                   # the weight of the likeliest token
 P_BITS = 40                       # top-p fixed point
 OFF = 1 << 62                     # "no limit" for top_k and the top-p threshold
 NO_TOKEN = 1 << 62                # id of "no winner here" in a shard's offer
-
-
-@dataclass(frozen=True)
-class RowSampling:
-    """The settings of one row's draw. `seed` is the request's key in [0, 2^64) (see
-    keyed.request_seed); `position` the absolute reply position of the drawn token."""
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    position: int
-
-    def __post_init__(self):
-        if not 0.0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0 or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"top_p and min_p must lie in [0, 1], got {self.top_p}, {self.min_p}")
-        if not 0 <= self.seed <= keyed.MASK64 or self.position < 0:
-            raise ValueError(f"need 0 <= seed < 2^64, position >= 0: {self.seed}, {self.position}")
-
-    @classmethod
-    def of(cls, params: SamplingParams, seed: int, position: int) -> "RowSampling":
-        return cls(params.temperature, params.top_k, params.top_p, params.min_p, seed, position)
-
-    def ordered(self, vocab_size: int) -> bool:
-        """Whether a cut depends on the key order (top-k or top-p on), needing candidates."""
-        return 0 < self.top_k < vocab_size or self.top_p < 1.0
 
 
 class NativeSteps(Protocol):
