@@ -2,11 +2,16 @@
 // models/llama.py runs op by op, through the same kernels in the same order, so it gives the same
 // bits with one Python-to-C++ crossing per layer instead of eleven (what a decode round spends
 // between kernels). No arithmetic of its own lives here.
-#include <torch/extension.h>
+//
+// Steps of forward (torch reference: llama.Model.forward's layer, op by op):
+//   qkv = x @ qkv^T; q, k = rope(qkv's parts) (qwen3: per-head norm first); write_kv(k, v);
+//   attn = paged_attention(q); o = attn @ o^T; x2, h = add_rms_norm(o, residual, post_norm);
+//   mlp = silu_and_mul(x2 @ gate_up^T) @ down^T; then add_rms_norm(mlp, h, next_norm), or h + mlp.
+// The weights are checked once, when the layer is built at load; a forward checks its batch.
+#include "layer.h"
 
 #include "binding.h"
 #include "kernels.h"
-#include "layer.h"
 
 namespace {
 
@@ -14,56 +19,93 @@ using namespace tf_binding;
 
 const void* ptr_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->data_ptr() : nullptr; }
 
-// A GEMM weight is packed dense (x's dtype, pack_weight) or packed quantized (uint8, pack_quant).
-bool is_quant(const torch::Tensor& w) { return w.scalar_type() == torch::kUInt8; }
-
-void check_weight(const torch::Tensor& w, int64_t n, int64_t k, const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(w.is_contiguous(), "decoder_layer: ", name, " weight is not contiguous");
-  if (is_quant(w)) {
-    TORCH_CHECK(tf::quant_packed_matches(w.data_ptr<uint8_t>(), w.numel(), n, k), "decoder_layer: ", name,
+// A GEMM weight is packed dense (the layer's dtype, pack_weight) or packed quantized (uint8, pack_quant).
+LayerGemm gemm_weight(const torch::Tensor& w, int64_t n, int64_t k, int code, torch::ScalarType dtype,
+                      const char* name) {
+  check_cpu(w, "DecoderLayer: a weight");
+  TORCH_CHECK(w.is_contiguous(), "DecoderLayer: ", name, " weight is not contiguous");
+  const bool quant = w.scalar_type() == torch::kUInt8;
+  if (quant) {
+    TORCH_CHECK(tf::quant_packed_matches(w.data_ptr<uint8_t>(), w.numel(), n, k), "DecoderLayer: ", name,
                 " is not a packed quantized weight of [", n, ", ", k, "]");
   } else {
-    const int code = dtype_code(x, "decoder_layer");
-    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.numel() == tf::packed_numel(code, n, k), "decoder_layer: ",
-                name, " does not match the layer's shape [", n, ", ", k, "] or x's dtype");
+    TORCH_CHECK(w.scalar_type() == dtype && w.numel() == tf::packed_numel(code, n, k), "DecoderLayer: ", name,
+                " is not a packed weight of [", n, ", ", k, "] in the layer's dtype (", dtype, "), got ",
+                w.scalar_type(), " of ", w.numel(), " elements");
   }
+  return {w, quant, n, k};
+}
+
+void check_norm(const torch::Tensor& w, int64_t size, torch::ScalarType dtype, const char* name) {
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.scalar_type() == dtype && w.numel() == size,
+              "DecoderLayer: ", name, " must be a contiguous CPU tensor of ", size, " elements in the layer's dtype (",
+              dtype, "), got ", w.scalar_type(), " ", w.sizes());
 }
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
-    const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& qkv_w, const torch::Tensor& o_w,
-    const torch::Tensor& post_norm, const torch::Tensor& gate_up_w, const torch::Tensor& down_w,
-    const c10::optional<torch::Tensor>& next_norm, const c10::optional<torch::Tensor>& q_norm,
-    const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
-    torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& positions,
-    const torch::Tensor& tables, const torch::Tensor& row_starts, int64_t heads, int64_t intermediate, double eps,
-    double scale, int64_t window, const c10::optional<torch::Tensor>& v_exp) {
-  check_cpu(x, "decoder_layer: x");
-  const int code = dtype_code(x, "decoder_layer");
-  const int cache_code = dtype_code(k_cache, "decoder_layer: the cache");  // may differ from x's
-  const int64_t tokens = x.size(0), hidden = x.size(1), kv_heads = k_cache.size(2), d = k_cache.size(3);
+DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, const torch::Tensor& gate_up,
+                           const torch::Tensor& down, const torch::Tensor& post_norm,
+                           const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                           const LayerShape& shape)
+    : shape_(shape), code_(dtype_code(post_norm, "DecoderLayer: post_norm")), post_norm_(post_norm),
+      q_norm_(q_norm), k_norm_(k_norm) {
+  const auto& s = shape_;
+  TORCH_CHECK(s.num_heads > 0 && s.num_kv_heads > 0 && s.hidden > 0 && s.intermediate > 0 && s.window >= 0,
+              "DecoderLayer: positive num_heads, num_kv_heads, hidden, intermediate and a window >= 0 expected");
+  TORCH_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0 && s.head_dim <= 256 && s.num_heads % s.num_kv_heads == 0,
+              "DecoderLayer: head_dim must be even and at most 256, num_heads a multiple of num_kv_heads");
+  const auto dtype = post_norm.scalar_type();
+  const int64_t q_size = s.num_heads * s.head_dim, qkv_width = q_size + 2 * s.num_kv_heads * s.head_dim;
+  qkv_ = gemm_weight(qkv, qkv_width, s.hidden, code_, dtype, "qkv");
+  o_ = gemm_weight(o, s.hidden, q_size, code_, dtype, "o_proj");
+  gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "gate_up");
+  down_ = gemm_weight(down, s.hidden, s.intermediate, code_, dtype, "down");
+  check_norm(post_norm, s.hidden, dtype, "post_norm");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderLayer: q_norm and k_norm come together (qwen3)");
+  if (q_norm) {
+    check_norm(*q_norm, s.head_dim, dtype, "q_norm");
+    check_norm(*k_norm, s.head_dim, dtype, "k_norm");
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch& b) const {
+  const auto& s = shape_;
+  const int64_t heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim, hidden = s.hidden;
+  const int64_t intermediate = s.intermediate;
+  const double eps = s.eps;
+  const auto& x = b.x;
+  check_cpu(x, "DecoderLayer.forward: x");
+  const int code = code_;
+  const auto dtype = post_norm_.scalar_type();
+  const int cache_code = dtype_code(b.k_cache, "DecoderLayer.forward: the cache");  // may differ from x's
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == dtype && x.is_contiguous(),
+              "DecoderLayer.forward: x must be contiguous [tokens, ", hidden, "] in the layer's dtype (", dtype,
+              "), got ", x.scalar_type(), " ", x.sizes());
+  const int64_t tokens = x.size(0);
   const int64_t q_size = heads * d, kv_size = kv_heads * d, qkv_width = q_size + 2 * kv_size;
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
-                  residual.scalar_type() == x.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.sizes() == k_cache.sizes() &&
-                  cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
-                  cos.size(0) == tokens && cos.size(1) == d,
-              "decoder_layer: contiguous x/residual [tokens, hidden], caches of one shape and dtype, float32 cos/sin "
-              "[tokens, head_dim] expected");
-  TORCH_CHECK(d % 2 == 0 && d <= 256 && heads % kv_heads == 0,
-              "decoder_layer: head_dim must be even and at most 256, heads a multiple of kv_heads");
-  check_weight(qkv_w, qkv_width, hidden, x, "qkv");
-  check_weight(o_w, hidden, q_size, x, "o_proj");
-  check_weight(gate_up_w, 2 * intermediate, hidden, x, "gate_up");
-  check_weight(down_w, hidden, intermediate, x, "down");
-  int16_t* record = exponent_record(v_exp, k_cache, "decoder_layer");  // checked with the rest
-  auto pos = positions.contiguous(), sl = slots.contiguous(), tab = tables.contiguous(), st = row_starts.contiguous();
+  TORCH_CHECK(b.residual.is_contiguous() && b.residual.sizes() == x.sizes() &&
+                  b.residual.scalar_type() == x.scalar_type() && b.residual.device().is_cpu(),
+              "DecoderLayer.forward: residual must be contiguous and of x's shape and dtype");
+  TORCH_CHECK(b.k_cache.dim() == 4 && b.k_cache.size(2) == kv_heads && b.k_cache.size(3) == d &&
+                  b.k_cache.is_contiguous() && b.v_cache.is_contiguous() && b.k_cache.device().is_cpu() &&
+                  b.v_cache.device().is_cpu() && b.v_cache.scalar_type() == b.k_cache.scalar_type() &&
+                  b.v_cache.sizes() == b.k_cache.sizes(),
+              "DecoderLayer.forward: contiguous CPU caches of one shape and dtype [blocks, block_size, ", kv_heads,
+              ", ", d, "] expected, got ", b.k_cache.sizes(), " and ", b.v_cache.sizes());
+  TORCH_CHECK(b.cos.is_contiguous() && b.sin.is_contiguous() && b.cos.scalar_type() == torch::kFloat32 &&
+                  b.sin.scalar_type() == torch::kFloat32 && b.cos.sizes() == torch::IntArrayRef({tokens, d}) &&
+                  b.sin.sizes() == b.cos.sizes(),
+              "DecoderLayer.forward: contiguous float32 cos/sin [tokens, head_dim] expected");
+  if (b.next_norm) check_norm(*b.next_norm, hidden, dtype, "next_norm");
+  const auto &k_cache = b.k_cache, &v_cache = b.v_cache;
+  int16_t* record = exponent_record(b.v_exp, k_cache, "DecoderLayer.forward");
+  auto pos = b.positions.contiguous(), sl = b.slots.contiguous(), tab = b.tables.contiguous(),
+       st = b.row_starts.contiguous();
   TORCH_CHECK(pos.scalar_type() == torch::kInt64 && sl.scalar_type() == torch::kInt64 &&
                   tab.scalar_type() == torch::kInt64 && st.scalar_type() == torch::kInt64 && pos.numel() == tokens &&
-                  sl.numel() == tokens && st.numel() == tab.size(0) + 1,
-              "decoder_layer: int64 positions, slots [tokens], tables [seqs, width], row_starts [seqs + 1]");
+                  sl.numel() == tokens && tab.dim() == 2 && st.numel() == tab.size(0) + 1,
+              "DecoderLayer.forward: int64 positions, slots [tokens], tables [seqs, width], row_starts [seqs + 1]");
   check_slots(sl.data_ptr<int64_t>(), tokens, k_cache.size(0) * k_cache.size(1));
   check_rows(st.data_ptr<int64_t>(), tab.size(0), tokens, pos.data_ptr<int64_t>(), tab.data_ptr<int64_t>(), tab.size(1),
              k_cache.size(1), k_cache.size(0));
@@ -84,26 +126,27 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   const size_t el = x.element_size();
   char* qkv_p = static_cast<char*>(qkv.data_ptr());
 
-  tf::matmul(code, x.data_ptr(), qkv_w.data_ptr(), is_quant(qkv_w), qkv_p, tokens, qkv_width, hidden, nt);
-  tf::rope(code, qkv_p, qkv_width, q.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads, d,
-           ptr_or_null(q_norm), eps, nt);
-  tf::rope(code, qkv_p + q_size * el, qkv_width, k.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens,
-           kv_heads, d, ptr_or_null(k_norm), eps, nt);
+  tf::matmul(code, x.data_ptr(), qkv_.packed.data_ptr(), qkv_.quant, qkv_p, tokens, qkv_width, hidden, nt);
+  tf::rope(code, qkv_p, qkv_width, q.data_ptr(), b.cos.data_ptr<float>(), b.sin.data_ptr<float>(), tokens, heads, d,
+           ptr_or_null(q_norm_), eps, nt);
+  tf::rope(code, qkv_p + q_size * el, qkv_width, k.data_ptr(), b.cos.data_ptr<float>(), b.sin.data_ptr<float>(),
+           tokens, kv_heads, d, ptr_or_null(k_norm_), eps, nt);
   tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), record, k.data_ptr(), kv_size,
                qkv_p + (q_size + kv_size) * el, qkv_width, sl.data_ptr<int64_t>(), tokens, kv_heads, d, nt);
-  const int64_t* tp = tab.data_ptr<int64_t>();
   tf::paged_attention(code, cache_code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), record, attn.data_ptr(),
-                      pos.data_ptr<int64_t>(), tp, tab.size(1), st.data_ptr<int64_t>(), tab.size(0), heads, kv_heads, d,
-                      k_cache.size(1), scale, window, nt);
-  tf::matmul(code, attn.data_ptr(), o_w.data_ptr(), is_quant(o_w), o.data_ptr(), tokens, hidden, q_size, nt);
-  tf::rms_norm(code, o.data_ptr(), hidden, residual.data_ptr(), hidden, h.data_ptr(), post_norm.data_ptr(),
+                      pos.data_ptr<int64_t>(), tab.data_ptr<int64_t>(), tab.size(1), st.data_ptr<int64_t>(),
+                      tab.size(0), heads, kv_heads, d, k_cache.size(1), s.scale, s.window, nt);
+  tf::matmul(code, attn.data_ptr(), o_.packed.data_ptr(), o_.quant, o.data_ptr(), tokens, hidden, q_size, nt);
+  tf::rms_norm(code, o.data_ptr(), hidden, b.residual.data_ptr(), hidden, h.data_ptr(), post_norm_.data_ptr(),
                x2.data_ptr(), tokens, hidden, eps, nt);
-  tf::matmul(code, x2.data_ptr(), gate_up_w.data_ptr(), is_quant(gate_up_w), gate_up.data_ptr(), tokens, 2 * intermediate, hidden, nt);
+  tf::matmul(code, x2.data_ptr(), gate_up_.packed.data_ptr(), gate_up_.quant, gate_up.data_ptr(), tokens,
+             2 * intermediate, hidden, nt);
   char* gu = static_cast<char*>(gate_up.data_ptr());
   tf::silu_and_mul(code, gu, gu + intermediate * el, 2 * intermediate, act.data_ptr(), tokens, intermediate, nt);
-  tf::matmul(code, act.data_ptr(), down_w.data_ptr(), is_quant(down_w), mlp.data_ptr(), tokens, hidden, intermediate, nt);
-  if (next_norm) {  // the residual add and the next layer's norm
-    tf::rms_norm(code, mlp.data_ptr(), hidden, h.data_ptr(), hidden, h_next.data_ptr(), next_norm->data_ptr(),
+  tf::matmul(code, act.data_ptr(), down_.packed.data_ptr(), down_.quant, mlp.data_ptr(), tokens, hidden, intermediate,
+             nt);
+  if (b.next_norm) {  // the residual add and the next layer's norm
+    tf::rms_norm(code, mlp.data_ptr(), hidden, h.data_ptr(), hidden, h_next.data_ptr(), b.next_norm->data_ptr(),
                  x_next.data_ptr(), tokens, hidden, eps, nt);
     return {x_next, h_next};
   }

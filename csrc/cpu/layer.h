@@ -1,16 +1,57 @@
-// The fused decoder layer (layer.cpp).
+// The fused decoder layer (layer.cpp): a llama/qwen3 layer built once at load from its fixed
+// parts (weights, norms, shapes), then run once per forward on a batch.
 #pragma once
 
 #include <torch/extension.h>
 
-// Returns (the next layer's normed input, or an undefined tensor after the last layer; the new
-// residual stream). Weights are packed (pack_weight); the caches (and v_exp, write_kv's record of
-// V's exponents, when given) are written in place.
-std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
-    const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& qkv_w, const torch::Tensor& o_w,
-    const torch::Tensor& post_norm, const torch::Tensor& gate_up_w, const torch::Tensor& down_w,
-    const c10::optional<torch::Tensor>& next_norm, const c10::optional<torch::Tensor>& q_norm,
-    const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
-    torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& positions,
-    const torch::Tensor& tables, const torch::Tensor& row_starts, int64_t heads, int64_t intermediate, double eps,
-    double scale, int64_t window, const c10::optional<torch::Tensor>& v_exp);
+#include <tuple>
+
+// A layer's shapes and constants, fixed at load.
+struct LayerShape {
+  int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
+  double eps, scale;
+  int64_t window;  // 0: none
+};
+
+// A GEMM weight [n, k] as the layer keeps it: packed dense (pack_weight, in the layer's dtype) or
+// packed quantized (pack_quant, uint8).
+struct LayerGemm {
+  torch::Tensor packed;
+  bool quant;
+  int64_t n, k;
+};
+
+// What one forward brings: the batch's rows and the layer's part of the cache.
+struct LayerBatch {
+  torch::Tensor x, residual;               // [tokens, hidden], the layer's dtype
+  c10::optional<torch::Tensor> next_norm;  // the next layer's input norm [hidden]; none after the last layer
+  torch::Tensor cos, sin;                  // float32 [tokens, head_dim]
+  torch::Tensor k_cache, v_cache;          // [blocks, block_size, num_kv_heads, head_dim], written in place
+  c10::optional<torch::Tensor> v_exp;      // write_kv's record of V's exponents [blocks, block_size, num_kv_heads]
+  torch::Tensor slots, positions;          // int64 [tokens]
+  torch::Tensor tables, row_starts;        // int64 [seqs, width], [seqs + 1]
+};
+
+// The layer's weights are checked once, here, and kept alive for as long as the layer is.
+// The layer's dtype (float32 or bfloat16) is post_norm's: x, the norms and dense weights take it.
+// Hidden, as pybind11's own types are: module.cpp binds it (py::class_), and a class visible beyond
+// the extension would outlive pybind11's hidden base.
+class __attribute__((visibility("hidden"))) DecoderLayer {
+ public:
+  DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, const torch::Tensor& gate_up,
+               const torch::Tensor& down, const torch::Tensor& post_norm, const c10::optional<torch::Tensor>& q_norm,
+               const c10::optional<torch::Tensor>& k_norm, const LayerShape& shape);
+
+  // (the next layer's normed input, or an undefined tensor without next_norm; the new residual
+  // stream). The caches (and v_exp, when given) are written in place.
+  std::tuple<torch::Tensor, torch::Tensor> forward(const LayerBatch& batch) const;
+
+  const LayerShape& shape() const { return shape_; }
+
+ private:
+  LayerShape shape_;
+  int code_;  // the layer's dtype: 0 float32, 1 bfloat16
+  LayerGemm qkv_, o_, gate_up_, down_;
+  torch::Tensor post_norm_;
+  c10::optional<torch::Tensor> q_norm_, k_norm_;  // qwen3's per-head norms [head_dim], both or neither
+};
