@@ -17,7 +17,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "mlx", "cpu"])
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "mlx", "cpu"],
+                   help="where the model runs; auto: cuda if a GPU is found, else cpu (mlx: not yet available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: a GGUF's quantized matrices served in their blocks, float32 activations; "
                         "float32/bfloat16: every weight dequantized to it")
@@ -125,12 +126,12 @@ def main(argv=None) -> int:
     except CardError as e:
         log.error("%s", e)
         return 2
-    if server.service.grammars.available():
-        server.service.grammars.warm()  # xgrammar and its tokenizer table, loaded off the serving thread
+    if server.service.grammar.compiler.available():
+        server.service.grammar.compiler.warm()  # xgrammar and its tokenizer table, loaded off the serving thread
     host, port = server.address
     names = server.service.model_names
     log.info("backend %s; serving %s at http://%s:%d/v1 (window %d tokens)", backend, ", ".join(names),
-             host, port, server.service.engine.context_length)
+             host, port, server.service.info.context_length)
     signals = []
 
     def on_signal(signum, frame):

@@ -1,8 +1,11 @@
-"""Wires the parts into a server: engine -> Service (OpenAI routes) -> Router -> HttpServer.
+"""Wires the parts into a server: engine -> ServedModel -> Service (the routes) -> Router -> HttpServer.
 
     settings = ServeSettings(...)   # parsed once by __main__ (or built by tests)
     server = build_server(settings)
     server.serve_forever()
+
+The one place that reads the engine's checkpoint and tokenizer: it builds the ServedModel the
+Service serves (card, template, defaults); above it the Service sees only engine.info.
 """
 import logging
 import os
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 from tensorfold.api import anthropic
 from tensorfold.api.auth import require_key
 from tensorfold.api.service import Service
+from tensorfold.chat.served import ServedModel, served_model
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.http.router import Router
 from tensorfold.http.server import HttpServer, Limits
@@ -71,11 +75,19 @@ def build_router(service: Service, api_key: str | None = None) -> Router:
     return router
 
 
+def served_model_of(engine: Engine, settings: ServeSettings = ServeSettings()) -> ServedModel:
+    """The model as served: the engine's checkpoint metadata and tokenizer, with the settings'
+    card, effort and thinking budget."""
+    ckpt = engine.checkpoint
+    return served_model(ckpt.architecture, ckpt.chat_template, ckpt.tokenizer_config, ckpt.generation_config,
+                        engine.tokenizer, model_card=settings.model_card, reasoning_effort=settings.reasoning_effort,
+                        thinking_budget=settings.thinking_budget)
+
+
 def build_server(settings: ServeSettings, engine: Engine | None = None) -> HttpServer:
     engine = engine or Engine(settings.model, settings.engine)
-    service = Service(engine, served_names(settings), default_max_tokens=settings.max_tokens,
-                      model_card=settings.model_card, reasoning_effort=settings.reasoning_effort,
-                      thinking_budget=settings.thinking_budget, response_store=settings.response_store)
+    service = Service(engine, served_model_of(engine, settings), served_names(settings),
+                      default_max_tokens=settings.max_tokens, response_store=settings.response_store)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who reaches this port can use the model",
                     settings.host)

@@ -196,7 +196,7 @@ def test_a_tool_conversation_via_previous_response_id_equals_the_chat_one(srv):
 
 
 def test_the_store_evicts_the_oldest_by_count_and_by_bytes():
-    from tensorfold.api.responses import ResponseStore, StoredResponse
+    from tensorfold.api.response_store import ResponseStore, StoredResponse
 
     def entry(i, pad=0):
         return StoredResponse({"id": f"resp_{i}", "pad": "x" * pad}, [], [])

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from serving import check_error, post, serving
-from tensorfold.api import service as service_module
+from tensorfold.api import grammar_pipeline as grammar_module
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.grammar.constraint import GrammarConstraint
 from tensorfold.grammar.spec import MAX_WHITESPACE
@@ -133,7 +133,7 @@ def test_streamed_reply_equals_the_whole_one(srv):
 
 
 def test_a_compile_that_waits_off_thread_then_streams(srv, monkeypatch):
-    monkeypatch.setattr(service_module, "QUICK_COMPILE_S", 0.0)
+    monkeypatch.setattr(grammar_module, "QUICK_COMPILE_S", 0.0)
     for i, stream in enumerate((False, True)):
         regex = f"(ab|cd){{1,{3 + i}}}"  # uncached: compiled on the worker thread while the request waits
         r = chat(srv, "Go.", stream=stream, extra_body={"guided_regex": regex})
@@ -185,10 +185,10 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("quick", [service_module.QUICK_COMPILE_S, 0.0])
+@pytest.mark.parametrize("quick", [grammar_module.QUICK_COMPILE_S, 0.0])
 def test_every_bad_field_is_400_before_any_token_and_others_go_on(srv, monkeypatch, quick):
     """quick = 0: every compile waits on the worker thread (the held-stream path)."""
-    monkeypatch.setattr(service_module, "QUICK_COMPILE_S", quick)
+    monkeypatch.setattr(grammar_module, "QUICK_COMPILE_S", quick)
     body = dict(content="A person.", temperature=1.0, seed=5,
                 response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
     want = sha(chat(srv, **body))
@@ -218,7 +218,7 @@ class Failing(GrammarConstraint):
 
 def test_a_grammar_failing_while_decoding_ends_only_its_request(srv, monkeypatch):
     failing_regex = "[a-z ]+"
-    real = service_module.Service._constraint
+    real = grammar_module.GrammarPipeline.constraint
 
     def constraint(self, prepared, compiled):
         made = real(self, prepared, compiled)
@@ -226,7 +226,7 @@ def test_a_grammar_failing_while_decoding_ends_only_its_request(srv, monkeypatch
             made.__class__ = Failing
         return made
 
-    monkeypatch.setattr(service_module.Service, "_constraint", constraint)
+    monkeypatch.setattr(grammar_module.GrammarPipeline, "constraint", constraint)
     body = dict(content="A person.", temperature=1.0, seed=9,
                 response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
     want = sha(chat(srv, **body))

@@ -24,6 +24,7 @@ from tensorfold.api.errors import ApiError
 from tensorfold.api.replies import ReplyFormat, tensorfold_block
 from tensorfold.chat.reply_parser import ReplyDelta
 from tensorfold.engine.request import Request
+from tensorfold.http.errors import HttpError
 from tensorfold.http.messages import HttpResponse
 
 PASSED = ("model", "temperature", "top_p", "top_k", "stream", "stop_sequences", "seed", "draft")  # seed, draft: ours
@@ -36,7 +37,8 @@ def error_response(status: int, message: str, kind: str | None = None) -> HttpRe
     return HttpResponse.json_response({"type": "error", "error": {"type": kind, "message": message}}, status)
 
 
-def api_error(err: ApiError) -> HttpResponse:
+def api_error(err: HttpError) -> HttpResponse:
+    """An ApiError, or the HTTP layer's refusal of the body, in Anthropic's shape."""
     message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
     return error_response(err.status, message)
 

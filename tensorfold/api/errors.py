@@ -1,24 +1,12 @@
-"""The OpenAI error shape, shared by the HTTP layer (404, 405, 413) and the API layer (400s).
+"""ApiError: the API layer's refusal, in the HTTP layer's error shape (http/errors.py).
 
-Every refusal is an ApiError raised before any token is generated or any stream opens; the
-server turns it into `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
+Every refusal is an ApiError raised before any token is generated or any stream opens; its
+`param` names the request field at fault (the Responses and Messages routes rename or reshape
+it for their protocols). The Router sends it as `{"error": {"message", "type", "param", "code"}}`
+with its HTTP status, as it sends any HttpError.
 """
+from tensorfold.http.errors import HttpError
 
 
-class ApiError(Exception):
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.type = type
-        self.code = code
-
-    def body(self) -> dict:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(message: str, *, type: str = "invalid_request_error",
-               param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+class ApiError(HttpError):
+    """A request the API refuses (400 unless `status` says otherwise)."""

@@ -86,7 +86,7 @@ class ReplyFormat:
         return HttpResponse.error(status, message, type="server_error")
 
     def api_error(self, err: ApiError) -> HttpResponse:
-        return HttpResponse.from_api_error(err)
+        return HttpResponse.from_error(err)
 
     def chunk(self, delta: ReplyDelta, finish_reason: str | None) -> dict:
         return self._envelope(self.chunk_obj, [{"index": 0, **self._delta(delta), "logprobs": None,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Callable, Sequence
 
-from tensorfold.api.errors import ApiError, error_body
+from tensorfold.http.errors import HttpError, error_body
 
 log = logging.getLogger("tensorfold.http")
 
@@ -44,7 +44,7 @@ class HttpRequest:
         try:
             return json.loads(self.body, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:
-            raise ApiError(f"request body is not valid JSON: {e}", status=400) from None
+            raise HttpError(f"request body is not valid JSON: {e}", status=400) from None
 
 
 @dataclass
@@ -66,7 +66,7 @@ class HttpResponse:
         return cls(status, json.dumps(body).encode(), headers=headers)
 
     @classmethod
-    def from_api_error(cls, err: ApiError) -> HttpResponse:
+    def from_error(cls, err: HttpError) -> HttpResponse:
         return cls.json_response(err.body(), err.status)
 
     @property

@@ -3,9 +3,9 @@
 A pattern is literal segments and `{name}` segments ("/v1/responses/{id}"); a `{name}` segment
 matches one non-empty path segment, percent-decoded into request.path_params. Routes are tried
 in the order they were added. dispatch() never raises: an unknown path is a 404, a known path
-with another method a 405 with an Allow header, an ApiError its own status and body, and any
-other exception a logged 500 server_error. HEAD is served by the GET handler (the server sends
-no body).
+with another method a 405 with an Allow header, a handler's HttpError its own status and body,
+and any other exception a logged 500 server_error. HEAD is served by the GET handler (the
+server sends no body).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 from urllib.parse import unquote
 
-from tensorfold.api.errors import ApiError
+from tensorfold.http.errors import HttpError
 from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest, HttpResponse
 
 log = logging.getLogger("tensorfold.http")
@@ -78,8 +78,8 @@ class Router:
     def _call(handler: Handler, request: HttpRequest) -> Reply:
         try:
             result = handler(request)
-        except ApiError as err:
-            return HttpResponse.from_api_error(err)
+        except HttpError as err:
+            return HttpResponse.from_error(err)
         except Exception:
             log.exception("handler for %s %s failed", request.method, request.path)
             return server_error()

@@ -1,0 +1,86 @@
+"""The server's counters since start, and the two bodies that report them: GET /health (JSON)
+and GET /metrics (Prometheus text, api/metrics.py's exposition).
+
+A finished, failed or cancelled request adds its tokens and times once (add_finished); the
+reply tokens of requests still running are added when read, from the engine's Load, so the
+totals only grow.
+"""
+from dataclasses import dataclass
+
+from tensorfold.api import metrics
+from tensorfold.engine.engine import Load
+from tensorfold.engine.info import EngineInfo
+from tensorfold.engine.request import Request
+
+
+@dataclass
+class Counters:
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    completion_tokens_total: int = 0   # finished replies; running ones are added on read
+    cached_tokens_total: int = 0
+    prefill_seconds_total: float = 0.0
+    decode_seconds_total: float = 0.0
+    rounds_total: int = 0
+    drafted_total: int = 0
+    accepted_total: int = 0
+
+    def add_finished(self, req: Request) -> None:
+        s = req.stats
+        self.prompt_tokens_total += req.num_prompt_tokens
+        self.completion_tokens_total += len(req.output_ids)
+        self.cached_tokens_total += s.cached_tokens
+        self.prefill_seconds_total += s.prefill_s
+        self.decode_seconds_total += s.decode_s
+        self.drafted_total += s.drafted
+        self.accepted_total += s.accepted
+
+
+def health_body(c: Counters, info: EngineInfo, load: Load, *, card_name: str | None, busy: bool,
+                requests_running: int) -> dict:
+    return {
+        "status": "ok",
+        "exact": info.exact,
+        "backend": info.backend,
+        "ops": info.ops,
+        "weights": info.weights,
+        "kv_dtype": info.kv_dtype,
+        "model_card": card_name,
+        "busy": busy,
+        "requests_running": requests_running,
+        "requests_total": c.requests_total,
+        "completion_tokens_total": c.completion_tokens_total + load.running_reply_tokens,
+        "prompt_tokens_total": c.prompt_tokens_total,
+        "cached_tokens_total": c.cached_tokens_total,
+        "prefill_seconds_total": round(c.prefill_seconds_total, 6),
+        "decode_seconds_total": round(c.decode_seconds_total, 6),
+        "rounds_total": c.rounds_total,
+        "drafted_total": c.drafted_total,
+        "accepted_total": c.accepted_total,
+        "context_length": info.context_length,
+        "streams": {"decoding": load.decoding, "prefilling": load.prefilling, "maximum": load.max_running},
+    }
+
+
+def metrics_text(c: Counters, load: Load, latencies: metrics.Latencies) -> str:
+    counters = [
+        ("tensorfold_requests_total", "Generation requests accepted.", c.requests_total),
+        ("tensorfold_prompt_tokens_total", "Prompt tokens of finished requests.", c.prompt_tokens_total),
+        ("tensorfold_generation_tokens_total", "Reply tokens, running requests' included.",
+         c.completion_tokens_total + load.running_reply_tokens),
+        ("tensorfold_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.",
+         c.cached_tokens_total),
+        ("tensorfold_prefill_seconds_total", "Engine time spent in prefill rounds.", c.prefill_seconds_total),
+        ("tensorfold_decode_seconds_total", "Engine time spent in decode rounds.", c.decode_seconds_total),
+        ("tensorfold_rounds_total", "Engine rounds run.", c.rounds_total),
+        ("tensorfold_draft_tokens_total", "Drafted tokens verified.", c.drafted_total),
+        ("tensorfold_draft_accepted_tokens_total", "Drafted tokens accepted.", c.accepted_total),
+    ]
+    gauges = [
+        ("tensorfold_requests_running", "Requests in the engine's running set.", load.decoding + load.prefilling),
+        ("tensorfold_requests_waiting", "Requests waiting for a lane or memory.", load.waiting),
+        ("tensorfold_kv_cache_usage_ratio", "Share of the KV cache's blocks held by requests.", load.kv_used_ratio),
+        ("tensorfold_draft_acceptance_ratio", "Accepted over drafted tokens so far.",
+         c.accepted_total / c.drafted_total if c.drafted_total else 0.0),
+    ]
+    return metrics.exposition(counters, gauges, latencies.histograms())
