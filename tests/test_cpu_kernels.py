@@ -222,7 +222,7 @@ def test_write_kv_puts_each_vector_on_its_grid(draw, threads, dtype, kv_dtype, h
     _cpu.write_kv(k_got, v_got, k, v, slots)
     assert torch.equal(k_got.nan_to_num(7.0), k_ref.nan_to_num(7.0)), str(draw)
     assert torch.equal(v_got.nan_to_num(7.0), v_ref.nan_to_num(7.0)), str(draw)
-    # the record of V's exponents (KVCache.v_exp): the reference's, slots not written untouched
+    # the record of V's exponents (LayerKV.v_exp): the reference's, slots not written untouched
     record_ref = torch.full((blocks, block_size, kv_heads), -999, dtype=torch.int16)
     record_got = record_ref.clone()
     attention_ref.write_kv_ref(k_ref, v_ref, k, v, slots, v_exp=record_ref)
@@ -270,7 +270,7 @@ def test_write_kv_from_the_fused_qkv_rows_rounds_to_a_bfloat16_cache(draw):
 def _filled_cache(draw, dtype, blocks, block_size, kv_heads, head_dim, kv_dtype=None):
     """A NaN-poisoned pool (of kv_dtype, default dtype) whose first `blocks` are written through
     write_kv_ref from k, v of `dtype` (as the engine fills it), and the record of its V exponents
-    (KVCache.v_exp; poisoned past the blocks written)."""
+    (LayerKV.v_exp; poisoned past the blocks written)."""
     k_cache = torch.full((blocks + 2, block_size, kv_heads, head_dim), NAN, dtype=kv_dtype or dtype)
     v_cache = k_cache.clone()
     record = torch.full(k_cache.shape[:3], 999, dtype=torch.int16)

@@ -1,7 +1,7 @@
 """_cpu.DecoderLayer (csrc/cpu/layer.cpp): a layer built once from its packed weights, norms and
 shapes, then run per batch. Its forward equals, bitwise (outputs and the cache it writes), the
-same kernels called op by op (the composition models/llama.py runs) and the 24-argument
-_cpu.decoder_layer (now a DecoderLayer built per call); bad weights fail when the layer is built.
+same kernels called op by op (the composition models/blocks.py runs); bad weights fail when
+the layer is built.
 
 The layers come from the tiny checkpoints' tensors, packed here with _cpu.pack_weight /
 pack_quant, so the test needs nothing from the op set's Python side.
@@ -144,15 +144,6 @@ def forward(layer, b, cache, next_norm):
                          cache["v_exp"], b["slots"], b["positions"], b["tables"], b["row_starts"])
 
 
-def old_call(p, b, cache, next_norm):
-    a = p.args
-    return _cpu().decoder_layer(
-        b["x"], b["residual"], p.packed["qkv"], p.packed["o"], p.post_norm, p.packed["gate_up"], p.packed["down"],
-        next_norm, p.q_norm, p.k_norm, b["cos"], b["sin"], cache["k"], cache["v"], b["slots"], b["positions"],
-        b["tables"], b["row_starts"], a.num_heads, a.intermediate_size, a.rms_norm_eps, p.scale, p.window,
-        cache["v_exp"])
-
-
 def assert_same(got, want, what):
     for g, w, name in zip(got, want, ("x_next", "residual")):
         assert (g is None) == (w is None), f"{what}: {name} None on one side only"
@@ -160,20 +151,18 @@ def assert_same(got, want, what):
             assert g.dtype == w.dtype and torch.equal(g, w), f"{what}: {name} differs"
 
 
-def check_against_both(p, kv_dtype, record, gen, last):
+def check_against_the_ops(p, kv_dtype, record, gen, last):
     next_norm = None if last else p.next_norm
     layer = make_layer(p)
     cache, batches = steps(gen, p, kv_dtype, record)
-    caches = {path: clone_cache(cache) for path in ("layer", "old", "ops")}
+    caches = {path: clone_cache(cache) for path in ("layer", "ops")}
     for i, b in enumerate(batches):
         got = forward(layer, b, caches["layer"], next_norm)
         assert (got[0] is None) == last
-        assert_same(got, old_call(p, b, caches["old"], next_norm), f"step {i}: DecoderLayer vs decoder_layer")
         assert_same(got, op_by_op(p, b, caches["ops"], next_norm), f"step {i}: DecoderLayer vs op by op")
         for name in ("k", "v", "v_exp"):
             if record or name != "v_exp":
                 assert torch.equal(caches["layer"][name], caches["ops"][name]), f"step {i}: cache {name} differs"
-                assert torch.equal(caches["layer"][name], caches["old"][name]), f"step {i}: cache {name} differs"
     assert caches["layer"]["k"].abs().sum() > 0  # the layer wrote the cache
 
 
@@ -181,16 +170,16 @@ def check_against_both(p, kv_dtype, record, gen, last):
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                             (torch.float32, torch.bfloat16)], ids=["f32", "bf16", "f32-bf16cache"])
 @pytest.mark.parametrize("last", [False, True], ids=["next-norm", "last-layer"])
-def test_forward_equals_the_old_call_and_the_op_by_op_layer(request, draw, arch, dtype, kv_dtype, last):
+def test_forward_equals_the_op_by_op_layer(request, draw, arch, dtype, kv_dtype, last):
     p = build(request.getfixturevalue(arch), dtype, 0)
-    check_against_both(p, kv_dtype, record=not last, gen=draw.gen, last=last)
+    check_against_the_ops(p, kv_dtype, record=not last, gen=draw.gen, last=last)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_quantized_weights_and_a_window(tiny_llama, draw, dtype):
     """q8_0 packed weights (pack_quant) for all four GEMMs, and a sliding window of 8 keys."""
     p = build(tiny_llama, dtype, 0, quant_gen=draw.gen, window=8)
-    check_against_both(p, torch.bfloat16, record=True, gen=draw.gen, last=False)
+    check_against_the_ops(p, torch.bfloat16, record=True, gen=draw.gen, last=False)
 
 
 def test_the_window_reaches_the_attention(tiny_llama, draw):

@@ -132,7 +132,7 @@ def test_default_engine_serves_a_bfloat16_cache_in_exact_mode():
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
 def test_one_call_per_layer_equals_the_op_by_op_layer(request, arch, dtype, kv_dtype):
-    """decoder_layer (one native call per layer) against the same kernels called op by op by the
+    """The fused layer (native_ops.fuse: one _cpu.DecoderLayer call per layer) against the same kernels called op by op by the
     model: the same logits, and the same cache contents."""
     native = backend_ops("cpu")
     fused = build_model(load_hf_dir(request.getfixturevalue(arch)), dtype, native)

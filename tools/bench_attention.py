@@ -7,7 +7,7 @@ Times `_cpu.paged_attention` for one decode row (--heads query heads over --kv-h
 --head-dim), one call per layer with --layers separate caches cycled, so each call reads its
 cache from memory as a decode step does (a step's other layers pass in between). Each cache's
 blocks are laid out in order, as a fresh pool hands them out, and each has the record of its V
-rows' exponents that the engine's cache keeps (KVCache.v_exp; --no-record: without it, the V rows
+rows' exponents that the engine's cache keeps (LayerKV.v_exp; --no-record: without it, the V rows
 are read twice). Prints ms per call, the best of --repeats rounds over all layers, and the bytes
 of K and V each call reads. Set PYTHONPATH to another checkout's root to time its build the same
 way.

@@ -83,14 +83,15 @@ def speed_section(args) -> None:
 # -- 2. memory: each side in a fresh child process -------------------------------------------
 
 def kv_cache_gib(tokens: int) -> float:
-    """The default model's cache under dtype auto (its dtype: loading.kv_cache_dtype) for exactly
-    `tokens` tokens (loading.allocate_memory's sizing)."""
-    from tensorfold.engine.engine import EngineConfig
+    """The default model's cache under dtype auto (its dtype: torch_backend.kv_cache_dtype) for
+    exactly `tokens` tokens (TorchBackend.allocate's sizing)."""
     from tensorfold.backends.torch_backend import kv_cache_dtype
-    from tensorfold.models.forward_batch import KVCache
+    from tensorfold.engine.engine import EngineConfig
+    from tensorfold.models.cache import PagedKV
 
     dtype = kv_cache_dtype(EngineConfig(dtype="auto"), quantized=True)
-    return KVCache.bytes_per_token(dtype=dtype, v_exponents=True, **DEFAULT_SHAPE) * tokens / 2**30
+    layer = PagedKV(DEFAULT_SHAPE["num_kv_heads"], DEFAULT_SHAPE["head_dim"])
+    return DEFAULT_SHAPE["num_layers"] * layer.bytes_per_token(dtype, v_exponents=True) * tokens / 2**30
 
 
 def rss_child_ours(context: int, threads: int) -> dict:

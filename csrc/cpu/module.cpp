@@ -385,23 +385,6 @@ std::tuple<torch::Tensor, torch::Tensor> draw_rows(const torch::Tensor& x, const
   return {tokens, status};
 }
 
-// The 24-argument call native_ops used before DecoderLayer: a DecoderLayer built per call (so one
-// implementation), its shapes read from x and the cache. To go once native_ops builds the layers.
-std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
-    const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& qkv_w, const torch::Tensor& o_w,
-    const torch::Tensor& post_norm, const torch::Tensor& gate_up_w, const torch::Tensor& down_w, const Out& next_norm,
-    const Out& q_norm, const Out& k_norm, const torch::Tensor& cos, const torch::Tensor& sin,
-    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots,
-    const torch::Tensor& positions, const torch::Tensor& tables, const torch::Tensor& row_starts, int64_t heads,
-    int64_t intermediate, double eps, double scale, int64_t window, const Out& v_exp) {
-  TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4, "decoder_layer: x [tokens, hidden] and a cache "
-              "[blocks, block_size, kv_heads, head_dim] expected");
-  const LayerShape shape{heads, k_cache.size(2), k_cache.size(3), x.size(1), intermediate, eps, scale, window};
-  const DecoderLayer layer(qkv_w, o_w, gate_up_w, down_w, post_norm, q_norm, k_norm, shape);
-  return layer.forward({x, residual, next_norm, cos, sin, k_cache, v_cache, v_exp, slots, positions, tables,
-                        row_starts});
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -440,13 +423,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("temps"), py::arg("keys"), py::arg("min_q"), py::arg("offset"));
   m.def("gumbel", &gumbel, "keyed.gumbel: noise of (row key [R, 1], token ids [R|1, N])", py::arg("keys"),
         py::arg("ids"));
-  m.def("decoder_layer", &decoder_layer,
-        "one llama/qwen3 decoder layer: the op-by-op composition in one call (a DecoderLayer built per call)",
-        py::arg("x"), py::arg("residual"), py::arg("qkv_w"), py::arg("o_w"), py::arg("post_norm"), py::arg("gate_up_w"),
-        py::arg("down_w"), py::arg("next_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("cos"), py::arg("sin"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("tables"),
-        py::arg("row_starts"), py::arg("heads"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
-        py::arg("window"), py::arg("v_exp") = py::none());
   py::class_<DecoderLayer>(m, "DecoderLayer",
                            "one llama/qwen3 decoder layer, built once at load from its packed weights "
                            "(pack_weight or pack_quant), norms and shapes, checked then")

@@ -20,7 +20,7 @@ from tensorfold.models.blocks import MLP, Attention
 from tensorfold.sampling import sampler
 
 NAME = f"native-{_cpu.isa()}"
-# The KV cache keeps a record of its V rows' exponents (KVCache.v_exp), which write_kv fills and
+# The KV cache keeps a record of its V rows' exponents (LayerKV.v_exp), which write_kv fills and
 # the attention reads: its first pass (the maxima) then reads K alone, not K and V.
 V_EXPONENT_RECORD = True
 
@@ -97,20 +97,22 @@ def fuse(layer):
     """A DecoderLayer (models/blocks.py) as one native call, or None where the native layer does
     not cover it (biases, weights of mixed formats, other block kinds): the block's Python
     composition, the same bits (tests/test_native_backend.py), with one Python-to-C++ crossing
-    per layer instead of eleven. Returns a callable with DecoderLayer.forward's signature."""
+    per layer instead of eleven. The C++ layer (_cpu.DecoderLayer) is built once here, its
+    weights checked once; the callable has DecoderLayer.forward's signature."""
     mixer, ffn = layer.mixer, layer.ffn
     if not (isinstance(mixer, Attention) and isinstance(ffn, MLP)):
         return None
     weights = (mixer.qkv, mixer.o, ffn.gate_up, ffn.down)
     if any(w.single is None or w.bias is not None for w in weights):
         return None
-    qkv, o, gate_up, down = (w.single.data for w in weights)
     s = mixer.spec
+    native = _cpu.DecoderLayer(
+        *(w.single.data for w in weights), layer.post_mixer_norm, mixer.q_norm, mixer.k_norm,
+        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, hidden=layer.input_norm.shape[0],
+        intermediate=ffn.spec.intermediate_size, eps=layer.eps, scale=s.scale, window=s.window or 0)
 
     def run(x, residual, next_norm, batch, kv):
         cos, sin = batch.rope_rows(mixer.rope)
-        return _cpu.decoder_layer(
-            x, residual, qkv, o, layer.post_mixer_norm, gate_up, down, next_norm, mixer.q_norm, mixer.k_norm, cos,
-            sin, kv.k, kv.v, batch.slot_mapping, batch.positions, batch.block_tables, batch.row_starts_tensor,
-            s.num_heads, ffn.spec.intermediate_size, layer.eps, s.scale, s.window or 0, kv.v_exp)
+        return native.forward(x, residual, next_norm, cos, sin, kv.k, kv.v, kv.v_exp, batch.slot_mapping,
+                              batch.positions, batch.block_tables, batch.row_starts_tensor)
     return run

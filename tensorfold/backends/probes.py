@@ -76,7 +76,7 @@ def _probe_attention(a: AttentionSpec, device, ops, randn, kv_dtype: torch.dtype
     k_cache = randn(num_blocks, block_size, a.num_kv_heads, a.head_dim).to(kv_dtype)
     v_cache = torch.empty_like(k_cache)
     slots = torch.arange(num_blocks * block_size, device=device)
-    # the engine's cache: with the record of V's exponents where the op set keeps one (KVCache)
+    # the engine's cache: with the record of V's exponents where the op set keeps one (models/cache.PagedKV)
     record = {"v_exp": torch.zeros(k_cache.shape[:3], dtype=torch.int16, device=device)} \
         if keeps_v_exponents(ops) else {}
     ops.write_kv(k_cache, v_cache, randn(len(slots), a.num_kv_heads, a.head_dim),

@@ -51,7 +51,7 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     """k, v [num_tokens, num_kv_heads, head_dim] into flat slots (block * block_size + offset),
     each vector on its fixed-point grid (step 0 above). v_exp, when given (int16 [num_blocks,
     block_size, num_kv_heads]), records each stored v vector's exponent e_j (step 3): an op set
-    whose attention reads that record instead of the V rows keeps one beside the cache (KVCache)."""
+    whose attention reads that record instead of the V rows keeps one beside the cache (models/cache.LayerKV)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     kv = on_grid(torch.stack([k, v]).to(k_cache.dtype), _kv_bits(k.device))  # one call: decode is many small ones
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = kv[0]
