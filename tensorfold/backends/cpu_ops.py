@@ -11,7 +11,7 @@ import functools
 from tensorfold.kernels.paged_attention import attention_by_sequence
 from tensorfold.kernels.paged_attention import paged_attention_ref as paged_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import paged_decode_attention_ref as paged_decode_attention  # noqa: F401
-from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
+from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels import quant_gemm, reference
 from tensorfold.kernels.reference import linear_padded
@@ -24,6 +24,11 @@ V_EXPONENT_RECORD = False  # the attention reads V's exponents from the V rows
 
 
 attention = functools.partial(attention_by_sequence, paged_attention, paged_decode_attention)
+
+
+def write_kv(kv, k, v, slots):
+    """k, v [num_rows, num_kv_heads, head_dim] into the layer's cache (kv: models/cache.LayerKV)."""
+    write_kv_ref(kv.k, kv.v, k, v, slots, v_exp=kv.v_exp)
 
 
 class Linear(LinearWeight):

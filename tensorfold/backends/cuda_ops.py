@@ -29,7 +29,7 @@ What runs where, and why:
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
 from tensorfold.kernels.paged_attention import pad_block_tables
-from tensorfold.kernels.paged_attention import write_kv_ref as write_kv  # noqa: F401
+from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.kernels.quant_gemm_triton import PackedQuantWeight, pack_quant_weight, quant_linear
 from tensorfold.kernels.reference import linear_padded
@@ -73,10 +73,17 @@ def linear(x, weight, bias=None):
     return linear_padded(x, weight, bias)
 
 
-def attention(q, k_cache, v_cache, batch, scale, window=None, v_exp=None):
-    """All rows of a ForwardBatch in one launch (the kernel reads V's exponents from V: no v_exp)."""
-    return paged_attention_varlen(q, k_cache, v_cache, batch.positions, batch.block_tables, batch.row_starts,
-                                  scale, window)
+def attention(q, kv, batch, scale, window=None):
+    """All rows of a ForwardBatch over one layer's cache (kv: models/cache.LayerKV) in one launch
+    (the kernel reads V's exponents from V: no record)."""
+    return paged_attention_varlen(q, kv.k, kv.v, batch.positions, batch.block_tables, batch.row_starts, scale,
+                                  window)
+
+
+def write_kv(kv, k, v, slots):
+    """k, v [num_rows, num_kv_heads, head_dim] into the layer's cache (the reference's write:
+    elementwise, invariant as it stands)."""
+    write_kv_ref(kv.k, kv.v, k, v, slots)
 
 
 def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, window=None):

@@ -38,7 +38,6 @@ add_rms_norm = _cpu.add_rms_norm
 apply_rope = _cpu.apply_rope
 rms_norm_rope = _cpu.rms_norm_rope
 silu_and_mul = _cpu.silu_and_mul
-write_kv = _cpu.write_kv
 # the keyed draw with the C++ steps (draw_rows, sample_keys, top_keys, gumbel): sampler.sample's bits
 sample = functools.partial(sampler.sample, native=_cpu)
 
@@ -87,10 +86,16 @@ def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, 
                                 torch.arange(q.shape[0] + 1), scale, window or 0, v_exp=v_exp)
 
 
-def attention(q, k_cache, v_cache, batch, scale, window, v_exp=None):
-    """All rows of a ForwardBatch in one call."""
-    return _cpu.paged_attention(q, k_cache, v_cache, batch.positions, batch.block_tables, batch.row_starts_tensor,
-                                scale, window or 0, v_exp=v_exp)
+def attention(q, kv, batch, scale, window):
+    """All rows of a ForwardBatch over one layer's cache (kv: models/cache.LayerKV, its record of
+    V's exponents included) in one call."""
+    return _cpu.paged_attention(q, kv.k, kv.v, batch.positions, batch.block_tables, batch.row_starts_tensor, scale,
+                                window or 0, v_exp=kv.v_exp)
+
+
+def write_kv(kv, k, v, slots):
+    """k, v [num_rows, num_kv_heads, head_dim] into the layer's cache, recording V's exponents."""
+    _cpu.write_kv(kv.k, kv.v, k, v, slots, v_exp=kv.v_exp)
 
 
 def fuse(layer):

@@ -10,6 +10,7 @@ could differ between solo and batched runs.
 import torch
 
 from tensorfold.backends import keeps_v_exponents
+from tensorfold.models.cache import LayerKV
 from tensorfold.models.spec import AttentionSpec
 
 BATCH_SIZES = (2, 3, 7, 8, 13, 64)
@@ -79,8 +80,8 @@ def _probe_attention(a: AttentionSpec, device, ops, randn, kv_dtype: torch.dtype
     # the engine's cache: with the record of V's exponents where the op set keeps one (models/cache.PagedKV)
     record = {"v_exp": torch.zeros(k_cache.shape[:3], dtype=torch.int16, device=device)} \
         if keeps_v_exponents(ops) else {}
-    ops.write_kv(k_cache, v_cache, randn(len(slots), a.num_kv_heads, a.head_dim),
-                 randn(len(slots), a.num_kv_heads, a.head_dim), slots, **record)  # as the engine fills it
+    ops.write_kv(LayerKV(k_cache, v_cache, record.get("v_exp")), randn(len(slots), a.num_kv_heads, a.head_dim),
+                 randn(len(slots), a.num_kv_heads, a.head_dim), slots)  # as the engine fills it
     table = torch.tensor([4, 1, 5, 0, 2, 3], device=device)
     q = randn(150, a.num_heads, a.head_dim)
     positions = torch.arange(150, device=device)

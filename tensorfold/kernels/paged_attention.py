@@ -166,13 +166,14 @@ def pad_block_tables(tables: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables])
 
 
-def attention_by_sequence(paged_attention, paged_decode_attention, q: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, batch, scale: float, window: int | None,
-                          v_exp: torch.Tensor | None = None) -> torch.Tensor:
-    """A batch's attention through per-sequence calls (op sets without a varlen kernel): the decode
-    rows of all sequences share one call, every other sequence has its own. Each row's result is
-    the one it gets alone, so the grouping changes the speed, not the bits. (v_exp, a record of
-    the V exponents, is not needed: these kernels read the V rows.)"""
+def attention_by_sequence(paged_attention, paged_decode_attention, q: torch.Tensor, kv, batch, scale: float,
+                          window: int | None) -> torch.Tensor:
+    """A batch's attention over one layer's cache (kv: its K and V blocks, models/cache.LayerKV)
+    through per-sequence calls (op sets without a varlen kernel): the decode rows of all
+    sequences share one call, every other sequence has its own. Each row's result is the one it
+    gets alone, so the grouping changes the speed, not the bits. (A record of the V exponents is
+    not needed: these kernels read the V rows.)"""
+    k_cache, v_cache = kv.k, kv.v
     out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
     decode = [seq for seq in batch.sequences if seq.end - seq.start == 1]
     if len(decode) > 1:

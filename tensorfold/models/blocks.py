@@ -63,9 +63,9 @@ class Attention:
         else:
             q = ops.apply_rope(q, cos, sin)
             k = ops.apply_rope(k, cos, sin)
-        ops.write_kv(kv.k, kv.v, k, v, batch.slot_mapping, v_exp=kv.v_exp)
+        ops.write_kv(kv, k, v, batch.slot_mapping)
         # Every row of every sequence in one call: each row's result is the one it gets alone.
-        out = ops.attention(q, kv.k, kv.v, batch, s.scale, s.window, v_exp=kv.v_exp)
+        out = ops.attention(q, kv, batch, s.scale, s.window)
         return self.o(out.reshape(num_rows, -1))
 
 
