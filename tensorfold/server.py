@@ -16,6 +16,7 @@ from tensorfold.api.auth import require_key
 from tensorfold.api.service import Service
 from tensorfold.chat.served import ServedModel, served_model
 from tensorfold.engine.engine import Engine, EngineConfig
+from tensorfold.http.messages import HttpRequest, HttpResponse
 from tensorfold.http.router import Router
 from tensorfold.http.server import HttpServer, Limits
 
@@ -53,10 +54,12 @@ def served_names(settings: ServeSettings) -> tuple[str, ...]:
 
 
 def build_router(service: Service, api_key: str | None = None) -> Router:
-    """The routes. With an API key, the /v1 ones want it; /health, /metrics and the tokenizer
-    routes stay open (as vLLM keeps its non-/v1 routes)."""
+    """The routes. With an API key, the /v1 ones want it; /, /health, /metrics and the tokenizer
+    routes stay open (as vLLM keeps its non-/v1 routes). A query string (Claude Code's
+    /v1/messages?beta=true) plays no part in matching."""
     guard = (lambda h: require_key(h, api_key)) if api_key else (lambda h: h)
     router = Router()
+    router.add("GET", "/", root)  # clients (Claude Code) probe HEAD / before their first request
     router.add("GET", "/v1/models", guard(service.models))
     router.add("GET", "/health", service.health)
     router.add("GET", "/metrics", service.metrics)
@@ -73,6 +76,11 @@ def build_router(service: Service, api_key: str | None = None) -> Router:
     router.add("POST", "/v1/messages", anthropic_guard(service.messages))
     router.add("POST", "/v1/messages/count_tokens", anthropic_guard(service.count_tokens))
     return router
+
+
+def root(http: HttpRequest) -> HttpResponse:
+    """GET / (and HEAD /): 200 with an empty body, open like /health."""
+    return HttpResponse(200, b"", content_type="text/plain; charset=utf-8")
 
 
 def served_model_of(engine: Engine, settings: ServeSettings = ServeSettings()) -> ServedModel:

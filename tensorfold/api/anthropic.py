@@ -1,25 +1,31 @@
 """POST /v1/messages (and /v1/messages/count_tokens): the Anthropic Messages API over the same
-chat path, so Anthropic-protocol agents work.
+chat path, so Anthropic-protocol agents (Claude Code among them) work.
 
 A Messages body is translated into the equivalent chat completions body, which then goes
 through the chat parser, template, engine and reply parser unchanged (same prompt tokens, same
-token_sha, drafting on); only the reply's shape is Anthropic's (MessagesFormat). Translation:
-- system (a string or text blocks) -> a system message; user text blocks -> the user's text;
+token_sha, drafting on); only the reply's shape is Anthropic's (MessagesFormat). Which top-level
+fields are served, refused or accepted as no-ops is api/anthropic_fields.py's table. Translation:
+- system (a string or text blocks) -> a system message; a system-role message inside `messages`
+  stays in place as a system message (the chat rule for later system messages: the template's
+  system turn where it renders one, else a user turn); user text blocks -> the user's text;
   tool_result blocks -> tool messages (their text content); assistant text / tool_use / thinking
-  blocks -> content / tool_calls (input as JSON arguments) / reasoning_content;
+  blocks -> content / tool_calls (input as JSON arguments) / reasoning_content, the thinking of
+  turns a context_management clear_thinking edit clears left out;
 - tools ({name, description, input_schema}) -> function tools; tool_choice auto / any / tool /
   none -> auto / required / the named function / none; disable_parallel_tool_use ->
   parallel_tool_calls false;
 - thinking {"type": "enabled", "budget_tokens": N} -> thinking on with thinking_budget N;
-  {"type": "disabled"} -> reasoning effort none;
-- max_tokens (required), stop_sequences, temperature, top_p, top_k, stream, metadata (ignored).
+  {"type": "adaptive"} -> thinking on; {"type": "disabled"} -> reasoning effort none;
+  output_config.effort -> reasoning_effort; output_config.format -> response_format json_schema;
+- max_tokens (required), stop_sequences, temperature, top_p, top_k, stream.
+cache_control on blocks and tools is accepted and changes nothing (the prefix cache is automatic).
 What is not served (images, documents, server tools) is a 400 in Anthropic's error shape,
 {"type": "error", "error": {"type", "message"}}, naming the field.
 """
 import json
 from typing import Any
 
-from tensorfold.api import fields
+from tensorfold.api import anthropic_fields, fields
 from tensorfold.api.errors import ApiError
 from tensorfold.api.replies import ReplyFormat, tensorfold_block
 from tensorfold.chat.reply_parser import ReplyDelta
@@ -27,8 +33,10 @@ from tensorfold.engine.request import Request
 from tensorfold.http.errors import HttpError
 from tensorfold.http.messages import HttpResponse
 
+# chat fields only the translation writes -> the Messages fields they came from (for error messages)
+CHAT_NAMES = {"response_format.json_schema.schema": "output_config.format.schema",
+              "response_format": "output_config.format"}
 PASSED = ("model", "temperature", "top_p", "top_k", "stream", "stop_sequences", "seed", "draft")  # seed, draft: ours
-IGNORED = ("metadata", "service_tier", "container", "mcp_servers")
 
 
 def error_response(status: int, message: str, kind: str | None = None) -> HttpResponse:
@@ -38,15 +46,20 @@ def error_response(status: int, message: str, kind: str | None = None) -> HttpRe
 
 
 def api_error(err: HttpError) -> HttpResponse:
-    """An ApiError, or the HTTP layer's refusal of the body, in Anthropic's shape."""
+    """An ApiError, or the HTTP layer's refusal of the body, in Anthropic's shape (a chat field the
+    translation made named by the Messages field it came from)."""
     message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+    for chat_name, name in CHAT_NAMES.items():
+        message = message.replace(chat_name, name)
     return error_response(err.status, message)
 
 
-def to_chat_body(body: Any, *, count_only: bool = False) -> dict:
-    """The chat completions body equivalent to a Messages body (ApiError naming the field)."""
+def to_chat_body(body: Any, *, count_only: bool = False, context_length: int | None = None) -> dict:
+    """The chat completions body equivalent to a Messages body (ApiError naming the field).
+    context_length, the model's window, decides whether a token-triggered context edit can fire."""
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {fields.json_type(body)}")
+    anthropic_fields.refuse_unserved(body)
     max_tokens = fields.integer(body.get("max_tokens"), "max_tokens", lo=1, required=not count_only)
     chat = {k: body[k] for k in PASSED if body.get(k) is not None}
     if "stop_sequences" in chat:
@@ -54,8 +67,10 @@ def to_chat_body(body: Any, *, count_only: bool = False) -> dict:
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
     messages = _system(body.get("system"))
-    for i, message in enumerate(fields.array(body.get("messages"), "messages", nonempty=True, required=True)):
-        messages += _message(message, f"messages[{i}]")
+    wire = fields.array(body.get("messages"), "messages", nonempty=True, required=True)
+    kept = anthropic_fields.thinking_kept(body, wire, context_length)
+    for i, message in enumerate(wire):
+        messages += _message(message, f"messages[{i}]", keep_thinking=i in kept)
     chat["messages"] = messages
     tools = fields.array(body.get("tools"), "tools")
     if tools:
@@ -69,18 +84,7 @@ def to_chat_body(body: Any, *, count_only: bool = False) -> dict:
                                                                    required=True)}}
         if fields.boolean(choice.get("disable_parallel_tool_use"), "tool_choice.disable_parallel_tool_use"):
             chat["parallel_tool_calls"] = False
-    thinking = fields.obj(body.get("thinking"), "thinking")
-    if thinking is not None:
-        kind = fields.string(thinking.get("type"), "thinking.type", choices=("enabled", "disabled", "adaptive"),
-                             required=True)
-        if kind == "disabled":
-            chat["reasoning_effort"] = "none"
-        else:
-            chat["chat_template_kwargs"] = {"enable_thinking": True}
-            budget = fields.integer(thinking.get("budget_tokens"), "thinking.budget_tokens", lo=1,
-                                    required=kind == "enabled")
-            if budget is not None:
-                chat["thinking_budget"] = budget
+    chat.update(anthropic_fields.reasoning(body))
     return chat
 
 
@@ -101,12 +105,16 @@ def _text_block(block: Any, at: str) -> str:
     return fields.string(block.get("text"), f"{at}.text", required=True)
 
 
-def _message(message: Any, at: str) -> list[dict]:
+def _message(message: Any, at: str, keep_thinking: bool = True) -> list[dict]:
     message = fields.obj(message, at, required=True)
-    role = fields.string(message.get("role"), f"{at}.role", choices=("user", "assistant"), required=True)
+    role = fields.string(message.get("role"), f"{at}.role", choices=("user", "assistant", "system"), required=True)
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
+    if role == "system":
+        blocks = fields.array(content, f"{at}.content", required=True)
+        return [{"role": "system", "content": "".join(_text_block(b, f"{at}.content[{j}]")
+                                                      for j, b in enumerate(blocks))}]
     blocks = fields.array(content, f"{at}.content", required=True)
     text, calls, results, reasoning = [], [], [], []
     for j, block in enumerate(blocks):
@@ -127,7 +135,8 @@ def _message(message: Any, at: str) -> list[dict]:
                                                                           f"{where}.tool_use_id", required=True),
                             "content": _result_text(block.get("content"), f"{where}.content")})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            reasoning.append(block.get("thinking") or "")
+            if keep_thinking:
+                reasoning.append(block.get("thinking") or "")
         else:
             raise ApiError(f"content blocks of type {kind!r} are not supported in {role} messages",
                            param=f"{where}.type")

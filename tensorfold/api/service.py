@@ -125,7 +125,8 @@ class Service:
     def messages(self, http: HttpRequest):
         """POST /v1/messages: Anthropic's Messages API through the chat path (api/anthropic.py)."""
         try:
-            greq = parse_chat_request(anthropic.to_chat_body(http.json()), self.defaults)
+            greq = parse_chat_request(anthropic.to_chat_body(http.json(), context_length=self.info.context_length),
+                                      self.defaults)
             return self._generate(greq, anthropic.MessagesFormat)
         except HttpError as e:  # an ApiError, or a body that is not JSON
             return anthropic.api_error(e)
@@ -133,7 +134,8 @@ class Service:
     def count_tokens(self, http: HttpRequest) -> HttpResponse:
         """POST /v1/messages/count_tokens: the prompt tokens the same Messages body would have."""
         try:
-            greq = parse_chat_request(anthropic.to_chat_body(http.json(), count_only=True), self.defaults)
+            greq = parse_chat_request(anthropic.to_chat_body(http.json(), count_only=True,
+                                                            context_length=self.info.context_length), self.defaults)
             ids, _ = self.prompts.ids(greq, greq.tools.shown() if greq.tools else None)
         except HttpError as e:  # an ApiError, or a body that is not JSON
             return anthropic.api_error(e)
