@@ -3,7 +3,8 @@
 GrammarConstraint keeps one matcher and moves it along whatever path it is asked about (forward
 for a drafted run, back after a rejection); the oracle is a fresh xgrammar matcher fed the same
 path. Also: drafts cut at the first token the grammar rejects, the start after a think marker,
-the end token only once the value is complete, the whitespace cap of JSON grammars, the compile
+the end token only once the value is complete, the whitespace cap and default number bounds of JSON
+grammars (json_bounds.py: 16 digits, the schema's own range ruling), the compile
 cache and its error messages. The tokenizer is SmolLM2's (the default model's).
 """
 import random
@@ -14,6 +15,7 @@ import xgrammar as xgr
 
 from tensorfold.grammar.compiler import GrammarCompileError, GrammarCompiler
 from tensorfold.grammar.constraint import GrammarConstraint
+from tensorfold.grammar.json_bounds import bound_schema
 from tensorfold.grammar.spec import MAX_WHITESPACE, GrammarSpec
 from tensorfold.models.loader import load_checkpoint
 from tensorfold.models.tokenizer import Tokenizer
@@ -143,3 +145,69 @@ def test_compile_cache_and_errors(tok):
 def test_choice_literals_are_escaped():
     spec = GrammarSpec.choice(['say "hi"', "back\\slash", "tab\tnew\nline"], "t")
     assert spec.choice_ebnf() == 'root ::= "say \\"hi\\"" | "back\\\\slash" | "tab\\tnew\\nline"'
+
+
+def matches(tok, compiler, schema, text) -> bool:
+    """Whether a fresh matcher of the schema's grammar takes the whole text and then the end token."""
+    spec = GrammarSpec("json_object", "", "t") if schema is None else GrammarSpec.json_schema(schema, "t")
+    matcher = xgr.GrammarMatcher(compiler.compile(spec)[0])
+    return (all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+            and matcher.accept_token(tok.eos_token_ids[0]))
+
+
+def test_an_unbounded_integer_has_at_most_16_digits(tok, compiler):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert matches(tok, compiler, schema, '{"n": 1234567890123456}')
+    assert matches(tok, compiler, schema, '{"n": -9999999999999999}')
+    assert not matches(tok, compiler, schema, '{"n": 12345678901234567}')
+    assert not matches(tok, compiler, schema, '{"n": -12345678901234567}')
+    assert not matches(tok, compiler, schema, '{"n": 01}')
+    assert matches(tok, compiler, {"type": "integer"}, "0")
+
+
+def test_an_unbounded_number_has_bounded_parts(tok, compiler):
+    schema = {"type": "array", "items": {"type": "number"}}
+    assert matches(tok, compiler, schema, "[1234567890123456.1234567890123456, -0.5e-308, 7E+100, 3]")
+    assert not matches(tok, compiler, schema, "[12345678901234567]")        # 17 integer digits
+    assert not matches(tok, compiler, schema, "[0.12345678901234567]")      # 17 fraction digits
+    assert not matches(tok, compiler, schema, "[1e1234]")                   # 4 exponent digits
+    # json_object and untyped values take the same bounds
+    assert matches(tok, compiler, None, '{"a": [1234567890123456, 0.5]}')
+    assert not matches(tok, compiler, None, '{"a": 12345678901234567}')
+    assert not matches(tok, compiler, {"type": "object"}, '{"a": {"b": 0.12345678901234567}}')
+
+
+def test_a_schemas_own_limits_rule(tok, compiler):
+    wide = {"type": "integer", "minimum": 0, "maximum": 10 ** 18}
+    assert matches(tok, compiler, wide, str(10 ** 18))                       # 19 digits: its own range
+    assert not matches(tok, compiler, wide, str(10 ** 18 + 1))
+    small = {"type": "integer", "minimum": 0, "maximum": 100}
+    assert matches(tok, compiler, small, "100") and not matches(tok, compiler, small, "101")
+    at_least = {"type": "integer", "minimum": 0}                            # one side: the other is the default
+    assert matches(tok, compiler, at_least, "9999999999999999")
+    assert not matches(tok, compiler, at_least, "10000000000000000")
+    assert not matches(tok, compiler, at_least, "-1")
+    above = {"type": "integer", "exclusiveMinimum": 10 ** 17}               # its side beyond the default: kept
+    assert matches(tok, compiler, above, str(10 ** 17 + 5))
+    assert not matches(tok, compiler, above, str(10 ** 17))
+    at_most = {"type": "number", "exclusiveMaximum": 0}
+    assert matches(tok, compiler, at_most, "-1.5") and not matches(tok, compiler, at_most, "0")
+    assert not matches(tok, compiler, at_most, "-12345678901234567")
+
+
+def test_bound_schema_closes_only_one_sided_ranges():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 1},
+        "b": {"type": ["number", "null"], "maximum": 5},
+        "c": {"type": "integer", "minimum": 1, "maximum": 2},
+        "d": {"anyOf": [{"type": "integer", "exclusiveMaximum": 0}, {"type": "string"}]},
+        "e": {"type": "array", "items": {"$ref": "#/$defs/X"}}},
+        "$defs": {"X": {"type": "integer", "minimum": 0}}}
+    out = bound_schema(schema)
+    props = out["properties"]
+    assert props["a"] == {"type": "integer", "minimum": 1, "maximum": 10 ** 16 - 1}
+    assert props["b"] == {"type": ["number", "null"], "maximum": 5, "minimum": -1e16}
+    assert props["c"] == schema["properties"]["c"]
+    assert props["d"]["anyOf"][0] == {"type": "integer", "exclusiveMaximum": 0, "minimum": -(10 ** 16 - 1)}
+    assert out["$defs"]["X"]["maximum"] == 10 ** 16 - 1
+    assert schema["properties"]["a"] == {"type": "integer", "minimum": 1}  # the request's own schema untouched

@@ -4,7 +4,8 @@ One GrammarCompiler serves one tokenizer (the engine's), so the cache key (token
 reduces to (kind, text). Compiling a JSON schema for a 49k-token vocabulary takes milliseconds to
 a few hundred; the service runs compiles on a worker thread (compile_async) so a slow one never
 holds up the other streams, and a cached grammar is ready at once. xgrammar and its tokenizer
-table are loaded on first use (or by warm()), also off the serving thread.
+table are loaded on first use (or by warm()), also off the serving thread. JSON grammars carry the
+default number bounds of json_bounds.py.
 """
 import re
 import threading
@@ -12,6 +13,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from tensorfold.grammar.json_bounds import json_grammar
 from tensorfold.grammar.spec import MAX_WHITESPACE, GrammarSpec
 from tensorfold.grammar.tool_call import tool_call_grammar
 
@@ -77,11 +79,11 @@ class GrammarCompiler:
 
     def _compile(self, compiler, spec: GrammarSpec):
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.text, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE,
-                                                strict_mode=True)
+            return compiler.compile_grammar(json_grammar(spec.text, any_whitespace=True,
+                                                         max_whitespace_cnt=MAX_WHITESPACE, strict_mode=True))
         if spec.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True,
-                                                max_whitespace_cnt=MAX_WHITESPACE, strict_mode=False)
+            return compiler.compile_grammar(json_grammar('{"type": "object"}', any_whitespace=True,
+                                                         max_whitespace_cnt=MAX_WHITESPACE, strict_mode=False))
         if spec.kind == "regex":
             return compiler.compile_regex(spec.text)
         if spec.kind == "choice":

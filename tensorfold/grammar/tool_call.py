@@ -7,10 +7,12 @@ shown, with arguments that match that tool's parameters:
 - qwen_xml: opener "\\n<function=<tool>>\\n" then <parameter=P>\\n...\\n</parameter>\\n for
   the tool's parameters (any text without "<" as the value), then "</function>\\n" closer.
 Then the end token. With thinking on, the grammar starts after the think block (the
-constraint's start marker), so the model still thinks first.
+constraint's start marker), so the model still thinks first. The arguments' numbers carry the
+JSON grammars' default bounds (json_bounds.py).
 """
 import json
 
+from tensorfold.grammar.json_bounds import json_grammar
 from tensorfold.grammar.spec import GrammarSpec, ebnf_literal
 
 
@@ -33,7 +35,7 @@ def tool_call_grammar(spec: GrammarSpec):
                     "required": ["name", "arguments"], "additionalProperties": False}
             calls.append(xgr.Grammar.concat(
                 xgr.Grammar.from_ebnf(f"root ::= {ebnf_literal(d['open'] + chr(10))}"),
-                xgr.Grammar.from_json_schema(json.dumps(body), any_whitespace=False, separators=(", ", ": ")),
+                json_grammar(json.dumps(body), any_whitespace=False, separators=(", ", ": ")),
                 xgr.Grammar.from_ebnf(f"root ::= {ebnf_literal(chr(10) + d['close'])}")))
         else:
             params = " ".join(f"({ebnf_literal(f'<parameter={p}>' + chr(10))} value "
