@@ -49,6 +49,12 @@ def parse_args(argv=None):
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TENSORFOLD_API_KEY, else none)")
     p.add_argument("--response-store", default=None, metavar="PATH",
                    help="keep stored Responses in this SQLite file (default: in memory, lost on restart)")
+    p.add_argument("--builtin-tools", default="refuse", choices=["refuse", "ignore"],
+                   help="Responses built-in tools (web_search, file_search, ...), which this server does not run: "
+                        "refuse them with a 400 (default) or drop them, logged and listed in the reply")
+    p.add_argument("--reasoning-key-file", default=None, metavar="PATH",
+                   help="the key that signs encrypted reasoning (made there if absent; default: kept in "
+                        "--response-store, else a new key per process)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long running requests may finish before the server exits")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -84,7 +90,8 @@ def settings_from(args, backend: str = "cpu"):
                          max_tokens=args.max_tokens, model_card=args.model_card,
                          reasoning_effort=args.reasoning_effort, thinking_budget=args.thinking_budget,
                          api_key=args.api_key or os.environ.get("TENSORFOLD_API_KEY") or None,
-                         response_store=args.response_store, engine=engine)
+                         response_store=args.response_store, builtin_tools=args.builtin_tools,
+                         reasoning_key_file=args.reasoning_key_file, engine=engine)
 
 
 class JsonLogFormatter(logging.Formatter):

@@ -38,6 +38,8 @@ class ServeSettings:
     thinking_budget: int = 0            # thinking tokens of requests that set no budget; 0: none
     api_key: str | None = None          # every /v1 route wants "Authorization: Bearer KEY"
     response_store: str | None = None   # an SQLite file for stored responses; None: in memory
+    builtin_tools: str = "refuse"       # Responses built-in tools (web_search, ...): "refuse" (400) or "ignore"
+    reasoning_key_file: str | None = None  # the encrypted-reasoning key; None: kept in the store, else per process
     engine: EngineConfig = EngineConfig()
     limits: Limits = Limits()
 
@@ -95,7 +97,8 @@ def served_model_of(engine: Engine, settings: ServeSettings = ServeSettings()) -
 def build_server(settings: ServeSettings, engine: Engine | None = None) -> HttpServer:
     engine = engine or Engine(settings.model, settings.engine)
     service = Service(engine, served_model_of(engine, settings), served_names(settings),
-                      default_max_tokens=settings.max_tokens, response_store=settings.response_store)
+                      default_max_tokens=settings.max_tokens, response_store=settings.response_store,
+                      builtin_tools=settings.builtin_tools, reasoning_key_file=settings.reasoning_key_file)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who reaches this port can use the model",
                     settings.host)

@@ -10,7 +10,8 @@ Every top-level field falls in exactly one set:
 - NOT_HONOURED: OpenAI, vLLM and llama.cpp knobs this server does not implement; only their
   neutral value is accepted;
 - CHAT_ONLY: chat fields refused in a completions body (there is no template to hear them);
-- HARMLESS: bookkeeping that changes no token (user, metadata, ...): ignored;
+- HARMLESS: bookkeeping that changes no token (user, metadata, ...): ignored; the prompt-cache
+  hints too (prompt_cache_key, ...): the prefix cache is automatic and shared;
 - anything else: ignored and listed in GenerationRequest.ignored_fields, so the server can log
   it as vLLM does (OpenAI itself refuses unknown fields; clients send many vendor extras).
 JSON null is the off/default state of every field.
@@ -72,6 +73,7 @@ NOT_HONOURED = {
     "prediction": (),
     "web_search_options": (),
     "verbosity": ("medium",),
+    "moderation": (),               # asks for moderation this server does not run
     # vLLM extensions
     "repetition_penalty": (1,),
     "length_penalty": (1,),
@@ -115,7 +117,7 @@ CHAT_ONLY = ("chat_template_kwargs", "reasoning_effort", "thinking_budget", "too
 # Fields that change no token and no reply field: ignored without comment.
 HARMLESS = frozenset({
     "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-    "prompt_cache_retention", "request_id", "cache_prompt",
+    "prompt_cache_retention", "prompt_cache_options", "request_id", "cache_prompt",
 })
 
 PARSED = frozenset({

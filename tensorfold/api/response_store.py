@@ -4,6 +4,8 @@ and input_items.
 It keeps the newest 1,024 responses, at most 256 MiB, in memory, or also in an SQLite file that
 survives a restart; the oldest go first when either budget is passed. A response is put whole
 (the service stores it before its last event or body goes out), so a reader never sees half.
+The SQLite file also keeps the key encrypted reasoning is signed with (key()), so that reasoning
+tokens survive a restart as the responses do.
 """
 import json
 from collections import OrderedDict
@@ -38,6 +40,18 @@ class ResponseStore:
                              "id TEXT UNIQUE, data TEXT)")
             for (data,) in self._db.execute("SELECT data FROM responses ORDER BY seq"):
                 self._remember(StoredResponse(**json.loads(data)))
+
+    def key(self, make) -> bytes | None:
+        """The reasoning key kept in the SQLite file, made by `make()` the first time; None in memory."""
+        if self._db is None:
+            return None
+        with self._db:
+            self._db.execute("CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value BLOB)")
+            row = self._db.execute("SELECT value FROM secrets WHERE name = 'reasoning'").fetchone()
+            if row is None:
+                row = (make(),)
+                self._db.execute("INSERT INTO secrets (name, value) VALUES ('reasoning', ?)", row)
+        return bytes(row[0])
 
     def put(self, entry: StoredResponse) -> None:
         self.delete(entry.response["id"])

@@ -1,38 +1,34 @@
-"""POST /v1/responses: OpenAI's Responses API over the same chat path, with a response store.
+"""POST /v1/responses: a Responses body as the equivalent chat completions body (to_chat_body).
 
-A Responses body becomes the equivalent chat completions body (to_chat_body), which runs through
-the chat parser, template, engine and reply parser unchanged: the same prompt tokens, token_sha
-and drafting. Translation:
-- input: a string (one user message) or items: messages (role, content as a string or
-  input_text / output_text parts), function_call (an assistant tool call), function_call_output
-  (a tool message; its call_id must answer a call before it), reasoning (its reasoning_text goes
-  back to the template as the next assistant message's reasoning);
+The chat body runs through the chat parser, template, engine and reply parser unchanged: the same
+prompt tokens, token_sha and drafting. What each top-level field gets is in api/responses_fields.py
+(served, harmless, or refused unless neutral); the tools in api/responses_tools.py; the reply in
+api/responses_format.py. Translation:
+- input: a string (one user message) or items: messages (role user, assistant, system or
+  developer; content as a string or input_text / output_text parts), function_call (an assistant
+  tool call; with `namespace`, the call of a namespace tool), function_call_output (a tool message;
+  its call_id must answer a call before it), reasoning (its reasoning_text content, or the text of
+  its encrypted_content once verified, goes back to the template as the next assistant message's
+  reasoning: the same messages previous_response_id rebuilds for the same conversation);
 - instructions -> a leading system message, for this turn only (not carried by
   previous_response_id); previous_response_id -> the stored conversation, then this input;
-- tools (function: name, description, parameters), tool_choice (none, auto, required,
-  {"type": "function", "name"}, {"type": "allowed_tools", "mode", "tools"}), parallel_tool_calls;
-- max_output_tokens (reasoning included), temperature, top_p, top_k, min_p, seed,
-  reasoning.effort (reasoning.summary accepted, none written), text.format (json_schema,
-  json_object, text), stream, and the TensorFold passthroughs (draft, thinking_budget, stop,
-  ignore_eos, chat_template_kwargs, priority);
-- store (default true), metadata (at most 16 string pairs, keys <= 64 and values <= 512 chars).
-The reply (ResponsesFormat): output items reasoning (reasoning_text content, empty summary),
-message (output_text) and function_call; status completed, or incomplete with
-incomplete_details.reason max_output_tokens; usage with cached and reasoning tokens; typed stream
-events with strictly increasing sequence_number, ending in response.completed,
-response.incomplete or response.failed. Stored responses (api/response_store.py) are complete
-before their last event or body is sent.
+- max_output_tokens (reasoning included), temperature, top_p, reasoning.effort (reasoning.summary
+  accepted, none written), text.format (json_schema, json_object, text), stream, and the
+  TensorFold passthroughs (top_k, min_p, seed, draft, thinking_budget, stop, ignore_eos,
+  chat_template_kwargs, priority);
+- store (default true), metadata (at most 16 string pairs, keys <= 64 and values <= 512 chars),
+  include (reasoning.encrypted_content).
 """
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorfold.api import fields
+from tensorfold.api import fields, responses_fields
 from tensorfold.api.errors import ApiError
-from tensorfold.api.replies import ReplyFormat, tensorfold_block
+from tensorfold.api.reasoning_token import ReasoningSealer
 from tensorfold.api.response_store import ResponseStore
-from tensorfold.chat.reply_parser import ReplyDelta
-from tensorfold.engine.request import Request
+from tensorfold.api.responses_format import ReplyOptions
+from tensorfold.api.responses_tools import offered_tools, qualified, tool_choice
 
 PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "parallel_tool_calls",
           "draft", "thinking_budget", "stop", "ignore_eos", "chat_template_kwargs", "priority")
@@ -45,11 +41,16 @@ class ResponsesRequest:
     input_items: list[dict]
     conversation: list[dict]         # the chat messages without instructions (what continues)
     echo: dict = field(default_factory=dict)  # request fields the response object repeats
+    options: ReplyOptions = field(default_factory=ReplyOptions)
+    ignored_fields: tuple[str, ...] = ()      # unknown top-level fields, for a log line
 
 
-def to_chat_body(body: Any, store: ResponseStore) -> ResponsesRequest:
+def to_chat_body(body: Any, store: ResponseStore, sealer: ReasoningSealer,
+                 builtin_tools: str = "refuse") -> ResponsesRequest:
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {fields.json_type(body)}")
+    ignored = responses_fields.check_fields(body)
+    include = responses_fields.included(body.get("include"))
     chat = {k: body[k] for k in PASSED if body.get(k) is not None}
     max_output = fields.integer(body.get("max_output_tokens"), "max_output_tokens", lo=1)
     if max_output is not None:
@@ -62,15 +63,15 @@ def to_chat_body(body: Any, store: ResponseStore) -> ResponsesRequest:
             raise ApiError(f"previous response {previous!r} was not found (it was not stored, was deleted, "
                            "or the server restarted)", param="previous_response_id")
         history = [dict(m) for m in entry.conversation]
-    items = _input_items(body.get("input"))
+    items = _input_items(body.get("input"), sealer)
     conversation = history + _messages(items, history)
     instructions = fields.string(body.get("instructions"), "instructions")
     chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    tools = fields.array(body.get("tools"), "tools")
-    if tools:
-        chat["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
+    offer = offered_tools(body.get("tools"), builtin_tools)
+    if offer.chat_tools:
+        chat["tools"] = offer.chat_tools
     if body.get("tool_choice") is not None:
-        _tool_choice(body["tool_choice"], chat)
+        tool_choice(body["tool_choice"], chat, offer.names)
     reasoning = fields.obj(body.get("reasoning"), "reasoning")
     if reasoning is not None:
         effort = fields.string(reasoning.get("effort"), "reasoning.effort")
@@ -94,14 +95,16 @@ def to_chat_body(body: Any, store: ResponseStore) -> ResponsesRequest:
     echo = {"instructions": instructions, "max_output_tokens": max_output, "previous_response_id": previous,
             "metadata": metadata, "store": body.get("store") is not False,
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "tools": tools or [], "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": None},
             "text": {"format": fmt or {"type": "text"}}}
-    return ResponsesRequest(chat, items, conversation, echo)
+    options = ReplyOptions(offer.names, sealer if "reasoning.encrypted_content" in include else None,
+                           tuple(offer.ignored))
+    return ResponsesRequest(chat, items, conversation, echo, options, ignored)
 
 
-def _input_items(value: Any) -> list[dict]:
+def _input_items(value: Any, sealer: ReasoningSealer) -> list[dict]:
     if value is None:
         raise ApiError("'input' is required", param="input")
     if isinstance(value, str):
@@ -113,27 +116,16 @@ def _input_items(value: Any) -> list[dict]:
         item = fields.obj(item, at, required=True)
         kind = item.get("type", "message")
         if kind == "message":
-            role = fields.string(item.get("role"), f"{at}.role", choices=("user", "assistant", "system", "developer"),
-                                 required=True)
-            content = item.get("content")
-            if isinstance(content, str):
-                parts = [{"type": "input_text" if role != "assistant" else "output_text", "text": content}]
-            else:
-                parts = []
-                for j, part in enumerate(fields.array(content, f"{at}.content", required=True)):
-                    part = fields.obj(part, f"{at}.content[{j}]", required=True)
-                    ptype = fields.string(part.get("type"), f"{at}.content[{j}].type", required=True)
-                    if ptype not in ("input_text", "output_text", "text"):
-                        raise ApiError(f"content parts of type {ptype!r} are not supported",
-                                       param=f"{at}.content[{j}].type")
-                    parts.append({"type": ptype, "text": fields.string(part.get("text"), f"{at}.content[{j}].text",
-                                                                       required=True)})
-            out.append({"type": "message", "role": role, "content": parts})
+            out.append(_message_item(item, at))
         elif kind == "function_call":
-            out.append({"type": "function_call",
-                        "call_id": fields.string(item.get("call_id"), f"{at}.call_id", required=True),
-                        "name": fields.string(item.get("name"), f"{at}.name", required=True),
-                        "arguments": fields.string(item.get("arguments"), f"{at}.arguments", required=True)})
+            call = {"type": "function_call",
+                    "call_id": fields.string(item.get("call_id"), f"{at}.call_id", required=True),
+                    "name": fields.string(item.get("name"), f"{at}.name", required=True),
+                    "arguments": fields.string(item.get("arguments"), f"{at}.arguments", required=True)}
+            namespace = fields.string(item.get("namespace"), f"{at}.namespace")
+            if namespace:
+                call["namespace"] = namespace
+            out.append(call)
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
@@ -142,14 +134,34 @@ def _input_items(value: Any) -> list[dict]:
                         "call_id": fields.string(item.get("call_id"), f"{at}.call_id", required=True),
                         "output": output})
         elif kind == "reasoning":
-            texts = [fields.string(c.get("text"), f"{at}.content[{j}].text") or ""
-                     for j, c in enumerate(fields.array(item.get("content"), f"{at}.content") or [])
-                     if isinstance(c, dict)]
-            out.append({"type": "reasoning", "content": [{"type": "reasoning_text", "text": "".join(texts)}],
-                        "summary": []})
+            if item.get("encrypted_content") is not None:
+                text = sealer.open(item["encrypted_content"], f"{at}.encrypted_content")
+            else:
+                text = "".join(fields.string(c.get("text"), f"{at}.content[{j}].text") or ""
+                               for j, c in enumerate(fields.array(item.get("content"), f"{at}.content") or [])
+                               if isinstance(c, dict))
+            out.append({"type": "reasoning", "content": [{"type": "reasoning_text", "text": text}], "summary": []})
         else:
             raise ApiError(f"input items of type {kind!r} are not supported", param=f"{at}.type")
     return out
+
+
+def _message_item(item: dict, at: str) -> dict:
+    role = fields.string(item.get("role"), f"{at}.role", choices=("user", "assistant", "system", "developer"),
+                         required=True)
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"type": "message", "role": role,
+                "content": [{"type": "input_text" if role != "assistant" else "output_text", "text": content}]}
+    parts = []
+    for j, part in enumerate(fields.array(content, f"{at}.content", required=True)):
+        part = fields.obj(part, f"{at}.content[{j}]", required=True)
+        ptype = fields.string(part.get("type"), f"{at}.content[{j}].type", required=True)
+        if ptype not in ("input_text", "output_text", "text"):
+            raise ApiError(f"content parts of type {ptype!r} are not supported", param=f"{at}.content[{j}].type")
+        parts.append({"type": ptype, "text": fields.string(part.get("text"), f"{at}.content[{j}].text",
+                                                           required=True)})
+    return {"type": "message", "role": role, "content": parts}
 
 
 def _messages(items: list[dict], history: list[dict]) -> list[dict]:
@@ -174,8 +186,9 @@ def _messages(items: list[dict], history: list[dict]) -> list[dict]:
                 if reasoning is not None:
                     last["reasoning_content"], reasoning = reasoning, None
                 out.append(last)
+            name = qualified(item["namespace"], item["name"]) if item.get("namespace") else item["name"]
             last.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
-                "name": item["name"], "arguments": item["arguments"]}})
+                "name": name, "arguments": item["arguments"]}})
             calls.add(item["call_id"])
         else:  # function_call_output
             if item["call_id"] not in calls:
@@ -183,37 +196,6 @@ def _messages(items: list[dict], history: list[dict]) -> list[dict]:
                                "it made", param=f"input[{i}].call_id")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return out
-
-
-def _tool(tool: Any, at: str) -> dict:
-    tool = fields.obj(tool, at, required=True)
-    if tool.get("type") != "function":
-        raise ApiError(f"tools of type {tool.get('type')!r} are not supported; send function tools",
-                       param=f"{at}.type")
-    function = {"name": tool.get("name")}
-    for key in ("description", "parameters", "strict"):
-        if tool.get(key) is not None:
-            function[key] = tool[key]
-    return {"type": "function", "function": function}
-
-
-def _tool_choice(value: Any, chat: dict) -> None:
-    if isinstance(value, str):
-        chat["tool_choice"] = value
-        return
-    choice = fields.obj(value, "tool_choice")
-    kind = choice.get("type")
-    if kind == "function":
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    elif kind == "allowed_tools":
-        mode = fields.string(choice.get("mode"), "tool_choice.mode", choices=("auto", "required"), required=True)
-        names = {fields.string((t or {}).get("name"), f"tool_choice.tools[{i}].name", required=True)
-                 for i, t in enumerate(fields.array(choice.get("tools"), "tool_choice.tools", required=True))}
-        chat["tools"] = [t for t in chat.get("tools", []) if t["function"]["name"] in names]
-        chat["tool_choice"] = mode
-    else:
-        raise ApiError("tool_choice must be none, auto, required, a function or allowed_tools",
-                       param="tool_choice.type")
 
 
 def _metadata(value: Any) -> dict:
@@ -226,178 +208,3 @@ def _metadata(value: Any) -> dict:
         if not isinstance(item, str) or len(item) > 512:
             raise ApiError("metadata values are strings of at most 512 characters", param=f"metadata.{key}")
     return dict(metadata)
-
-
-class ResponsesFormat(ReplyFormat):
-    """The response object, its output items and its typed stream events. `on_complete(response)`
-    runs (the store) before the last event or the body goes out."""
-    id_prefix = "resp_"
-
-    def __init__(self, model: str, echo: dict | None = None, on_complete=None):
-        super().__init__(model)
-        self.echo = echo or {}
-        self.on_complete = on_complete
-        self.sequence = 0
-        self.items: list[dict] = []      # output items so far (streaming)
-        self.open: dict | None = None    # the reasoning or message item being streamed
-
-    # -- whole --------------------------------------------------------------------------------
-
-    def final(self, reply: ReplyDelta, finish_reason: str, req: Request) -> dict:
-        items = []
-        if reply.reasoning:
-            items.append(self._reasoning_item(reply.reasoning))
-        if reply.content or not (reply.reasoning or reply.tool_calls):
-            items.append(self._message_item(reply.content))
-        items += [self._call_item(c) for c in reply.tool_calls]
-        return self._complete(items, finish_reason, req)
-
-    def _complete(self, items: list[dict], finish_reason: str, req: Request) -> dict:
-        response = self._response("incomplete" if finish_reason == "length" else "completed", items)
-        if finish_reason == "length":
-            response["incomplete_details"] = {"reason": "max_output_tokens"}
-        response["usage"] = _usage(req)
-        response["tensorfold"] = tensorfold_block(req)
-        if self.on_complete is not None:
-            self.on_complete(response)
-        return response
-
-    def _response(self, status: str, output: list[dict]) -> dict:
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
-                "incomplete_details": None, "model": self.model, "output": output, "truncation": "disabled",
-                "usage": None, **self.echo}
-
-    def _reasoning_item(self, text: str) -> dict:
-        return {"id": f"rs_{self.id[5:]}_{len(self.items)}", "type": "reasoning", "summary": [],
-                "content": [{"type": "reasoning_text", "text": text}]}
-
-    def _message_item(self, text: str, status: str = "completed") -> dict:
-        return {"id": f"msg_{self.id[5:]}_{len(self.items)}", "type": "message", "status": status,
-                "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}
-
-    def _call_item(self, call) -> dict:
-        return {"id": f"fc_{self.id[5:]}_{call.index}", "type": "function_call", "status": "completed",
-                "call_id": call.id, "name": call.name, "arguments": call.arguments}
-
-    # -- streamed -----------------------------------------------------------------------------
-
-    def _event(self, kind: str, **data) -> tuple:
-        self.sequence += 1
-        return kind, {"type": kind, "sequence_number": self.sequence, **data}
-
-    def opening(self, req: Request) -> list:
-        return [self._event("response.created", response=self._response("in_progress", [])),
-                self._event("response.in_progress", response=self._response("in_progress", []))]
-
-    def deltas(self, delta: ReplyDelta) -> list:
-        events = []
-        if delta.reasoning:
-            events += self._text("reasoning", delta.reasoning)
-        if delta.content:
-            events += self._text("message", delta.content)
-        for call in delta.tool_calls:
-            events += self._close()
-            item = self._call_item(call)
-            index = len(self.items)
-            self.items.append(item)
-            events += [self._event("response.output_item.added", output_index=index,
-                                   item={**item, "status": "in_progress", "arguments": ""}),
-                       self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                   delta=call.arguments),
-                       self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   arguments=call.arguments),
-                       self._event("response.output_item.done", output_index=index, item=item)]
-        return events
-
-    def _text(self, kind: str, text: str) -> list:
-        events = []
-        if self.open is None or self.open["type"] != kind:
-            events += self._close()
-            item = self._reasoning_item("") if kind == "reasoning" else self._message_item("", "in_progress")
-            self.open = item
-            self.items.append(item)
-            index = len(self.items) - 1
-            added = dict(item, content=[])
-            events.append(self._event("response.output_item.added", output_index=index, item=added))
-            if kind == "message":
-                events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                          content_index=0, part={"type": "output_text", "text": "",
-                                                                 "annotations": []}))
-        index = len(self.items) - 1
-        self.open["content"][0]["text"] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        events.append(self._event(name, item_id=self.open["id"], output_index=index, content_index=0, delta=text,
-                                  **({"logprobs": []} if kind == "message" else {})))
-        return events
-
-    def _close(self) -> list:
-        item, self.open = self.open, None
-        if item is None:
-            return []
-        index = self.items.index(item)
-        text = item["content"][0]["text"]
-        if item["type"] == "reasoning":
-            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                content_index=0, text=text),
-                    self._event("response.output_item.done", output_index=index, item=item)]
-        item["status"] = "completed"
-        part = item["content"][0]
-        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[]),
-                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                            part=part),
-                self._event("response.output_item.done", output_index=index, item=item)]
-
-    def closing(self, finish_reason: str, req: Request) -> list:
-        events = self._close()
-        response = self._complete(list(self.items), finish_reason, req)
-        kind = "response.incomplete" if finish_reason == "length" else "response.completed"
-        return events + [self._event(kind, response=response)]
-
-    def api_error(self, err: ApiError):
-        return super().api_error(responses_error(err))
-
-    def error_events(self, message: str) -> list:
-        response = self._response("failed", list(self.items))
-        response["error"] = {"code": "server_error", "message": message}
-        return [self._event("response.failed", response=response)]
-
-
-# chat fields a Responses error may name, and what the Responses body calls them
-CHAT_PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input",
-               "reasoning_effort": "reasoning.effort"}
-
-
-def responses_error(err: ApiError) -> ApiError:
-    """An error raised on the translated chat body, naming the Responses field instead."""
-    if err.param:
-        head, dot, rest = err.param.partition(".")
-        name = head.split("[")[0]
-        if name in CHAT_PARAMS and name != "messages":
-            err.param = CHAT_PARAMS[name] + (head[len(name):] + dot + rest if head != name or dot else "")
-        elif name == "messages":
-            err.param = "input"
-    return err
-
-
-def _usage(req: Request) -> dict:
-    reasoning = req.stats.reasoning_tokens
-    return {"input_tokens": req.num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": req.stats.cached_tokens},
-            "output_tokens": len(req.output_ids), "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": req.num_prompt_tokens + len(req.output_ids)}
-
-
-def assistant_message(response: dict) -> dict:
-    """The chat message a stored response's output is, for the next turn's conversation."""
-    message = {"role": "assistant", "content": None}
-    for item in response["output"]:
-        if item["type"] == "reasoning":
-            message["reasoning_content"] = "".join(c["text"] for c in item["content"])
-        elif item["type"] == "message":
-            message["content"] = (message["content"] or "") + "".join(c["text"] for c in item["content"])
-        elif item["type"] == "function_call":
-            message.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
-                "name": item["name"], "arguments": item["arguments"]}})
-    return message
-

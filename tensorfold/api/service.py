@@ -11,7 +11,7 @@ through the ServedModel the wiring built (tensorfold/server.py).
 import logging
 import time
 
-from tensorfold.api import anthropic, fields, metrics, responses
+from tensorfold.api import anthropic, fields, metrics, reasoning_token, responses, responses_format
 from tensorfold.api.counters import Counters, health_body, metrics_text
 from tensorfold.api.delivery import Delivery
 from tensorfold.api.errors import ApiError
@@ -30,7 +30,8 @@ log = logging.getLogger("tensorfold.api")
 
 class Service:
     def __init__(self, engine: Engine, served: ServedModel, model_names: tuple[str, ...], *,
-                 default_max_tokens: int | None = None, response_store: str | None = None):
+                 default_max_tokens: int | None = None, response_store: str | None = None,
+                 builtin_tools: str = "refuse", reasoning_key_file: str | None = None):
         self.engine = engine
         self.info = engine.info
         self.served = served
@@ -41,6 +42,10 @@ class Service:
         self.counters = Counters()
         self.latencies = metrics.Latencies()
         self.response_store = ResponseStore(path=response_store)
+        self.builtin_tools = builtin_tools
+        self.reasoning = reasoning_token.ReasoningSealer(
+            reasoning_token.key_from_file(reasoning_key_file) if reasoning_key_file else
+            self.response_store.key(reasoning_token.new_key) or reasoning_token.new_key())
         self.started = time.time()
         self.wake = lambda: None  # set by the server: makes its poll return (any thread)
         self.prompts = Prompts(served, self.info, model_names, default_max_tokens)
@@ -86,19 +91,24 @@ class Service:
 
     def create_response(self, http: HttpRequest):
         """POST /v1/responses: the Responses API through the chat path (api/responses.py)."""
-        rreq = responses.to_chat_body(http.json(), self.response_store)
+        rreq = responses.to_chat_body(http.json(), self.response_store, self.reasoning, self.builtin_tools)
+        if rreq.ignored_fields:
+            log.info("ignoring unknown Responses fields: %s", ", ".join(rreq.ignored_fields))
+        if rreq.options.ignored_tools:
+            log.info("dropping built-in tools (--builtin-tools ignore): %s", ", ".join(rreq.options.ignored_tools))
 
         def stored(response: dict) -> None:  # before the last event or the body goes out
             if rreq.echo["store"]:
                 items = [{"id": f"item_{response['id'][5:]}_{i}", **item} for i, item in enumerate(rreq.input_items)]
                 self.response_store.put(StoredResponse(
-                    response, items, rreq.conversation + [responses.assistant_message(response)]))
+                    response, items, rreq.conversation + [responses_format.assistant_message(response)]))
 
         try:
             greq = parse_chat_request(rreq.chat, self.defaults)
-            return self._generate(greq, lambda model: responses.ResponsesFormat(model, rreq.echo, stored))
+            return self._generate(greq, lambda model: responses_format.ResponsesFormat(
+                model, rreq.echo, stored, rreq.options))
         except ApiError as e:
-            raise responses.responses_error(e) from None
+            raise responses_format.responses_error(e) from None
 
     def get_response(self, http: HttpRequest) -> HttpResponse:
         return HttpResponse.json_response(self._stored(http).response)
