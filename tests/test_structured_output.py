@@ -5,8 +5,10 @@ The default model (SmolLM2-135M-Instruct, bf16) writes the values; the grammar d
 may write, so every finished reply must validate whatever the seed. Exactness: a constrained
 reply's token_sha is the same drafted and not, solo and among other requests. Errors: each 400
 comes before any token and leaves a concurrent request's reply unchanged; a grammar that fails
-while decoding (injected) ends only its own request, with a 500 or an error event.
+while decoding (injected) ends only its own request, with a 500 or an error event. The SDKs' parse()
+helpers return parsed objects on the default model, its numbers within the default bounds.
 """
+import enum
 import json
 import re
 import threading
@@ -14,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
+from openai.lib._pydantic import to_strict_json_schema
+from pydantic import BaseModel, Field
 
 from serving import check_error, post, serving
 from tensorfold.api import grammar_pipeline as grammar_module
@@ -241,3 +245,46 @@ def test_a_grammar_failing_while_decoding_ends_only_its_request(srv, monkeypatch
         assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "injected" in events[-2]
         assert other.result() == want
     assert sha(chat(srv, **body)) == want
+
+
+class Kind(str, enum.Enum):
+    city = "city"
+    town = "town"
+    village = "village"
+
+
+class Place(BaseModel):
+    """The SDK helpers' model: unbounded int and float (the JSON grammars' default bounds end them);
+    the list states its own maxItems: without it the default model repeats items until max_tokens
+    (greedy: "Eiffel Tower" forever; seeds 2 and 3 likewise), which no default bound should cut."""
+    name: str
+    kind: Kind
+    population: int
+    area_km2: float
+    landmarks: list[str] = Field(max_length=3)
+
+
+PLACE_PROMPT = "Describe Paris as JSON: its name, kind, population, area in km2 and three landmarks."
+# the default bounds as a schema (json_bounds.py): the oracle for what the helpers' grammar let through
+PLACE_BOUNDED = {**to_strict_json_schema(Place)}
+PLACE_BOUNDED["properties"] = {**PLACE_BOUNDED["properties"],
+                               "population": {"type": "integer", "minimum": -(10 ** 16 - 1), "maximum": 10 ** 16 - 1}}
+NUMBER_TEXT = re.compile(r'"(?:population|area_km2)"\s*:\s*(-?)(\d+)(?:\.(\d+))?(?:[eE][+-]?(\d+))?')
+
+
+@pytest.mark.parametrize("temperature,seed", DRAWS)
+def test_the_sdk_parse_helpers_return_parsed_objects(srv, temperature, seed):
+    """client.chat.completions.parse(response_format=Place) and client.responses.parse(text_format=Place)."""
+    r = srv.client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": PLACE_PROMPT}],
+                                          response_format=Place, max_tokens=200, temperature=temperature, seed=seed)
+    place = r.choices[0].message.parsed
+    assert r.choices[0].finish_reason == "stop" and isinstance(place, Place)
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PLACE_BOUNDED)
+    for sign, whole, fraction, exponent in NUMBER_TEXT.findall(text):
+        assert len(whole) <= 16 and len(fraction) <= 16 and len(exponent) <= 3
+    extra = {"seed": seed} if seed is not None else None
+    resp = srv.client.responses.parse(model=MODEL, input=PLACE_PROMPT, text_format=Place, max_output_tokens=200,
+                                      temperature=temperature, extra_body=extra)
+    assert resp.status == "completed" and isinstance(resp.output_parsed, Place)
+    assert resp.output_parsed == place  # the same prompt, sampling and grammar: the same object
