@@ -77,6 +77,7 @@ setup(
         "gguf",
         "numpy",
         "xgrammar",  # structured output (pulls transformers for its tokenizer table)
+        "cryptography",  # the Responses API's encrypted reasoning (AES-GCM)
     ],
     extras_require={
         # triton: kernels are tested on the CPU with TRITON_INTERPRET=1 (Linux wheels only).

@@ -50,8 +50,9 @@ def test_a_reasoning_token_opens_with_its_key_only(tmp_path):
     sealer = ReasoningSealer(new_key())
     token = sealer.seal("first, think\n" * 50)
     assert sealer.open(token, "x") == "first, think\n" * 50 and "think" not in token
-    for bad in (token[:-2] + ("A" if token[-2] != "A" else "B") + token[-1], token.replace("tfr1.", "tfr2."),
-                "tfr1.!!", 7, ReasoningSealer(new_key()).seal("first, think\n" * 50)):
+    assert sealer.seal("first, think\n" * 50) == token  # the same text, the same token (a synthetic nonce)
+    for bad in (token[:-2] + ("A" if token[-2] != "A" else "B") + token[-1], token.replace("tfr2.", "tfr1."),
+                "tfr2.!!", "tfr2." + token[5:20], 7, ReasoningSealer(new_key()).seal("first, think\n" * 50)):
         with pytest.raises(ApiError) as e:
             sealer.open(bad, "input[2].encrypted_content")
         assert e.value.param == "input[2].encrypted_content" and e.value.status == 400
@@ -122,7 +123,7 @@ def events_of(r) -> list[dict]:
 def test_encrypted_reasoning_resumes_as_previous_response_id_does(srv):
     first = post(srv, "/v1/responses", {**THINK, "input": "Think.", "include": ["reasoning.encrypted_content"]}).json()
     reasoning, message = first["output"][0], first["output"][1]
-    assert reasoning["type"] == "reasoning" and reasoning["encrypted_content"].startswith("tfr1.")
+    assert reasoning["type"] == "reasoning" and reasoning["encrypted_content"].startswith("tfr2.")
     assert message["type"] == "message"
     plain = post(srv, "/v1/responses", {**THINK, "input": "Think."}).json()
     assert "encrypted_content" not in plain["output"][0] and sha(plain) == sha(first)

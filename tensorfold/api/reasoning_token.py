@@ -1,15 +1,17 @@
-"""Encrypted reasoning for the Responses API: the `encrypted_content` of a reasoning item, a token
-of the reasoning text that this server alone can mint and read back.
+"""Encrypted reasoning for the Responses API: the `encrypted_content` of a reasoning item, an
+opaque token of the reasoning text that this server alone can read back.
 
-Python's standard library has no cipher and `cryptography` is not a dependency, so a token is
-authenticated, not secret: "tfr1." + base64url(zlib(text) + HMAC-SHA256(key, "tfr1." + zlib(text))).
-Anyone holding it can decode the text (it was in the reply anyway); nobody without the key can
-make one this server accepts, so a client cannot put words into the model's past reasoning.
-The comparison is constant-time (hmac.compare_digest).
+    token = "tfr2." + base64url(nonce + AES-256-GCM(key, nonce, zlib(text), aad="tfr2."))
+
+The cipher is `cryptography`'s AESGCM (never hand-written crypto). The nonce is synthetic:
+the first 12 bytes of HMAC-SHA256(key, zlib(text)), so the same reasoning under the same key
+seals to the same token (a reply stays a pure function of its request) and two different texts
+never share a nonce; equal tokens reveal only that the texts are equal. GCM's tag makes a
+changed or foreign token fail to open: a 400 naming the item.
 
 The key is 32 random bytes: kept in the --response-store SQLite file, or in a key file, so that
 tokens survive a restart; else made per process (tokens die with it). Randomness comes from the
-os (secrets.token_bytes) once, when a key is made.
+OS (secrets.token_bytes) once, when a key is made.
 """
 import base64
 import binascii
@@ -19,11 +21,14 @@ import os
 import secrets
 import zlib
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from tensorfold.api.errors import ApiError
 
-PREFIX = "tfr1."
+PREFIX = "tfr2."
 KEY_BYTES = 32
-TAG_BYTES = 32
+NONCE_BYTES = 12
 MAX_TEXT = 16 << 20  # decompressed bytes a token may hold
 
 
@@ -31,16 +36,16 @@ class ReasoningSealer:
     """seal(text) -> token; open(token, at) -> text, or a 400 whose param is `at`."""
 
     def __init__(self, key: bytes):
-        if len(key) < 16:
-            raise ValueError("the reasoning key must be at least 16 bytes")
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"the reasoning key must be {KEY_BYTES} bytes")
         self._key = key
-
-    def _tag(self, body: bytes) -> bytes:
-        return hmac.new(self._key, PREFIX.encode() + body, hashlib.sha256).digest()
+        self._aead = AESGCM(key)
 
     def seal(self, text: str) -> str:
         body = zlib.compress(text.encode("utf-8"))
-        return PREFIX + base64.urlsafe_b64encode(body + self._tag(body)).decode("ascii")
+        nonce = hmac.new(self._key, body, hashlib.sha256).digest()[:NONCE_BYTES]
+        sealed = self._aead.encrypt(nonce, body, PREFIX.encode())
+        return PREFIX + base64.urlsafe_b64encode(nonce + sealed).decode("ascii")
 
     def open(self, token: object, at: str) -> str:
         refused = ApiError(f"'{at}' is not reasoning this server encrypted (it was altered, or made by another "
@@ -49,13 +54,14 @@ class ReasoningSealer:
             raise refused
         try:
             raw = base64.urlsafe_b64decode(token[len(PREFIX):].encode("ascii"))
-        except (binascii.Error, ValueError, UnicodeEncodeError):
+            body = self._aead.decrypt(raw[:NONCE_BYTES], raw[NONCE_BYTES:], PREFIX.encode())
+        except (binascii.Error, ValueError, UnicodeEncodeError, InvalidTag):
             raise refused from None
-        body, tag = raw[:-TAG_BYTES], raw[-TAG_BYTES:]
-        if len(raw) <= TAG_BYTES or not hmac.compare_digest(tag, self._tag(body)):
-            raise refused
         inflate = zlib.decompressobj()
-        text = inflate.decompress(body, MAX_TEXT)
+        try:
+            text = inflate.decompress(body, MAX_TEXT)
+        except zlib.error:
+            raise refused from None
         if inflate.unconsumed_tail:
             raise ApiError(f"'{at}' holds more than {MAX_TEXT} bytes of reasoning", param=at)
         return text.decode("utf-8")
