@@ -196,7 +196,9 @@ def responses_error(err: ApiError) -> ApiError:
 def _usage(req: Request) -> dict:
     reasoning = req.stats.reasoning_tokens
     return {"input_tokens": req.num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": req.stats.cached_tokens},
+            # cache_write_tokens: the openai SDK's usage model requires it; the prefix cache is
+            # automatic and nothing is written on request, so 0
+            "input_tokens_details": {"cached_tokens": req.stats.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": len(req.output_ids), "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": req.num_prompt_tokens + len(req.output_ids)}
 
