@@ -4,8 +4,10 @@ metadata.user_id, custom tools, the /v1/messages?beta=true route and a HEAD / pr
 the route's fields against the installed anthropic client; the translation unit-tested; the server
 over a real loopback socket with the official anthropic client."""
 import inspect
+import threading
 
 import anthropic
+import httpx2 as httpx
 import pytest
 
 from serving import serving
@@ -218,6 +220,14 @@ def test_the_later_system_message_renders_as_chat_renders_it(srv):
 
 
 def test_refusals_come_before_any_event_in_anthropic_shape(srv):
+    """...with a reply running beside them unchanged (its token_sha that of its solo run)."""
+    long = {"model": MODEL, "max_tokens": 48, "temperature": 1.0, "seed": 9,
+            "messages": [{"role": "user", "content": "Write on."}]}
+    solo = srv.http.post("/v1/messages", json=long).json()["tensorfold"]["token_sha"]
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(
+        sha=httpx.post(srv.root + "/v1/messages", json=long, timeout=60).json()["tensorfold"]["token_sha"]))
+    worker.start()
     for change, name in [(dict(output_config={"effort": "extreme"}), "output_config.effort"),
                          (dict(speed="fast"), "speed"),
                          (dict(context_management={"edits": [{"type": "something_new"}]}), "context_management")]:
@@ -227,6 +237,8 @@ def test_refusals_come_before_any_event_in_anthropic_shape(srv):
             err = r.json()
             assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
             assert name in err["error"]["message"]
+    worker.join(60)
+    assert got["sha"] == solo
 
 
 def test_cleared_thinking_leaves_the_prompt_on_a_thinking_model(tiny_qwen3_family):
