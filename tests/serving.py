@@ -87,3 +87,16 @@ def check_error(r: httpx.Response, status: int, param, *, type_="invalid_request
     assert isinstance(err["message"], str) and err["message"]
     assert err["type"] == type_ and err["param"] == param
     return err
+
+
+@contextlib.contextmanager
+def anthropic_serving():
+    """The default model served for the Messages route's tests (bf16, two lanes), with the official
+    anthropic client on it as `.anthropic`."""
+    import anthropic
+
+    from tensorfold.engine.config import EngineConfig
+    settings = ServeSettings(port=0, engine=EngineConfig(dtype="bfloat16", max_num_seqs=2, kv_cache_gib=0.25))
+    with serving(settings) as s:
+        s.anthropic = anthropic.Anthropic(base_url=s.root, api_key="unused", max_retries=0, timeout=60)
+        yield s

@@ -4,7 +4,7 @@ equivalent chat completion; count_tokens; 400s in Anthropic's error shape."""
 import anthropic
 import pytest
 
-from serving import serving
+from serving import anthropic_serving, serving
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.server import ServeSettings
 
@@ -17,8 +17,7 @@ ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def srv():
-    with serving(ServeSettings(port=0, engine=EngineConfig(dtype="bfloat16", max_num_seqs=2, kv_cache_gib=0.25))) as s:
-        s.anthropic = anthropic.Anthropic(base_url=s.root, api_key="unused", max_retries=0, timeout=60)
+    with anthropic_serving() as s:
         yield s
 
 

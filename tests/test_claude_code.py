@@ -10,7 +10,7 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
-from serving import serving
+from serving import anthropic_serving, serving
 from tensorfold.api import anthropic_fields
 from tensorfold.api.anthropic import to_chat_body
 from tensorfold.api.errors import ApiError
@@ -177,8 +177,7 @@ def test_other_context_edits_pass_only_where_they_cannot_fire():
 
 @pytest.fixture(scope="module")
 def srv():
-    with serving(ServeSettings(port=0, engine=EngineConfig(dtype="bfloat16", max_num_seqs=2, kv_cache_gib=0.25))) as s:
-        s.anthropic = anthropic.Anthropic(base_url=s.root, api_key="sk-unused", max_retries=0, timeout=60)
+    with anthropic_serving() as s:
         yield s
 
 

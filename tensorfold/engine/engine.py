@@ -65,7 +65,6 @@ class Engine:
         loaded = backend.load(model_path, config)
         self.config = config = loaded.config  # one request at a time if the probes failed
         self.checkpoint, self.tokenizer = loaded.checkpoint, loaded.tokenizer
-        self.vocab_size = loaded.vocab_size
         self.context_length = min(config.context or loaded.max_position, loaded.max_position)
         memory = backend.allocate(self.context_length)
         self.pool = BlockPool(memory.num_blocks, config.block_size, max_cached_blocks=memory.max_cached_blocks)
@@ -78,21 +77,21 @@ class Engine:
         self._texts: dict[str, ReplyText] = {}
         self._drafts: dict[str, DraftState] = {}
         self._ids = itertools.count()
-        described = backend.describe()
-        self.info = EngineInfo(
-            model_path=self.checkpoint.path, architecture=self.checkpoint.architecture,
-            num_layers=loaded.num_layers, vocab_size=loaded.vocab_size, context_length=self.context_length,
-            default_max_tokens=config.default_max_tokens, backend=described["backend"], ops=described["ops"],
-            dtype=described["dtype"], kv_dtype=described["kv_dtype"], weights=described["weights"],
-            cache=memory.kinds, cache_bytes=memory.nbytes, num_blocks=memory.num_blocks,
-            block_size=config.block_size, exact=not loaded.probe_failures,
-            probe_failures=tuple(loaded.probe_failures), load_seconds=time.perf_counter() - started)
-        self.probe_failures = loaded.probe_failures
-        self.load_seconds = self.info.load_seconds
-        log.info("loaded %s (%s, %d layers, %s) in %.2fs on %s (%s ops); window %d tokens, cache %d blocks x %d "
-                 "(%s; %s, %.1f MiB)", self.info.model_path, self.info.architecture, self.info.num_layers, config.dtype,
-                 self.load_seconds, described["device"], self.info.ops, self.context_length, memory.num_blocks,
-                 config.block_size, memory.kinds, self.info.kv_dtype, memory.nbytes / 2**20)
+        self.info = EngineInfo.of(loaded, memory, backend.describe(), config, self.context_length,
+                                  time.perf_counter() - started)
+        log.info("%s", self.info.summary(config.dtype))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def probe_failures(self) -> tuple[str, ...]:
+        return self.info.probe_failures
+
+    @property
+    def load_seconds(self) -> float:
+        return self.info.load_seconds
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -26,3 +26,24 @@ class EngineInfo:
     exact: bool = True                 # the batch-invariance probes passed
     probe_failures: tuple[str, ...] = ()
     load_seconds: float = 0.0
+    device: str = ""                   # where the weights live (the log)
+
+    @classmethod
+    def of(cls, loaded, memory, described: dict, config, context_length: int, load_seconds: float) -> "EngineInfo":
+        """From the backend's answers: load()'s Loaded, allocate()'s Allocation, describe()."""
+        checkpoint = loaded.checkpoint
+        return cls(
+            model_path=checkpoint.path, architecture=checkpoint.architecture, num_layers=loaded.num_layers,
+            vocab_size=loaded.vocab_size, context_length=context_length,
+            default_max_tokens=config.default_max_tokens, backend=described["backend"], ops=described["ops"],
+            dtype=described["dtype"], kv_dtype=described["kv_dtype"], weights=described["weights"],
+            cache=memory.kinds, cache_bytes=memory.nbytes, num_blocks=memory.num_blocks,
+            block_size=config.block_size, exact=not loaded.probe_failures,
+            probe_failures=tuple(loaded.probe_failures), load_seconds=load_seconds, device=described["device"])
+
+    def summary(self, dtype_setting: str) -> str:
+        """The startup log's line."""
+        return (f"loaded {self.model_path} ({self.architecture}, {self.num_layers} layers, {dtype_setting}) in "
+                f"{self.load_seconds:.2f}s on {self.device} ({self.ops} ops); window {self.context_length} tokens, "
+                f"cache {self.num_blocks} blocks x {self.block_size} ({self.cache}; {self.kv_dtype}, "
+                f"{self.cache_bytes / 2**20:.1f} MiB)")
