@@ -51,7 +51,11 @@ def test_a_reasoning_token_opens_with_its_key_only(tmp_path):
     token = sealer.seal("first, think\n" * 50)
     assert sealer.open(token, "x") == "first, think\n" * 50 and "think" not in token
     assert sealer.seal("first, think\n" * 50) == token  # the same text, the same token (a synthetic nonce)
-    for bad in (token[:-2] + ("A" if token[-2] != "A" else "B") + token[-1], token.replace("tfr2.", "tfr1."),
+    middle = len(token) // 2
+    flipped = token[:middle] + ("A" if token[middle] != "A" else "B") + token[middle + 1:]
+    last = token.rstrip("=")  # the last data character: its padding bits changed alone is another spelling
+    respelled = last[:-1] + chr(ord(last[-1]) ^ 1) + token[len(last):]
+    for bad in (flipped, respelled, token.replace("tfr2.", "tfr1."),
                 "tfr2.!!", "tfr2." + token[5:20], 7, ReasoningSealer(new_key()).seal("first, think\n" * 50)):
         with pytest.raises(ApiError) as e:
             sealer.open(bad, "input[2].encrypted_content")

@@ -53,7 +53,10 @@ class ReasoningSealer:
         if not isinstance(token, str) or not token.startswith(PREFIX):
             raise refused
         try:
-            raw = base64.urlsafe_b64decode(token[len(PREFIX):].encode("ascii"))
+            text64 = token[len(PREFIX):].encode("ascii")
+            raw = base64.urlsafe_b64decode(text64)
+            if base64.urlsafe_b64encode(raw) != text64:  # one spelling per token: padding bits count too
+                raise ValueError("not canonical base64")
             body = self._aead.decrypt(raw[:NONCE_BYTES], raw[NONCE_BYTES:], PREFIX.encode())
         except (binascii.Error, ValueError, UnicodeEncodeError, InvalidTag):
             raise refused from None
