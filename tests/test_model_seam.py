@@ -53,8 +53,8 @@ class RowCache:
 class PagedRows:
     width: int
 
-    def bytes_per_token(self, dtype, v_exponents=False) -> int:
-        return self.width * torch.finfo(dtype).bits // 8
+    def bytes_per_block(self, dtype, block_size, v_exponents=False) -> int:
+        return self.width * torch.finfo(dtype).bits // 8 * block_size
 
     def allocate(self, num_blocks, block_size, dtype, device, v_exponents=False) -> RowCache:
         return RowCache(torch.zeros(num_blocks, block_size, self.width, dtype=dtype, device=device))

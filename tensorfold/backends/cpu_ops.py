@@ -13,6 +13,7 @@ from tensorfold.kernels.paged_attention import paged_attention_ref as paged_atte
 from tensorfold.kernels.paged_attention import paged_decode_attention_ref as paged_decode_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.kernels.delta_net import delta_net, gated_rms_norm  # noqa: F401
 from tensorfold.kernels import quant_gemm, reference
 from tensorfold.kernels.reference import linear_padded
 from tensorfold.kernels.reference import (add_rms_norm, apply_rope, pad_rows, rms_norm,  # noqa: F401

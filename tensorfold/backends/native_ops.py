@@ -14,6 +14,7 @@ import torch
 from tensorfold import _cpu
 from tensorfold.backends.huge_pages import arena
 from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.kernels.delta_net import delta_net, gated_rms_norm  # noqa: F401 (the reference's, for now)
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention
@@ -100,12 +101,14 @@ def write_kv(kv, k, v, slots):
 
 def fuse(layer):
     """A DecoderLayer (models/blocks.py) as one native call, or None where the native layer does
-    not cover it (biases, weights of mixed formats, other block kinds): the block's Python
+    not cover it (biases, weights of mixed formats, output gates, partial rope, other block kinds): the block's Python
     composition, the same bits (tests/test_native_backend.py), with one Python-to-C++ crossing
     per layer instead of eleven. The C++ layer (_cpu.DecoderLayer) is built once here, its
     weights checked once; the callable has DecoderLayer.forward's signature."""
     mixer, ffn = layer.mixer, layer.ffn
-    if not (isinstance(mixer, Attention) and isinstance(ffn, MLP)):
+    if not (type(mixer) is Attention and type(ffn) is MLP):
+        return None
+    if mixer.spec.output_gate or mixer.spec.rope_dim != mixer.spec.head_dim:
         return None
     weights = (mixer.qkv, mixer.o, ffn.gate_up, ffn.down)
     if any(w.single is None or w.bias is not None for w in weights):

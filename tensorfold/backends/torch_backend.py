@@ -61,6 +61,7 @@ class Allocation:
     max_cached_blocks: int | None  # --prompt-cache-gib's cap on cached free blocks
     nbytes: int
     kinds: str                    # the cache kinds in words
+    resume_at_blocks: bool = False  # a kind keeps state per block (RecurrentState): resume at boundaries
 
 
 class TorchBackend:
@@ -105,12 +106,12 @@ class TorchBackend:
         keeps one) within --kv-cache-gib, and at least one full window."""
         config, specs = self.config, self.model.cache_specs()
         record = keeps_v_exponents(self.ops)
-        per_block = ModelCache.bytes_per_token(specs, self.kv_dtype, record) * config.block_size
+        per_block = ModelCache.bytes_per_block(specs, self.kv_dtype, config.block_size, record)
         budget = int(config.kv_cache_gib * 2**30) // per_block
         num_blocks = max(budget, -(-context_length // config.block_size))
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
         self.cache = ModelCache(specs, num_blocks, config.block_size, self.kv_dtype, self.device, record)
-        return Allocation(num_blocks, cached, self.cache.nbytes, self.cache.describe())
+        return Allocation(num_blocks, cached, self.cache.nbytes, self.cache.describe(), ModelCache.recurrent(specs))
 
     def runner(self) -> ModelRunner:
         return ModelRunner(self.model, self.cache)

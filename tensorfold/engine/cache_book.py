@@ -10,16 +10,22 @@ scheduler or the engine:
     resume(req, blocks, ...) admission found a cached prefix: the request starts after it
     release(req)             preemption or the end: the blocks go back (full ones stay cached)
 
-For paged K/V (the only kind so far) each is a count: positions past num_computed_tokens are
-never read, and a hit's blocks hold exactly what a fresh prefill writes.
+For paged K/V each is a count: positions past num_computed_tokens are never read, and a hit's
+blocks hold exactly what a fresh prefill writes. A recurrent state (models/cache.RecurrentState)
+is kept per block, the state after the block's last computed position, so a request can resume
+only where a block ends (resume_at_blocks): a rollback rewinds to the boundary at or before the
+first rejected position, and the accepted positions after it are computed again in the next
+round (bitwise what they were: the forward is a pure function of the tokens). A prefix hit is
+already whole blocks, and release/replay start over from blocks too.
 """
 from tensorfold.engine.block_pool import BlockPool
 from tensorfold.engine.request import Request
 
 
 class CacheBook:
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, resume_at_blocks: bool = False):
         self.pool = pool
+        self.resume_at_blocks = resume_at_blocks
 
     @property
     def block_size(self) -> int:
@@ -27,6 +33,8 @@ class CacheBook:
 
     def rollback(self, req: Request, num_tokens: int) -> None:
         req.num_computed_tokens -= num_tokens
+        if num_tokens and self.resume_at_blocks:
+            req.num_computed_tokens -= req.num_computed_tokens % self.pool.block_size
 
     def resume(self, req: Request, block_ids: list[int], block_hashes: list[bytes]) -> None:
         req.block_ids, req.block_hashes = block_ids, block_hashes

@@ -68,7 +68,7 @@ class Engine:
         self.context_length = min(config.context or loaded.max_position, loaded.max_position)
         memory = backend.allocate(self.context_length)
         self.pool = BlockPool(memory.num_blocks, config.block_size, max_cached_blocks=memory.max_cached_blocks)
-        self.book = CacheBook(self.pool)
+        self.book = CacheBook(self.pool, resume_at_blocks=memory.resume_at_blocks)
         self.runner = backend.runner()
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,
                                                    config.decode_share), self.pool, self.book)

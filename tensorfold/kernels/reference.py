@@ -169,11 +169,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     exact but far less precise: an error of 2 * x * dx per element, hundreds of float32 ulps on
     an adversarial row and several on plain random ones.)
     """
+    out = _normalized(x, eps, x.shape[-1])
+    out *= weight.float()
+    return out.to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps), each row (last dim) alone, as float32: rms_norm's steps 1-4
+    with the sum not divided by the width (var = ss * 2^(2 (e - NORM_BITS + 1)), exact) and no
+    weight. Gated DeltaNet normalises its queries and keys with it."""
+    return _normalized(x, eps, 1)
+
+
+def _normalized(x: torch.Tensor, eps: float, divisor: int) -> torch.Tensor:
+    """Steps 1-4 of rms_norm up to the weight: float32(x64 / sqrt(ss * 2^(...) / divisor + eps))."""
     n = x.shape[-1]
     if n > MAX_NORM_WIDTH:
         raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide (an exact float64 sum), got {n}")
     if x.numel() == 0:
-        return torch.empty_like(x)
+        return torch.empty(x.shape, dtype=torch.float32, device=x.device)
     # One float64 buffer for the squares and then for x * inv: each in-place step is the same
     # single rounding as its plain form. Fresh row-sized float64 temporaries cost more than the
     # arithmetic: glibc gave them back to the OS on every call (2-3 ms at 512 x 576, not 0.4).
@@ -186,12 +200,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     buf += grid.ROUND_MAGIC  # grid.round_even, in place: sq, integers <= 2^40
     buf -= grid.ROUND_MAGIC
     ss = buf.sum(dim=-1, keepdim=True)  # exact: every partial sum is an integer <= 2^53
-    var = ss * grid.pow2(2 * (e - NORM_BITS + 1)) / n
+    var = ss * grid.pow2(2 * (e - NORM_BITS + 1)) / divisor
     inv = 1.0 / torch.sqrt(var + eps)
     buf.copy_(x32)  # x64
-    out = buf.mul_(inv).float()
-    out *= weight.float()
-    return out.to(x.dtype)
+    return buf.mul_(inv).float()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -210,10 +222,20 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in float32, rounded to gate's dtype, with the project's exp (no libm):
     t = exp_neg(-|g|); silu(g) = g / (1 + t) for g >= 0 and (g t) / (1 + t) below (g e^g / (1 + e^g))."""
-    g = gate.float()
+    return (silu32(gate.float()) * up.float()).to(gate.dtype)
+
+
+def silu32(g: torch.Tensor) -> torch.Tensor:
+    """silu of float32 g, in float32 (silu_and_mul's steps)."""
     t = float32.exp_neg(-g.abs())
-    s = torch.where(g >= 0, g, g * t) / (1.0 + t)
-    return (s * up.float()).to(gate.dtype)
+    return torch.where(g >= 0, g, g * t) / (1.0 + t)
+
+
+def sigmoid32(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid of float32 x, in float32, with the project's exp: t = exp_neg(-|x|);
+    1 / (1 + t) for x >= 0 and t / (1 + t) below."""
+    t = float32.exp_neg(-x.abs())
+    return torch.where(x >= 0, 1.0, t) / (1.0 + t)
 
 
 def rope_table(inv_freq: list[float], scale: float, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@ runs on the op set it was built with (`ops`: the backend's batch-invariant ops),
 block serves every backend. The composition written here is the reference; a backend may run a
 whole layer in a fused form of its own (ops.fuse), which tests hold bitwise equal to this one.
 
-    Attention  GQA over paged K/V, rope, optional QK-norm and window    cache: PagedKV
+    Attention  GQA over paged K/V, rope (whole or partial), optional QK-norm, window and
+               output gate                                               cache: PagedKV
     MLP        SwiGLU                                                   cache: none
     DecoderLayer  norm -> mixer -> add & norm -> ffn -> add & next norm
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorfold.kernels.reference import sigmoid32
 from tensorfold.models.cache import LayerKV, PagedKV
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.forward_batch import ForwardBatch
@@ -34,12 +36,12 @@ class BuildContext:
 class Attention:
     def __init__(self, spec: AttentionSpec, w: WeightReader, ctx: BuildContext):
         self.spec, self.ops, self.eps = spec, w.ops, ctx.norm_eps
-        self.rope = ctx.rope_tables.get(spec.rope, spec.head_dim, spec.max_position)
+        self.rope = ctx.rope_tables.get(spec.rope, spec.rope_dim, spec.max_position)
         attn = w.under("self_attn.")
         self.qkv = attn.linear("q_proj.weight", "k_proj.weight", "v_proj.weight",
                                biases=("q_proj.bias", "k_proj.bias", "v_proj.bias"))
         self.o = attn.linear("o_proj.weight", biases=("o_proj.bias",))
-        self.q_norm, self.k_norm = attn.maybe("q_norm.weight"), attn.maybe("k_norm.weight")
+        self.q_norm, self.k_norm = attn.maybe_norm("q_norm.weight"), attn.maybe_norm("k_norm.weight")
         if spec.qk_norm and (self.q_norm is None or self.k_norm is None):
             raise CheckpointError(f"{attn.prefix}: the config asks for QK-norm, the checkpoint lacks "
                                   "q_norm / k_norm weights")
@@ -52,21 +54,32 @@ class Attention:
         s, ops = self.spec, self.ops
         num_rows = x.shape[0]
         cos, sin = batch.rope_rows(self.rope)  # [num_rows, head_dim] each
-        qkv = self.qkv(x)  # [num_rows, (heads + 2 kv_heads) * head_dim]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q = qkv[:, :q_size].reshape(num_rows, s.num_heads, s.head_dim)
+        qkv = self.qkv(x)  # [num_rows, (heads (x2 with the gate) + 2 kv_heads) * head_dim]
+        q_size, kv_size = s.num_heads * s.head_dim * (2 if s.output_gate else 1), s.num_kv_heads * s.head_dim
+        q = qkv[:, :q_size].reshape(num_rows, s.num_heads, -1)
+        gate = None
+        if s.output_gate:  # [q, gate] per head
+            q, gate = q[..., :s.head_dim].contiguous(), q[..., s.head_dim:].reshape(num_rows, q_size // 2)
         k = qkv[:, q_size:q_size + kv_size].reshape(num_rows, s.num_kv_heads, s.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(num_rows, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None:  # per-head norm, then rope, in one op
-            q = ops.rms_norm_rope(q, self.q_norm, self.eps, cos, sin)
-            k = ops.rms_norm_rope(k, self.k_norm, self.eps, cos, sin)
-        else:
-            q = ops.apply_rope(q, cos, sin)
-            k = ops.apply_rope(k, cos, sin)
+        q, k = self._position(q, self.q_norm, cos, sin), self._position(k, self.k_norm, cos, sin)
         ops.write_kv(kv, k, v, batch.slot_mapping)
         # Every row of every sequence in one call: each row's result is the one it gets alone.
-        out = ops.attention(q, kv, batch, s.scale, s.window)
-        return self.o(out.reshape(num_rows, -1))
+        out = ops.attention(q, kv, batch, s.scale, s.window).reshape(num_rows, -1)
+        if gate is not None:
+            out = (out.float() * sigmoid32(gate.float())).to(out.dtype)
+        return self.o(out)
+
+    def _position(self, x, norm, cos, sin):
+        """The per-head norm (where the layer has one) and rope, over the first rope_dim dims of
+        each head."""
+        ops, rope_dim = self.ops, self.spec.rope_dim
+        if rope_dim == self.spec.head_dim:
+            return ops.rms_norm_rope(x, norm, self.eps, cos, sin) if norm is not None else ops.apply_rope(x, cos, sin)
+        if norm is not None:
+            x = ops.rms_norm(x, norm, self.eps)
+        turned = ops.apply_rope(x[..., :rope_dim].contiguous(), cos, sin)
+        return torch.cat([turned, x[..., rope_dim:]], dim=-1)
 
 
 class MLP:
@@ -96,8 +109,8 @@ class DecoderLayer:
     def __init__(self, spec: LayerSpec, w: WeightReader, rope_tables: RopeTables, blocks: dict):
         """blocks: spec type -> block class (BLOCKS, or a family's own)."""
         self.spec, self.ops, self.eps = spec, w.ops, spec.norm_eps
-        self.input_norm = w.dense("input_layernorm.weight")
-        self.post_mixer_norm = w.dense("post_attention_layernorm.weight")
+        self.input_norm = w.norm("input_layernorm.weight")
+        self.post_mixer_norm = w.norm("post_attention_layernorm.weight")
         ctx = BuildContext(rope_tables, spec.norm_eps)
         self.mixer = blocks[type(spec.mixer)](spec.mixer, w, ctx)
         self.ffn = blocks[type(spec.ffn)](spec.ffn, w, ctx)

@@ -1,14 +1,19 @@
 """Cache kinds: what each layer keeps between rounds, declared by the layer, allocated together.
 
-A block class declares its layer's cache as a spec (a frozen dataclass): how many bytes one token
+A block class declares its layer's cache as a spec (a frozen dataclass): how many bytes one block
 costs it and how to allocate its part for `num_blocks` blocks. Every kind is indexed by the same
 block ids (one block table per request), so the engine's bookkeeping (engine/cache_book.py) is
 in blocks and counts, whatever the kinds; the backend sizes the blocks from the sum of the
-layers' bytes per token within --kv-cache-gib. Kinds: paged K/V (attention, with an optional
-window) here; a recurrent state (linear attention, Mamba) and a latent cache (MLA) go beside it.
+layers' bytes per block within --kv-cache-gib. Kinds:
 
-ModelCache is the allocated whole: one object per layer (a LayerKV for attention), handed to
-that layer's forward.
+    PagedKV         attention: K and V of each position (optionally within a window)
+    RecurrentState  linear attention: per block, the state after the block's last position
+                    (a fixed-size state, not a per-position one: see RecurrentState)
+
+A latent cache (MLA) and Mamba's state go beside them.
+
+ModelCache is the allocated whole: one object per layer (a LayerKV for attention, a LayerState
+for linear attention), handed to that layer's forward.
 """
 from dataclasses import dataclass
 
@@ -38,9 +43,14 @@ class PagedKV:
     head_dim: int
     window: int | None = None
 
+    recurrent = False
+
     def bytes_per_token(self, dtype: torch.dtype, v_exponents: bool = False) -> int:
         record = 2 if v_exponents else 0  # an int16 per KV head
         return self.num_kv_heads * (2 * self.head_dim * torch.finfo(dtype).bits // 8 + record)
+
+    def bytes_per_block(self, dtype: torch.dtype, block_size: int, v_exponents: bool = False) -> int:
+        return self.bytes_per_token(dtype, v_exponents) * block_size
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device,
                  v_exponents: bool = False) -> LayerKV:
@@ -48,6 +58,49 @@ class PagedKV:
         record = torch.zeros(shape[:3], dtype=torch.int16, device=device) if v_exponents else None
         return LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                        record)
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """One linear-attention layer's part of the cache, one state per block id (float32):
+    conv [num_blocks, kernel - 1, conv_dim], the last inputs of the causal conv, and
+    ssm [num_blocks, num_heads, key_dim, value_dim], the delta rule's state matrices."""
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    block_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """A recurrent layer's state (Gated DeltaNet: the causal conv's window and the delta rule's
+    matrices), kept per block: block b of a sequence holds the state after the last position
+    the sequence has computed in it. So a full block holds the state at its end (a snapshot the
+    prefix cache shares with its K/V blocks, evicted with them), and the running block the live
+    state, updated in place. The rules that follow (engine/cache_book.py): a sequence resumes
+    only at a block boundary, so a rejected draft or a cached prefix rewinds to the boundary at
+    or before it and recomputes from there. Cost: one state per block of block_size tokens,
+    always float32 (the state's precision is the model's, whatever the K/V dtype)."""
+    conv_dim: int
+    conv_kernel: int
+    num_heads: int
+    key_dim: int
+    value_dim: int
+
+    recurrent = True
+
+    def bytes_per_block(self, dtype: torch.dtype, block_size: int, v_exponents: bool = False) -> int:
+        return 4 * ((self.conv_kernel - 1) * self.conv_dim + self.num_heads * self.key_dim * self.value_dim)
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                 v_exponents: bool = False) -> LayerState:
+        conv = torch.zeros((num_blocks, self.conv_kernel - 1, self.conv_dim), dtype=torch.float32, device=device)
+        ssm = torch.zeros((num_blocks, self.num_heads, self.key_dim, self.value_dim), dtype=torch.float32,
+                          device=device)
+        return LayerState(conv, ssm, block_size)
 
 
 class ModelCache:
@@ -70,8 +123,13 @@ class ModelCache:
         return sum(layer.nbytes for layer in self.layers)
 
     @staticmethod
-    def bytes_per_token(specs: list, dtype: torch.dtype, v_exponents: bool = False) -> int:
-        return sum(spec.bytes_per_token(dtype, v_exponents) for spec in specs)
+    def bytes_per_block(specs: list, dtype: torch.dtype, block_size: int, v_exponents: bool = False) -> int:
+        return sum(spec.bytes_per_block(dtype, block_size, v_exponents) for spec in specs)
+
+    @staticmethod
+    def recurrent(specs: list) -> bool:
+        """Whether any layer keeps a recurrent state (resuming then snaps to block boundaries)."""
+        return any(getattr(spec, "recurrent", False) for spec in specs)
 
     def describe(self) -> str:
         """The kinds and their layer counts, in words (the startup log, /health)."""

@@ -4,7 +4,7 @@ Handles both config spellings transformers has used: `rope_theta` + `rope_scalin
 `rope_parameters` (5.x). Derived values (head_dim, per-layer windows) are computed here, once.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfold.models.checkpoint import CheckpointError
@@ -42,9 +42,17 @@ class ModelArgs:
     attention_bias: bool = False
     mlp_bias: bool = False
     layer_windows: tuple[int | None, ...] = ()   # per layer: sliding window size or None (full)
+    hf: dict = field(default_factory=dict, compare=False, repr=False)  # the (text) config as read,
+                                                                        # for a family's own fields
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], path: str = "config.json") -> "ModelArgs":
+        """A multimodal config's text model is read from its text_config (the outer config's
+        other keys, such as architectures and tie_word_embeddings, beneath it)."""
+        if isinstance(config.get("text_config"), dict):
+            config = {**{k: v for k, v in config.items() if k not in ("text_config", "vision_config")},
+                      **config["text_config"], "architectures": config.get("architectures")}
+
         def need(key):
             if key not in config or config[key] is None:
                 raise CheckpointError(f"{path}: missing required key '{key}'")
@@ -70,6 +78,7 @@ class ModelArgs:
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             layer_windows=_layer_windows(config, layers),
+            hf=dict(config),
         )
 
 

@@ -23,10 +23,10 @@ class Model:
     """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows."""
 
     def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype, ops,
-                 device: torch.device | str = "cpu", blocks: dict = BLOCKS):
+                 device: torch.device | str = "cpu", blocks: dict = BLOCKS, norm_offset: float = 0.0):
         self.args, self.specs, self.dtype, self.ops = args, list(specs), dtype, ops
         self.device = device = torch.device(device)
-        w = WeightReader(tensors, dtype, device, ops)
+        w = WeightReader(tensors, dtype, device, ops, norm_offset=norm_offset)
         embed = w.matrix("model.embed_tokens.weight")
         if tuple(embed.shape) != (args.vocab_size, args.hidden_size):
             raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, "
@@ -34,7 +34,7 @@ class Model:
         self.rope_tables = RopeTables(device)
         self.layers = [DecoderLayer(spec, w.under(f"model.layers.{i}."), self.rope_tables, blocks)
                        for i, spec in enumerate(self.specs)]
-        self.norm = w.dense("model.norm.weight")
+        self.norm = w.norm("model.norm.weight")
         self.embed, self.lm_head = _embedding_and_head(w, embed, args)
         self._run = [ops.fuse(layer) or layer.forward for layer in self.layers]
 

@@ -1,4 +1,5 @@
 """One entry point for every checkpoint format: a HF directory, a .gguf file, or the default model."""
+import logging
 import os
 
 import torch
@@ -50,7 +51,23 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     """The checkpoint's family's layers over `ops`, the backend's op set (backends.backend_ops)."""
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     family = model_family(ckpt.architecture, ckpt.path)
-    tensors = LoadProgress(ckpt.tensors)
-    model = Model(args, family.layer_specs(args), tensors, dtype, ops, device, family.blocks)
+    tensors = LoadProgress(_served_tensors(ckpt.tensors, family))
+    model = Model(args, family.layer_specs(args), tensors, dtype, ops, device, family.blocks, family.norm_offset)
     tensors.finish()
     return model
+
+
+def _served_tensors(tensors: dict, family) -> dict:
+    """The checkpoint's tensors under the names the decoder reads (family.tensor_name); those the
+    family does not serve (a vision tower, MTP heads) are left out, said once in the log."""
+    served, skipped = {}, {}
+    for name, tensor in tensors.items():
+        new = family.tensor_name(name)
+        if new is None:
+            prefix = name.split(".")[0] if not name.startswith("model.") else ".".join(name.split(".")[:2])
+            skipped[prefix] = skipped.get(prefix, 0) + 1
+        else:
+            served[new] = tensor
+    for prefix, count in skipped.items():
+        logging.getLogger("tensorfold.models").info("skipped %d tensors under %s. (not served yet)", count, prefix)
+    return served

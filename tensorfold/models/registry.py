@@ -1,11 +1,16 @@
 """Architecture name (config.json "architectures"[0]) -> model family. A literal dict, nothing more."""
-from tensorfold.models import llama, qwen3
+from tensorfold.models import llama, qwen3, qwen3_5
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.spec import Family
 
 ARCHITECTURES = {
     "LlamaForCausalLM": llama.FAMILY,
     "Qwen3ForCausalLM": qwen3.FAMILY,
+    "Qwen3_5ForConditionalGeneration": qwen3_5.FAMILY,   # Qwen3.5, Qwen3.8
+    "Qwen3_5ForCausalLM": qwen3_5.FAMILY,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_5.FAMILY,  # Qwen3.6
+    "Qwen3_5MoeForCausalLM": qwen3_5.FAMILY,
+    "Qwen3NextForCausalLM": qwen3_5.FAMILY,               # Flash Next
 }
 
 

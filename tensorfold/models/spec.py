@@ -24,10 +24,17 @@ class AttentionSpec:
     window: int | None = None         # sliding window in tokens; None: full attention
     qk_norm: bool = False             # qwen3: RMSNorm per head on Q and K before rope (required;
                                       # a llama checkpoint that has the weights uses them too)
+    rotary_dim: int | None = None     # rope on the first rotary_dim dims of a head (None: all)
+    output_gate: bool = False         # Qwen3.5/Next: q_proj also gives a gate per head
+                                      # ([q, gate] per head), the output times sigmoid(gate)
 
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
 
 @dataclass(frozen=True)
@@ -44,12 +51,22 @@ class LayerSpec:
     norm_eps: float
 
 
+def keep_name(name: str) -> str:
+    return name
+
+
 @dataclass(frozen=True)
 class Family:
-    """An architecture: its spec parser and the block class of each spec type it uses."""
+    """An architecture: its spec parser and the block class of each spec type it uses.
+    tensor_name: a checkpoint tensor's name as the decoder reads it (model.layers.N...), or None
+    for tensors the family does not serve (a vision tower, MTP heads: skipped and logged).
+    norm_offset: RMSNorm weights are stored as offsets from this (Qwen3.5: 1, the norm is
+    x * (1 + w)); added once at load."""
     name: str
     layer_specs: Callable[[ModelArgs], list[LayerSpec]]
     blocks: dict              # spec type -> block class (models/blocks.BLOCKS, plus its own)
+    tensor_name: Callable[[str], str | None] = keep_name
+    norm_offset: float = 0.0
 
 
 def dense_attention_layers(args: ModelArgs, qk_norm: bool = False) -> list[LayerSpec]:

@@ -12,11 +12,13 @@ from tensorfold.models.checkpoint import CheckpointError
 
 
 class WeightReader:
-    def __init__(self, tensors: dict, dtype: torch.dtype, device: torch.device, ops, prefix: str = ""):
+    def __init__(self, tensors: dict, dtype: torch.dtype, device: torch.device, ops, prefix: str = "",
+                 norm_offset: float = 0.0):
         self.tensors, self.dtype, self.device, self.ops, self.prefix = tensors, dtype, device, ops, prefix
+        self.norm_offset = norm_offset  # the family's (models/spec.Family.norm_offset)
 
     def under(self, prefix: str) -> "WeightReader":
-        return WeightReader(self.tensors, self.dtype, self.device, self.ops, self.prefix + prefix)
+        return WeightReader(self.tensors, self.dtype, self.device, self.ops, self.prefix + prefix, self.norm_offset)
 
     def has(self, name: str) -> bool:
         return self.prefix + name in self.tensors
@@ -29,6 +31,23 @@ class WeightReader:
 
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.dense(name) if self.has(name) else None
+
+    def norm(self, name: str) -> torch.Tensor:
+        """An RMSNorm weight as the norm multiplies by it: the family's offset added in float32,
+        then the dtype."""
+        if not self.norm_offset:
+            return self.dense(name)
+        return (self.float32(name) + self.norm_offset).to(self.dtype).contiguous()
+
+    def maybe_norm(self, name: str) -> torch.Tensor | None:
+        return self.norm(name) if self.has(name) else None
+
+    def float32(self, name: str) -> torch.Tensor:
+        """A dense tensor as float32, whatever the dtype (parameters kept at full precision)."""
+        full = self.prefix + name
+        if full not in self.tensors:
+            raise CheckpointError(f"missing tensor '{full}'")
+        return self.tensors[full].to(device=self.device, dtype=torch.float32).contiguous()
 
     def matrix(self, name: str):
         """A GEMM matrix as stored for the op set: quantized blocks stay blocks (on the device),

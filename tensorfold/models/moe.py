@@ -1,0 +1,110 @@
+"""A mixture of experts feed-forward: a router, top-k routed SwiGLU experts and a gated shared
+expert (Qwen3.6, Qwen3-Next).
+
+    route    logits = router(x); the top k experts by logit (ties: the lower index first);
+             weights p_i = exp(l_i - max) over the top k, divided by their sum (norm_topk_prob)
+             or by the sum over every expert (softmax's own)
+    experts  tokens grouped by expert, each expert's GEMMs over its tokens; a token's outputs
+             times their weights, added in ascending expert index (float32)
+    shared   sigmoid(shared_gate(x)) * shared_expert(x), added last
+
+Batch invariant by construction: the router's logits come from the row-invariant GEMM, the
+choice and the weights from that row alone (exp is exact.float32's, the sums fixed in order or
+exact on the grid), an expert's GEMM gives each row the bits it gives it alone, whatever other
+tokens chose the expert, and nothing is dropped for capacity.
+
+Checkpoints keep experts one by one (experts.E.gate_proj.weight, ...), as on the Hub; the
+stacked form transformers writes (experts.gate_up_proj [E, 2I, H], experts.down_proj) is read too.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from tensorfold.exact import float32, grid
+from tensorfold.kernels.reference import sigmoid32
+from tensorfold.models.weights import WeightReader
+
+SUM_BITS = 40  # the all-experts sum: each exp(l - max) <= 1 on a 2^-39 grid, 2^13 experts stay below 2^53
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int           # each routed expert's
+    shared_intermediate_size: int    # the shared expert's (0: none)
+    norm_topk_prob: bool = True
+
+
+class Expert:
+    """One SwiGLU expert: gate_up and down as LinearWeights."""
+
+    def __init__(self, gate_up, down, intermediate_size: int, ops):
+        self.gate_up, self.down, self.intermediate_size, self.ops = gate_up, down, intermediate_size, ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.down(self.ops.silu_and_mul(gate, up))
+
+
+class MoE:
+    def __init__(self, spec: MoESpec, w: WeightReader, ctx):
+        self.spec, self.ops = spec, w.ops
+        mlp = w.under("mlp.")
+        self.router = mlp.linear("gate.weight")
+        self.experts = _experts(spec, mlp)
+        self.shared = self.shared_gate = None
+        if spec.shared_intermediate_size:
+            shared = mlp.under("shared_expert.")
+            self.shared = Expert(shared.linear("gate_proj.weight", "up_proj.weight"), shared.linear("down_proj.weight"),
+                                 spec.shared_intermediate_size, w.ops)
+            self.shared_gate = mlp.linear("shared_expert_gate.weight")
+        self.cache_spec = None
+
+    def gemms(self) -> dict:
+        named = {"router": self.router}
+        for e, expert in enumerate(self.experts):
+            named[f"experts.{e}.gate_up"], named[f"experts.{e}.down"] = expert.gate_up, expert.down
+        if self.shared is not None:
+            named.update({"shared.gate_up": self.shared.gate_up, "shared.down": self.shared.down,
+                          "shared_gate": self.shared_gate})
+        return named
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen, weights = route(self.router(x).float(), self.spec.top_k, self.spec.norm_topk_prob)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(chosen).tolist():  # ascending: each row's terms in expert order
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            out[rows] += self.experts[e](x[rows]).float() * weights[rows, slot, None]
+        if self.shared is not None:
+            out += sigmoid32(self.shared_gate(x).float()) * self.shared(x).float()
+        return out.to(x.dtype)
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [rows, k] int64, weights [rows, k] float32) from router logits [rows, E] float32:
+    the k largest logits, ties to the lower index (a stable sort), weights exp(l - max) over the
+    chosen ones' sum added in rank order, or over every expert's sum, exact on the grid."""
+    ordered, index = torch.sort(logits, dim=-1, descending=True, stable=True)
+    top = float32.exp_neg(ordered[:, :top_k] - ordered[:, :1])  # [rows, k], the first is 1
+    if normalize:
+        total = top[:, 0].clone()
+        for j in range(1, top_k):
+            total += top[:, j]
+    else:
+        every = float32.exp_neg(logits - ordered[:, :1]).double()
+        total = (grid.round_even(every * 2.0 ** (SUM_BITS - 1)).sum(dim=-1) * 2.0 ** (1 - SUM_BITS)).float()
+    return index[:, :top_k], top / total[:, None]
+
+
+def _experts(spec: MoESpec, mlp: WeightReader) -> list[Expert]:
+    linear, size = mlp.ops.Linear, spec.intermediate_size
+    if mlp.has("experts.gate_up_proj"):  # stacked: [E, 2I, H] and [E, H, I]
+        gate_up, down = mlp.matrix("experts.gate_up_proj"), mlp.matrix("experts.down_proj")
+        return [Expert(linear.of(gate_up[e]), linear.of(down[e]), size, mlp.ops) for e in range(spec.num_experts)]
+    experts = []
+    for e in range(spec.num_experts):
+        one = mlp.under(f"experts.{e}.")
+        experts.append(Expert(one.linear("gate_proj.weight", "up_proj.weight"), one.linear("down_proj.weight"),
+                              size, mlp.ops))
+    return experts
