@@ -23,9 +23,9 @@ chunking of a prefill and the threads, and on every op set that follows these st
 Prefill runs the recurrence position by position (the chunked WY form reorders the sums, which
 the exact rule forbids); the conv, the norms and the gates are computed for all rows at once.
 
-States live in the cache per block (models/cache.RecurrentState): a sequence's first row reads
-the state its block table holds after position p0 - 1, and the state after each row that ends
-a block, and after its last row, is written to that row's block.
+States live in the cache per block (models/cache.RecurrentState). The op reads and writes the
+slots the batch names (ForwardBatch.state_slots): each sequence's starting state, and for each
+row the block (if any) its state is written to; it knows nothing of block sizes or tables.
 """
 import torch
 
@@ -115,48 +115,40 @@ def prepare(mixed, a, b, params):
 
 def delta_net(qkv, a, b, state, batch, params) -> torch.Tensor:
     """One Gated DeltaNet layer's mixing over a ForwardBatch: qkv [rows, C] (the input projection
-    before the conv), a and b [rows, H]; state: the layer's models/cache.LayerState, read at each
-    sequence's start and written at block ends and at its last row. Returns [rows, H, dv] in
-    qkv's dtype (before the gated norm)."""
-    bs = state.block_size
+    before the conv), a and b [rows, H]; state: the layer's models/cache.LayerState. Each
+    sequence starts from the state in block state_in (zero at -1), and the state after a row is
+    written to block state_out[row] where that is not -1 (ForwardBatch.state_slots). Returns
+    [rows, H, dv] in qkv's dtype (before the gated norm)."""
+    state_in, state_out = batch.state_slots(state.block_size)
+    taps = state.conv.shape[1]
     mixed = torch.empty(qkv.shape, dtype=torch.float32, device=qkv.device)
-    starts, windows, ssm = [], [], []
-    for seq in batch.sequences:
-        p0 = int(batch.positions[seq.start])
-        prev = int(seq.block_table[(p0 - 1) // bs]) if p0 > 0 else None
-        window = state.conv[prev] if prev is not None else state.conv.new_zeros(state.conv.shape[1:])
-        ssm.append(state.ssm[prev].clone() if prev is not None else state.ssm.new_zeros(state.ssm.shape[1:]))
-        padded_rows = torch.cat([window, qkv[seq.start:seq.end].float()])
+    live = []
+    for i, seq in enumerate(batch.sequences):
+        src = int(state_in[i])
+        window = state.conv[src] if src >= 0 else state.conv.new_zeros(state.conv.shape[1:])
+        live.append(state.ssm[src].clone() if src >= 0 else state.ssm.new_zeros(state.ssm.shape[1:]))
+        padded = torch.cat([window, qkv[seq.start:seq.end].float()])
         mixed[seq.start:seq.end] = conv_silu(qkv[seq.start:seq.end], window, params.conv_weight)
-        _save_windows(state, seq, p0, padded_rows, bs)
-        starts.append(p0)
+        for t in range(seq.end - seq.start):  # the conv's last K - 1 inputs after each written row
+            dst = int(state_out[seq.start + t])
+            if dst >= 0:
+                state.conv[dst] = padded[t + 1:t + 1 + taps]
     q, k, v, decay, beta = prepare(mixed, a, b, params)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    live = torch.stack(ssm) if ssm else None
     lengths = [seq.end - seq.start for seq in batch.sequences]
-    for t in range(max(lengths, default=0)):
+    live = torch.stack(live) if live else None
+    for t in range(max(lengths, default=0)):  # position t of every sequence that has one, at once
         active = [i for i, n in enumerate(lengths) if n > t]
-        rows = torch.tensor([batch.sequences[i].start + t for i in active])
-        sub = live[active] if len(active) < len(lengths) else live
-        out[rows] = delta_step(sub, q[rows], k[rows], v[rows], decay[rows], beta[rows])
-        if len(active) < len(lengths):
+        at = torch.tensor([batch.sequences[i].start + t for i in active], dtype=torch.int64)
+        every = len(active) == len(lengths)
+        sub = live if every else live[active]
+        out[at] = delta_step(sub, q[at], k[at], v[at], decay[at], beta[at])
+        if not every:
             live[active] = sub
-        for j, i in enumerate(active):
-            seq, pos = batch.sequences[i], starts[i] + t
-            if pos % bs == bs - 1 or t == lengths[i] - 1:
-                state.ssm[int(seq.block_table[pos // bs])] = sub[j]
+        for j, row in enumerate(at.tolist()):
+            if int(state_out[row]) >= 0:
+                state.ssm[int(state_out[row])] = sub[j]
     return out.to(qkv.dtype)
-
-
-def _save_windows(state, seq, p0: int, padded_rows: torch.Tensor, bs: int) -> None:
-    """The conv's last K - 1 inputs after each row that ends a block, and after the last row,
-    into that row's block (padded_rows: the window before the sequence's rows, then the rows)."""
-    taps = state.conv.shape[1]
-    n = seq.end - seq.start
-    for t in range(n):
-        pos = p0 + t
-        if pos % bs == bs - 1 or t == n - 1:
-            state.conv[int(seq.block_table[pos // bs])] = padded_rows[t + 1:t + 1 + taps]
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
