@@ -35,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-share", type=float, default=0.25,
                    help="decode-only time after each prefill chunk, as a fraction of the chunk's time (0: prompts first)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="tokens per cache block (a multiple of 16): the prefix cache's unit, and for models "
+                        "with recurrent layers the spacing of their kept states")
     p.add_argument("--prompt-cache-gib", type=float, default=None,
                    help="most memory the prefix cache keeps in idle blocks (default: all free blocks)")
     p.add_argument("--no-drafts", action="store_true", help="turn speculative decoding off server-wide")
@@ -71,6 +74,8 @@ def settings_from(args, backend: str = "cpu"):
         raise SystemExit("--drain-seconds must be 0 or more")
     if args.thinking_budget < 0:
         raise SystemExit("--thinking-budget must be 0 (none) or more")
+    if args.block_size < 16 or args.block_size % 16:
+        raise SystemExit("--block-size must be a positive multiple of 16")
     if args.parallel == "auto":
         parallel = 8
     else:
@@ -84,7 +89,7 @@ def settings_from(args, backend: str = "cpu"):
                           max_num_seqs=parallel, max_tokens_per_step=args.prefill_chunk,
                           decode_share=args.decode_share,
                           kv_cache_gib=args.kv_cache_gib, prompt_cache_gib=args.prompt_cache_gib,
-                          drafting=not args.no_drafts, num_threads=args.threads, backend=backend)
+                          block_size=args.block_size, drafting=not args.no_drafts, num_threads=args.threads, backend=backend)
     return ServeSettings(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
                          max_tokens=args.max_tokens, model_card=args.model_card,
