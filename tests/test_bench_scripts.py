@@ -91,3 +91,10 @@ def test_bench_gemm_runs():
         pytest.skip(f"the C++ kernels are not built: {native_problem()}")
     out = run_tool("tools/bench_gemm.py", "--dtypes", "bfloat16", "--rows", "1,3", "--repeats", "1")
     assert re.search(r"\| bfloat16 \| 120 bfloat16 \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\d \|", out), out
+
+
+def test_bench_hybrid_runs(tmp_path):
+    out = run_tool("tools/bench_hybrid.py", "--shape", "tiny", "--tokens", "4", "--prefill-tokens", "16",
+                   "--repeats", "1", "--block-size", "32", "--cache-gib", "0.05", "--long", "64",
+                   "--cache-dir", str(tmp_path))
+    assert "DeltaNet share of a round" in out and "round @64 / @100" in out
