@@ -122,11 +122,14 @@ def delta_net(qkv, a, b, state, batch, params) -> torch.Tensor:
     state_in, state_out = batch.state_slots(state.block_size)
     taps = state.conv.shape[1]
     mixed = torch.empty(qkv.shape, dtype=torch.float32, device=qkv.device)
-    live = []
-    for i, seq in enumerate(batch.sequences):
+    # Every starting state is read before any is written (a block one sequence writes may be
+    # another's start only across calls, never within one: kernels may run sequences at once).
+    windows, live = [], []
+    for i in range(len(batch.sequences)):
         src = int(state_in[i])
-        window = state.conv[src] if src >= 0 else state.conv.new_zeros(state.conv.shape[1:])
+        windows.append(state.conv[src].clone() if src >= 0 else state.conv.new_zeros(state.conv.shape[1:]))
         live.append(state.ssm[src].clone() if src >= 0 else state.ssm.new_zeros(state.ssm.shape[1:]))
+    for seq, window in zip(batch.sequences, windows):
         padded = torch.cat([window, qkv[seq.start:seq.end].float()])
         mixed[seq.start:seq.end] = conv_silu(qkv[seq.start:seq.end], window, params.conv_weight)
         for t in range(seq.end - seq.start):  # the conv's last K - 1 inputs after each written row
