@@ -430,7 +430,7 @@ def test_route_equals_reference(draw, experts, top_k, normalize):
     index), -0.0 against +0.0, -inf entries, a row of one value; rows not a multiple of the
     program's 16."""
     from tensorfold.kernels import moe_triton
-    from tensorfold.models import moe
+    from tensorfold.kernels import moe
     rows = 21
     logits = draw.randn(rows, experts, scale=2.0)
     logits[1:6] = torch.randint(-2, 3, (5, experts), generator=draw.gen).float().to(DEVICE)

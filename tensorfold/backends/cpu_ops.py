@@ -8,6 +8,7 @@ torch operations: nothing here calls tensorfold._cpu); its tokens come back as P
 """
 import functools
 
+from tensorfold.kernels.moe import route  # noqa: F401
 from tensorfold.kernels.paged_attention import attention_by_sequence
 from tensorfold.kernels.paged_attention import paged_attention_ref as paged_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import paged_decode_attention_ref as paged_decode_attention  # noqa: F401

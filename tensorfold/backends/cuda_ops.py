@@ -28,6 +28,7 @@ What runs where, and why:
 """
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
+from tensorfold.kernels.moe_triton import route  # noqa: F401
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.paged_attention import write_kv_ref

@@ -1,4 +1,4 @@
-"""The MoE router's choice and weights in Triton, bitwise models/moe.route.
+"""The MoE router's choice and weights in Triton, bitwise kernels/moe.route.
 
 `route(logits, top_k, normalize)`: logits [rows, E] float32 -> (experts [rows, k] int64, weights
 [rows, k] float32). One program per ROWS rows, the whole row of E logits in one tile:
@@ -14,9 +14,7 @@
 Launched with FMA contraction off (exact_triton.LAUNCH_EXACT). Each row is computed alone, so
 its bits do not depend on the rows beside it.
 
-Not bound anywhere yet: models/moe.MoE.forward calls models.moe.route itself, not an op. Wiring it
-needs `route` in both op sets (cpu_ops: models.moe.route; cuda_ops: this) and MoE.forward calling
-self.ops.route.
+The cuda op set's `route` (models/moe.MoE.forward calls ops.route).
 """
 import torch
 import triton
@@ -24,7 +22,7 @@ import triton.language as tl
 
 from tensorfold.kernels import exact_triton as ex
 from tensorfold.kernels.exact_triton import LAUNCH_EXACT
-from tensorfold.models import moe as ref
+from tensorfold.kernels import moe as ref
 
 MAX_EXPERTS = 1 << 13  # the all-experts sum on the 2^-39 grid stays below 2^53
 ROWS = 16
@@ -76,7 +74,7 @@ def route_kernel(logits_ptr, experts_ptr, weights_ptr, num_rows, stride_row,
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool, *, rows_per_program: int = ROWS):
-    """`models.moe.route`, bitwise: (experts [rows, k] int64, weights [rows, k] float32)."""
+    """`kernels.moe.route`, bitwise: (experts [rows, k] int64, weights [rows, k] float32)."""
     num_rows, num_experts = logits.shape
     if num_experts > MAX_EXPERTS or not 1 <= top_k <= num_experts:
         raise ValueError(f"top {top_k} of {num_experts} experts (at most {MAX_EXPERTS})")

@@ -3,7 +3,7 @@ expert (Qwen3.6, Qwen3-Next).
 
     route    logits = router(x); the top k experts by logit (ties: the lower index first);
              weights p_i = exp(l_i - max) over the top k, divided by their sum (norm_topk_prob)
-             or by the sum over every expert (softmax's own)
+             or by the sum over every expert (softmax's own): ops.route (kernels/moe.py)
     experts  tokens grouped by expert, each expert's GEMMs over its tokens; a token's outputs
              times their weights, added in ascending expert index (float32)
     shared   sigmoid(shared_gate(x)) * shared_expert(x), added last
@@ -20,12 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorfold.exact import float32, grid
 from tensorfold.kernels.reference import sigmoid32
 from tensorfold.models.weights import WeightReader
-
-SUM_BITS = 40  # the all-experts sum: each exp(l - max) <= 1 on a 2^-39 grid, 2^13 experts stay below 2^53
-
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -71,7 +67,7 @@ class MoE:
         return named
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        chosen, weights = route(self.router(x).float(), self.spec.top_k, self.spec.norm_topk_prob)
+        chosen, weights = self.ops.route(self.router(x).float(), self.spec.top_k, self.spec.norm_topk_prob)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(chosen).tolist():  # ascending: each row's terms in expert order
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
@@ -79,22 +75,6 @@ class MoE:
         if self.shared is not None:
             out += sigmoid32(self.shared_gate(x).float()) * self.shared(x).float()
         return out.to(x.dtype)
-
-
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts [rows, k] int64, weights [rows, k] float32) from router logits [rows, E] float32:
-    the k largest logits, ties to the lower index (a stable sort), weights exp(l - max) over the
-    chosen ones' sum added in rank order, or over every expert's sum, exact on the grid."""
-    ordered, index = torch.sort(logits, dim=-1, descending=True, stable=True)
-    top = float32.exp_neg(ordered[:, :top_k] - ordered[:, :1])  # [rows, k], the first is 1
-    if normalize:
-        total = top[:, 0].clone()
-        for j in range(1, top_k):
-            total += top[:, j]
-    else:
-        every = float32.exp_neg(logits - ordered[:, :1]).double()
-        total = (grid.round_even(every * 2.0 ** (SUM_BITS - 1)).sum(dim=-1) * 2.0 ** (1 - SUM_BITS)).float()
-    return index[:, :top_k], top / total[:, None]
 
 
 def _experts(spec: MoESpec, mlp: WeightReader) -> list[Expert]:
