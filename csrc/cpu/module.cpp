@@ -269,6 +269,101 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
+// delta_net.delta_net over the rows of a ForwardBatch (positions, block_tables, row_starts_tensor)
+// and a LayerState's conv [blocks, K - 1, C] and ssm [blocks, heads, key_dim, value_dim] (float32,
+// contiguous, written in place): out [rows, heads, value_dim] in qkv's dtype.
+torch::Tensor delta_net(const torch::Tensor& qkv, const torch::Tensor& a, const torch::Tensor& b,
+                        torch::Tensor& conv_state, torch::Tensor& ssm_state, int64_t block_size,
+                        const torch::Tensor& positions, const torch::Tensor& tables, const torch::Tensor& row_starts,
+                        const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
+                        int64_t num_key_heads, int64_t num_heads, int64_t key_dim, int64_t value_dim,
+                        const Out& out_arg) {
+  check_cpu(qkv, "delta_net: qkv");
+  const int code = dtype_code(qkv, "delta_net");
+  TORCH_CHECK(num_key_heads > 0 && num_heads > 0 && num_heads % num_key_heads == 0 && key_dim > 0 &&
+                  key_dim <= 256 && value_dim > 0 && block_size > 0,
+              "delta_net: num_heads must be a multiple of num_key_heads, 0 < key_dim <= 256 (the grid dots' exact "
+              "sums), value_dim and block_size positive");
+  const int64_t C = 2 * num_key_heads * key_dim + num_heads * value_dim;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == C, "delta_net: qkv [rows, ", C, "] expected, got ", qkv.sizes());
+  const int64_t rows = qkv.size(0);
+  auto x = qkv.stride(1) == 1 ? qkv : qkv.contiguous();
+  TORCH_CHECK(a.numel() == rows * num_heads && b.numel() == rows * num_heads && a.size(0) == rows &&
+                  b.size(0) == rows,
+              "delta_net: a and b [rows, num_heads] expected");
+  check_cpu(a, "delta_net: a");
+  check_cpu(b, "delta_net: b");
+  auto af = a.to(torch::kFloat32).contiguous(), bf = b.to(torch::kFloat32).contiguous();  // exact from bf16
+  TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == C && conv_weight.size(1) >= 1 &&
+                  conv_weight.scalar_type() == torch::kFloat32,
+              "delta_net: conv_weight float32 [", C, ", K] expected");
+  const int64_t K = conv_weight.size(1);
+  check_cpu(conv_state, "delta_net: conv_state");
+  check_cpu(ssm_state, "delta_net: ssm_state");
+  TORCH_CHECK(conv_state.scalar_type() == torch::kFloat32 && conv_state.is_contiguous() && conv_state.dim() == 3 &&
+                  conv_state.size(1) == K - 1 && conv_state.size(2) == C,
+              "delta_net: conv_state a contiguous float32 [blocks, ", K - 1, ", ", C, "] expected, got ",
+              conv_state.sizes());
+  const int64_t num_blocks = conv_state.size(0);
+  TORCH_CHECK(ssm_state.scalar_type() == torch::kFloat32 && ssm_state.is_contiguous() &&
+                  ssm_state.sizes() == torch::IntArrayRef({num_blocks, num_heads, key_dim, value_dim}),
+              "delta_net: ssm_state a contiguous float32 [", num_blocks, ", ", num_heads, ", ", key_dim, ", ",
+              value_dim, "] expected, got ", ssm_state.sizes());
+  TORCH_CHECK(rate.numel() == num_heads && dt_bias.numel() == num_heads && rate.scalar_type() == torch::kFloat32 &&
+                  dt_bias.scalar_type() == torch::kFloat32,
+              "delta_net: rate and dt_bias float32 [num_heads] expected");
+  auto wc = conv_weight.contiguous(), rc = rate.contiguous(), dc = dt_bias.contiguous();
+  auto pos = positions.to(torch::kInt64).contiguous();
+  auto tab = tables.to(torch::kInt64).contiguous();
+  auto starts = row_starts.to(torch::kInt64).contiguous();
+  TORCH_CHECK(tab.dim() == 2 && starts.numel() == tab.size(0) + 1, "delta_net: one table row per sequence");
+  TORCH_CHECK(pos.numel() == rows, "delta_net: one position per row");
+  const int64_t num_seqs = tab.size(0), width = tab.size(1);
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const int64_t* t = tab.data_ptr<int64_t>();
+  TORCH_CHECK(st[0] == 0 && st[num_seqs] == rows, "delta_net: row_starts must run from 0 to the number of rows");
+  for (int64_t s = 0; s < num_seqs; ++s) {  // every block the sequence reads or writes exists
+    TORCH_CHECK(st[s] <= st[s + 1], "delta_net: row_starts must not decrease");
+    if (st[s] == st[s + 1]) continue;
+    const int64_t p0 = p[st[s]], last = p0 + (st[s + 1] - st[s]) - 1;
+    TORCH_CHECK(p0 >= 0 && last / block_size < width, "delta_net: positions ", p0, "..", last, " past the table");
+    for (int64_t blk = p0 > 0 ? (p0 - 1) / block_size : 0; blk <= last / block_size; ++blk)
+      TORCH_CHECK(t[s * width + blk] >= 0 && t[s * width + blk] < num_blocks, "delta_net: block out of range");
+  }
+  auto out = output(out_arg, {rows, num_heads, value_dim}, qkv, "delta_net");
+  if (rows > 0)
+    tf::delta_net(code, x.data_ptr(), x.stride(0), af.data_ptr<float>(), bf.data_ptr<float>(),
+                  conv_state.data_ptr<float>(), ssm_state.data_ptr<float>(), block_size, p, t, width, st, num_seqs,
+                  wc.data_ptr<float>(), K, rc.data_ptr<float>(), dc.data_ptr<float>(), num_key_heads, num_heads,
+                  key_dim, value_dim, out.data_ptr(), threads());
+  return out;
+}
+
+// delta_net.gated_rms_norm: rms_norm(x) * weight * silu(gate) over the last dim, in x's dtype.
+torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& weight,
+                             double eps, const Out& out_arg) {
+  check_cpu(x, "gated_rms_norm: x");
+  check_cpu(gate, "gated_rms_norm: gate");
+  check_cpu(weight, "gated_rms_norm: weight");
+  const int code = dtype_code(x, "gated_rms_norm");
+  const int gate_code = dtype_code(gate, "gated_rms_norm: gate");
+  const int weight_code = dtype_code(weight, "gated_rms_norm: weight");
+  TORCH_CHECK(x.dim() >= 1 && gate.sizes() == x.sizes(), "gated_rms_norm: gate must have x's shape");
+  const int64_t width = x.size(-1);
+  TORCH_CHECK(weight.numel() == width, "gated_rms_norm: weight must be [", width, "]");
+  TORCH_CHECK(width <= 8192, "rms_norm rows are at most 8192 wide (an exact float64 sum), got ", width);
+  auto xc = x.contiguous();
+  auto g = gate.dim() == 2 && gate.stride(1) == 1 ? gate : gate.contiguous();
+  const int64_t rows = width ? xc.numel() / width : 0;
+  const int64_t gate_stride = g.dim() == 2 ? g.stride(0) : width;
+  auto out = output(out_arg, xc.sizes(), xc, "gated_rms_norm");
+  if (rows > 0)
+    tf::gated_rms_norm(code, xc.data_ptr(), gate_code, g.data_ptr(), gate_stride, weight_code,
+                       weight.contiguous().data_ptr(), out.data_ptr(), rows, width, eps, threads());
+  return out;
+}
+
 // exact.exp64 / exact.log64 over a float64 tensor (any shape), a new tensor back.
 template <double (*F)(double)>
 torch::Tensor elementwise64(const torch::Tensor& x) {
@@ -413,6 +508,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
   m.def("write_kv", &write_kv, "paged_attention.write_kv_ref", py::arg("k_cache"), py::arg("v_cache"),
         py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("v_exp") = py::none());
+  m.def("delta_net", &delta_net,
+        "delta_net.delta_net: conv, norms, gates and the recurrence of a ForwardBatch's rows in one call; writes "
+        "the conv and ssm states in place",
+        py::arg("qkv"), py::arg("a"), py::arg("b"), py::arg("conv_state"), py::arg("ssm_state"),
+        py::arg("block_size"), py::arg("positions"), py::arg("block_tables"), py::arg("row_starts"),
+        py::arg("conv_weight"), py::arg("rate"), py::arg("dt_bias"), py::arg("num_key_heads"), py::arg("num_heads"),
+        py::arg("key_dim"), py::arg("value_dim"), out);
+  m.def("gated_rms_norm", &gated_rms_norm, "delta_net.gated_rms_norm: rms_norm(x) * weight * silu(gate)",
+        py::arg("x"), py::arg("gate"), py::arg("weight"), py::arg("eps"), out);
   m.def("exp64", &elementwise64<tf::exp64>, "exact.exp64: float64 exp without libm", py::arg("x"));
   m.def("log64", &elementwise64<tf::log64>, "exact.log64: float64 log without libm", py::arg("x"));
   m.def("sample_keys", &sample_keys, "sampler._keys: weights q and order keys", py::arg("z"), py::arg("m"),

@@ -14,7 +14,7 @@ import torch
 from tensorfold import _cpu
 from tensorfold.backends.huge_pages import arena
 from tensorfold.backends.linear_weight import LinearWeight
-from tensorfold.kernels.delta_net import delta_net, gated_rms_norm  # noqa: F401 (the reference's, for now)
+from tensorfold.kernels.moe import route  # noqa: F401
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention
@@ -39,6 +39,18 @@ add_rms_norm = _cpu.add_rms_norm
 apply_rope = _cpu.apply_rope
 rms_norm_rope = _cpu.rms_norm_rope
 silu_and_mul = _cpu.silu_and_mul
+gated_rms_norm = _cpu.gated_rms_norm
+
+
+def delta_net(qkv, a, b, state, batch, params):
+    """Gated DeltaNet's mixing of a ForwardBatch's rows in one call (kernels/delta_net.delta_net's
+    signature and bits): state is the layer's models/cache.LayerState, written in place."""
+    p = params
+    return _cpu.delta_net(qkv, a, b, state.conv, state.ssm, state.block_size, batch.positions, batch.block_tables,
+                          batch.row_starts_tensor, p.conv_weight, p.rate, p.dt_bias, p.num_key_heads, p.num_heads,
+                          p.key_dim, p.value_dim)
+
+
 # the keyed draw with the C++ steps (draw_rows, sample_keys, top_keys, gumbel): sampler.sample's bits
 sample = functools.partial(sampler.sample, native=_cpu)
 
