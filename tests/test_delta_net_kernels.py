@@ -123,9 +123,10 @@ def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 def native_delta_net(qkv, a, b, state, batch, params, out=None):
     p = params
-    return _cpu.delta_net(qkv, a, b, state.conv, state.ssm, state.block_size, batch.positions, batch.block_tables,
-                          batch.row_starts_tensor, p.conv_weight, p.rate, p.dt_bias, p.num_key_heads, p.num_heads,
-                          p.key_dim, p.value_dim, out=out)
+    state_in, state_out = batch.state_slots(state.block_size)
+    return _cpu.delta_net(qkv, a, b, state.conv, state.ssm, state_in, state_out, batch.row_starts_tensor,
+                          p.conv_weight, p.rate, p.dt_bias, p.num_key_heads, p.num_heads, p.key_dim, p.value_dim,
+                          out=out)
 
 
 def check_against_reference(draw, layer, dtype, spans, block_size):
@@ -239,6 +240,57 @@ def test_delta_net_alone_equals_among_others(draw, threads):
         start += span[1]
 
 
+def check_custom_slots(draw, layer, dtype, spans, tables, num_blocks, state_in, state_out):
+    """The C++ op and the reference given the same batch with state_slots patched to (state_in,
+    state_out): the same outputs and the same cache, bit for bit (NaN in every block written)."""
+    batch = make_batch(spans, tables)
+    slots = (torch.tensor(state_in, dtype=torch.int64), torch.tensor(state_out, dtype=torch.int64))
+    batch.state_slots = lambda block_size: slots
+    qkv, a, b = make_rows(draw, layer, len(state_out), dtype)
+    state = make_state(draw, layer, num_blocks, 4)
+    for block in set(state_out) - set(state_in) - {-1}:
+        state.conv[block] = NAN
+        state.ssm[block] = NAN
+    want_state, got_state = clone(state), clone(state)
+    want = ref.delta_net(qkv, a, b, want_state, batch, layer.params)
+    got = native_ops.delta_net(qkv, a, b, got_state, batch, layer.params)
+    assert same_bits(got, want), f"delta_net output differs ({draw})"
+    assert same_bits(got_state.conv, want_state.conv), f"conv states differ ({draw})"
+    assert same_bits(got_state.ssm, want_state.ssm), f"ssm states differ ({draw})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_delta_net_custom_slots(draw, threads, dtype):
+    """Slots the engine chooses, not the block tables': a sequence whose every row's state goes to
+    a slot of its own (a verify round's per-row states), one that writes no state at all, one that
+    starts from zeros mid-sequence, one that writes only a middle row's state, and one that writes
+    its own starting block (read before written)."""
+    layer = make_layer(draw, 2, 2, 32, 24)
+    spans = [(9, 6), (3, 2), (40, 3), (0, 4), (17, 3)]
+    tables = [[0]] * len(spans)  # not read: the slots below are the op's whole contract
+    state_in = [2, 5, -1, -1, 8]
+    state_out = [10, 11, 12, 13, 14, 15,   # every row to a distinct slot
+                 -1, -1,                   # nothing written
+                 -1, 16, 17,               # from zeros, two rows written
+                 -1, 18, -1, -1,           # one middle row
+                 -1, -1, 8]                # its last row into its own starting block
+    check_custom_slots(draw, layer, dtype, spans, tables, 20, state_in, state_out)
+
+
+def test_delta_net_slot_read_by_one_sequence_written_by_another(draw, threads):
+    """A block one sequence starts from and another writes: the reader sees the state from
+    before the call (every starting state is read before any is written), whatever the order the
+    threads run the sequences in; and the same slot written twice by one sequence keeps its last."""
+    layer = make_layer(draw, 1, 2, 16, 40)
+    spans = [(5, 7), (2, 3), (8, 1)]
+    tables = [[0]] * len(spans)
+    state_in = [3, 4, 3]
+    state_out = [-1, 4, -1, 9, -1, 9, 1,   # writes the block sequence 1 starts from, then 9 twice
+                 3, -1, 6,                 # writes the block sequences 0 and 2 start from
+                 -1]
+    check_custom_slots(draw, layer, torch.float32, spans, tables, 10, state_in, state_out)
+
+
 def test_native_ops_binds_the_kernels(draw):
     """native_ops.delta_net keeps the reference's signature."""
     layer = make_layer(draw, 1, 1, 16, 16)
@@ -266,8 +318,22 @@ def test_delta_net_refuses_bad_shapes(draw):
     state = make_state(draw, layer, 1, 4)
     with pytest.raises(RuntimeError, match="qkv"):
         native_delta_net(qkv[:, 1:], a, b, state, batch, layer.params)
-    with pytest.raises(RuntimeError, match="past the table"):
-        native_delta_net(qkv, a, b, state, make_batch([(3, 2)], [[0]]), layer.params)
+    p = layer.params
+
+    def call(state_in, state_out, row_starts=(0, 2)):
+        return _cpu.delta_net(qkv, a, b, state.conv, state.ssm, torch.tensor(state_in), torch.tensor(state_out),
+                              torch.tensor(row_starts), p.conv_weight, p.rate, p.dt_bias, p.num_key_heads,
+                              p.num_heads, p.key_dim, p.value_dim)
+    with pytest.raises(RuntimeError, match="state_in block"):
+        call([1], [-1, 0])
+    with pytest.raises(RuntimeError, match="state_out block"):
+        call([-1], [-2, 0])
+    with pytest.raises(RuntimeError, match="one state_out per row"):
+        call([-1], [0])
+    with pytest.raises(RuntimeError, match="one state_in per sequence"):
+        call([-1, -1], [-1, 0])
+    with pytest.raises(RuntimeError, match="written by two sequences"):
+        call([-1, -1], [0, 0], row_starts=(0, 1, 2))
     big = DeltaNetParams(1, 1, 512, 1, torch.zeros(1025, 4), layer.params.rate, layer.params.dt_bias)
     with pytest.raises(RuntimeError, match="key_dim"):
         native_delta_net(torch.zeros(2, 1025), a, b, state, batch, big)

@@ -18,14 +18,14 @@
 // the columns split into work items; each item runs its rows in order with nothing shared, and no
 // thread count, batch or chunking of a prefill changes a bit.
 //
-// The state: sequence s's first row reads the state its block table holds after position p0 - 1
-// (zeros at p0 = 0); the state after a row that ends a block, and after the last row, is in that
-// row's block afterwards. The kernel keeps the running state in the cache itself: in the block of
-// the row being computed, written there by that row's first pass (which reads the block the state
-// came from). Every block the reference writes is written, no other, with the reference's values.
-// The conv windows before every sequence's rows are read before any is written; all reads of a
-// sequence's own blocks come before its writes (the reference's order; sequences whose blocks
-// overlap, which a valid batch never has, are not ordered among themselves).
+// The state: the slots the batch names (ForwardBatch.state_slots; the kernel knows nothing of block
+// sizes or tables): sequence s starts from block state_in[s] (zeros at -1), and the state after row
+// r (the conv window and S) is written to block state_out[r] unless that is -1. Each work item
+// keeps its columns of S in a buffer of its own and copies them into state_out's blocks. Every
+// starting state is read before any is written: the conv windows are copied first, and an ssm
+// block that one sequence starts from and another writes is copied before the recurrence (a
+// sequence's own items read their start before they write). A block written by two sequences is
+// refused (module.cpp); one sequence's rows writing one block twice leave the last, as the reference.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -392,10 +392,8 @@ struct Call {
   const float* b;
   float* conv;
   float* ssm;
-  int64_t block_size;
-  const int64_t* positions;
-  const int64_t* tables;
-  int64_t table_width;
+  const int64_t* state_in;   // [num_seqs]: the block each sequence's starting state is read from (-1: zeros)
+  const int64_t* state_out;  // [rows]: the block the state after each row is written to (-1: none)
   const int64_t* row_starts;
   int64_t num_seqs;
   const float* conv_weight;  // [C, K]
@@ -410,10 +408,12 @@ struct Call {
 
 // What phase A leaves for the recurrence, per row: `mixed` [rows, C], the conv's output with q and
 // k normalized (q scaled); q and k on their grids, q_int and k_int [rows, key_heads, dk] (|x| <=
-// 2^22), with their exponents e_q and e_k [rows, key_heads]; decay and beta [rows, heads].
+// 2^22), with their exponents e_q and e_k [rows, key_heads]; decay and beta [rows, heads]. start:
+// sequence s's starting ssm state [heads, dk, dv] (null: zeros), in the cache or in a copy.
 struct Rows {
   float *mixed, *decay, *beta;
   int32_t *q_int, *k_int, *e_q, *e_k;
+  const float* const* start;
 };
 
 // Phase A's buffers, kept by the calling thread from call to call up to KEEP_ELEMENTS each (a
@@ -441,17 +441,23 @@ struct Workspace {
   }
 };
 
+constexpr int64_t MAX_KEY_DIM = 256;  // the grid dots' exact sums (module.cpp checks it)
+
 // The columns [j0, j0 + NV Tr::L) of one (sequence, head)'s state through all the sequence's rows:
 // grid_dot's sums run over the rows of S within each column, and every other step is elementwise,
 // so a column's values never depend on another column's. Per row t (delta_net.delta_step):
 //   S = S * decay; kv = grid_dot(S, k); delta = (v - kv) * beta; S = S + k delta^T; out = grid_dot(S, q).
-// Two passes over the columns per row: (a) out of row t - 1 (grid_dot with q over S, as row t - 1
+// The running state is the item's own: S [dk, G] contiguous (G floats a row: dk G 4 bytes, at most
+// 16 KB, stays in L1 for all the rows; the cache's columns are dv floats apart, which map a head's
+// 128 rows onto a few of L1's sets), read from the starting state and written to state_out's
+// blocks. Two passes over S per row: (a) out of row t - 1 (grid_dot with q over S, as row t - 1
 // left it) together with S = S * decay and grid_dot with k; (b) the update, with each column's
-// largest magnitude. Multiplying by decay >= 0 rounds monotonically, so the largest magnitude of
-// S * decay is float32(the largest of S * decay): pass (a) knows the k grid before it starts.
-// Pass (a) sums in integers where the grids allow it (dots_int), else in float64 (dots_f64).
+// largest magnitude (and the copy into the row's state_out block). Multiplying by decay >= 0
+// rounds monotonically, so the largest magnitude of S * decay is float32(the largest of S * decay):
+// pass (a) knows the k grid before it starts. Pass (a) sums in integers where the grids allow it
+// (dots_int), else in float64 (dots_f64).
 template <typename Tr, int NV, typename T>
-void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0) {
+void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
   constexpr int G = NV * Tr::L;
   using F = typename Columns<G>::F;
   using U = typename Columns<G>::U;
@@ -461,21 +467,19 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
   constexpr bool int_dots = false;
 #endif
   const int64_t start = c.row_starts[s], n = c.row_starts[s + 1] - start;
-  const int64_t dk = c.dk, dv = c.dv, C = c.channels(), bs = c.block_size, H = c.heads, KH = c.key_heads;
+  const int64_t dk = c.dk, dv = c.dv, C = c.channels(), H = c.heads, KH = c.key_heads;
   const int64_t kh = h / (H / KH);  // key head h / group serves value head h
-  const int64_t* table = c.tables + s * c.table_width;
-  const int64_t p0 = c.positions[start];
   auto columns = [&](int64_t block) { return c.ssm + (block * H + h) * dk * dv + j0; };  // rows dv apart
-  int64_t cur = table[p0 / bs];
-  float* S = columns(cur);
-  const float* src = S;  // the state before the next row: the block read at the start, or S
-  U top = U{} + 0u;      // the largest magnitude in each column of src (float bits)
-  if (p0 == 0) {
-    for (int64_t i = 0; i < dk; ++i) store(S + i * dv, F{} + 0.0f);
+  U top = U{} + 0u;  // the largest magnitude in each column of S (float bits)
+  if (rw.start[s] == nullptr) {
+    for (int64_t i = 0; i < dk; ++i) store(S + i * G, F{} + 0.0f);
   } else {
-    const int64_t prev = table[(p0 - 1) / bs];
-    if (prev != cur) src = columns(prev);
-    for (int64_t i = 0; i < dk; ++i) top = max_bits(top, magnitude_bits<F, U>(load<F>(src + i * dv)));
+    const float* src = rw.start[s] + h * dk * dv + j0;
+    for (int64_t i = 0; i < dk; ++i) {
+      const F x = load<F>(src + i * dv);
+      store(S + i * G, x);
+      top = max_bits(top, magnitude_bits<F, U>(x));
+    }
   }
   T* out = static_cast<T*>(c.out);
   auto write_out = [&](int64_t r, const double* sum, const double* step, int e_vec) {
@@ -490,7 +494,7 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
   const int32_t* q_int = nullptr;  // the previous row's q on its grid, and that row
   int64_t q_row = -1;
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t r = start + t, pos = p0 + t;
+    const int64_t r = start + t;
     const float d = rw.decay[r * H + h], beta = rw.beta[r * H + h];
     const int32_t* k_int = rw.k_int + (r * KH + kh) * dk;
     const float* k = rw.mixed + r * C + (KH + kh) * dk;
@@ -499,13 +503,12 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
     const bool k_normal = column_grids<G>(bits, k_scale, k_step, k_scale_f);
     if (int_dots && k_normal && (q_int == nullptr || q_normal)) {
 #if defined(TF_INT_DOTS)
-      dots_int(src, S, dk, dv, d, q_scale_f, q_int, k_scale_f, k_int, q_sum, kv_sum);
+      dots_int(S, S, dk, G, d, q_scale_f, q_int, k_scale_f, k_int, q_sum, kv_sum);
 #endif
     } else {
-      dots_f64<Tr, NV>(src, S, dk, dv, d, q_scale, q_int, k_scale, k_int, q_sum, kv_sum);
+      dots_f64<Tr, NV>(S, S, dk, G, d, q_scale, q_int, k_scale, k_int, q_sum, kv_sum);
     }
     if (q_int != nullptr) write_out(q_row, q_sum, q_step, rw.e_q[q_row * KH + kh]);
-    src = S;
     const double k_vec_step = pow2(rw.e_k[r * KH + kh] - STATE_BITS + 1);
     const float* v_row = rw.mixed + r * C + 2 * KH * dk + h * dv + j0;
     float delta_f[G];
@@ -515,29 +518,33 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
     }
     const F delta = load<F>(delta_f);
     top = U{} + 0u;
-    for (int64_t i = 0; i < dk; ++i) {  // (b) S = S + k delta^T: the product rounded, then the sum
-      const F x = load<F>(S + i * dv) + k[i] * delta;
-      store(S + i * dv, x);
-      top = max_bits(top, magnitude_bits<F, U>(x));
+    const int64_t slot = c.state_out[r];
+    if (slot < 0) {
+      for (int64_t i = 0; i < dk; ++i) {  // (b) S = S + k delta^T: the product rounded, then the sum
+        const F x = load<F>(S + i * G) + k[i] * delta;
+        store(S + i * G, x);
+        top = max_bits(top, magnitude_bits<F, U>(x));
+      }
+    } else {
+      float* dst = columns(slot);
+      for (int64_t i = 0; i < dk; ++i) {
+        const F x = load<F>(S + i * G) + k[i] * delta;
+        store(S + i * G, x);
+        store(dst + i * dv, x);
+        top = max_bits(top, magnitude_bits<F, U>(x));
+      }
     }
     store(bits, top);
     q_normal = column_grids<G>(bits, q_scale, q_step, q_scale_f);
     q_int = rw.q_int + (r * KH + kh) * dk;
     q_row = r;
-    if (pos % bs == bs - 1 && t < n - 1) {  // the block ends: the next row's pass (a) writes the next one
-      const int64_t next = table[(pos + 1) / bs];
-      if (next != cur) {
-        cur = next;
-        S = columns(cur);
-      }
-    }
   }
   if (int_dots && q_normal) {  // the last row's output
 #if defined(TF_INT_DOTS)
-    q_dot_int(src, dk, dv, q_scale_f, q_int, q_sum);
+    q_dot_int(S, dk, G, q_scale_f, q_int, q_sum);
 #endif
   } else {
-    q_dot_f64<Tr, NV>(src, dk, dv, q_scale, q_int, q_sum);
+    q_dot_f64<Tr, NV>(S, dk, G, q_scale, q_int, q_sum);
   }
   write_out(q_row, q_sum, q_step, rw.e_q[q_row * KH + kh]);
 }
@@ -545,37 +552,62 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
 constexpr int64_t ITEM_COLUMNS = 16;  // a work item's columns: 64 bytes of each state row, a cache line
 
 // One work item: columns [j0, j0 + ITEM_COLUMNS) of (sequence s, head h), two native vectors at a
-// time, then one, then column by column (an odd value_dim's last columns).
+// time, then one, then column by column (an odd value_dim's last columns). S: dk ITEM_COLUMNS floats.
 template <typename T>
-void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0) {
+void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
   const int64_t end = std::min(c.dv, j0 + ITEM_COLUMNS);
   int64_t j = j0;
   if constexpr (Native::L > 1) {
-    for (; j + 2 * Native::L <= end; j += 2 * Native::L) run_columns<Native, 2, T>(c, rw, s, h, j);
-    for (; j + Native::L <= end; j += Native::L) run_columns<Native, 1, T>(c, rw, s, h, j);
+    for (; j + 2 * Native::L <= end; j += 2 * Native::L) run_columns<Native, 2, T>(c, rw, s, h, j, S);
+    for (; j + Native::L <= end; j += Native::L) run_columns<Native, 1, T>(c, rw, s, h, j, S);
   }
-  for (; j < end; ++j) run_columns<Scalar, 1, T>(c, rw, s, h, j);
+  for (; j < end; ++j) run_columns<Scalar, 1, T>(c, rw, s, h, j, S);
 }
 
 template <typename T>
 void delta_net_impl(const Call& c) {
   const int64_t rows = c.row_starts[c.num_seqs], C = c.channels(), K = c.taps, W = K - 1, H = c.heads;
-  const int64_t dk = c.dk, bs = c.block_size, KH = c.key_heads;
+  const int64_t dk = c.dk, KH = c.key_heads;
   const T* qkv = static_cast<const T*>(c.qkv);
-  // The conv's taps by tap ([K, C]), and every sequence's window before its rows (read before any
-  // window is written).
+  std::vector<int64_t> seq_of_row(rows);
+  for (int64_t s = 0; s < c.num_seqs; ++s)
+    for (int64_t r = c.row_starts[s]; r < c.row_starts[s + 1]; ++r) seq_of_row[r] = s;
+  // Every starting state is read before any is written. The conv windows: copied here. The ssm
+  // states: each item reads its columns of its sequence's start before it writes, so only a block
+  // that one sequence starts from and another writes needs a copy first (module.cpp refuses a block
+  // two sequences write, so no other order matters).
   std::vector<float> taps(K * C);
   for (int64_t ch = 0; ch < C; ++ch)
     for (int64_t j = 0; j < K; ++j) taps[j * C + ch] = c.conv_weight[ch * K + j];
   std::vector<float> windows(c.num_seqs * W * C, 0.0f);
+  std::vector<const float*> starts(c.num_seqs, nullptr);
+  const int64_t state_elements = H * dk * c.dv;
   for (int64_t s = 0; s < c.num_seqs; ++s) {
-    const int64_t start = c.row_starts[s];
-    if (c.row_starts[s + 1] == start || W == 0) continue;
-    const int64_t p0 = c.positions[start];
-    if (p0 > 0) {
-      const float* src = c.conv + c.tables[s * c.table_width + (p0 - 1) / bs] * W * C;
-      std::memcpy(windows.data() + s * W * C, src, W * C * sizeof(float));
-    }
+    if (c.row_starts[s + 1] == c.row_starts[s] || c.state_in[s] < 0) continue;
+    if (W > 0) std::memcpy(windows.data() + s * W * C, c.conv + c.state_in[s] * W * C, W * C * sizeof(float));
+    starts[s] = c.ssm + c.state_in[s] * state_elements;
+  }
+  std::vector<std::pair<int64_t, int64_t>> read;  // (block, sequence) of every starting state
+  for (int64_t s = 0; s < c.num_seqs; ++s)
+    if (starts[s] != nullptr) read.push_back({c.state_in[s], s});
+  std::sort(read.begin(), read.end());
+  std::vector<char> copy(c.num_seqs, 0);
+  bool any_copy = false;
+  for (int64_t r = 0; r < rows && !read.empty(); ++r) {
+    const int64_t slot = c.state_out[r];
+    if (slot < 0) continue;
+    for (auto it = std::lower_bound(read.begin(), read.end(), std::make_pair(slot, int64_t{-1}));
+         it != read.end() && it->first == slot; ++it)
+      if (it->second != seq_of_row[r]) copy[it->second] = any_copy = true;
+  }
+  std::vector<float> copies;
+  if (any_copy) {
+    copies.resize(c.num_seqs * state_elements);
+    for (int64_t s = 0; s < c.num_seqs; ++s)
+      if (copy[s]) {
+        std::memcpy(copies.data() + s * state_elements, starts[s], state_elements * sizeof(float));
+        starts[s] = copies.data() + s * state_elements;
+      }
   }
   // Row u of sequence s's padded inputs (its window, then its rows) as floats into dst.
   auto padded_row = [&](int64_t s, int64_t u, float* dst) {
@@ -586,30 +618,22 @@ void delta_net_impl(const Call& c) {
       for (int64_t ch = 0; ch < C; ++ch) dst[ch] = to_f32(x[ch]);
     }
   };
-  // The windows after each row that ends a block, and after each sequence's last row.
+  // The windows after each row state_out names.
   if (W > 0) {
-    for (int64_t s = 0; s < c.num_seqs; ++s) {
-      const int64_t start = c.row_starts[s], n = c.row_starts[s + 1] - start;
-      if (n == 0) continue;
-      const int64_t p0 = c.positions[start];
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = p0 + t;
-        if (pos % bs != bs - 1 && t != n - 1) continue;
-        float* dst = c.conv + c.tables[s * c.table_width + pos / bs] * W * C;
-        for (int64_t i = 0; i < W; ++i) padded_row(s, t + 1 + i, dst + i * C);
-      }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (c.state_out[r] < 0) continue;
+      const int64_t s = seq_of_row[r], t = r - c.row_starts[s];
+      float* dst = c.conv + c.state_out[r] * W * C;
+      for (int64_t i = 0; i < W; ++i) padded_row(s, t + 1 + i, dst + i * C);
     }
   }
   // Phase A, row by row: conv, SiLU, norms and grids, gates.
-  std::vector<int64_t> seq_of_row(rows);
-  for (int64_t s = 0; s < c.num_seqs; ++s)
-    for (int64_t r = c.row_starts[s]; r < c.row_starts[s + 1]; ++r) seq_of_row[r] = s;
   thread_local Workspace<float> floats;
   thread_local Workspace<int32_t> ints;
   float* f = floats.get(static_cast<size_t>(rows * (C + 2 * H)));
   int32_t* i32 = ints.get(static_cast<size_t>(rows * KH * (2 * dk + 2)));
-  const Rows rw{f, f + rows * C, f + rows * (C + H),
-                i32, i32 + rows * KH * dk, i32 + 2 * rows * KH * dk, i32 + rows * KH * (2 * dk + 1)};
+  const Rows rw{f,   f + rows * C, f + rows * (C + H), i32, i32 + rows * KH * dk, i32 + 2 * rows * KH * dk,
+                i32 + rows * KH * (2 * dk + 1), starts.data()};
   const float q_scale = static_cast<float>(std::sqrt(static_cast<double>(dk)));  // f32(key_dim ** 0.5)
   const bool parallel_rows = c.threads > 1 && rows > 1 && rows * C >= PARALLEL_ELEMENTS;
 #pragma omp parallel num_threads(c.threads) if (parallel_rows)
@@ -661,8 +685,12 @@ void delta_net_impl(const Call& c) {
   std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return length(x.s) > length(y.s); });
   const int64_t num_items = static_cast<int64_t>(items.size());
   const bool parallel_items = c.threads > 1 && num_items > 1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(c.threads) if (parallel_items)
-  for (int64_t i = 0; i < num_items; ++i) run_item<T>(c, rw, items[i].s, items[i].h, items[i].j0);
+#pragma omp parallel num_threads(c.threads) if (parallel_items)
+  {
+    alignas(64) float S[MAX_KEY_DIM * ITEM_COLUMNS];  // the item's running state
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) run_item<T>(c, rw, items[i].s, items[i].h, items[i].j0, S);
+  }
 }
 
 // gated_rms_norm of one row: y = f32(x64 * inv) * f32(weight); out = y * silu32(gate), rounded to T.
@@ -705,13 +733,13 @@ void gated_norm_weight(const void* x, const void* gate, int64_t gate_stride, int
 }  // namespace
 
 void delta_net(int dtype, const void* qkv, int64_t qkv_stride, const float* a, const float* b, float* conv_state,
-               float* ssm_state, int64_t block_size, const int64_t* positions, const int64_t* tables,
-               int64_t table_width, const int64_t* row_starts, int64_t num_seqs, const float* conv_weight,
-               int64_t conv_kernel, const float* rate, const float* dt_bias, int64_t key_heads, int64_t heads,
-               int64_t key_dim, int64_t value_dim, void* out, int threads) {
-  const Call c{qkv,         qkv_stride,  a,         b,     conv_state, ssm_state, block_size, positions,
-               tables,      table_width, row_starts, num_seqs, conv_weight, rate, dt_bias,    key_heads,
-               heads,       key_dim,     value_dim,  conv_kernel, out,   threads};
+               float* ssm_state, const int64_t* state_in, const int64_t* state_out, const int64_t* row_starts,
+               int64_t num_seqs, const float* conv_weight, int64_t conv_kernel, const float* rate,
+               const float* dt_bias, int64_t key_heads, int64_t heads, int64_t key_dim, int64_t value_dim, void* out,
+               int threads) {
+  const Call c{qkv,         qkv_stride,  a,         b,          conv_state, ssm_state, state_in,  state_out,
+               row_starts,  num_seqs,    conv_weight, rate,     dt_bias,    key_heads, heads,     key_dim,
+               value_dim,   conv_kernel, out,         threads};
   if (dtype == 0)
     delta_net_impl<float>(c);
   else

@@ -269,21 +269,24 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
-// delta_net.delta_net over the rows of a ForwardBatch (positions, block_tables, row_starts_tensor)
-// and a LayerState's conv [blocks, K - 1, C] and ssm [blocks, heads, key_dim, value_dim] (float32,
-// contiguous, written in place): out [rows, heads, value_dim] in qkv's dtype.
+// delta_net.delta_net over the rows of a ForwardBatch (row_starts_tensor, and state_slots: state_in
+// [num_seqs], the block each sequence's starting state is read from, -1 zeros; state_out [rows], the
+// block the state after each row is written to, -1 none) and a LayerState's conv [blocks, K - 1, C]
+// and ssm [blocks, heads, key_dim, value_dim] (float32, contiguous, written in place): out [rows,
+// heads, value_dim] in qkv's dtype. A block two sequences write is refused (the order of their
+// writes would decide it).
 torch::Tensor delta_net(const torch::Tensor& qkv, const torch::Tensor& a, const torch::Tensor& b,
-                        torch::Tensor& conv_state, torch::Tensor& ssm_state, int64_t block_size,
-                        const torch::Tensor& positions, const torch::Tensor& tables, const torch::Tensor& row_starts,
+                        torch::Tensor& conv_state, torch::Tensor& ssm_state, const torch::Tensor& state_in,
+                        const torch::Tensor& state_out, const torch::Tensor& row_starts,
                         const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
                         int64_t num_key_heads, int64_t num_heads, int64_t key_dim, int64_t value_dim,
                         const Out& out_arg) {
   check_cpu(qkv, "delta_net: qkv");
   const int code = dtype_code(qkv, "delta_net");
   TORCH_CHECK(num_key_heads > 0 && num_heads > 0 && num_heads % num_key_heads == 0 && key_dim > 0 &&
-                  key_dim <= 256 && value_dim > 0 && block_size > 0,
+                  key_dim <= 256 && value_dim > 0,
               "delta_net: num_heads must be a multiple of num_key_heads, 0 < key_dim <= 256 (the grid dots' exact "
-              "sums), value_dim and block_size positive");
+              "sums), value_dim positive");
   const int64_t C = 2 * num_key_heads * key_dim + num_heads * value_dim;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == C, "delta_net: qkv [rows, ", C, "] expected, got ", qkv.sizes());
   const int64_t rows = qkv.size(0);
@@ -313,28 +316,37 @@ torch::Tensor delta_net(const torch::Tensor& qkv, const torch::Tensor& a, const 
                   dt_bias.scalar_type() == torch::kFloat32,
               "delta_net: rate and dt_bias float32 [num_heads] expected");
   auto wc = conv_weight.contiguous(), rc = rate.contiguous(), dc = dt_bias.contiguous();
-  auto pos = positions.to(torch::kInt64).contiguous();
-  auto tab = tables.to(torch::kInt64).contiguous();
+  check_cpu(state_in, "delta_net: state_in");
+  check_cpu(state_out, "delta_net: state_out");
+  check_cpu(row_starts, "delta_net: row_starts");
+  auto slots_in = state_in.to(torch::kInt64).contiguous();
+  auto slots_out = state_out.to(torch::kInt64).contiguous();
   auto starts = row_starts.to(torch::kInt64).contiguous();
-  TORCH_CHECK(tab.dim() == 2 && starts.numel() == tab.size(0) + 1, "delta_net: one table row per sequence");
-  TORCH_CHECK(pos.numel() == rows, "delta_net: one position per row");
-  const int64_t num_seqs = tab.size(0), width = tab.size(1);
+  const int64_t num_seqs = slots_in.numel();
+  TORCH_CHECK(starts.numel() == num_seqs + 1, "delta_net: one state_in per sequence (row_starts has ", starts.numel(),
+              " entries, state_in ", num_seqs, ")");
+  TORCH_CHECK(slots_out.numel() == rows, "delta_net: one state_out per row");
   const int64_t* st = starts.data_ptr<int64_t>();
-  const int64_t* p = pos.data_ptr<int64_t>();
-  const int64_t* t = tab.data_ptr<int64_t>();
+  const int64_t* si = slots_in.data_ptr<int64_t>();
+  const int64_t* so = slots_out.data_ptr<int64_t>();
   TORCH_CHECK(st[0] == 0 && st[num_seqs] == rows, "delta_net: row_starts must run from 0 to the number of rows");
-  for (int64_t s = 0; s < num_seqs; ++s) {  // every block the sequence reads or writes exists
+  std::vector<std::pair<int64_t, int64_t>> written;  // (block, sequence)
+  for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(st[s] <= st[s + 1], "delta_net: row_starts must not decrease");
-    if (st[s] == st[s + 1]) continue;
-    const int64_t p0 = p[st[s]], last = p0 + (st[s + 1] - st[s]) - 1;
-    TORCH_CHECK(p0 >= 0 && last / block_size < width, "delta_net: positions ", p0, "..", last, " past the table");
-    for (int64_t blk = p0 > 0 ? (p0 - 1) / block_size : 0; blk <= last / block_size; ++blk)
-      TORCH_CHECK(t[s * width + blk] >= 0 && t[s * width + blk] < num_blocks, "delta_net: block out of range");
+    TORCH_CHECK(si[s] >= -1 && si[s] < num_blocks, "delta_net: state_in block ", si[s], " out of range");
+    for (int64_t r = st[s]; r < st[s + 1]; ++r) {
+      TORCH_CHECK(so[r] >= -1 && so[r] < num_blocks, "delta_net: state_out block ", so[r], " out of range");
+      if (so[r] >= 0) written.push_back({so[r], s});
+    }
   }
+  std::sort(written.begin(), written.end());
+  for (size_t i = 1; i < written.size(); ++i)
+    TORCH_CHECK(written[i].first != written[i - 1].first || written[i].second == written[i - 1].second,
+                "delta_net: block ", written[i].first, " written by two sequences");
   auto out = output(out_arg, {rows, num_heads, value_dim}, qkv, "delta_net");
   if (rows > 0)
     tf::delta_net(code, x.data_ptr(), x.stride(0), af.data_ptr<float>(), bf.data_ptr<float>(),
-                  conv_state.data_ptr<float>(), ssm_state.data_ptr<float>(), block_size, p, t, width, st, num_seqs,
+                  conv_state.data_ptr<float>(), ssm_state.data_ptr<float>(), si, so, st, num_seqs,
                   wc.data_ptr<float>(), K, rc.data_ptr<float>(), dc.data_ptr<float>(), num_key_heads, num_heads,
                   key_dim, value_dim, out.data_ptr(), threads());
   return out;
@@ -512,7 +524,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "delta_net.delta_net: conv, norms, gates and the recurrence of a ForwardBatch's rows in one call; writes "
         "the conv and ssm states in place",
         py::arg("qkv"), py::arg("a"), py::arg("b"), py::arg("conv_state"), py::arg("ssm_state"),
-        py::arg("block_size"), py::arg("positions"), py::arg("block_tables"), py::arg("row_starts"),
+        py::arg("state_in"), py::arg("state_out"), py::arg("row_starts"),
         py::arg("conv_weight"), py::arg("rate"), py::arg("dt_bias"), py::arg("num_key_heads"), py::arg("num_heads"),
         py::arg("key_dim"), py::arg("value_dim"), out);
   m.def("gated_rms_norm", &gated_rms_norm, "delta_net.gated_rms_norm: rms_norm(x) * weight * silu(gate)",

@@ -46,9 +46,9 @@ def delta_net(qkv, a, b, state, batch, params):
     """Gated DeltaNet's mixing of a ForwardBatch's rows in one call (kernels/delta_net.delta_net's
     signature and bits): state is the layer's models/cache.LayerState, written in place."""
     p = params
-    return _cpu.delta_net(qkv, a, b, state.conv, state.ssm, state.block_size, batch.positions, batch.block_tables,
-                          batch.row_starts_tensor, p.conv_weight, p.rate, p.dt_bias, p.num_key_heads, p.num_heads,
-                          p.key_dim, p.value_dim)
+    state_in, state_out = batch.state_slots(state.block_size)
+    return _cpu.delta_net(qkv, a, b, state.conv, state.ssm, state_in, state_out, batch.row_starts_tensor,
+                          p.conv_weight, p.rate, p.dt_bias, p.num_key_heads, p.num_heads, p.key_dim, p.value_dim)
 
 
 # the keyed draw with the C++ steps (draw_rows, sample_keys, top_keys, gumbel): sampler.sample's bits
