@@ -38,7 +38,10 @@ permuted, norms F32, 2-D tensors in blocks (tensorfold/models/quantize.py's enco
 Q8_0 or Q4_0, or a Q4_K_M-style mix (attn_v and ffn_down Q6_K, token_embd and output Q6_K, the
 other matrices Q4_K; sizes then multiples of 256, K_QUANT_SIZES). Tokenizer and chat template
 come from the default model's GGUF (the tiny tokenizer is made from it), so it needs the plain
-SmolLM2 vocabulary. The hybrids have no GGUF writer.
+SmolLM2 vocabulary. The hybrids are written as llama.cpp's converter writes them (architectures
+qwen35, qwen35moe, qwen3next; _hybrid_gguf_tensors says what it changes on the way), their
+family tokens appended to the vocabulary and their own template; --gguf makes them with
+HYBRID_GGUF_SIZES (q8_0, q4_0) or HYBRID_K_QUANT_SIZES (q4_k_m).
 """
 import argparse
 import atexit
@@ -87,10 +90,26 @@ K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)  # K-q
 GGUF_MIXES = {  # mix -> (type of a matrix, types of matrices by llama.cpp name part)
     "q8_0": ("q8_0", {}),
     "q4_0": ("q4_0", {}),
-    "q4_k_m": ("q4_k", {"attn_v": "q6_k", "ffn_down": "q6_k", "token_embd": "q6_k", "output": "q6_k"}),
+    # llama.cpp's Q4_K_M puts attn_v-like matrices (attn_v, attn_qkv) and ffn_down (experts' and the
+    # shared expert's too) in Q6_K on some layers; here on every layer
+    "q4_k_m": ("q4_k", {"attn_v": "q6_k", "ffn_down": "q6_k", "token_embd": "q6_k", "output": "q6_k",
+                        "attn_qkv": "q6_k", "ffn_down_exps": "q6_k", "ffn_down_shexp": "q6_k"}),
 }
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+GGUF_ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}  # llama.cpp's names
+# A hybrid written as a GGUF: llama.cpp keeps one head size for linear-attention keys and values
+# (ssm.state_size), and its converter moves Qwen3.5's value heads into a tiled order that a
+# quantized ssm_out can only be read back from in whole blocks of 32 columns: head dims of 32.
+HYBRID_GGUF_SIZES = dict(linear_key_head_dim=32, linear_value_head_dim=32)
+# ...and for the K-quant mix every matrix's row length (K) a multiple of 256: hidden, o_proj's
+# 4 x 64, down's 512, the experts' and shared expert's 256, out_proj's 8 x 32. As many value heads
+# as key heads, so no value-head reorder: a 256-weight super-block would span heads the tiled
+# order separates, and the blocks of the reordered matrix are no longer those of the checkpoint's
+# (the q8_0/q4_0 files cover the reorder, blocks of 32 stay whole).
+HYBRID_K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64, linear_key_head_dim=32,
+                            linear_value_head_dim=32, linear_num_key_heads=8, linear_num_value_heads=8,
+                            moe_intermediate_size=256, shared_expert_intermediate_size=256)
 ARCHS = ("llama", "qwen3") + HYBRID_ARCHS
 # The hybrids' text model: layers 0-2 linear attention (Gated DeltaNet), layer 3 gated full attention.
 # Grouped value heads as the real ones (16 key heads, 32 or 48 value heads): 4 key, 8 value heads here.
@@ -313,13 +332,13 @@ def well_separated_seed(arch: str, tokenizer=None, family: bool = False, seeds=r
 @functools.lru_cache(maxsize=1)
 def _default_tokenizer_fields() -> tuple:
     """The default model's GGUF tokenizer fields as (key, value, type, array item type), read
-    once per process (parsing them takes about 9 s)."""
+    once per process (parsing them takes about 3 s)."""
     import gguf
 
-    from tensorfold.models.gguf_file import default_model_path
+    from tensorfold.models.gguf_file import _Reader, default_model_path
 
     fields = []
-    for key, field in gguf.GGUFReader(default_model_path()).fields.items():
+    for key, field in _Reader(default_model_path()).fields.items():  # gguf's reader, parsing faster
         if key.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             fields.append((key, field.contents(), field.types[0], sub_type))
@@ -343,6 +362,8 @@ def write_tiny_gguf(hf_dir: str, mix: str = "q4_k_m", out_path: str | None = Non
         raise ValueError(f"unknown GGUF mix {mix!r} (known: {', '.join(GGUF_MIXES)})")
     with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
+    if config["model_type"] in HYBRID_ARCHS:
+        return _write_hybrid_gguf(hf_dir, config, mix, out_path)
     arch, args = config["model_type"], ModelArgs.from_hf(config)
     if args.rope.rope_type != "default":
         raise ValueError(f"rope type {args.rope.rope_type!r}: only the default rope is written")
@@ -392,20 +413,222 @@ def write_tiny_gguf(hf_dir: str, mix: str = "q4_k_m", out_path: str | None = Non
     return out_path
 
 
-if __name__ == "__main__":
+def _hybrid_gguf_tensors(tensors: dict, args) -> dict:
+    """A hybrid's Hugging Face tensors (text model under model.) as llama.cpp's converter writes them:
+    {GGUF name: float32 tensor} in [out, in] (experts [E, out, in]) order.
+
+    What the converter does to each (convert_hf_to_gguf.py, Qwen3NextModel and its Qwen3.5
+    subclasses): RMSNorm weights but the gated norm's stored 1 + w; A_log as -exp(A_log) (here
+    exp is kernels/delta_net.decay_rate's, which the Hugging Face load computes too, so the file
+    holds the rates served from the directory, bit for bit; torch.exp's last bit may differ by
+    machine); dt_bias as ssm_dt.bias; conv1d squeezed to [C, K]; Qwen3-Next's in_proj_qkvz (grouped
+    per key head) as attn_qkv [all q, all k, all v] and attn_gate [all z], in_proj_ba as it is;
+    Qwen3.5's value heads (when fewer key heads) from grouped to tiled order (head j of key head k
+    to position j * num_k + k) in every tensor that has them; experts stacked per projection."""
+    import torch
+
+    from tensorfold.kernels.delta_net import decay_rate
+
+    hf, arch = args.hf, args.hf["model_type"].removesuffix("_text")
+    nk, nv = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+    dk, dv, heads_per_key = hf["linear_key_head_dim"], hf["linear_value_head_dim"], nv // nk
+    tiled = arch != "qwen3_next" and nk != nv
+
+    def tile(t: torch.Tensor, width: int, dim: int = 0) -> torch.Tensor:
+        """Per-value-head entries (`width` each along dim) from grouped to tiled order."""
+        if not tiled:
+            return t
+        shape = list(t.shape)
+        split = t.reshape(*shape[:dim], nk, heads_per_key, width, *shape[dim + 1:])
+        return split.transpose(dim, dim + 1).reshape(shape)
+
+    def tile_v(t: torch.Tensor) -> torch.Tensor:  # rows [q, k, v]: only v's are per value head
+        qk = 2 * nk * dk
+        return torch.cat([t[:qk], tile(t[qk:], dv)])
+
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        t = t.float()
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = t
+        elif name == "lm_head.weight":
+            out["output.weight"] = t
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = t + 1
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            blk = f"blk.{layer}."
+            if rest.startswith("mlp.experts."):
+                experts.setdefault(layer, {})[rest[len("mlp.experts."):]] = t
+                continue
+            la = rest.removeprefix("linear_attn.")
+            simple = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                      "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                      "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                      "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+                      "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+                      "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+                      "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+                      "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+                      "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.norm.weight": "ssm_norm.weight"}
+            norms = {"input_layernorm.weight": "attn_norm.weight",
+                     "post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+            if rest in simple:
+                out[blk + simple[rest]] = t
+            elif rest in norms:
+                out[blk + norms[rest]] = t + 1
+            elif la == "in_proj_qkv.weight":
+                out[blk + "attn_qkv.weight"] = tile_v(t)
+            elif la == "in_proj_z.weight":
+                out[blk + "attn_gate.weight"] = tile(t, dv)
+            elif la in ("in_proj_b.weight", "in_proj_a.weight"):
+                out[blk + ("ssm_beta.weight" if la == "in_proj_b.weight" else "ssm_alpha.weight")] = tile(t, 1)
+            elif la == "in_proj_qkvz.weight":  # per key head [q, k, v, z] -> [all q, all k, all v], [all z]
+                per_head = t.reshape(nk, -1, t.shape[-1]).split([dk, dk, heads_per_key * dv, heads_per_key * dv], 1)
+                q, k, v, z = (part.reshape(-1, t.shape[-1]) for part in per_head)
+                out[blk + "attn_qkv.weight"], out[blk + "attn_gate.weight"] = torch.cat([q, k, v]), z
+            elif la == "conv1d.weight":
+                out[blk + "ssm_conv1d.weight"] = tile_v(t.squeeze(1))
+            elif la == "dt_bias":
+                out[blk + "ssm_dt.bias"] = tile(t, 1)
+            elif la == "A_log":
+                out[blk + "ssm_a"] = tile(-decay_rate(t), 1)
+            elif la == "out_proj.weight":
+                out[blk + "ssm_out.weight"] = tile(t, dv, dim=1)
+            else:
+                raise ValueError(f"{name}: no GGUF name for this tensor")
+    for layer, parts in experts.items():
+        if "gate_up_proj" in parts:  # Qwen3.5-MoE's stacked [E, 2I, H] and [E, H, I]
+            gate, up = parts["gate_up_proj"].chunk(2, dim=1)
+            down = parts["down_proj"]
+        else:  # Qwen3-Next's experts one by one
+            count = len(parts) // 3
+            gate, up, down = (torch.stack([parts[f"{e}.{p}_proj.weight"] for e in range(count)])
+                              for p in ("gate", "up", "down"))
+        out.update({f"blk.{layer}.ffn_gate_exps.weight": gate.contiguous(),
+                    f"blk.{layer}.ffn_up_exps.weight": up.contiguous(), f"blk.{layer}.ffn_down_exps.weight": down})
+    return out
+
+
+FLOAT_TENSORS = ("ssm_conv1d", "ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp keeps these float32
+
+
+def _write_hybrid_gguf(hf_dir: str, config: dict, mix: str, out_path: str | None) -> str:
+    """write_tiny_gguf for qwen3_5 / qwen3_5_moe / qwen3_next: llama.cpp's architecture, metadata and
+    tensor layout (_hybrid_gguf_tensors); vectors, norms, conv1d and the routers float32 as llama.cpp
+    keeps them, every other matrix in the mix's blocks (a K-quant's fallback where a row length is
+    no multiple of 256: q8_0). The tokenizer is the default model's with the directory's added
+    tokens (family tokens) appended, the template the directory's."""
+    import gguf
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    from tensorfold.models.config import ModelArgs
+    from tensorfold.models.quantize import QTYPES, gguf_blocks
+
+    args = ModelArgs.from_hf(config)
+    hf, arch = args.hf, GGUF_ARCHS[config["model_type"]]
+    if args.rope.rope_type != "default":
+        raise ValueError(f"rope type {args.rope.rope_type!r}: only the default rope is written")
+    tensors = {}
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if name.startswith(("model.visual.", "mtp.")):
+            continue  # the vision tower and MTP head: not part of the text model's GGUF
+        tensors[name.replace("model.language_model.", "model.", 1)] = t
+    nk, nv, dk, dv = (hf["linear_num_key_heads"], hf["linear_num_value_heads"], hf["linear_key_head_dim"],
+                      hf["linear_value_head_dim"])
+    if arch != "qwen3next" and nk != nv and dv % 32:
+        raise ValueError(f"linear_value_head_dim {dv}: the tiled value heads move ssm_out's columns in runs of {dv}, "
+                         "which blocks of 32 cannot follow (HYBRID_GGUF_SIZES)")
+
+    fields = list(_default_tokenizer_fields())
+    tokens = next(value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens")
+    added = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_added_tokens_decoder()
+    extra = [added.get(i) for i in range(len(tokens), args.vocab_size)]
+    if None in extra:
+        raise ValueError(f"vocab_size {args.vocab_size}: ids past the default model's {len(tokens)} are not all "
+                         "added tokens of the directory's tokenizer")
+    out_path = out_path or os.path.join(hf_dir, f"tiny-{mix}.gguf")
+    writer = gguf.GGUFWriter(out_path, arch)
+    writer.add_block_count(args.num_layers)
+    writer.add_context_length(args.max_position)
+    writer.add_embedding_length(args.hidden_size)
+    writer.add_feed_forward_length(args.intermediate_size)
+    writer.add_head_count(args.num_heads)
+    writer.add_head_count_kv(args.num_kv_heads)
+    writer.add_key_length(args.head_dim)
+    writer.add_value_length(args.head_dim)
+    writer.add_rope_freq_base(args.rope.theta)
+    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+    writer.add_vocab_size(args.vocab_size)
+    if hf.get("num_experts"):
+        writer.add_expert_count(hf["num_experts"])
+        writer.add_expert_used_count(hf["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(hf["shared_expert_intermediate_size"])
+    writer.add_ssm_conv_kernel(hf["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(nk)
+    writer.add_ssm_time_step_rank(nv)
+    writer.add_ssm_inner_size(dv * nv)
+    if hf.get("layer_types"):
+        writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in hf["layer_types"]])
+    writer.add_full_attention_interval(hf.get("full_attention_interval", FULL_ATTENTION_INTERVAL))
+    rope = hf.get("rope_parameters") or {}
+    factor = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+    writer.add_rope_dimension_count(int(args.head_dim * factor))
+    if arch != "qwen3next":
+        writer.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4])
+    for key, value, value_type, sub_type in fields:
+        if key == "tokenizer.ggml.tokens":
+            value = value + [t.content for t in extra]
+        elif key == "tokenizer.ggml.token_type":
+            value = value + [3 if t.special else 4 for t in extra]  # control / user-defined
+        elif key == "tokenizer.chat_template" and os.path.exists(os.path.join(hf_dir, "chat_template.jinja")):
+            with open(os.path.join(hf_dir, "chat_template.jinja"), encoding="utf-8") as f:
+                value = f.read()
+        writer.add_key_value(key, value, value_type, sub_type)
+
+    default, special = GGUF_MIXES[mix]
+    for name, t in _hybrid_gguf_tensors(tensors, args).items():
+        part = name.split(".")[-2]  # token_embd, attn_q, ffn_down_exps, ...
+        if t.dim() == 1 or part in FLOAT_TENSORS or part.endswith("_norm"):
+            writer.add_tensor(name, t.contiguous().numpy())
+            continue
+        kind = special.get(part, default)
+        if kind.endswith("_k") and t.shape[-1] % 256:
+            kind = "q8_0"  # llama.cpp falls back to a 32-weight type (Q5_0, Q5_1, Q8_0); served here: q8_0
+        blocks = gguf_blocks(t.reshape(-1, t.shape[-1]), kind)
+        writer.add_tensor(name, blocks.reshape(*t.shape[:-1], -1).numpy(), raw_dtype=QTYPES[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> str:
+    """The command line; returns the path written (the GGUF with --gguf, else the directory)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--arch", default="llama", choices=list(ARCHS))
     parser.add_argument("--plain", action="store_true", help="SmolLM2's tokenizer and template as they are")
     parser.add_argument("--gguf", choices=list(GGUF_MIXES), help="also write the checkpoint as a GGUF in this mix")
     parser.add_argument("--seed", default="0", help="the weights' seed, or 'separated': well_separated_seed's")
-    args = parser.parse_args()
-    if args.gguf and args.arch in HYBRID_ARCHS:
-        parser.error(f"--gguf: no GGUF writer for {args.arch}")
+    args = parser.parse_args(argv)
     if args.seed != "separated" and not args.seed.isdigit():
         parser.error("--seed: a number or 'separated'")
-    sizes = K_QUANT_SIZES if args.gguf and GGUF_MIXES[args.gguf][0].endswith("_k") else {}
+    k_quants = bool(args.gguf) and GGUF_MIXES[args.gguf][0].endswith("_k")
+    if args.arch in HYBRID_ARCHS:
+        sizes = HYBRID_K_QUANT_SIZES if k_quants else HYBRID_GGUF_SIZES if args.gguf else {}
+    else:
+        sizes = K_QUANT_SIZES if k_quants else {}
     seed = (well_separated_seed(args.arch, family=not args.plain, **sizes) if args.seed == "separated"
             else int(args.seed))
     out = make_tiny_checkpoint(args.out_dir, args.arch, seed=seed, family=not args.plain, **sizes)
-    print(write_tiny_gguf(out, args.gguf) if args.gguf else out, file=sys.stderr)
+    return write_tiny_gguf(out, args.gguf) if args.gguf else out
+
+
+if __name__ == "__main__":
+    print(main(), file=sys.stderr)

@@ -16,9 +16,14 @@ tensor). Invariants:
 - Llama 3.x's rope_freqs.weight (llama.cpp's per-frequency rope divisors) becomes the llama3
   rope_scaling of config.json that reproduces it, or a CheckpointError if none does;
 - the tokenizer encodes like `transformers`' GGUF tokenizer, and adds BOS/EOS itself only where the
-  file's add_bos_token / add_eos_token flags say so (as a tokenizer.json post-processor would).
+  file's add_bos_token / add_eos_token flags say so (as a tokenizer.json post-processor would);
+- the Qwen hybrids (qwen35, qwen35moe, qwen3next) come back under the names and config the
+  qwen3_5 family reads, every converter transform undone exactly, or kept in the stored form the
+  family reads directly (-exp(A_log) as linear_attn.A); stacked experts [E, out, in] become one
+  matrix per expert, each a range of the stacked rows (the section on the hybrids below).
 """
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +33,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tensorfold.kernels.quant_gemm import QuantWeight
+from tensorfold.kernels.quant_gemm import BLOCK as QUANT_BLOCK, KINDS as QUANT_KINDS, QuantWeight
 from tensorfold.models.checkpoint import Checkpoint, CheckpointError
 from tensorfold.models.gguf_quants import DEQUANTIZERS, KEPT_TYPES, dequantize, quant_weight
 
@@ -42,11 +47,16 @@ class _Arch:
     model_type: str
     rope_permuted: bool  # llama.cpp's converter reorders Q/K rows for its interleaved-pair rope
     qk_norm: bool
+    hybrid: bool = False    # a Qwen hybrid (read by _hybrid_config / _hybrid_tensors)
+    tiled_v: bool = False   # the converter put the linear-attention value heads in tiled order
 
 
 ARCHITECTURES = {
     "llama": _Arch("LlamaForCausalLM", "llama", rope_permuted=True, qk_norm=False),
     "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", rope_permuted=False, qk_norm=True),
+    "qwen35": _Arch("Qwen3_5ForCausalLM", "qwen3_5_text", False, True, hybrid=True, tiled_v=True),
+    "qwen35moe": _Arch("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False, True, hybrid=True, tiled_v=True),
+    "qwen3next": _Arch("Qwen3NextForCausalLM", "qwen3_next", False, True, hybrid=True),
 }
 
 GLOBAL_TENSORS = {
@@ -74,7 +84,13 @@ QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}", r"|\p{N}{1,3}")  # Llama 3: digits in runs of up to three
-PRE_TOKENIZER_SPLITS = {"gpt-2": None, "smollm": None, "qwen2": QWEN2_SPLIT, "llama-bpe": LLAMA3_SPLIT}
+# Qwen3.5's tokenizer.json regex (llama.cpp's "qwen35"): Qwen2's with combining marks (\p{M}) in words.
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {"gpt-2": None, "smollm": None, "qwen2": QWEN2_SPLIT, "llama-bpe": LLAMA3_SPLIT,
+                        "qwen35": QWEN35_SPLIT}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4  # tokenizer.ggml.token_type values
 _REQUIRED = object()
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x: llama.cpp's per-frequency rope divisors
@@ -97,7 +113,8 @@ def default_model_path() -> str:
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> Checkpoint:
-    """Read a llama or qwen3 GGUF: config, dequantized weights in `dtype`, tokenizer, template.
+    """Read a GGUF of an architecture in ARCHITECTURES: config, dequantized weights in `dtype`,
+    tokenizer, template.
 
     keep_quantized: 2-D tensors of a type in KEPT_TYPES become QuantWeights (`dtype` applies to
     the others)."""
@@ -113,23 +130,43 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         raise CheckpointError(
             f"{path}: unsupported architecture {arch_name!r} (supported: {', '.join(ARCHITECTURES)})"
         )
-    config = _config(path, meta, arch_name, arch, {t.name for t in reader.tensors})
-    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
-    scaling = None if rope_freqs is None else _llama3_scaling(path, meta, arch_name, config, rope_freqs)
-    if scaling:
-        config["rope_scaling"] = scaling
+    names = {t.name for t in reader.tensors}
+    if arch.hybrid:
+        config = _hybrid_config(path, meta, arch_name, arch, names)
+        tensors = _hybrid_tensors(path, reader, config, arch_name, arch, dtype, keep_quantized)
+    else:
+        config = _config(path, meta, arch_name, arch, names)
+        rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+        scaling = None if rope_freqs is None else _llama3_scaling(path, meta, arch_name, config, rope_freqs)
+        if scaling:
+            config["rope_scaling"] = scaling
+        tensors = _tensors(path, reader, config, arch, dtype, keep_quantized)
     tokenizer, tokenizer_config = _tokenizer(path, meta)
     ends = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     eos_ids = [meta[k] for k in ends if k in meta]
     return Checkpoint(
         path=path,
         config=config,
-        tensors=_tensors(path, reader, config, arch, dtype, keep_quantized),
+        tensors=tensors,
         tokenizer=tokenizer,
         tokenizer_config=tokenizer_config,
         chat_template=meta.get("tokenizer.chat_template"),
         generation_config={"eos_token_id": list(dict.fromkeys(eos_ids)), "bos_token_id": config["bos_token_id"]},
     )
+
+
+class _Reader(GGUFReader):
+    """gguf's reader, its fields parsed off a plain ndarray view of the file's map instead of the
+    np.memmap itself: the same arrays (still views of the map), without a memmap object per
+    slice, which made a 49k-token vocabulary take ~6 s to parse (now ~2 s)."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count, dtype = int(count), np.dtype(dtype)
+        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
 def _open(path: str) -> GGUFReader:
@@ -140,7 +177,7 @@ def _open(path: str) -> GGUFReader:
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        reader = GGUFReader(path)
+        reader = _Reader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         # The reader reports a short file as a numpy reshape/view error; say what it means.
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file (reader: {e})") from e
@@ -205,13 +242,23 @@ def _config(
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
-    scaling = key("rope.scaling.type", "none")
-    if scaling != "none":
-        config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(key("rope.scaling.factor"))}
-        original = key("rope.scaling.original_context_length", None)
-        if original is not None:
-            config["rope_scaling"]["original_max_position_embeddings"] = original
+    config.update(_rope_scaling(path, meta, arch_name))
     return config
+
+
+def _rope_scaling(path: str, meta: dict[str, Any], arch_name: str) -> dict[str, Any]:
+    """{"rope_scaling": ...} from rope.scaling.* (empty without scaling)."""
+    def key(suffix: str, default: Any = _REQUIRED) -> Any:
+        return _require(path, meta, f"{arch_name}.{suffix}", default)
+
+    scaling = key("rope.scaling.type", "none")
+    if scaling == "none":
+        return {}
+    rope_scaling = {"rope_type": scaling, "factor": _f32(key("rope.scaling.factor"))}
+    original = key("rope.scaling.original_context_length", None)
+    if original is not None:
+        rope_scaling["original_max_position_embeddings"] = original
+    return {"rope_scaling": rope_scaling}
 
 
 def _expected_shapes(config: dict[str, Any], arch: _Arch) -> dict[str, tuple[int, ...]]:
@@ -327,6 +374,370 @@ def _tensors(
             order = rope_row_order(shape[0], heads[proj])
             weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight[order]
         tensors[name] = weight
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{path}: missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    return tensors
+
+
+# ---- the Qwen hybrids: qwen35 (Qwen3.5 dense), qwen35moe (Qwen3.5/3.6 MoE), qwen3next -----------
+#
+# llama.cpp's converter (Qwen3NextModel and its subclasses Qwen3_5TextModel / Qwen3_5MoeTextModel)
+# changes some tensors on the way; each is put back here, or served in the stored form:
+#   norms (all but linear_attn.norm)  stored 1 + w (float32)  -> w = stored - 1, exact (checked)
+#   A_log                             stored -exp(A_log)      -> linear_attn.A, the block's rate = -A
+#                                     (a float exp: log would not give A_log back; not inverted)
+#   dt_bias                           ssm_dt.bias             -> dt_bias
+#   conv1d [C, 1, K]                  squeezed to [C, K]      -> [C, 1, K]
+#   qwen35*: linear-attention value heads (num_k_heads < num_v_heads) moved from grouped order
+#     (per key head its value heads) to tiled (value head j of every key head, then j + 1): rows of
+#     attn_qkv's V part, attn_gate, ssm_beta, ssm_alpha, ssm_a, ssm_dt and conv1d's V channels,
+#     columns of ssm_out -> back to grouped (a permutation; in blocks, columns move in whole
+#     blocks of 32, so the value head dim must be a multiple of 32)
+#   qwen3next: in_proj_qkvz (grouped per key head) split into attn_qkv [q, k, v] and attn_gate [z]
+#     in plain order (legacy files: ssm_in, the grouped matrix as is); in_proj_ba kept grouped as
+#     ssm_ba -> in_proj_b / in_proj_a by row selection
+#   experts stacked [E, rows, K] (ffn_gate_exps / ffn_up_exps / ffn_down_exps, or ffn_gate_up_exps
+#     with --fuse-gate-up-exps) -> per expert mlp.experts.E.{gate,up,down}_proj.weight, a block
+#     row range each (an expert's rows are contiguous)
+# Blocks past num_hidden_layers (the MTP head: nextn_predict_layers) are skipped, as the Hugging
+# Face loader skips mtp.*.
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """How one GGUF tensor becomes Hugging Face tensors: its accepted shapes (HF order, [out, in];
+    3-D experts [E, out, in], read as [E * out, in]), whether it is a GEMM matrix (kept in blocks
+    with keep_quantized, else `dtype`) or a float32 parameter, and the conversion."""
+    shapes: tuple
+    convert: Any
+    matrix: bool = True
+
+
+def _hybrid_config(path: str, meta: dict[str, Any], arch_name: str, arch: _Arch,
+                   tensor_names: set[str]) -> dict[str, Any]:
+    def key(suffix: str, default: Any = _REQUIRED) -> Any:
+        return _require(path, meta, f"{arch_name}.{suffix}", default)
+
+    def size(suffix: str, default: Any = _REQUIRED) -> int:
+        value = key(suffix, default)
+        if isinstance(value, list) and value and all(v == value[0] for v in value):
+            value = value[0]  # a per-layer array of one value
+        _check_positive(path, {f"{arch_name}.{suffix}": value})
+        return value
+
+    blocks, heads, hidden = size("block_count"), size("attention.head_count"), size("embedding_length")
+    layers = blocks - key("nextn_predict_layers", 0)
+    _check_positive(path, {"block_count - nextn_predict_layers": layers})
+    kv_heads = size("attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"{path}: {heads} attention heads do not share {kv_heads} KV heads evenly")
+    if f"{arch_name}.attention.key_length" not in meta and hidden % heads:
+        raise CheckpointError(f"{path}: hidden size {hidden} does not split into {heads} heads")
+    head_dim = size("attention.key_length", hidden // heads)
+    if key("attention.value_length", head_dim) != head_dim:
+        raise CheckpointError(f"{path}: attention.value_length {key('attention.value_length')} differs from "
+                              f"key_length {head_dim}; one head size is served")
+    rotary = size("rope.dimension_count", head_dim)
+    factor = rotary / head_dim
+    if rotary % 2 or rotary > head_dim or int(head_dim * factor) != rotary:
+        raise CheckpointError(f"{path}: rope.dimension_count {rotary} is not an even part of head_dim {head_dim}")
+
+    num_k, num_v, conv = size("ssm.group_count"), size("ssm.time_step_rank"), size("ssm.conv_kernel")
+    key_dim, inner = size("ssm.state_size"), size("ssm.inner_size")
+    if num_v % num_k or inner % num_v:
+        raise CheckpointError(f"{path}: ssm.time_step_rank {num_v} value heads do not share ssm.group_count "
+                              f"{num_k} key heads evenly, or ssm.inner_size {inner} does not split into them")
+    recurrent = meta.get(f"{arch_name}.attention.recurrent_layers")
+    if recurrent is not None:
+        if not isinstance(recurrent, list) or len(recurrent) < layers:
+            raise CheckpointError(f"{path}: {arch_name}.attention.recurrent_layers does not cover {layers} layers")
+        types = ["linear_attention" if r else "full_attention" for r in recurrent[:layers]]
+    else:
+        interval = size("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+    config = {
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": size("context_length"),
+        "vocab_size": key("vocab_size", None) or len(_require(path, meta, "tokenizer.ggml.tokens")),
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(key("rope.freq_base", 10000.0)),
+        "partial_rotary_factor": factor,
+        "layer_types": types,
+        "linear_num_key_heads": num_k,
+        "linear_num_value_heads": num_v,
+        "linear_key_head_dim": key_dim,
+        "linear_value_head_dim": inner // num_v,
+        "linear_conv_kernel_dim": conv,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    config.update(_rope_scaling(path, meta, arch_name))
+    dense = key("feed_forward_length", None)
+    if arch_name == "qwen35":
+        config["intermediate_size"] = size("feed_forward_length")
+        return config
+    experts, moe = size("expert_count"), size("expert_feed_forward_length")
+    config.update(
+        intermediate_size=dense or moe,
+        num_experts=experts,
+        num_experts_per_tok=size("expert_used_count"),
+        moe_intermediate_size=moe,
+        # llama.cpp: the shared expert is feed_forward_length wide where its own length is not given
+        shared_expert_intermediate_size=size("expert_shared_feed_forward_length", dense),
+        norm_topk_prob=True,  # llama.cpp's graphs for these architectures always normalize the top k
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    )
+    if config["num_experts_per_tok"] > experts:
+        raise CheckpointError(f"{path}: expert_used_count {config['num_experts_per_tok']} exceeds "
+                              f"expert_count {experts}")
+    return config
+
+
+def _untiled(num_k: int, num_v: int, width: int) -> torch.Tensor | None:
+    """For each Hugging Face row of a per-value-head tensor (value head g = k r + j of key head k,
+    r = num_v / num_k, `width` rows each), the row where llama.cpp's tiled order keeps it (head
+    j num_k + k). None where the orders agree (num_k == num_v)."""
+    if num_k == num_v:
+        return None
+    r = num_v // num_k
+    g = torch.arange(num_v)
+    tiled = (g % r) * num_k + g // r
+    return (tiled[:, None] * width + torch.arange(width)).reshape(-1)
+
+
+def _take_rows(weight, ids: torch.Tensor | None):
+    if ids is None:
+        return weight
+    return weight.rows(ids) if isinstance(weight, QuantWeight) else weight[ids]
+
+
+def _row_range(weight, start: int, stop: int):
+    if isinstance(weight, QuantWeight):
+        cut = (lambda t: None if t is None else t[start:stop])
+        return QuantWeight(weight.kind, *(cut(getattr(weight, f)) for f in ("codes", "scale", "scale_exp", "min",
+                                                                             "min_exp")))
+    return weight[start:stop]
+
+
+def _take_columns(path: str, name: str, weight, ids: torch.Tensor | None):
+    """weight[:, ids]; blocks move whole (every run of 32 columns must stay one block)."""
+    if ids is None:
+        return weight
+    if not isinstance(weight, QuantWeight):
+        return weight[:, ids]
+    runs = ids.reshape(-1, QUANT_BLOCK) if ids.numel() % QUANT_BLOCK == 0 else None
+    whole = runs is not None and not (runs[:, 0] % QUANT_BLOCK).any()
+    if not whole or not torch.equal(runs, runs[:, :1] + torch.arange(QUANT_BLOCK)):
+        raise CheckpointError(f"{path}: tensor {name}: llama.cpp stores its columns in another order in runs "
+                              f"that are not whole blocks of {QUANT_BLOCK} (the linear-attention value head dim "
+                              "is not a multiple of 32), so its blocks cannot be put back in order")
+    blocks = runs[:, 0] // QUANT_BLOCK
+    per = QUANT_BLOCK // QUANT_KINDS[weight.kind].sub
+    subs = (blocks[:, None] * per + torch.arange(per)).reshape(-1)
+    pick = (lambda t: None if t is None else t[:, blocks])
+    return QuantWeight(weight.kind, weight.codes[:, ids], weight.scale[:, subs], weight.scale_exp[:, blocks],
+                       pick(weight.min), pick(weight.min_exp))
+
+
+def _hybrid_rules(path: str, config: dict[str, Any], arch_name: str, arch: _Arch):
+    """(rules for the global tensors, rules per layer (GGUF name after blk.N. -> _Rule), and the
+    Hugging Face name -> shape of every tensor the checkpoint must have)."""
+    c = config
+    hidden, heads, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    nk, nv, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
+                      c["linear_value_head_dim"])
+    conv_dim, value_dim, taps = 2 * nk * dk + nv * dv, nv * dv, c["linear_conv_kernel_dim"]
+    tiled = arch.tiled_v
+    v_rows = _untiled(nk, nv, dv) if tiled else None
+    head_rows = _untiled(nk, nv, 1) if tiled else None
+    qkv_rows = None if v_rows is None else torch.cat([torch.arange(2 * nk * dk), 2 * nk * dk + v_rows])
+
+    def norm(hf: str, width: int) -> _Rule:
+        def convert(w):
+            # stored = 1 + w: the block adds the family's 1 back (WeightReader.norm, float32), and
+            # (stored - 1) + 1 == stored for every stored 1 + w of a float32 w; checked here
+            offset = w - 1.0
+            if not torch.equal(offset + 1.0, w):
+                raise CheckpointError(f"{path}: the norm weight for {hf} does not come back as (stored - 1) + 1 "
+                                      "in float32; it cannot be served as stored")
+            return {hf: offset}
+        return _Rule(((width,),), convert, matrix=False)
+
+    def same(hf: str, shape: tuple, matrix: bool = True) -> _Rule:
+        return _Rule((shape,), lambda w: {hf: w}, matrix)
+
+    vocab = c["vocab_size"]
+    global_rules = {"token_embd.weight": same("model.embed_tokens.weight", (vocab, hidden)),
+                    "output_norm.weight": norm("model.norm.weight", hidden)}
+    expected = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not c["tie_word_embeddings"]:
+        global_rules["output.weight"] = same("lm_head.weight", (vocab, hidden))
+        expected["lm_head.weight"] = (vocab, hidden)
+
+    common = {"attn_norm.weight": norm("input_layernorm.weight", hidden),
+              "post_attention_norm.weight": norm("post_attention_layernorm.weight", hidden)}
+    common_shapes = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
+    q_rows, kv_rows = 2 * heads * hd, kv * hd  # q_proj: [query, gate] per head
+
+    def split_qkv(w):
+        return {"self_attn.q_proj.weight": _row_range(w, 0, q_rows),
+                "self_attn.k_proj.weight": _row_range(w, q_rows, q_rows + kv_rows),
+                "self_attn.v_proj.weight": _row_range(w, q_rows + kv_rows, q_rows + 2 * kv_rows)}
+
+    full = {
+        "attn_q.weight": same("self_attn.q_proj.weight", (q_rows, hidden)),
+        "attn_k.weight": same("self_attn.k_proj.weight", (kv_rows, hidden)),
+        "attn_v.weight": same("self_attn.v_proj.weight", (kv_rows, hidden)),
+        "attn_qkv.weight": _Rule(((q_rows + 2 * kv_rows, hidden),), split_qkv),
+        "attn_output.weight": same("self_attn.o_proj.weight", (hidden, heads * hd)),
+        "attn_q_norm.weight": norm("self_attn.q_norm.weight", hd),
+        "attn_k_norm.weight": norm("self_attn.k_norm.weight", hd),
+    }
+    full_shapes = {"self_attn.q_proj.weight": (q_rows, hidden), "self_attn.k_proj.weight": (kv_rows, hidden),
+                   "self_attn.v_proj.weight": (kv_rows, hidden), "self_attn.o_proj.weight": (hidden, heads * hd),
+                   "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+
+    la = "linear_attn."
+
+    def rows(shape: tuple, *names_and_rows) -> _Rule:  # (HF name under linear_attn., its rows), ...
+        pairs = list(zip(names_and_rows[::2], names_and_rows[1::2]))
+        return _Rule((shape,), lambda w: {la + name: _take_rows(w, ids) for name, ids in pairs})
+
+    linear = {
+        "attn_qkv.weight": rows((conv_dim, hidden), "in_proj_qkv.weight", qkv_rows),
+        "attn_gate.weight": rows((value_dim, hidden), "in_proj_z.weight", v_rows),
+        "ssm_conv1d.weight": _Rule(((conv_dim, taps),), lambda w: {la + "conv1d.weight": _take_rows(w, qkv_rows)
+                                                                   .unsqueeze(1).contiguous()}, matrix=False),
+        "ssm_dt.bias": _Rule(((nv,),), lambda w: {la + "dt_bias": _take_rows(w, head_rows)}, matrix=False),
+        # the stored -exp(A_log), as it is: GatedDeltaNet's decay rate is -A (models/linear_attention.py)
+        "ssm_a": _Rule(((nv,),), lambda w: {la + "A": _take_rows(w, head_rows)}, matrix=False),
+        "ssm_norm.weight": same(la + "norm.weight", (dv,), matrix=False),  # the gated norm's: no offset
+        "ssm_out.weight": _Rule(((hidden, value_dim),), lambda w: {
+            la + "out_proj.weight": _take_columns(path, "ssm_out.weight", w, v_rows)}),
+    }
+    if arch_name == "qwen3next":
+        from tensorfold.models.linear_attention import LinearAttentionSpec, _ba_order, _qkvz_order
+        spec = LinearAttentionSpec(nk, nv, dk, dv, taps, grouped=True)
+        qkvz, ba = _qkvz_order(spec), _ba_order(spec)
+        linear["ssm_in.weight"] = rows((conv_dim + value_dim, hidden), "in_proj_qkv.weight", qkvz[:conv_dim],
+                                       "in_proj_z.weight", qkvz[conv_dim:])
+        linear["ssm_ba.weight"] = rows((2 * nv, hidden), "in_proj_b.weight", ba[:nv], "in_proj_a.weight", ba[nv:])
+    else:
+        linear["ssm_beta.weight"] = rows((nv, hidden), "in_proj_b.weight", head_rows)
+        linear["ssm_alpha.weight"] = rows((nv, hidden), "in_proj_a.weight", head_rows)
+    linear_shapes = {la + "in_proj_qkv.weight": (conv_dim, hidden), la + "in_proj_z.weight": (value_dim, hidden),
+                     la + "in_proj_b.weight": (nv, hidden), la + "in_proj_a.weight": (nv, hidden),
+                     la + "conv1d.weight": (conv_dim, 1, taps), la + "dt_bias": (nv,), la + "A": (nv,),
+                     la + "norm.weight": (dv,), la + "out_proj.weight": (hidden, value_dim)}
+
+    inter = c["intermediate_size"]
+    mlp = {"ffn_gate.weight": same("mlp.gate_proj.weight", (inter, hidden)),
+           "ffn_up.weight": same("mlp.up_proj.weight", (inter, hidden)),
+           "ffn_down.weight": same("mlp.down_proj.weight", (hidden, inter))}
+    mlp_shapes = {"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+                  "mlp.down_proj.weight": (hidden, inter)}
+    moe, moe_shapes = {}, {}
+    if c.get("num_experts"):
+        n, size, shared = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+
+        def per_expert(*parts):  # (projection, rows) in each expert's row range, in order
+            def convert(w):
+                out, width = {}, sum(rows for _, rows in parts)
+                for e in range(n):
+                    start = e * width
+                    for proj, rows in parts:
+                        out[f"mlp.experts.{e}.{proj}.weight"] = _row_range(w, start, start + rows)
+                        start += rows
+                return out
+            return convert
+
+        moe = {
+            "ffn_gate_inp.weight": same("mlp.gate.weight", (n, hidden)),
+            "ffn_gate_exps.weight": _Rule(((n, size, hidden),), per_expert(("gate_proj", size))),
+            "ffn_up_exps.weight": _Rule(((n, size, hidden),), per_expert(("up_proj", size))),
+            "ffn_gate_up_exps.weight": _Rule(((n, 2 * size, hidden),),
+                                             per_expert(("gate_proj", size), ("up_proj", size))),
+            "ffn_down_exps.weight": _Rule(((n, hidden, size),), per_expert(("down_proj", hidden))),
+            "ffn_gate_inp_shexp.weight": _Rule(((1, hidden), (hidden,)), lambda w: {  # llama.cpp reads [hidden]
+                "mlp.shared_expert_gate.weight": w if tuple(w.shape) == (1, hidden) else w.reshape(1, hidden)}),
+            "ffn_gate_shexp.weight": same("mlp.shared_expert.gate_proj.weight", (shared, hidden)),
+            "ffn_up_shexp.weight": same("mlp.shared_expert.up_proj.weight", (shared, hidden)),
+            "ffn_down_shexp.weight": same("mlp.shared_expert.down_proj.weight", (hidden, shared)),
+        }
+        moe_shapes = {"mlp.gate.weight": (n, hidden), "mlp.shared_expert_gate.weight": (1, hidden),
+                      "mlp.shared_expert.gate_proj.weight": (shared, hidden),
+                      "mlp.shared_expert.up_proj.weight": (shared, hidden),
+                      "mlp.shared_expert.down_proj.weight": (hidden, shared)}
+        for e in range(n):
+            moe_shapes.update({f"mlp.experts.{e}.gate_proj.weight": (size, hidden),
+                               f"mlp.experts.{e}.up_proj.weight": (size, hidden),
+                               f"mlp.experts.{e}.down_proj.weight": (hidden, size)})
+
+    layer_rules = []
+    for i, kind in enumerate(c["layer_types"]):
+        sparse = bool(c.get("num_experts")) and i not in c["mlp_only_layers"]
+        mixer, mixer_shapes = (linear, linear_shapes) if kind == "linear_attention" else (full, full_shapes)
+        ffn, ffn_shapes = (moe, moe_shapes) if sparse else (mlp, mlp_shapes)
+        layer_rules.append({**common, **mixer, **ffn})
+        for name, shape in {**common_shapes, **mixer_shapes, **ffn_shapes}.items():
+            expected[f"model.layers.{i}.{name}"] = shape
+    return global_rules, layer_rules, expected
+
+
+def _hybrid_tensors(path: str, reader: GGUFReader, config: dict[str, Any], arch_name: str, arch: _Arch,
+                    dtype: torch.dtype, keep_quantized: bool) -> dict[str, Any]:
+    global_rules, layer_rules, expected = _hybrid_rules(path, config, arch_name, arch)
+    tensors, skipped = {}, 0
+    for info in reader.tensors:
+        parts = info.name.split(".", 2)
+        layer = int(parts[1]) if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() else None
+        if layer is not None and layer >= len(layer_rules):
+            skipped += 1  # an MTP block
+            continue
+        rule = global_rules.get(info.name) if layer is None else layer_rules[layer].get(parts[2])
+        if rule is None:
+            raise CheckpointError(
+                f"{path}: tensor {info.name} is not part of a {config['model_type']} checkpoint with this config")
+        shape = tuple(int(n) for n in reversed(info.shape))  # GGUF lists the innermost dimension first
+        if shape not in rule.shapes:
+            raise CheckpointError(
+                f"{path}: tensor {info.name} has shape {list(shape)}, the config implies {list(rule.shapes[0])}")
+        if info.tensor_type not in DEQUANTIZERS:
+            supported = ", ".join(t.name for t in DEQUANTIZERS)
+            raise CheckpointError(f"{path}: tensor {info.name}: unsupported quantization {info.tensor_type.name} "
+                                  f"(supported: {supported})")
+        raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
+        rows = (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape  # experts: [E * out, in]
+        if rule.matrix and keep_quantized and len(shape) >= 2 and info.tensor_type in KEPT_TYPES:
+            try:
+                weight = quant_weight(raw, info.tensor_type, rows)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: tensor {info.name} ({info.tensor_type.name}): {e}") from e
+        else:
+            weight = dequantize(raw, info.tensor_type, rows)
+            weight = weight.to(dtype) if rule.matrix else weight  # parameters stay float32
+        prefix = "" if layer is None else f"model.layers.{layer}."
+        for name, value in rule.convert(weight).items():
+            name = prefix + name
+            if name in tensors:
+                raise CheckpointError(f"{path}: tensor {info.name} gives {name} a second time")
+            if tuple(value.shape) != expected.get(name):
+                raise CheckpointError(f"{path}: tensor {info.name} gives {name} of shape {list(value.shape)}, "
+                                      f"expected {list(expected.get(name) or ())}")
+            tensors[name] = value
+    if skipped:
+        logging.getLogger("tensorfold.models").info("skipped %d tensors of the MTP block(s) (not served yet)", skipped)
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise CheckpointError(f"{path}: missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")

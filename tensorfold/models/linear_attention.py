@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorfold.kernels.delta_net import decay_rate
+from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.models.cache import RecurrentState
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.weights import WeightReader
@@ -42,7 +43,7 @@ class LinearAttentionSpec:
 @dataclass(frozen=True)
 class DeltaNetParams:
     """What ops.delta_net reads besides the rows and the state: shapes, the conv's taps [C, K],
-    exp(A_log) and dt_bias [heads] (float32)."""
+    the decay rate exp(A_log) (a GGUF's -ssm_a) and dt_bias [heads] (float32)."""
     num_key_heads: int
     num_heads: int
     key_dim: int
@@ -64,7 +65,7 @@ class GatedDeltaNet:
                                   f"({spec.conv_dim}, 1, {spec.conv_kernel})")
         self.params = DeltaNetParams(spec.num_key_heads, spec.num_heads, spec.key_dim, spec.value_dim,
                                      conv.reshape(spec.conv_dim, spec.conv_kernel).contiguous(),
-                                     decay_rate(la.float32("A_log")), la.float32("dt_bias"))
+                                     _rate(la), la.float32("dt_bias"))
         self.norm = la.dense("norm.weight")  # the gated norm's weight: a plain multiplier
         self.cache_spec = RecurrentState(spec.conv_dim, spec.conv_kernel, spec.num_heads, spec.key_dim,
                                          spec.value_dim)
@@ -81,16 +82,24 @@ class GatedDeltaNet:
         return self.out_proj(normed.reshape(num_rows, width))
 
 
+def _rate(la: WeightReader) -> torch.Tensor:
+    """exp(A_log), or -A where the checkpoint holds A = -exp(A_log) as llama.cpp's GGUFs store it
+    (ssm_a, models/gguf_file.py): the file's own values, not a log and exp back."""
+    return -la.float32("A") if la.has("A") else decay_rate(la.float32("A_log"))
+
+
 def _input_matrices(spec: LinearAttentionSpec, la: WeightReader) -> list:
-    """[qkv, z, b, a] as checkpoint matrices, in the plain order."""
-    if not spec.grouped:
+    """[qkv, z, b, a] as checkpoint matrices, in the plain order (a Qwen3-Next GGUF's come plain)."""
+    if not spec.grouped or la.has("in_proj_qkv.weight"):
         return [la.matrix(n) for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
                                        "in_proj_a.weight")]
     qkvz, ba = la.matrix("in_proj_qkvz.weight"), la.matrix("in_proj_ba.weight")
-    if isinstance(qkvz, torch.Tensor) and isinstance(ba, torch.Tensor):
-        return [qkvz[_qkvz_order(spec)], ba[_ba_order(spec)]]
-    raise CheckpointError(f"{la.prefix}in_proj_qkvz.weight: grouped projections in quantized blocks are not "
-                          "served yet (their rows are reordered at load)")
+    return [_rows(qkvz, _qkvz_order(spec)), _rows(ba, _ba_order(spec))]
+
+
+def _rows(matrix, order: torch.Tensor):
+    """Rows of a dense matrix or of one in quantized blocks (whose rows move whole)."""
+    return matrix.rows(order.to(matrix.codes.device)) if isinstance(matrix, QuantWeight) else matrix[order]
 
 
 def _qkvz_order(spec: LinearAttentionSpec) -> torch.Tensor:

@@ -27,7 +27,12 @@ def load_checkpoint(path: str | None = None, keep_quantized: bool = False) -> Ch
     raise CheckpointError(f"{path}: expected a Hugging Face directory or a .gguf file")
 
 
-QUANTIZABLE = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")  # the GEMM matrices (and the tied head)
+# The GEMM matrices (and the tied head): what llama.cpp's quantizer puts in blocks. The hybrids'
+# linear-attention input projections too (in_proj_qkv, _z, _b, _a; Qwen3-Next's in_proj_qkvz, _ba);
+# not the routers (mlp.gate, shared_expert_gate) nor conv1d, which llama.cpp keeps float.
+QUANTIZABLE = ("_proj.weight", "lm_head.weight", "embed_tokens.weight", "in_proj_qkv.weight", "in_proj_z.weight",
+               "in_proj_b.weight", "in_proj_a.weight", "in_proj_qkvz.weight", "in_proj_ba.weight")
+STACKED_EXPERTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
 
 
 def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
@@ -39,12 +44,25 @@ def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
     if any(isinstance(t, QuantWeight) for t in ckpt.tensors.values()):
         raise CheckpointError(f"{ckpt.path}: --quantize is for dense checkpoints; this one is already in blocks "
                               "(served as stored)")
+    for name in [n for n in ckpt.tensors if n.endswith(tuple(STACKED_EXPERTS))]:
+        _split_experts(ckpt.tensors, name)
     for name, tensor in list(ckpt.tensors.items()):
         if name.endswith(QUANTIZABLE) and tensor.dim() == 2:
             if tensor.shape[1] % 32:
                 raise CheckpointError(f"{ckpt.path}: --quantize {kind}: {name} has {tensor.shape[1]} columns, "
                                       "not a multiple of 32")
             ckpt.tensors[name] = quantize(tensor, kind)
+
+
+def _split_experts(tensors: dict, name: str) -> None:
+    """A stacked expert tensor (Qwen3.5-MoE's experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) as one matrix per expert and projection (experts.E.gate_proj.weight, ...): the
+    layout whose matrices are quantized one by one, as a GGUF's expert rows are."""
+    prefix, stacked_name = name.rsplit("experts.", 1)
+    projs = STACKED_EXPERTS["experts." + stacked_name]
+    for e, expert in enumerate(tensors.pop(name)):
+        for proj, part in zip(projs, expert.chunk(len(projs))):
+            tensors[f"{prefix}experts.{e}.{proj}.weight"] = part.contiguous()
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu") -> Model:
