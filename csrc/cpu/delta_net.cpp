@@ -339,39 +339,61 @@ struct IntLanes {
   }
 };
 
-// dots_f64 over IntLanes::G columns in integers (the same sums).
-inline void dots_int(const float* src, float* S, int64_t dk, int64_t dv, float d, const float* q_scale,
-                     const int32_t* q_int, const float* k_scale, const int32_t* k_int, double* q_sum, double* kv_sum) {
+// dots_f64 over R IntLanes::G columns in integers (the same sums), S [dk, R IntLanes::G] in place.
+template <int R>
+inline void dots_int(float* S, int64_t dk, float d, const float* q_scale, const int32_t* q_int,
+                     const float* k_scale, const int32_t* k_int, double* q_sum, double* kv_sum) {
   using I = IntLanes;
-  const I::VF qs = I::loadf(q_scale), ks = I::loadf(k_scale), dd = I::set1(d);
-  I::VI qe = I::zero(), qo = I::zero(), ke = I::zero(), ko = I::zero();
+  constexpr int G = R * I::G;
+  const I::VF dd = I::set1(d);
+  I::VF qs[R], ks[R];
+  I::VI qe[R], qo[R], ke[R], ko[R];
+  for (int v = 0; v < R; ++v) {
+    qs[v] = I::loadf(q_scale + v * I::G);
+    ks[v] = I::loadf(k_scale + v * I::G);
+    qe[v] = qo[v] = ke[v] = ko[v] = I::zero();
+  }
   if (q_int != nullptr) {
     for (int64_t i = 0; i < dk; ++i) {
-      const I::VF x = I::loadf(src + i * dv);
-      I::add_products(qe, qo, I::to_int(I::mul(x, qs)), I::set1(q_int[i]));
-      const I::VF y = I::mul(x, dd);
-      I::storef(S + i * dv, y);
-      I::add_products(ke, ko, I::to_int(I::mul(y, ks)), I::set1(k_int[i]));
+      const I::VI qi = I::set1(q_int[i]), ki = I::set1(k_int[i]);
+      for (int v = 0; v < R; ++v) {
+        const I::VF x = I::loadf(S + i * G + v * I::G);
+        I::add_products(qe[v], qo[v], I::to_int(I::mul(x, qs[v])), qi);
+        const I::VF y = I::mul(x, dd);
+        I::storef(S + i * G + v * I::G, y);
+        I::add_products(ke[v], ko[v], I::to_int(I::mul(y, ks[v])), ki);
+      }
     }
-    I::sums(qe, qo, q_sum);
+    for (int v = 0; v < R; ++v) I::sums(qe[v], qo[v], q_sum + v * I::G);
   } else {
     for (int64_t i = 0; i < dk; ++i) {
-      const I::VF y = I::mul(I::loadf(src + i * dv), dd);
-      I::storef(S + i * dv, y);
-      I::add_products(ke, ko, I::to_int(I::mul(y, ks)), I::set1(k_int[i]));
+      const I::VI ki = I::set1(k_int[i]);
+      for (int v = 0; v < R; ++v) {
+        const I::VF y = I::mul(I::loadf(S + i * G + v * I::G), dd);
+        I::storef(S + i * G + v * I::G, y);
+        I::add_products(ke[v], ko[v], I::to_int(I::mul(y, ks[v])), ki);
+      }
     }
   }
-  I::sums(ke, ko, kv_sum);
+  for (int v = 0; v < R; ++v) I::sums(ke[v], ko[v], kv_sum + v * I::G);
 }
 
-inline void q_dot_int(const float* S, int64_t dk, int64_t dv, const float* q_scale, const int32_t* q_int,
-                      double* q_sum) {
+template <int R>
+inline void q_dot_int(const float* S, int64_t dk, const float* q_scale, const int32_t* q_int, double* q_sum) {
   using I = IntLanes;
-  const I::VF qs = I::loadf(q_scale);
-  I::VI qe = I::zero(), qo = I::zero();
-  for (int64_t i = 0; i < dk; ++i)
-    I::add_products(qe, qo, I::to_int(I::mul(I::loadf(S + i * dv), qs)), I::set1(q_int[i]));
-  I::sums(qe, qo, q_sum);
+  constexpr int G = R * I::G;
+  I::VF qs[R];
+  I::VI qe[R], qo[R];
+  for (int v = 0; v < R; ++v) {
+    qs[v] = I::loadf(q_scale + v * I::G);
+    qe[v] = qo[v] = I::zero();
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    const I::VI qi = I::set1(q_int[i]);
+    for (int v = 0; v < R; ++v)
+      I::add_products(qe[v], qo[v], I::to_int(I::mul(I::loadf(S + i * G + v * I::G), qs[v])), qi);
+  }
+  for (int v = 0; v < R; ++v) I::sums(qe[v], qo[v], q_sum + v * I::G);
 }
 #endif
 
@@ -459,10 +481,14 @@ constexpr int64_t MAX_KEY_DIM = 256;  // the grid dots' exact sums (module.cpp c
 template <typename Tr, int NV, typename T>
 void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
   constexpr int G = NV * Tr::L;
-  using F = typename Columns<G>::F;
-  using U = typename Columns<G>::U;
+  // the elementwise steps in vectors of one register (W columns; GCC spells a wider generic vector
+  // in pieces through the stack), NW of them a state row
+  constexpr int W = G < 2 * Native::L ? G : 2 * Native::L, NW = G / W;
+  using F = typename Columns<W>::F;
+  using U = typename Columns<W>::U;
 #if defined(TF_INT_DOTS)
-  constexpr bool int_dots = G == IntLanes::G;
+  constexpr bool int_dots = G % IntLanes::G == 0;
+  constexpr int R = int_dots ? G / IntLanes::G : 1;
 #else
   constexpr bool int_dots = false;
 #endif
@@ -470,16 +496,18 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
   const int64_t dk = c.dk, dv = c.dv, C = c.channels(), H = c.heads, KH = c.key_heads;
   const int64_t kh = h / (H / KH);  // key head h / group serves value head h
   auto columns = [&](int64_t block) { return c.ssm + (block * H + h) * dk * dv + j0; };  // rows dv apart
-  U top = U{} + 0u;  // the largest magnitude in each column of S (float bits)
+  U top[NW];  // the largest magnitude in each column of S (float bits)
+  for (int w = 0; w < NW; ++w) top[w] = U{} + 0u;
   if (rw.start[s] == nullptr) {
-    for (int64_t i = 0; i < dk; ++i) store(S + i * G, F{} + 0.0f);
+    std::memset(S, 0, dk * G * sizeof(float));
   } else {
     const float* src = rw.start[s] + h * dk * dv + j0;
-    for (int64_t i = 0; i < dk; ++i) {
-      const F x = load<F>(src + i * dv);
-      store(S + i * G, x);
-      top = max_bits(top, magnitude_bits<F, U>(x));
-    }
+    for (int64_t i = 0; i < dk; ++i)
+      for (int w = 0; w < NW; ++w) {
+        const F x = load<F>(src + i * dv + w * W);
+        store(S + i * G + w * W, x);
+        top[w] = max_bits(top[w], magnitude_bits<F, U>(x));
+      }
   }
   T* out = static_cast<T*>(c.out);
   auto write_out = [&](int64_t r, const double* sum, const double* step, int e_vec) {
@@ -498,12 +526,12 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
     const float d = rw.decay[r * H + h], beta = rw.beta[r * H + h];
     const int32_t* k_int = rw.k_int + (r * KH + kh) * dk;
     const float* k = rw.mixed + r * C + (KH + kh) * dk;
-    store(bits, top);
+    for (int w = 0; w < NW; ++w) store(bits + w * W, top[w]);
     for (int j = 0; j < G; ++j) bits[j] = f32_bits(f32_from_bits(bits[j]) * d) & 0x7FFFFFFFu;
     const bool k_normal = column_grids<G>(bits, k_scale, k_step, k_scale_f);
     if (int_dots && k_normal && (q_int == nullptr || q_normal)) {
 #if defined(TF_INT_DOTS)
-      dots_int(S, S, dk, G, d, q_scale_f, q_int, k_scale_f, k_int, q_sum, kv_sum);
+      dots_int<R>(S, dk, d, q_scale_f, q_int, k_scale_f, k_int, q_sum, kv_sum);
 #endif
     } else {
       dots_f64<Tr, NV>(S, S, dk, G, d, q_scale, q_int, k_scale, k_int, q_sum, kv_sum);
@@ -516,32 +544,37 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
       const float kv = static_cast<float>(kv_sum[j] * (k_step[j] * k_vec_step));
       delta_f[j] = (v_row[j] - kv) * beta;
     }
-    const F delta = load<F>(delta_f);
-    top = U{} + 0u;
+    F delta[NW];
+    for (int w = 0; w < NW; ++w) {
+      delta[w] = load<F>(delta_f + w * W);
+      top[w] = U{} + 0u;
+    }
     const int64_t slot = c.state_out[r];
     if (slot < 0) {
-      for (int64_t i = 0; i < dk; ++i) {  // (b) S = S + k delta^T: the product rounded, then the sum
-        const F x = load<F>(S + i * G) + k[i] * delta;
-        store(S + i * G, x);
-        top = max_bits(top, magnitude_bits<F, U>(x));
-      }
+      for (int64_t i = 0; i < dk; ++i)  // (b) S = S + k delta^T: the product rounded, then the sum
+        for (int w = 0; w < NW; ++w) {
+          const F x = load<F>(S + i * G + w * W) + k[i] * delta[w];
+          store(S + i * G + w * W, x);
+          top[w] = max_bits(top[w], magnitude_bits<F, U>(x));
+        }
     } else {
       float* dst = columns(slot);
-      for (int64_t i = 0; i < dk; ++i) {
-        const F x = load<F>(S + i * G) + k[i] * delta;
-        store(S + i * G, x);
-        store(dst + i * dv, x);
-        top = max_bits(top, magnitude_bits<F, U>(x));
-      }
+      for (int64_t i = 0; i < dk; ++i)
+        for (int w = 0; w < NW; ++w) {
+          const F x = load<F>(S + i * G + w * W) + k[i] * delta[w];
+          store(S + i * G + w * W, x);
+          store(dst + i * dv + w * W, x);
+          top[w] = max_bits(top[w], magnitude_bits<F, U>(x));
+        }
     }
-    store(bits, top);
+    for (int w = 0; w < NW; ++w) store(bits + w * W, top[w]);
     q_normal = column_grids<G>(bits, q_scale, q_step, q_scale_f);
     q_int = rw.q_int + (r * KH + kh) * dk;
     q_row = r;
   }
   if (int_dots && q_normal) {  // the last row's output
 #if defined(TF_INT_DOTS)
-    q_dot_int(S, dk, G, q_scale_f, q_int, q_sum);
+    q_dot_int<R>(S, dk, q_scale_f, q_int, q_sum);
 #endif
   } else {
     q_dot_f64<Tr, NV>(S, dk, G, q_scale, q_int, q_sum);
@@ -558,6 +591,8 @@ void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, f
   const int64_t end = std::min(c.dv, j0 + ITEM_COLUMNS);
   int64_t j = j0;
   if constexpr (Native::L > 1) {
+    constexpr int NV = ITEM_COLUMNS / Native::L;  // the whole item at once: AVX2 four, AVX-512 two
+    for (; j + NV * Native::L <= end; j += NV * Native::L) run_columns<Native, NV, T>(c, rw, s, h, j, S);
     for (; j + 2 * Native::L <= end; j += 2 * Native::L) run_columns<Native, 2, T>(c, rw, s, h, j, S);
     for (; j + Native::L <= end; j += Native::L) run_columns<Native, 1, T>(c, rw, s, h, j, S);
   }
