@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernel_inputs import NAN
+from delta_net_cases import poison_written_blocks, random_tables, same_bits
 from tensorfold.backends import native_problem
 from tensorfold.exact import float32
 from tensorfold.kernels import delta_net as ref
@@ -89,38 +90,6 @@ def make_batch(spans, tables) -> ForwardBatch:
                         torch.arange(start))
 
 
-def random_tables(draw, spans, block_size):
-    """Distinct blocks for every sequence, in a random order; returns (tables, num_blocks)."""
-    lengths = [(p0 + n + block_size - 1) // block_size for p0, n in spans]
-    num_blocks = sum(lengths) + 3
-    order = torch.randperm(num_blocks, generator=draw.gen).tolist()
-    tables, at = [], 0
-    for length in lengths:
-        tables.append(order[at:at + length])
-        at += length
-    return tables, num_blocks
-
-
-def poison_written_blocks(state, spans, tables):
-    """NaN into the blocks a call writes without reading them first (both sides get the same)."""
-    bs = state.block_size
-    for (p0, n), table in zip(spans, tables):
-        read = table[(p0 - 1) // bs] if p0 > 0 else None
-        for pos in range(p0, p0 + n):
-            block = table[pos // bs]
-            if block != read:
-                state.conv[block] = NAN
-                state.ssm[block] = NAN
-
-
-def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Bitwise equality, NaNs included (poisoned blocks that nobody writes stay NaN on both sides)."""
-    if x.dtype != y.dtype or x.shape != y.shape:
-        return False
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[x.dtype]
-    return torch.equal(x.contiguous().view(view), y.contiguous().view(view))
-
-
 def native_delta_net(qkv, a, b, state, batch, params, out=None):
     p = params
     state_in, state_out = batch.state_slots(state.block_size)
@@ -130,7 +99,7 @@ def native_delta_net(qkv, a, b, state, batch, params, out=None):
 
 
 def check_against_reference(draw, layer, dtype, spans, block_size):
-    tables, num_blocks = random_tables(draw, spans, block_size)
+    tables, num_blocks = random_tables(draw, spans, block_size, spare=3)
     batch = make_batch(spans, tables)
     qkv, a, b = make_rows(draw, layer, batch.positions.numel(), dtype)
     state = make_state(draw, layer, num_blocks, block_size)
@@ -182,7 +151,7 @@ def test_delta_net_extreme_gates(draw, threads):
     state's columns go to zero and back (exponent -127 on the grid)."""
     layer = make_layer(draw, 1, 2, 16, 16)
     spans, bs = [(0, 9), (6, 5)], 4
-    tables, num_blocks = random_tables(draw, spans, bs)
+    tables, num_blocks = random_tables(draw, spans, bs, spare=3)
     batch = make_batch(spans, tables)
     qkv, a, b = make_rows(draw, layer, 14, torch.float32)
     a[:, 0] = torch.tensor([30.0, -30.0, 100.0, 25.0, 19.5, 20.0, -100.0] * 2)
@@ -203,7 +172,7 @@ def test_delta_net_chunks_give_the_bits_of_one_pass(draw, threads, dtype, chunk)
     state the last left in the cache): the same outputs and the same cache."""
     layer = make_layer(draw, 2, 2, 16, 32)
     bs, length = 4, 37
-    tables, num_blocks = random_tables(draw, [(0, length)], bs)
+    tables, num_blocks = random_tables(draw, [(0, length)], bs, spare=3)
     qkv, a, b = make_rows(draw, layer, length, dtype)
     state = make_state(draw, layer, num_blocks, bs)
     whole_state, chunked_state = clone(state), clone(state)
@@ -228,7 +197,7 @@ def test_delta_net_alone_equals_among_others(draw, threads):
     layer = make_layer(draw, 1, 2, 32, 16)
     bs = 16
     spans = [(5, 9), (20, 1), (0, 13)]
-    tables, num_blocks = random_tables(draw, spans, bs)
+    tables, num_blocks = random_tables(draw, spans, bs, spare=3)
     qkv, a, b = make_rows(draw, layer, 23, torch.bfloat16)
     state = make_state(draw, layer, num_blocks, bs)
     together = native_delta_net(qkv, a, b, clone(state), make_batch(spans, tables), layer.params)
@@ -295,7 +264,7 @@ def test_native_ops_binds_the_kernels(draw):
     """native_ops.delta_net keeps the reference's signature."""
     layer = make_layer(draw, 1, 1, 16, 16)
     spans = [(2, 3)]
-    tables, num_blocks = random_tables(draw, spans, 4)
+    tables, num_blocks = random_tables(draw, spans, 4, spare=3)
     batch = make_batch(spans, tables)
     qkv, a, b = make_rows(draw, layer, 3, torch.float32)
     state = make_state(draw, layer, num_blocks, 4)

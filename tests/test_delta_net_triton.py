@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernel_inputs import DEVICE, NAN  # first: sets TRITON_INTERPRET without a GPU
+from delta_net_cases import poison_written_blocks, random_tables, same_bits  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -120,38 +121,6 @@ def make_batch(spans, tables, device=DEVICE) -> ForwardBatch:
     rows = torch.zeros(start, dtype=torch.int64, device=device)
     return ForwardBatch(rows, torch.tensor(positions, dtype=torch.int64, device=device), rows.clone(), sequences,
                         torch.arange(start, device=device))
-
-
-def random_tables(draw, spans, block_size):
-    """Distinct blocks for every sequence, in a random order; returns (tables, num_blocks)."""
-    lengths = [(p0 + n + block_size - 1) // block_size for p0, n in spans]
-    num_blocks = sum(lengths) + 2
-    order = torch.randperm(num_blocks, generator=draw.gen).tolist()
-    tables, at = [], 0
-    for length in lengths:
-        tables.append(order[at:at + length])
-        at += length
-    return tables, num_blocks
-
-
-def poison_written_blocks(state, spans, tables):
-    """NaN into the blocks a call writes without reading them first (both sides get the same)."""
-    bs = state.block_size
-    for (p0, n), table in zip(spans, tables):
-        read = table[(p0 - 1) // bs] if p0 > 0 else None
-        for pos in range(p0, p0 + n):
-            block = table[pos // bs]
-            if block != read:
-                state.conv[block] = NAN
-                state.ssm[block] = NAN
-
-
-def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Bitwise equality, NaNs included (poisoned blocks nobody writes stay NaN on both sides)."""
-    if x.dtype != y.dtype or x.shape != y.shape:
-        return False
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[x.dtype]
-    return torch.equal(x.cpu().contiguous().view(view), y.cpu().contiguous().view(view))
 
 
 def reference(qkv, a, b, state, spans, tables, params):
