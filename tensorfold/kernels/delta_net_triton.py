@@ -220,15 +220,12 @@ def _rows_unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _slots(batch, block_size: int, device):
-    """(state_in, state_out, row_starts) as int64 tensors on `device`, copied once per forward
-    (memoised beside the batch's own state_slots memo)."""
-    key = ("state_slots_on", block_size, str(device))
-    got = batch._rope.get(key)
-    if got is None:
+    """(state_in, state_out, row_starts) as int64 tensors on `device`, once per forward."""
+    def make():
         state_in, state_out = batch.state_slots(block_size)
-        got = batch._rope[key] = tuple(t.to(device=device, dtype=torch.int64).contiguous() for t in (
-            state_in, state_out, batch.row_starts_tensor))
-    return got
+        return tuple(t.to(device=device, dtype=torch.int64).contiguous()
+                     for t in (state_in, state_out, batch.row_starts_tensor))
+    return batch.memo(("state_slots_on", block_size, str(device)), make)
 
 
 def delta_net(qkv, a, b, state, batch, params, *, out: torch.Tensor | None = None, block_c: int = BLOCK_C,

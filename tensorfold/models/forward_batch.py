@@ -25,38 +25,43 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_rows] int64, flat cache slot each row's K/V is written to
     sequences: list[SequenceRows]
     logits_rows: torch.Tensor   # [num_logits] int64, rows whose logits are returned
-    _rope: dict = field(default_factory=dict, repr=False)  # per-forward memos (rope rows, state slots)
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def memo(self, key, make):
+        """make() once per forward and key: what every layer of the forward reads alike (rope rows,
+        state slots, their copies on a device)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def rope_rows(self, table) -> tuple[torch.Tensor, torch.Tensor]:
         """A rope table's cos and sin at this batch's positions [num_rows, head_dim] each,
         gathered once per forward and table (models/rope.py)."""
-        rows = self._rope.get(id(table))
-        if rows is None:
-            rows = self._rope[id(table)] = (table.cos[self.positions], table.sin[self.positions])
-        return rows
+        return self.memo(id(table), lambda: (table.cos[self.positions], table.sin[self.positions]))
 
     def state_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where a recurrent layer reads and writes its state (models/cache.RecurrentState), as
-        block ids: state_in [num_seqs], the block holding the state after the position before
-        each sequence's first row (-1: position 0, a zero state); state_out [num_rows], the block
-        a row's state is written to (-1: none): rows that end a block, and each sequence's last
-        row. Computed once per forward and block size."""
-        key = ("state", block_size)
-        if key not in self._rope:
-            state_in = torch.full((len(self.sequences),), -1, dtype=torch.int64)
-            state_out = torch.full((self.input_ids.shape[0],), -1, dtype=torch.int64)
-            positions = self.positions.tolist()
-            for i, seq in enumerate(self.sequences):
-                table = seq.block_table.tolist()
-                p0 = positions[seq.start]
-                if p0 > 0:
-                    state_in[i] = table[(p0 - 1) // block_size]
-                for row in range(seq.start, seq.end):
-                    pos = positions[row]
-                    if pos % block_size == block_size - 1 or row == seq.end - 1:
-                        state_out[row] = table[pos // block_size]
-            self._rope[key] = (state_in, state_out)
-        return self._rope[key]
+        block ids on the batch's device: state_in [num_seqs], the block holding the state after the
+        position before each sequence's first row (-1: position 0, a zero state); state_out
+        [num_rows], the block a row's state is written to (-1: none): rows that end a block, and
+        each sequence's last row. Computed once per forward and block size, without a loop."""
+        return self.memo(("state", block_size), lambda: self._state_slots(block_size))
+
+    def _state_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions, device = self.positions, self.positions.device
+        if not self.sequences or positions.numel() == 0:
+            return (torch.full((len(self.sequences),), -1, dtype=torch.int64, device=device),
+                    torch.full(positions.shape, -1, dtype=torch.int64, device=device))
+        starts = torch.tensor(self.row_starts, dtype=torch.int64, device=device)
+        seqs = torch.arange(len(self.sequences), device=device)
+        tables = self.block_tables
+        row_seq = torch.repeat_interleave(seqs, starts[1:] - starts[:-1])
+        writes = positions % block_size == block_size - 1
+        writes[starts[1:] - 1] = True  # each sequence's last row
+        state_out = torch.where(writes, tables[row_seq, positions // block_size], -1)
+        first = positions[starts[:-1]]
+        state_in = torch.where(first > 0, tables[seqs, (first - 1).clamp_min(0) // block_size], -1)
+        return state_in, state_out
 
     @cached_property
     def block_tables(self) -> torch.Tensor:
