@@ -36,7 +36,7 @@ from tensorfold.models.gguf_file import ARCHITECTURES, _Reader, _take_columns, _
 from tensorfold.models.gguf_quants import quant_weight
 from tensorfold.models.hf_dir import load_hf_dir
 from tensorfold.models.linear_attention import LinearAttentionSpec, _ba_order, _qkvz_order
-from tensorfold.models.loader import STACKED_EXPERTS, _split_experts, build_model, quantize_checkpoint
+from tensorfold.models.loader import build_model, quantize_checkpoint, split_stacked_experts
 from tensorfold.models.quantize import QTYPES, gguf_blocks
 from tensorfold.sampling.params import SamplingParams
 from test_native_backend import greedy_run
@@ -212,8 +212,7 @@ def _quantized_like(gguf_ckpt, hf_dir: str):
         elif name.endswith("in_proj_ba.weight"):
             plain = tensors.pop(name)[_ba_order(spec)]
             tensors[name.replace("_ba", "_b")], tensors[name.replace("_ba", "_a")] = plain.chunk(2)
-        elif name.endswith(tuple(STACKED_EXPERTS)):
-            _split_experts(tensors, name)
+    split_stacked_experts(tensors)
     for name, w in tensors.items():
         kept = gguf_ckpt.tensors.get(name)
         if isinstance(kept, QuantWeight):

@@ -44,8 +44,7 @@ def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
     if any(isinstance(t, QuantWeight) for t in ckpt.tensors.values()):
         raise CheckpointError(f"{ckpt.path}: --quantize is for dense checkpoints; this one is already in blocks "
                               "(served as stored)")
-    for name in [n for n in ckpt.tensors if n.endswith(tuple(STACKED_EXPERTS))]:
-        _split_experts(ckpt.tensors, name)
+    split_stacked_experts(ckpt.tensors)
     for name, tensor in list(ckpt.tensors.items()):
         if name.endswith(QUANTIZABLE) and tensor.dim() == 2:
             if tensor.shape[1] % 32:
@@ -54,15 +53,17 @@ def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
             ckpt.tensors[name] = quantize(tensor, kind)
 
 
-def _split_experts(tensors: dict, name: str) -> None:
-    """A stacked expert tensor (Qwen3.5-MoE's experts.gate_up_proj [E, 2I, H], experts.down_proj
-    [E, H, I]) as one matrix per expert and projection (experts.E.gate_proj.weight, ...): the
-    layout whose matrices are quantized one by one, as a GGUF's expert rows are."""
-    prefix, stacked_name = name.rsplit("experts.", 1)
-    projs = STACKED_EXPERTS["experts." + stacked_name]
-    for e, expert in enumerate(tensors.pop(name)):
-        for proj, part in zip(projs, expert.chunk(len(projs))):
-            tensors[f"{prefix}experts.{e}.{proj}.weight"] = part.contiguous()
+def split_stacked_experts(tensors: dict) -> None:
+    """Stacked expert tensors (Qwen3.5-MoE's experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) as one matrix per expert and projection (experts.E.gate_proj.weight, ...), in
+    place: the one layout the MoE block reads, and whose matrices are quantized one by one, as a
+    GGUF's expert rows are. Views, no copies."""
+    for name in [n for n in tensors if n.endswith(tuple(STACKED_EXPERTS))]:
+        prefix, stacked_name = name.rsplit("experts.", 1)
+        projs = STACKED_EXPERTS["experts." + stacked_name]
+        for e, expert in enumerate(tensors.pop(name)):
+            for proj, part in zip(projs, expert.chunk(len(projs))):
+                tensors[f"{prefix}experts.{e}.{proj}.weight"] = part
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu") -> Model:
@@ -76,8 +77,9 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
 
 
 def _served_tensors(tensors: dict, family) -> dict:
-    """The checkpoint's tensors under the names the decoder reads (family.tensor_name); those the
-    family does not serve (a vision tower, MTP heads) are left out, said once in the log."""
+    """The checkpoint's tensors under the names the decoder reads (family.tensor_name, stacked
+    experts split); those the family does not serve (a vision tower, MTP heads) are left out,
+    said once in the log."""
     served, skipped = {}, {}
     for name, tensor in tensors.items():
         new = family.tensor_name(name)
@@ -86,6 +88,7 @@ def _served_tensors(tensors: dict, family) -> dict:
             skipped[prefix] = skipped.get(prefix, 0) + 1
         else:
             served[new] = tensor
+    split_stacked_experts(served)
     for prefix, count in skipped.items():
         logging.getLogger("tensorfold.models").info("skipped %d tensors under %s. (not served yet)", count, prefix)
     return served

@@ -13,8 +13,8 @@ choice and the weights from that row alone (exp is exact.float32's, the sums fix
 exact on the grid), an expert's GEMM gives each row the bits it gives it alone, whatever other
 tokens chose the expert, and nothing is dropped for capacity.
 
-Checkpoints keep experts one by one (experts.E.gate_proj.weight, ...), as on the Hub; the
-stacked form transformers writes (experts.gate_up_proj [E, 2I, H], experts.down_proj) is read too.
+Experts are read one by one (experts.E.gate_proj.weight, ...); Qwen3.5-MoE's stacked tensors
+(experts.gate_up_proj [E, 2I, H], experts.down_proj) are split into that form at load.
 """
 from dataclasses import dataclass
 
@@ -78,13 +78,11 @@ class MoE:
 
 
 def _experts(spec: MoESpec, mlp: WeightReader) -> list[Expert]:
-    linear, size = mlp.ops.Linear, spec.intermediate_size
-    if mlp.has("experts.gate_up_proj"):  # stacked: [E, 2I, H] and [E, H, I]
-        gate_up, down = mlp.matrix("experts.gate_up_proj"), mlp.matrix("experts.down_proj")
-        return [Expert(linear.of(gate_up[e]), linear.of(down[e]), size, mlp.ops) for e in range(spec.num_experts)]
+    """Each expert's gate/up (fused) and down: experts.E.{gate,up,down}_proj.weight (a stacked
+    checkpoint is split into these at load: models/loader.split_stacked_experts)."""
     experts = []
     for e in range(spec.num_experts):
         one = mlp.under(f"experts.{e}.")
         experts.append(Expert(one.linear("gate_proj.weight", "up_proj.weight"), one.linear("down_proj.weight"),
-                              size, mlp.ops))
+                              spec.intermediate_size, mlp.ops))
     return experts
