@@ -110,6 +110,13 @@ class QuantWeight:
         return t if self.min_exp is None else torch.maximum(t, self.min_exp.amax(dim=1))
 
 
+def take_rows(matrix, ids: torch.Tensor):
+    """Rows `ids` of a checkpoint matrix, dense or in quantized blocks (whose rows move whole)."""
+    if isinstance(matrix, QuantWeight):
+        return matrix.rows(ids.to(matrix.codes.device))
+    return matrix[ids]
+
+
 def cat(parts: list[QuantWeight]) -> QuantWeight:
     """Weights stacked along N (fused Q/K/V, gate/up); all parts of one type."""
     kinds = {p.kind for p in parts}

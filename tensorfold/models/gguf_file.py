@@ -33,7 +33,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tensorfold.kernels.quant_gemm import BLOCK as QUANT_BLOCK, KINDS as QUANT_KINDS, QuantWeight
+from tensorfold.kernels.quant_gemm import BLOCK as QUANT_BLOCK, KINDS as QUANT_KINDS, QuantWeight, take_rows
 from tensorfold.models.checkpoint import Checkpoint, CheckpointError
 from tensorfold.models.gguf_quants import DEQUANTIZERS, KEPT_TYPES, dequantize, quant_weight
 
@@ -372,7 +372,7 @@ def _tensors(
         proj = name.split(".")[-2]
         if arch.rope_permuted and proj in heads:
             order = rope_row_order(shape[0], heads[proj])
-            weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight[order]
+            weight = take_rows(weight, order)
         tensors[name] = weight
     missing = [name for name in expected if name not in tensors]
     if missing:
@@ -517,9 +517,7 @@ def _untiled(num_k: int, num_v: int, width: int) -> torch.Tensor | None:
 
 
 def _take_rows(weight, ids: torch.Tensor | None):
-    if ids is None:
-        return weight
-    return weight.rows(ids) if isinstance(weight, QuantWeight) else weight[ids]
+    return weight if ids is None else take_rows(weight, ids)
 
 
 def _row_range(weight, start: int, stop: int):

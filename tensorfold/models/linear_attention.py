@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorfold.kernels.delta_net import decay_rate
-from tensorfold.kernels.quant_gemm import QuantWeight
+from tensorfold.kernels.quant_gemm import take_rows
 from tensorfold.models.cache import RecurrentState
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.weights import WeightReader
@@ -94,12 +94,7 @@ def _input_matrices(spec: LinearAttentionSpec, la: WeightReader) -> list:
         return [la.matrix(n) for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
                                        "in_proj_a.weight")]
     qkvz, ba = la.matrix("in_proj_qkvz.weight"), la.matrix("in_proj_ba.weight")
-    return [_rows(qkvz, _qkvz_order(spec)), _rows(ba, _ba_order(spec))]
-
-
-def _rows(matrix, order: torch.Tensor):
-    """Rows of a dense matrix or of one in quantized blocks (whose rows move whole)."""
-    return matrix.rows(order.to(matrix.codes.device)) if isinstance(matrix, QuantWeight) else matrix[order]
+    return [take_rows(qkvz, _qkvz_order(spec)), take_rows(ba, _ba_order(spec))]
 
 
 def _qkvz_order(spec: LinearAttentionSpec) -> torch.Tensor:
