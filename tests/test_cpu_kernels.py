@@ -522,6 +522,33 @@ def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
         assert_bitwise(_cpu.quant_linear(batch, packed, 40, 512)[place], alone[0], draw, f"row {place} of {m}")
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+def test_quant_linear_tiles_without_negative_shifts_equal_their_reference(draw, threads, kind):
+    """Scales within a few binades and ordinary activations: no term can have a negative shift,
+    so the row tiles take the unchecked kernel (quant_gemm.cpp: group_unchecked). Among them, rows
+    with an outlier or a zero block (far below the row's largest: checked tiles), zero scales
+    and minimums, and every tile height (1-4 rows) alone and beside the others."""
+    from test_quant_gemm import random_generic
+
+    from tensorfold.kernels import quant_gemm
+
+    n, k = 53, 512
+    w = random_generic(draw.gen, kind, n, k)
+    w.scale_exp.copy_(torch.randint(-3, 1, w.scale_exp.shape, generator=draw.gen, dtype=torch.int32))
+    if w.min is not None:
+        w.min_exp.copy_(torch.randint(-3, 1, w.min_exp.shape, generator=draw.gen, dtype=torch.int32))
+        w.min[2, 3] = 0
+    w.scale[5, :] = 0
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    x = torch.randn(11, k, generator=draw.gen)
+    x[6, 100] = 3e4      # a block far above the rest of its row
+    x[9, 64:96] = 0.0    # a zero block (its terms are 0 at any shift)
+    want = quant_gemm.linear(x, w)
+    assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{kind}, 11 rows")
+    for rows in (slice(0, 1), slice(0, 2), slice(3, 6), slice(2, 6), slice(5, 8), slice(9, 10)):
+        assert_bitwise(_cpu.quant_linear(x[rows], packed, n, k), want[rows], draw, f"{kind}, rows {rows}")
+
+
 def test_quant_linear_rejects_what_is_not_its_packed_weight():
     from test_quant_gemm import random_generic
 

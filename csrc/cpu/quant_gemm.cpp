@@ -46,7 +46,7 @@ constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
 constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr float X_MAX = 127.0f;     // |xq| <= 127
 constexpr float F16_MAX = 65504.0f;  // float16 scales saturate here
-constexpr int64_t MAGIC = 0x544651554e540002;  // "TFQUNT" v2
+constexpr int64_t MAGIC = 0x544651554e540003;  // "TFQUNT" v3
 
 struct QKind {
   int sub;         // weights per scale S
@@ -63,13 +63,15 @@ constexpr QKind KINDS[] = {{32, 41, false, 128, false, 8}, {32, 41, false, 8, tr
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
 // Where things sit in a packed weight: the header, then group g's records at g * blocks * record,
-// then top [groups][16] int32 (the largest E or F of each column).
+// then top [groups][16] int32 (the largest E or F of each column), then lows [groups][2] int32: the
+// group's smallest E - top and F - top over its nonzero scales and minimums (0 where none), which
+// tell a row tile whether any of its terms can have a negative shift (group_rows).
 struct Layout {
   QKind kind;
   bool f16;                                    // scales as float16 bits (else wide)
   int64_t groups, blocks, per, code_bytes;     // per: scales per block (32 / sub)
   int64_t min_at, sexp_at, mexp_at, record;    // offsets inside a record
-  int64_t top, total;
+  int64_t top, lows, total;
   Layout(int kind_id, bool f16_scales, int64_t N, int64_t K) : kind(KINDS[kind_id]), f16(f16_scales) {
     groups = (N + GROUP - 1) / GROUP;
     blocks = K / BLOCK;
@@ -86,7 +88,8 @@ struct Layout {
       record = kind.has_min ? mexp_at + GROUP : min_at;
     }
     top = 64 + align64(groups * blocks * record);
-    total = top + align64(groups * GROUP * 4);
+    lows = top + align64(groups * GROUP * 4);
+    total = lows + align64(groups * 2 * 4);
   }
 };
 
@@ -156,6 +159,7 @@ struct RowQ {
   std::vector<int8_t> xq;
   std::vector<int32_t> m, kdelta, xsum, sm, sdelta;
   int kmax = 0;
+  int kmin = 0, smin = 0;  // the smallest kdelta, sdelta of the blocks whose m, sm is not 0 (0 where none)
 };
 
 // A block's codes xq = round_even(x inverse) within +-127 (0 for a zero block) and the sums of its
@@ -217,9 +221,12 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
     significand16(float16_from(std::min(F16_MAX, std::max(-F16_MAX, s))), &row->sm[b], &row->sdelta[b]);
     kmax = std::max(kmax, row->kdelta[b]);
   }
+  row->kmin = row->smin = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     row->kdelta[b] = std::max(row->kdelta[b] - kmax, -1000);
     row->sdelta[b] = std::max(row->sdelta[b] - kmax, -1000);
+    if (row->m[b] != 0) row->kmin = std::min(row->kmin, row->kdelta[b]);
+    if (row->sm[b] != 0) row->smin = std::min(row->smin, row->sdelta[b]);
   }
   row->kmax = kmax;
 }
@@ -636,6 +643,109 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     for (int c = 0; c < 4; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * GROUP + 4 * c), a[r][c]);
 }
 
+// The same sums where no term of the tile can have a negative shift (group_rows checks the
+// group's lows against the rows' kmin, smin): nothing to check, and each half of the group (8
+// columns) runs on its own, so that its codes, scales and the rows' sums fit the sixteen
+// registers. Terms are kept as the even and the odd columns' int64 lanes (vpmuldq multiplies the
+// low int32 of each 64-bit lane: the odd columns shift down once, nothing widens), and a shift in
+// [0, 63] reads from its int32 lane by a mask (even) or a shift (odd); a negative count, which
+// only a zero term can have here, reads as more than 63 and adds 0, as the term itself would.
+template <int R, bool F16, int KIND>
+void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                     const int32_t* top, int64_t* acc) {
+  constexpr QKind KD = KINDS[KIND];
+  constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
+  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
+  constexpr bool SIGNED = KD.code_bits == 8;
+  constexpr int SUM16 = sum16(KD.code_bits, PER);
+  __m256i even[R][2], odd[R][2];  // [row][half]
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) even[r][h] = odd[r][h] = _mm256_setzero_si256();
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), low32 = _mm256_set1_epi64x(0xFFFFFFFF);
+  const int64_t ahead = prefetch_distance(L, r0);
+  for (int64_t b = 0; b < L.blocks; ++b) {
+    const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8 * h));
+      __m256i s0, sexp, mv = _mm256_setzero_si256(), mexp = mv, s1 = mv;
+      if constexpr (F16) {
+        decode_f16x8(rec + L.code_bytes + 16 * h, t, &s0, &sexp);
+        if constexpr (HAS_MIN) decode_f16x8(rec + L.min_at + 16 * h, t, &mv, &mexp);
+      } else {
+        s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 32 * h));
+        sexp = load_i8x8(rec + L.sexp_at + 8 * h);
+        if constexpr (PER == 2) s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 4 * GROUP + 32 * h));
+        if constexpr (HAS_MIN) {
+          mv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.min_at + 32 * h));
+          mexp = load_i8x8(rec + L.mexp_at + 8 * h);
+        }
+      }
+      const __m256i s0_odd = _mm256_srli_epi64(s0, 32), s1_odd = _mm256_srli_epi64(s1, 32);
+      const __m256i m_odd = _mm256_srli_epi64(mv, 32);
+      // quad q of this half's 8 columns as bytes (R == 1 reads them where they are used)
+      const auto codes = [&](int q) {
+        if constexpr (NIBBLES) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (q % 4) * 64 + 32 * h));
+          return q < 4 ? _mm256_and_si256(v, nib) : _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + q * 64 + 32 * h));
+          return SIGNED ? _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))) : v;
+        }
+      };
+      __m256i u[8];
+      if constexpr (R > 1)
+        for (int q = 0; q < 8; ++q) u[q] = codes(q);
+      for (int r = 0; r < R; ++r) {
+        const RowQ& row = rows[r0 + r];
+        const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq.data() + b * BLOCK);
+        const int32_t* xsum = row.xsum.data() + b * PER;
+        const __m256i m = _mm256_set1_epi32(row.m[b]);
+        __m256i ints_even, ints_odd;
+        for (int p = 0; p < PER; ++p) {
+          __m256i d32 = _mm256_setzero_si256();
+          for (int q0 = p * 8 / PER; q0 < (p + 1) * 8 / PER; q0 += SUM16) {
+            __m256i d16 = _mm256_setzero_si256();
+            for (int q = q0; q < q0 + SUM16; ++q) {
+              const __m256i x = _mm256_set1_epi32(xq[q]);
+              const __m256i c = R > 1 ? u[q] : codes(q);
+              if constexpr (SIGNED)
+                d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)));
+              else
+                d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(c, x));
+            }
+            d32 = _mm256_add_epi32(d32, _mm256_madd_epi16(d16, ones));
+          }
+          if constexpr (OFFSET != 0 && !SIGNED) d32 = _mm256_sub_epi32(d32, _mm256_set1_epi32(OFFSET * xsum[p]));
+          const __m256i dot = _mm256_mullo_epi32(d32, m);  // A m < 2^19 2^11: int32
+          const __m256i e = _mm256_mul_epi32(dot, p == 0 ? s0 : s1);
+          const __m256i o = _mm256_mul_epi32(_mm256_srli_epi64(dot, 32), p == 0 ? s0_odd : s1_odd);
+          ints_even = p == 0 ? e : _mm256_add_epi64(ints_even, e);
+          ints_odd = p == 0 ? o : _mm256_add_epi64(ints_odd, o);
+        }
+        const __m256i shift = _mm256_add_epi32(sexp, _mm256_set1_epi32(row.kdelta[b] + shift0));
+        even[r][h] = _mm256_add_epi64(even[r][h], _mm256_sllv_epi64(ints_even, _mm256_and_si256(shift, low32)));
+        odd[r][h] = _mm256_add_epi64(odd[r][h], _mm256_sllv_epi64(ints_odd, _mm256_srli_epi64(shift, 32)));
+        if constexpr (HAS_MIN) {
+          const __m256i xs = _mm256_set1_epi64x(row.sm[b]);
+          const __m256i mshift = _mm256_add_epi32(mexp, _mm256_set1_epi32(row.sdelta[b] + shift0));
+          even[r][h] = _mm256_add_epi64(even[r][h], _mm256_sllv_epi64(_mm256_mul_epi32(mv, xs), _mm256_and_si256(mshift, low32)));
+          odd[r][h] = _mm256_add_epi64(odd[r][h], _mm256_sllv_epi64(_mm256_mul_epi32(m_odd, xs), _mm256_srli_epi64(mshift, 32)));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      alignas(32) int64_t e[4], o[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(e), even[r][h]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o), odd[r][h]);
+      for (int i = 0; i < 4; ++i) {
+        acc[r * GROUP + 8 * h + 2 * i] = e[i];
+        acc[r * GROUP + 8 * h + 2 * i + 1] = o[i];
+      }
+    }
+}
+
 #endif
 
 #if defined(TF_QUANT_VNNI) || defined(TF_QUANT_AVX2)
@@ -659,10 +769,21 @@ void by_row_tiles(int64_t r0, int64_t r1, Run run) {
 void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1,
                 int64_t g, int shift0, const int32_t* top, int64_t* acc) {
 #if defined(TF_QUANT_VNNI) || defined(TF_QUANT_AVX2)
+  const int32_t* lows = reinterpret_cast<const int32_t*>(packed + L.lows) + 2 * g;
   const auto tiles = [&](auto f16, auto kind_id) {
     by_row_tiles(r0, r1, [&](auto tile_rows, int64_t r) {
-      group_vector<decltype(tile_rows)::value, decltype(f16)::value, decltype(kind_id)::value>(
-          L, packed, rows, r, g, shift0, top, acc + (r - r0) * GROUP);
+      constexpr int R = decltype(tile_rows)::value;
+#if defined(TF_QUANT_AVX2)
+      bool checked = false;  // whether a nonzero term of these rows can have a negative shift
+      for (int i = 0; i < R; ++i)
+        checked = checked || lows[0] + rows[r + i].kmin + shift0 < 0 ||
+                  (L.kind.has_min && lows[1] + rows[r + i].smin + shift0 < 0);
+      if (!checked)
+        return group_unchecked<R, decltype(f16)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
+                                                                                   acc + (r - r0) * GROUP);
+#endif
+      group_vector<R, decltype(f16)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
+                                                                      acc + (r - r0) * GROUP);
     });
   };
   const auto by_kind = [&](auto f16) {
@@ -757,7 +878,9 @@ void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32
   const Header h{MAGIC, kind, N, K, f16 ? 1 : 0};
   std::memcpy(packed, &h, sizeof(h));
   int32_t* top = reinterpret_cast<int32_t*>(packed + L.top);
+  int32_t* lows = reinterpret_cast<int32_t*>(packed + L.lows);
   const int64_t scales_per_row = K / kd.sub;
+  for (int64_t g = 0; g < L.groups; ++g) lows[2 * g] = lows[2 * g + 1] = 1 << 20;
   for (int64_t n = 0; n < N; ++n) {
     int t = -(1 << 20);
     for (int64_t b = 0; b < L.blocks; ++b) {
@@ -767,6 +890,12 @@ void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32
     top[n] = t;
     const int64_t g = n / GROUP;
     const int j = static_cast<int>(n % GROUP);
+    for (int64_t b = 0; b < L.blocks; ++b) {  // a zero scale's or minimum's terms are 0 at any shift
+      bool any = false;
+      for (int64_t hh = 0; hh < L.per; ++hh) any = any || scale[n * scales_per_row + b * L.per + hh] != 0;
+      if (any) lows[2 * g] = std::min(lows[2 * g], scale_exp[n * L.blocks + b] - t);
+      if (kd.has_min && min[n * L.blocks + b] != 0) lows[2 * g + 1] = std::min(lows[2 * g + 1], min_exp[n * L.blocks + b] - t);
+    }
     for (int64_t b = 0; b < L.blocks; ++b) {
       uint8_t* rec = packed + 64 + (g * L.blocks + b) * L.record;
       for (int k = 0; k < BLOCK; ++k) {
@@ -792,6 +921,7 @@ void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32
       }
     }
   }
+  for (int64_t g = 0; g < 2 * L.groups; ++g) lows[g] = lows[g] == 1 << 20 ? 0 : lows[g];
 }
 
 bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64_t K) {
