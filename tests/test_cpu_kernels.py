@@ -161,13 +161,14 @@ def test_rope_and_qk_norm_rope(draw, threads, dtype, tokens, heads, head_dim):
     assert_bitwise(_cpu.rms_norm_rope(x, weight, 1e-6, cos, sin, out=poisoned(want)), want, draw, "rms_norm_rope")
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "sigmoid_and_mul"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 1536), (3, 17), (33, 100)])
-def test_silu_and_mul_on_split_views(draw, threads, dtype, rows, width):
+def test_gate_and_mul_on_split_views(draw, threads, op, dtype, rows, width):
     gate_up = randn(draw, rows, 2 * width, dtype=dtype, scale=6.0)
     gate, up = gate_up.split(width, dim=-1)  # strided rows, as the model passes them
-    want = reference.silu_and_mul(gate, up)
-    assert_bitwise(_cpu.silu_and_mul(gate, up, out=poisoned(want)), want, draw, "silu_and_mul")
+    want = getattr(reference, op)(gate, up)
+    assert_bitwise(getattr(_cpu, op)(gate, up, out=poisoned(want)), want, draw, op)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -187,6 +188,7 @@ def test_row_ops_on_special_values(draw, dtype):
     want, want_h = reference.add_rms_norm(x, res, weight, 1e-6)
     assert same_bits(got_h.double(), want_h.double()) and same_bits(got.double(), want.double()), str(draw)
     assert same_bits(_cpu.silu_and_mul(x, res).double(), reference.silu_and_mul(x, res).double()), str(draw)
+    assert same_bits(_cpu.sigmoid_and_mul(x, res).double(), reference.sigmoid_and_mul(x, res).double()), str(draw)
     heads = x[:, :64].reshape(9, 1, 64).contiguous()
     cos, sin = _rope_inputs(draw, 9, 1, 64, dtype)[1:]
     want = reference.apply_rope(heads, cos, sin)
@@ -197,6 +199,7 @@ def test_silu_reference_is_silu(draw):
     g = randn(draw, 4096, scale=8.0)
     one = torch.ones_like(g)
     assert torch.allclose(reference.silu_and_mul(g, one), torch.nn.functional.silu(g), rtol=1e-6, atol=1e-7)
+    assert torch.allclose(reference.sigmoid_and_mul(g, one), torch.sigmoid(g), rtol=1e-6, atol=1e-7)
 
 
 # ---- cache write and attention ------------------------------------------------------------------

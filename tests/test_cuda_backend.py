@@ -37,7 +37,8 @@ from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
-OP_NAMES = ("linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul", "apply_rope",
+OP_NAMES = ("linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul", "sigmoid_and_mul",
+            "apply_rope",
             "rope_table", "pad_rows", "paged_attention", "paged_decode_attention", "attention", "write_kv",
             "sample")
 KERNEL_OPS = ("attention", "rms_norm", "add_rms_norm", "apply_rope", "sample")  # Triton in cuda_ops

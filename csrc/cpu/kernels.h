@@ -55,6 +55,9 @@ void rope(int dtype, const void* x, int64_t x_stride, void* out, const float* co
 // out [rows, width] = silu(gate) * up, gate/up rows at their strides.
 void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out,
                   int64_t rows, int64_t width, int threads);
+// out [rows, width] = sigmoid(gate) * up (an attention's output gate), the same layout.
+void sigmoid_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out,
+                     int64_t rows, int64_t width, int threads);
 
 // The cache has a dtype of its own, `cache_dtype` (same codes): a bfloat16 cache may serve float32
 // activations and the reverse.

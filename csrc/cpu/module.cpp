@@ -196,19 +196,22 @@ torch::Tensor rms_norm_rope(const torch::Tensor& x, const torch::Tensor& weight,
   return rope_impl(x, cos, sin, weight, eps, out);
 }
 
-torch::Tensor silu_and_mul(const torch::Tensor& gate, const torch::Tensor& up, const Out& out_arg) {
-  check_cpu(gate, "silu_and_mul: gate");
-  const int code = dtype_code(gate, "silu_and_mul");
+// silu(gate) * up, or sigmoid(gate) * up (an attention's output gate).
+template <bool SIGMOID>
+torch::Tensor gate_and_mul(const torch::Tensor& gate, const torch::Tensor& up, const Out& out_arg) {
+  const char* name = SIGMOID ? "sigmoid_and_mul" : "silu_and_mul";
+  check_cpu(gate, name);
+  const int code = dtype_code(gate, name);
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
-              "silu_and_mul: gate and up must be [rows, width] of one dtype");
+              name, ": gate and up must be [rows, width] of one dtype");
   torch::Tensor g = gate, u = up;
   if (g.stride(1) != 1 || u.stride(1) != 1 || g.stride(0) != u.stride(0)) {
     g = gate.contiguous();
     u = up.contiguous();
   }
-  auto out = output(out_arg, gate.sizes(), gate, "silu_and_mul");
+  auto out = output(out_arg, gate.sizes(), gate, name);
   if (out.numel() > 0)
-    tf::silu_and_mul(code, g.data_ptr(), u.data_ptr(), g.stride(0), out.data_ptr(), g.size(0), g.size(1), threads());
+    (SIGMOID ? tf::sigmoid_and_mul : tf::silu_and_mul)(code, g.data_ptr(), u.data_ptr(), g.stride(0), out.data_ptr(), g.size(0), g.size(1), threads());
   return out;
 }
 
@@ -517,7 +520,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_rope", &apply_rope, "reference.apply_rope", py::arg("x"), py::arg("cos"), py::arg("sin"), out);
   m.def("rms_norm_rope", &rms_norm_rope, "reference.rms_norm_rope", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::arg("cos"), py::arg("sin"), out);
-  m.def("silu_and_mul", &silu_and_mul, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
+  m.def("silu_and_mul", &gate_and_mul<false>, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
+  m.def("sigmoid_and_mul", &gate_and_mul<true>, "reference.sigmoid_and_mul", py::arg("gate"), py::arg("up"), out);
   m.def("write_kv", &write_kv, "paged_attention.write_kv_ref", py::arg("k_cache"), py::arg("v_cache"),
         py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("v_exp") = py::none());
   m.def("delta_net", &delta_net,

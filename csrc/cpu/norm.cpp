@@ -135,8 +135,9 @@ void rope_impl(const T* x, int64_t x_stride, T* out, const float* cos, const flo
 }
 
 // reference.silu_and_mul: silu(g) = g / (1 + exp(-g)) for g >= 0 and g e / (1 + e), e = exp(g),
-// below, both with the project's exp_neg of -|g|, times up.
-template <typename T>
+// below, both with the project's exp_neg of -|g|, times up. SIGMOID: reference.sigmoid_and_mul,
+// the same steps with 1 (or e) in place of g (or g e).
+template <bool SIGMOID, typename T>
 void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t rows, int64_t width, int threads) {
   const bool parallel = threads > 1 && rows > 1 && rows * width >= PARALLEL_ELEMENTS;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
@@ -163,7 +164,7 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
       for (; i + 16 <= n; i += 16) {
         const __m512 gi = load16(gate_row + i0 + i), ti = _mm512_loadu_ps(t + i);
         const __m512 factor = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gi, zero, _CMP_GE_OQ), ti, one);
-        const __m512 s = _mm512_div_ps(_mm512_mul_ps(gi, factor), _mm512_add_ps(one, ti));
+        const __m512 s = _mm512_div_ps(SIGMOID ? factor : _mm512_mul_ps(gi, factor), _mm512_add_ps(one, ti));
         store16(out_row + i0 + i, _mm512_mul_ps(s, load16(up_row + i0 + i)));
       }
 #elif defined(TF_AVX2)
@@ -171,13 +172,14 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
       for (; i + 8 <= n; i += 8) {  // the same steps eight lanes at a time
         const __m256 gi = load8(gate_row + i0 + i), ti = _mm256_loadu_ps(t + i);
         const __m256 factor = _mm256_blendv_ps(ti, one, _mm256_cmp_ps(gi, zero, _CMP_GE_OQ));
-        const __m256 s = _mm256_div_ps(_mm256_mul_ps(gi, factor), _mm256_add_ps(one, ti));
+        const __m256 s = _mm256_div_ps(SIGMOID ? factor : _mm256_mul_ps(gi, factor), _mm256_add_ps(one, ti));
         store8(out_row + i0 + i, _mm256_mul_ps(s, load8(up_row + i0 + i)));
       }
 #endif
       for (; i < n; ++i) {
         const float gi = to_f32(gate_row[i0 + i]);
-        const float num = gi * (gi >= 0.0f ? 1.0f : t[i]);  // g, or g t: g * 1 is g exactly
+        const float factor = gi >= 0.0f ? 1.0f : t[i];
+        const float num = SIGMOID ? factor : gi * factor;  // silu: g, or g t (g * 1 is g exactly)
         const float s = num / (1.0f + t[i]);
         out_row[i0 + i] = from_f32<T>(s * to_f32(up_row[i0 + i]));
       }
@@ -213,9 +215,17 @@ void rope(int dtype, const void* x, int64_t x_stride, void* out, const float* co
 void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows,
                   int64_t width, int threads) {
   if (dtype == 0)
-    silu_impl(in<float>(gate), in<float>(up), in_stride, io<float>(out), rows, width, threads);
+    silu_impl<false>(in<float>(gate), in<float>(up), in_stride, io<float>(out), rows, width, threads);
   else
-    silu_impl(in<bf16>(gate), in<bf16>(up), in_stride, io<bf16>(out), rows, width, threads);
+    silu_impl<false>(in<bf16>(gate), in<bf16>(up), in_stride, io<bf16>(out), rows, width, threads);
+}
+
+void sigmoid_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows,
+                     int64_t width, int threads) {
+  if (dtype == 0)
+    silu_impl<true>(in<float>(gate), in<float>(up), in_stride, io<float>(out), rows, width, threads);
+  else
+    silu_impl<true>(in<bf16>(gate), in<bf16>(up), in_stride, io<bf16>(out), rows, width, threads);
 }
 
 }  // namespace tf

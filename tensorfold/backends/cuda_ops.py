@@ -19,8 +19,8 @@ What runs where, and why:
   blocks, integer block dots, an int64 sum on a grid known before any block), bitwise
   quant_gemm.linear for every kind, fixed tiles whatever M, so a row's bits never depend on the
   batch; on CUDA tensors and, in tests, on CPU tensors under the interpreter alike.
-- linear with a dense weight, silu_and_mul, pad_rows, rope_table: the torch reference ops on CUDA
-  tensors, shared by both op sets rather than mirrored. silu_and_mul is elementwise (invariant on
+- linear with a dense weight, silu_and_mul, sigmoid_and_mul, pad_rows, rope_table: the torch reference ops on CUDA
+  tensors, shared by both op sets rather than mirrored. Both gates are elementwise (invariant on
   a GPU as it is). Dense linear relies on cuBLAS after padding rows to 8, which is not a
   documented batch-invariance guarantee on GPUs (cuBLAS may pick a split-K kernel by shape): the
   engine's startup probes vouch for it on a given device; a fixed-tile Triton GEMM without
@@ -35,7 +35,7 @@ from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.kernels.quant_gemm_triton import PackedQuantWeight, pack_quant_weight, quant_linear
 from tensorfold.kernels.reference import linear_padded
-from tensorfold.kernels.reference import pad_rows, rope_table, silu_and_mul  # noqa: F401
+from tensorfold.kernels.reference import pad_rows, rope_table, sigmoid_and_mul, silu_and_mul  # noqa: F401
 from tensorfold.kernels.rms_norm_triton import add_rms_norm, apply_rope, rms_norm, rms_norm_rope  # noqa: F401
 from tensorfold.kernels.sampling_triton import sample  # noqa: F401
 from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa: F401

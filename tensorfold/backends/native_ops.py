@@ -39,6 +39,7 @@ add_rms_norm = _cpu.add_rms_norm
 apply_rope = _cpu.apply_rope
 rms_norm_rope = _cpu.rms_norm_rope
 silu_and_mul = _cpu.silu_and_mul
+sigmoid_and_mul = _cpu.sigmoid_and_mul
 gated_rms_norm = _cpu.gated_rms_norm
 
 

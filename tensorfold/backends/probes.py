@@ -57,6 +57,9 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
     attention = next((spec.mixer for spec in model.specs if isinstance(spec.mixer, AttentionSpec)), None)
     if attention is not None:
         _probe_attention(attention, device, ops, randn, kv_dtype or dtype, failures)
+    if attention is not None and attention.output_gate:
+        width = attention.num_heads * attention.head_dim
+        _rows_invariant(lambda x: ops.sigmoid_and_mul(x, x), lambda m: randn(m, width), "sigmoid_and_mul", failures)
     delta_net = next((layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)), None)
     if delta_net is not None:
         _probe_delta_net(delta_net, device, ops, randn, failures)

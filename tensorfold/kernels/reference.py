@@ -225,6 +225,11 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (silu32(gate.float()) * up.float()).to(gate.dtype)
 
 
+def sigmoid_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """sigmoid(gate) * up in float32, rounded once to gate's dtype (an attention's output gate)."""
+    return (sigmoid32(gate.float()) * up.float()).to(gate.dtype)
+
+
 def silu32(g: torch.Tensor) -> torch.Tensor:
     """silu of float32 g, in float32 (silu_and_mul's steps)."""
     t = float32.exp_neg(-g.abs())

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorfold.kernels.reference import sigmoid32
 from tensorfold.models.cache import LayerKV, PagedKV
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.forward_batch import ForwardBatch
@@ -67,7 +66,7 @@ class Attention:
         # Every row of every sequence in one call: each row's result is the one it gets alone.
         out = ops.attention(q, kv, batch, s.scale, s.window).reshape(num_rows, -1)
         if gate is not None:
-            out = (out.float() * sigmoid32(gate.float())).to(out.dtype)
+            out = ops.sigmoid_and_mul(gate, out)
         return self.o(out)
 
     def _position(self, x, norm, cos, sin):
