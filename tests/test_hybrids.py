@@ -151,6 +151,42 @@ def test_chunked_prefill_is_bitwise_token_by_token(hybrid, threads):
         torch.set_num_threads(before)
 
 
+def test_one_call_per_layer_equals_the_op_by_op_layer(hybrid):
+    """The fused DeltaNet layer (native_ops.fuse: one _cpu.DeltaNetLayer call per layer) against
+    the same kernels called op by op: the same logits, recurrent states and K/V through a chunked
+    prefill beside a decoding sequence, float32 and bfloat16, quantized and dense."""
+    import types
+
+    from tensorfold.models.blocks import MLP
+    from tensorfold.models.linear_attention import GatedDeltaNet
+    from tensorfold.models.loader import quantize_checkpoint
+
+    native = backend_ops("cpu")
+    if not native.NAME.startswith("native-"):
+        pytest.skip("the compiled op set is not built")
+    unfused = types.SimpleNamespace(**{n: getattr(native, n) for n in dir(native) if not n.startswith("_")})
+    unfused.fuse = lambda layer: None
+    torch.manual_seed(5)
+    for dtype, quant in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, "q4_0")):
+        def build(ops):
+            ckpt = load_hf_dir(hybrid)
+            if quant:
+                quantize_checkpoint(ckpt, quant)
+            return build_model(ckpt, dtype, ops)
+        fused, op_by_op = build(native), build(unfused)
+        one_call = [getattr(run, "__self__", None) is not layer for run, layer in zip(fused._run, fused.layers)]
+        fusable = [isinstance(layer.mixer, GatedDeltaNet) and type(layer.ffn) is MLP for layer in fused.layers]
+        assert one_call == fusable
+        if not any(fusable):
+            pytest.skip("MoE layers run their Python composition: nothing is fused")
+        ids = torch.randint(0, fused.args.vocab_size, (70,)).tolist()
+        other = torch.randint(0, fused.args.vocab_size, (70,)).tolist()
+        got_logits, got = _prefill_in_chunks(fused, ids, 16, other)
+        want_logits, want = _prefill_in_chunks(op_by_op, ids, 16, other)
+        assert torch.equal(got_logits, want_logits), f"{dtype} {quant}: logits differ"
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{dtype} {quant}: cache differs"
+
+
 # ---- over HTTP ---------------------------------------------------------------------------------
 
 class KnowingDrafter:

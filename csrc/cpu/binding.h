@@ -3,6 +3,10 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 namespace tf_binding {
 
 inline int dtype_code(const torch::Tensor& t, const char* what) {
@@ -62,6 +66,59 @@ inline int16_t* exponent_record(const c10::optional<torch::Tensor>& v_exp, const
                   v_exp->dim() == 3 && v_exp->sizes() == cache.sizes().slice(0, 3),
               what, ": v_exp must be a contiguous int16 CPU tensor [blocks, block_size, kv_heads] beside the cache");
   return v_exp->data_ptr<int16_t>();
+}
+
+// A delta_net call's recurrent state and its slots (kernels.h: delta_net), checked: float32 states
+// of matching shapes, one state_in per sequence and one state_out per row, every block in range,
+// and no block written by two sequences (the kernel indexes with these numbers unchecked).
+struct StateSlots {
+  torch::Tensor in_, out_, starts_;  // int64, contiguous
+  int64_t num_seqs;
+  const int64_t* in() const { return in_.data_ptr<int64_t>(); }
+  const int64_t* out() const { return out_.data_ptr<int64_t>(); }
+  const int64_t* starts() const { return starts_.data_ptr<int64_t>(); }
+};
+
+inline StateSlots state_slots(const torch::Tensor& conv_state, const torch::Tensor& ssm_state,
+                              const torch::Tensor& state_in, const torch::Tensor& state_out,
+                              const torch::Tensor& row_starts, int64_t rows, int64_t C, int64_t K, int64_t num_heads,
+                              int64_t key_dim, int64_t value_dim) {
+  check_cpu(conv_state, "delta_net: conv_state");
+  check_cpu(ssm_state, "delta_net: ssm_state");
+  TORCH_CHECK(conv_state.scalar_type() == torch::kFloat32 && conv_state.is_contiguous() && conv_state.dim() == 3 &&
+                  conv_state.size(1) == K - 1 && conv_state.size(2) == C,
+              "delta_net: conv_state a contiguous float32 [blocks, ", K - 1, ", ", C, "] expected, got ",
+              conv_state.sizes());
+  const int64_t num_blocks = conv_state.size(0);
+  TORCH_CHECK(ssm_state.scalar_type() == torch::kFloat32 && ssm_state.is_contiguous() &&
+                  ssm_state.sizes() == torch::IntArrayRef({num_blocks, num_heads, key_dim, value_dim}),
+              "delta_net: ssm_state a contiguous float32 [", num_blocks, ", ", num_heads, ", ", key_dim, ", ",
+              value_dim, "] expected, got ", ssm_state.sizes());
+  check_cpu(state_in, "delta_net: state_in");
+  check_cpu(state_out, "delta_net: state_out");
+  check_cpu(row_starts, "delta_net: row_starts");
+  StateSlots slots{state_in.to(torch::kInt64).contiguous(), state_out.to(torch::kInt64).contiguous(),
+                   row_starts.to(torch::kInt64).contiguous(), state_in.numel()};
+  const int64_t num_seqs = slots.num_seqs;
+  TORCH_CHECK(slots.starts_.numel() == num_seqs + 1, "delta_net: one state_in per sequence (row_starts has ",
+              slots.starts_.numel(), " entries, state_in ", num_seqs, ")");
+  TORCH_CHECK(slots.out_.numel() == rows, "delta_net: one state_out per row");
+  const int64_t *st = slots.starts(), *si = slots.in(), *so = slots.out();
+  TORCH_CHECK(st[0] == 0 && st[num_seqs] == rows, "delta_net: row_starts must run from 0 to the number of rows");
+  std::vector<std::pair<int64_t, int64_t>> written;  // (block, sequence)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(st[s] <= st[s + 1], "delta_net: row_starts must not decrease");
+    TORCH_CHECK(si[s] >= -1 && si[s] < num_blocks, "delta_net: state_in block ", si[s], " out of range");
+    for (int64_t r = st[s]; r < st[s + 1]; ++r) {
+      TORCH_CHECK(so[r] >= -1 && so[r] < num_blocks, "delta_net: state_out block ", so[r], " out of range");
+      if (so[r] >= 0) written.push_back({so[r], s});
+    }
+  }
+  std::sort(written.begin(), written.end());
+  for (size_t i = 1; i < written.size(); ++i)
+    TORCH_CHECK(written[i].first != written[i - 1].first || written[i].second == written[i - 1].second,
+                "delta_net: block ", written[i].first, " written by two sequences");
+  return slots;
 }
 
 }  // namespace tf_binding

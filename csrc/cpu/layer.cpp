@@ -1,7 +1,8 @@
-// One decoder layer of the llama family (llama, SmolLM2, qwen3) in one call: the composition
-// models/llama.py runs op by op, through the same kernels in the same order, so it gives the same
-// bits with one Python-to-C++ crossing per layer instead of eleven (what a decode round spends
-// between kernels). No arithmetic of its own lives here.
+// One decoder layer in one call: the composition models/blocks.py runs op by op, through the same
+// kernels in the same order, so it gives the same bits with one Python-to-C++ crossing per layer
+// instead of eleven (what a decode round spends between kernels). No arithmetic of its own lives
+// here. DecoderLayer: llama, SmolLM2, qwen3; DeltaNetLayer: the Qwen hybrids' linear-attention
+// layers with a SwiGLU MLP (steps at DeltaNetLayer::forward).
 //
 // Steps of forward (torch reference: llama.Model.forward's layer, op by op):
 //   qkv = x @ qkv^T; q, k = rope(qkv's parts) (qwen3: per-head norm first); write_kv(k, v);
@@ -42,6 +43,53 @@ void check_norm(const torch::Tensor& w, int64_t size, torch::ScalarType dtype, c
               dtype, "), got ", w.scalar_type(), " ", w.sizes());
 }
 
+// A layer's second half (DecoderLayer.forward after the mixer): x2, h = add_rms_norm(mixed,
+// residual, post_norm); mlp = silu_and_mul(x2 @ gate_up^T) @ down^T; then add_rms_norm(mlp, h,
+// next_norm), or h + mlp after the last layer.
+std::tuple<torch::Tensor, torch::Tensor> ffn_and_next_norm(int code, const torch::Tensor& mixed,
+                                                           const torch::Tensor& residual, const torch::Tensor& post_norm,
+                                                           const LayerGemm& gate_up_w, const LayerGemm& down_w,
+                                                           const c10::optional<torch::Tensor>& next_norm,
+                                                           int64_t intermediate, double eps, int nt) {
+  const int64_t tokens = mixed.size(0), hidden = mixed.size(1);
+  auto empty = [&](std::initializer_list<int64_t> shape) { return torch::empty(shape, mixed.options()); };
+  auto x2 = empty({tokens, hidden});
+  auto h = empty({tokens, hidden});
+  auto gate_up = empty({tokens, 2 * intermediate});
+  auto act = empty({tokens, intermediate});
+  auto mlp = empty({tokens, hidden});
+  tf::rms_norm(code, mixed.data_ptr(), hidden, residual.data_ptr(), hidden, h.data_ptr(), post_norm.data_ptr(),
+               x2.data_ptr(), tokens, hidden, eps, nt);
+  tf::matmul(code, x2.data_ptr(), gate_up_w.packed.data_ptr(), gate_up_w.quant, gate_up.data_ptr(), tokens,
+             2 * intermediate, hidden, nt);
+  char* gu = static_cast<char*>(gate_up.data_ptr());
+  tf::silu_and_mul(code, gu, gu + intermediate * mixed.element_size(), 2 * intermediate, act.data_ptr(), tokens,
+                   intermediate, nt);
+  tf::matmul(code, act.data_ptr(), down_w.packed.data_ptr(), down_w.quant, mlp.data_ptr(), tokens, hidden,
+             intermediate, nt);
+  if (next_norm) {  // the residual add and the next layer's norm
+    auto x_next = empty({tokens, hidden});
+    auto h_next = empty({tokens, hidden});
+    tf::rms_norm(code, mlp.data_ptr(), hidden, h.data_ptr(), hidden, h_next.data_ptr(), next_norm->data_ptr(),
+                 x_next.data_ptr(), tokens, hidden, eps, nt);
+    return {x_next, h_next};
+  }
+  return {torch::Tensor(), h + mlp};  // the last layer: the add alone (torch's, as the model does it)
+}
+
+// x and residual [tokens, hidden] in the layer's dtype, contiguous; next_norm [hidden] if given.
+void check_rows_in(const torch::Tensor& x, const torch::Tensor& residual, const c10::optional<torch::Tensor>& next_norm,
+                   int64_t hidden, torch::ScalarType dtype, const char* what) {
+  check_cpu(x, what);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == dtype && x.is_contiguous(), what,
+              ": x must be contiguous [tokens, ", hidden, "] in the layer's dtype (", dtype, "), got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                  residual.device().is_cpu(),
+              what, ": residual must be contiguous and of x's shape and dtype");
+  if (next_norm) check_norm(*next_norm, hidden, dtype, "next_norm");
+}
+
 }  // namespace
 
 DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, const torch::Tensor& gate_up,
@@ -75,18 +123,11 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
   const int64_t intermediate = s.intermediate;
   const double eps = s.eps;
   const auto& x = b.x;
-  check_cpu(x, "DecoderLayer.forward: x");
   const int code = code_;
-  const auto dtype = post_norm_.scalar_type();
+  check_rows_in(x, b.residual, b.next_norm, hidden, post_norm_.scalar_type(), "DecoderLayer.forward");
   const int cache_code = dtype_code(b.k_cache, "DecoderLayer.forward: the cache");  // may differ from x's
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == dtype && x.is_contiguous(),
-              "DecoderLayer.forward: x must be contiguous [tokens, ", hidden, "] in the layer's dtype (", dtype,
-              "), got ", x.scalar_type(), " ", x.sizes());
   const int64_t tokens = x.size(0);
   const int64_t q_size = heads * d, kv_size = kv_heads * d, qkv_width = q_size + 2 * kv_size;
-  TORCH_CHECK(b.residual.is_contiguous() && b.residual.sizes() == x.sizes() &&
-                  b.residual.scalar_type() == x.scalar_type() && b.residual.device().is_cpu(),
-              "DecoderLayer.forward: residual must be contiguous and of x's shape and dtype");
   TORCH_CHECK(b.k_cache.dim() == 4 && b.k_cache.size(2) == kv_heads && b.k_cache.size(3) == d &&
                   b.k_cache.is_contiguous() && b.v_cache.is_contiguous() && b.k_cache.device().is_cpu() &&
                   b.v_cache.device().is_cpu() && b.v_cache.scalar_type() == b.k_cache.scalar_type() &&
@@ -97,7 +138,6 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
                   b.sin.scalar_type() == torch::kFloat32 && b.cos.sizes() == torch::IntArrayRef({tokens, d}) &&
                   b.sin.sizes() == b.cos.sizes(),
               "DecoderLayer.forward: contiguous float32 cos/sin [tokens, head_dim] expected");
-  if (b.next_norm) check_norm(*b.next_norm, hidden, dtype, "next_norm");
   const auto &k_cache = b.k_cache, &v_cache = b.v_cache;
   int16_t* record = exponent_record(b.v_exp, k_cache, "DecoderLayer.forward");
   auto pos = b.positions.contiguous(), sl = b.slots.contiguous(), tab = b.tables.contiguous(),
@@ -116,13 +156,6 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
   auto k = empty({tokens, kv_heads, d});
   auto attn = empty({tokens, heads, d});
   auto o = empty({tokens, hidden});
-  auto x2 = empty({tokens, hidden});
-  auto h = empty({tokens, hidden});
-  auto gate_up = empty({tokens, 2 * intermediate});
-  auto act = empty({tokens, intermediate});
-  auto mlp = empty({tokens, hidden});
-  auto x_next = empty({tokens, hidden});
-  auto h_next = empty({tokens, hidden});
   const size_t el = x.element_size();
   char* qkv_p = static_cast<char*>(qkv.data_ptr());
 
@@ -137,18 +170,71 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
                       pos.data_ptr<int64_t>(), tab.data_ptr<int64_t>(), tab.size(1), st.data_ptr<int64_t>(),
                       tab.size(0), heads, kv_heads, d, k_cache.size(1), s.scale, s.window, nt);
   tf::matmul(code, attn.data_ptr(), o_.packed.data_ptr(), o_.quant, o.data_ptr(), tokens, hidden, q_size, nt);
-  tf::rms_norm(code, o.data_ptr(), hidden, b.residual.data_ptr(), hidden, h.data_ptr(), post_norm_.data_ptr(),
-               x2.data_ptr(), tokens, hidden, eps, nt);
-  tf::matmul(code, x2.data_ptr(), gate_up_.packed.data_ptr(), gate_up_.quant, gate_up.data_ptr(), tokens,
-             2 * intermediate, hidden, nt);
-  char* gu = static_cast<char*>(gate_up.data_ptr());
-  tf::silu_and_mul(code, gu, gu + intermediate * el, 2 * intermediate, act.data_ptr(), tokens, intermediate, nt);
-  tf::matmul(code, act.data_ptr(), down_.packed.data_ptr(), down_.quant, mlp.data_ptr(), tokens, hidden, intermediate,
-             nt);
-  if (b.next_norm) {  // the residual add and the next layer's norm
-    tf::rms_norm(code, mlp.data_ptr(), hidden, h.data_ptr(), hidden, h_next.data_ptr(), b.next_norm->data_ptr(),
-                 x_next.data_ptr(), tokens, hidden, eps, nt);
-    return {x_next, h_next};
+  return ffn_and_next_norm(code, o, b.residual, post_norm_, gate_up_, down_, b.next_norm, intermediate, eps, nt);
+}
+
+DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& out_proj, const torch::Tensor& gate_up,
+                             const torch::Tensor& down, const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
+                             const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
+                             const DeltaNetShape& shape)
+    : shape_(shape), code_(dtype_code(post_norm, "DeltaNetLayer: post_norm")), post_norm_(post_norm),
+      gated_norm_(gated_norm), conv_weight_(conv_weight), rate_(rate), dt_bias_(dt_bias) {
+  const auto& s = shape_;
+  TORCH_CHECK(s.key_heads > 0 && s.heads > 0 && s.heads % s.key_heads == 0 && s.key_dim > 0 && s.key_dim <= 256 &&
+                  s.value_dim > 0 && s.hidden > 0 && s.intermediate > 0,
+              "DeltaNetLayer: heads a multiple of key_heads, 0 < key_dim <= 256 (the grid dots' exact sums), positive "
+              "value_dim, hidden and intermediate expected");
+  const auto dtype = post_norm.scalar_type();
+  const int64_t C = 2 * s.key_heads * s.key_dim + s.heads * s.value_dim, width = s.heads * s.value_dim;
+  in_proj_ = gemm_weight(in_proj, C + width + 2 * s.heads, s.hidden, code_, dtype, "in_proj");
+  out_proj_ = gemm_weight(out_proj, s.hidden, width, code_, dtype, "out_proj");
+  gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "gate_up");
+  down_ = gemm_weight(down, s.hidden, s.intermediate, code_, dtype, "down");
+  check_norm(post_norm, s.hidden, dtype, "post_norm");
+  TORCH_CHECK(gated_norm.device().is_cpu() && gated_norm.is_contiguous() && gated_norm.numel() == s.value_dim,
+              "DeltaNetLayer: the gated norm's weight must be a contiguous CPU tensor of value_dim elements");
+  dtype_code(gated_norm, "DeltaNetLayer: the gated norm's weight");
+  TORCH_CHECK(conv_weight.device().is_cpu() && conv_weight.is_contiguous() && conv_weight.dim() == 2 &&
+                  conv_weight.size(0) == C && conv_weight.size(1) >= 1 && conv_weight.scalar_type() == torch::kFloat32,
+              "DeltaNetLayer: conv_weight a contiguous float32 [", C, ", K] expected");
+  for (const auto* t : {&rate, &dt_bias})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->numel() == s.heads &&
+                    t->scalar_type() == torch::kFloat32,
+                "DeltaNetLayer: rate and dt_bias contiguous float32 [heads] expected");
+}
+
+// GatedDeltaNet.forward, then DecoderLayer's second half:
+//   [qkv z b a] = x @ in_proj^T; core = delta_net(qkv, a, b, state); normed = gated_rms_norm(core,
+//   z) per value head; mixed = normed @ out_proj^T; then ffn_and_next_norm.
+std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBatch& b) const {
+  const auto& s = shape_;
+  const int code = code_;
+  check_rows_in(b.x, b.residual, b.next_norm, s.hidden, post_norm_.scalar_type(), "DeltaNetLayer.forward");
+  const int64_t tokens = b.x.size(0), K = conv_weight_.size(1);
+  const int64_t C = 2 * s.key_heads * s.key_dim + s.heads * s.value_dim, width = s.heads * s.value_dim;
+  const int64_t total = C + width + 2 * s.heads;
+  const StateSlots slots = state_slots(b.conv_state, b.ssm_state, b.state_in, b.state_out, b.row_starts, tokens, C, K,
+                                       s.heads, s.key_dim, s.value_dim);
+  const int nt = threads();
+  auto projected = torch::empty({tokens, total}, b.x.options());
+  tf::matmul(code, b.x.data_ptr(), in_proj_.packed.data_ptr(), in_proj_.quant, projected.data_ptr(), tokens, total,
+             s.hidden, nt);
+  auto z = projected.narrow(1, C, width).contiguous();
+  auto beta_in = projected.narrow(1, C + width, s.heads).to(torch::kFloat32).contiguous();  // exact from bf16
+  auto a = projected.narrow(1, C + width + s.heads, s.heads).to(torch::kFloat32).contiguous();
+  auto core = torch::empty({tokens, s.heads, s.value_dim}, b.x.options());
+  auto normed = torch::empty({tokens, width}, b.x.options());
+  auto mixed = torch::empty({tokens, s.hidden}, b.x.options());
+  if (tokens > 0) {
+    tf::delta_net(code, projected.data_ptr(), total, a.data_ptr<float>(), beta_in.data_ptr<float>(),
+                  b.conv_state.data_ptr<float>(), b.ssm_state.data_ptr<float>(), slots.in(), slots.out(),
+                  slots.starts(), slots.num_seqs, conv_weight_.data_ptr<float>(), K, rate_.data_ptr<float>(),
+                  dt_bias_.data_ptr<float>(), s.key_heads, s.heads, s.key_dim, s.value_dim, core.data_ptr(), nt);
+    tf::gated_rms_norm(code, core.data_ptr(), code, z.data_ptr(), s.value_dim,
+                       dtype_code(gated_norm_, "DeltaNetLayer: the gated norm's weight"), gated_norm_.data_ptr(),
+                       normed.data_ptr(), tokens * s.heads, s.value_dim, s.eps, nt);
   }
-  return {torch::Tensor(), h + mlp};  // the last layer: the add alone (torch's, as the model does it)
+  tf::matmul(code, normed.data_ptr(), out_proj_.packed.data_ptr(), out_proj_.quant, mixed.data_ptr(), tokens, s.hidden,
+             width, nt);
+  return ffn_and_next_norm(code, mixed, b.residual, post_norm_, gate_up_, down_, b.next_norm, s.intermediate, s.eps, nt);
 }

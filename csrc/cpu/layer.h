@@ -1,5 +1,6 @@
-// The fused decoder layer (layer.cpp): a llama/qwen3 layer built once at load from its fixed
-// parts (weights, norms, shapes), then run once per forward on a batch.
+// The fused decoder layers (layer.cpp): a llama/qwen3 layer and a Gated DeltaNet layer of the Qwen
+// hybrids, each built once at load from its fixed parts (weights, norms, shapes), then run once
+// per forward on a batch.
 #pragma once
 
 #include <torch/extension.h>
@@ -54,4 +55,39 @@ class __attribute__((visibility("hidden"))) DecoderLayer {
   LayerGemm qkv_, o_, gate_up_, down_;
   torch::Tensor post_norm_;
   c10::optional<torch::Tensor> q_norm_, k_norm_;  // qwen3's per-head norms [head_dim], both or neither
+};
+
+// The Gated DeltaNet layer's shapes and constants (models/linear_attention.py: LinearAttentionSpec).
+struct DeltaNetShape {
+  int64_t key_heads, heads, key_dim, value_dim, hidden, intermediate;
+  double eps;
+};
+
+// What one forward of a DeltaNet layer brings: the rows, the layer's recurrent state (written in
+// place) and its slots (ForwardBatch.state_slots, row_starts).
+struct DeltaNetBatch {
+  torch::Tensor x, residual;
+  c10::optional<torch::Tensor> next_norm;
+  torch::Tensor conv_state, ssm_state;
+  torch::Tensor state_in, state_out, row_starts;
+};
+
+// A Qwen hybrid's linear-attention layer with its SwiGLU MLP: GatedDeltaNet.forward and
+// DecoderLayer's add, norm and MLP, through the same kernels in the same order.
+class __attribute__((visibility("hidden"))) DeltaNetLayer {
+ public:
+  DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& out_proj, const torch::Tensor& gate_up,
+                const torch::Tensor& down, const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
+                const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
+                const DeltaNetShape& shape);
+
+  std::tuple<torch::Tensor, torch::Tensor> forward(const DeltaNetBatch& batch) const;
+
+  const DeltaNetShape& shape() const { return shape_; }
+
+ private:
+  DeltaNetShape shape_;
+  int code_;
+  LayerGemm in_proj_, out_proj_, gate_up_, down_;
+  torch::Tensor post_norm_, gated_norm_, conv_weight_, rate_, dt_bias_;
 };

@@ -304,53 +304,17 @@ torch::Tensor delta_net(const torch::Tensor& qkv, const torch::Tensor& a, const 
                   conv_weight.scalar_type() == torch::kFloat32,
               "delta_net: conv_weight float32 [", C, ", K] expected");
   const int64_t K = conv_weight.size(1);
-  check_cpu(conv_state, "delta_net: conv_state");
-  check_cpu(ssm_state, "delta_net: ssm_state");
-  TORCH_CHECK(conv_state.scalar_type() == torch::kFloat32 && conv_state.is_contiguous() && conv_state.dim() == 3 &&
-                  conv_state.size(1) == K - 1 && conv_state.size(2) == C,
-              "delta_net: conv_state a contiguous float32 [blocks, ", K - 1, ", ", C, "] expected, got ",
-              conv_state.sizes());
-  const int64_t num_blocks = conv_state.size(0);
-  TORCH_CHECK(ssm_state.scalar_type() == torch::kFloat32 && ssm_state.is_contiguous() &&
-                  ssm_state.sizes() == torch::IntArrayRef({num_blocks, num_heads, key_dim, value_dim}),
-              "delta_net: ssm_state a contiguous float32 [", num_blocks, ", ", num_heads, ", ", key_dim, ", ",
-              value_dim, "] expected, got ", ssm_state.sizes());
   TORCH_CHECK(rate.numel() == num_heads && dt_bias.numel() == num_heads && rate.scalar_type() == torch::kFloat32 &&
                   dt_bias.scalar_type() == torch::kFloat32,
               "delta_net: rate and dt_bias float32 [num_heads] expected");
   auto wc = conv_weight.contiguous(), rc = rate.contiguous(), dc = dt_bias.contiguous();
-  check_cpu(state_in, "delta_net: state_in");
-  check_cpu(state_out, "delta_net: state_out");
-  check_cpu(row_starts, "delta_net: row_starts");
-  auto slots_in = state_in.to(torch::kInt64).contiguous();
-  auto slots_out = state_out.to(torch::kInt64).contiguous();
-  auto starts = row_starts.to(torch::kInt64).contiguous();
-  const int64_t num_seqs = slots_in.numel();
-  TORCH_CHECK(starts.numel() == num_seqs + 1, "delta_net: one state_in per sequence (row_starts has ", starts.numel(),
-              " entries, state_in ", num_seqs, ")");
-  TORCH_CHECK(slots_out.numel() == rows, "delta_net: one state_out per row");
-  const int64_t* st = starts.data_ptr<int64_t>();
-  const int64_t* si = slots_in.data_ptr<int64_t>();
-  const int64_t* so = slots_out.data_ptr<int64_t>();
-  TORCH_CHECK(st[0] == 0 && st[num_seqs] == rows, "delta_net: row_starts must run from 0 to the number of rows");
-  std::vector<std::pair<int64_t, int64_t>> written;  // (block, sequence)
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(st[s] <= st[s + 1], "delta_net: row_starts must not decrease");
-    TORCH_CHECK(si[s] >= -1 && si[s] < num_blocks, "delta_net: state_in block ", si[s], " out of range");
-    for (int64_t r = st[s]; r < st[s + 1]; ++r) {
-      TORCH_CHECK(so[r] >= -1 && so[r] < num_blocks, "delta_net: state_out block ", so[r], " out of range");
-      if (so[r] >= 0) written.push_back({so[r], s});
-    }
-  }
-  std::sort(written.begin(), written.end());
-  for (size_t i = 1; i < written.size(); ++i)
-    TORCH_CHECK(written[i].first != written[i - 1].first || written[i].second == written[i - 1].second,
-                "delta_net: block ", written[i].first, " written by two sequences");
+  const StateSlots slots = state_slots(conv_state, ssm_state, state_in, state_out, row_starts, rows, C, K, num_heads,
+                                       key_dim, value_dim);
   auto out = output(out_arg, {rows, num_heads, value_dim}, qkv, "delta_net");
   if (rows > 0)
     tf::delta_net(code, x.data_ptr(), x.stride(0), af.data_ptr<float>(), bf.data_ptr<float>(),
-                  conv_state.data_ptr<float>(), ssm_state.data_ptr<float>(), si, so, st, num_seqs,
-                  wc.data_ptr<float>(), K, rc.data_ptr<float>(), dc.data_ptr<float>(), num_key_heads, num_heads,
+                  conv_state.data_ptr<float>(), ssm_state.data_ptr<float>(), slots.in(), slots.out(), slots.starts(),
+                  slots.num_seqs, wc.data_ptr<float>(), K, rc.data_ptr<float>(), dc.data_ptr<float>(), num_key_heads, num_heads,
                   key_dim, value_dim, out.data_ptr(), threads());
   return out;
 }
@@ -576,6 +540,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("hidden", [](const DecoderLayer& l) { return l.shape().hidden; })
       .def_property_readonly("intermediate", [](const DecoderLayer& l) { return l.shape().intermediate; })
       .def_property_readonly("window", [](const DecoderLayer& l) { return l.shape().window; });
+  py::class_<DeltaNetLayer>(m, "DeltaNetLayer",
+                            "one Gated DeltaNet layer with its SwiGLU MLP (the Qwen hybrids), built once at load "
+                            "from its packed weights, norms, conv taps, rate and dt_bias, checked then")
+      .def(py::init([](const torch::Tensor& in_proj, const torch::Tensor& out_proj, const torch::Tensor& gate_up,
+                       const torch::Tensor& down, const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
+                       const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
+                       int64_t num_key_heads, int64_t num_heads, int64_t key_dim, int64_t value_dim, int64_t hidden,
+                       int64_t intermediate, double eps) {
+             return DeltaNetLayer(in_proj, out_proj, gate_up, down, post_norm, gated_norm, conv_weight, rate, dt_bias,
+                                  {num_key_heads, num_heads, key_dim, value_dim, hidden, intermediate, eps});
+           }),
+           py::arg("in_proj"), py::arg("out_proj"), py::arg("gate_up"), py::arg("down"), py::arg("post_norm"),
+           py::arg("gated_norm"), py::arg("conv_weight"), py::arg("rate"), py::arg("dt_bias"), py::arg("num_key_heads"),
+           py::arg("num_heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("hidden"), py::arg("intermediate"),
+           py::arg("eps"))
+      .def(
+          "forward",
+          [](const DeltaNetLayer& layer, const torch::Tensor& x, const torch::Tensor& residual, const Out& next_norm,
+             const torch::Tensor& conv_state, const torch::Tensor& ssm_state, const torch::Tensor& state_in,
+             const torch::Tensor& state_out, const torch::Tensor& row_starts) {
+            return layer.forward({x, residual, next_norm, conv_state, ssm_state, state_in, state_out, row_starts});
+          },
+          "(the next layer's normed input, or None without next_norm; the new residual); writes the recurrent "
+          "state in place",
+          py::arg("x"), py::arg("residual"), py::arg("next_norm"), py::arg("conv_state"), py::arg("ssm_state"),
+          py::arg("state_in"), py::arg("state_out"), py::arg("row_starts"));
   m.def("paged_attention", &paged_attention,
         "exact attention of the rows of several sequences: row_starts [S + 1], tables [S, width]; window 0: none",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("tables"),

@@ -18,6 +18,7 @@ from tensorfold.kernels.moe import route  # noqa: F401
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention
+from tensorfold.models.linear_attention import GatedDeltaNet
 from tensorfold.sampling import sampler
 
 NAME = f"native-{_cpu.isa()}"
@@ -113,18 +114,22 @@ def write_kv(kv, k, v, slots):
 
 
 def fuse(layer):
-    """A DecoderLayer (models/blocks.py) as one native call, or None where the native layer does
-    not cover it (biases, weights of mixed formats, output gates, partial rope, other block kinds): the block's Python
-    composition, the same bits (tests/test_native_backend.py), with one Python-to-C++ crossing
-    per layer instead of eleven. The C++ layer (_cpu.DecoderLayer) is built once here, its
-    weights checked once; the callable has DecoderLayer.forward's signature."""
+    """A DecoderLayer (models/blocks.py) as one native call, or None where the native layers do
+    not cover it (biases, weights of mixed formats, output gates, partial rope, MoE and other
+    block kinds): the block's Python composition, the same bits (tests/test_native_backend.py,
+    tests/test_hybrids.py), with one Python-to-C++ crossing per layer instead of eleven. The C++
+    layer (_cpu.DecoderLayer for attention, _cpu.DeltaNetLayer for Gated DeltaNet, each with a
+    SwiGLU MLP) is built once here, its weights checked once; the callable has
+    DecoderLayer.forward's signature."""
     mixer, ffn = layer.mixer, layer.ffn
-    if not (type(mixer) is Attention and type(ffn) is MLP):
+    if type(ffn) is not MLP:
         return None
-    if mixer.spec.output_gate or mixer.spec.rope_dim != mixer.spec.head_dim:
+    if type(mixer) is GatedDeltaNet:
+        return _fuse_delta_net(layer)
+    if type(mixer) is not Attention or mixer.spec.output_gate or mixer.spec.rope_dim != mixer.spec.head_dim:
         return None
     weights = (mixer.qkv, mixer.o, ffn.gate_up, ffn.down)
-    if any(w.single is None or w.bias is not None for w in weights):
+    if not _single_parts(weights):
         return None
     s = mixer.spec
     native = _cpu.DecoderLayer(
@@ -136,4 +141,29 @@ def fuse(layer):
         cos, sin = batch.rope_rows(mixer.rope)
         return native.forward(x, residual, next_norm, cos, sin, kv.k, kv.v, kv.v_exp, batch.slot_mapping,
                               batch.positions, batch.block_tables, batch.row_starts_tensor)
+    return run
+
+
+def _single_parts(weights) -> bool:
+    """Whether each weight is one packed part without a bias (what the native layers take)."""
+    return all(w.single is not None and w.bias is None for w in weights)
+
+
+def _fuse_delta_net(layer):
+    """A Gated DeltaNet layer with its MLP as one _cpu.DeltaNetLayer call (GatedDeltaNet.forward
+    and DecoderLayer's add, norm and MLP, the same kernels in the same order)."""
+    mixer, ffn = layer.mixer, layer.ffn
+    weights = (mixer.in_proj, mixer.out_proj, ffn.gate_up, ffn.down)
+    if not _single_parts(weights) or mixer.eps != layer.eps:
+        return None
+    s, p = mixer.spec, mixer.params
+    native = _cpu.DeltaNetLayer(
+        *(w.single.data for w in weights), layer.post_mixer_norm, mixer.norm.contiguous(), p.conv_weight, p.rate,
+        p.dt_bias, num_key_heads=s.num_key_heads, num_heads=s.num_heads, key_dim=s.key_dim, value_dim=s.value_dim,
+        hidden=layer.input_norm.shape[0], intermediate=ffn.spec.intermediate_size, eps=layer.eps)
+
+    def run(x, residual, next_norm, batch, state):
+        state_in, state_out = batch.state_slots(state.block_size)
+        return native.forward(x, residual, next_norm, state.conv, state.ssm, state_in, state_out,
+                              batch.row_starts_tensor)
     return run
