@@ -97,4 +97,4 @@ def test_bench_hybrid_runs(tmp_path):
     out = run_tool("tools/bench_hybrid.py", "--shape", "tiny", "--tokens", "4", "--prefill-tokens", "16",
                    "--repeats", "1", "--block-size", "32", "--cache-gib", "0.05", "--long", "64",
                    "--cache-dir", str(tmp_path))
-    assert "DeltaNet share of a round" in out and "round @64 / @100" in out
+    assert "DeltaNet layers' share of a round" in out and "round @64 / @100" in out

@@ -15,8 +15,8 @@ TensorFold quantizes the matrices at load (--quant), llama.cpp runs a GGUF of th
 the same block type (tools/tiny_checkpoint.write_tiny_gguf; the column is skipped with a message
 when llama-cpp-python or the writer is missing). Best of --repeats, the engines alternating.
 Columns: one-stream decode after a 16-token prompt (drafting off), a 512-token prefill, 4 streams'
-aggregate decode, the DeltaNet layers' share of a decode round (their mixers' time over the
-round), and with --long N the decode round at N tokens of context over the round at 100.
+aggregate decode, the DeltaNet layers' share of a decode round (their time, mixer and MLP, over
+the round), and with --long N the decode round at N tokens of context over the round at 100.
 """
 import argparse
 import os
@@ -65,16 +65,18 @@ def prompt_ids(n: int, offset: int = 0) -> list[int]:
     return peer_llama_cpp.arbitrary_prompt(n + offset)[offset:]
 
 
-class MixerClock:
-    """Time spent in the DeltaNet layers' mixers, to set against a round's."""
+class LayerClock:
+    """Time spent in the DeltaNet layers (mixer and MLP: the native path runs each as one call), to
+    set against a round's."""
 
     def __init__(self, engine):
         from tensorfold.models.linear_attention import GatedDeltaNet
 
         self.seconds = 0.0
-        for layer in engine.backend.model.layers:
+        model = engine.backend.model
+        for i, layer in enumerate(model.layers):
             if isinstance(layer.mixer, GatedDeltaNet):
-                layer.mixer.forward = self._timed(layer.mixer.forward)
+                model._run[i] = self._timed(model._run[i])
 
     def _timed(self, fn):
         def run(*a, **k):
@@ -100,7 +102,7 @@ def tensorfold_bench(path: str, args):
     out = {"exact": engine.exact, "ops": engine.info.ops}
     greedy = dict(temperature=0, ignore_eos=True, draft=False)
     engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **greedy))  # warm-up
-    clock = MixerClock(engine)
+    clock = LayerClock(engine)
 
     def decode_round_s(prompt_len: int) -> float:
         done = engine.generate(prompt_ids(prompt_len), SamplingParams(max_tokens=args.tokens, **greedy))
@@ -190,7 +192,7 @@ def main(argv=None) -> None:
            f"{100 * ours['delta_share']:.0f}%"]
     headers = ["model", "blocks", "ops", "exact", "decode tok/s", "llama.cpp", "ratio",
                f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams tok/s", "llama.cpp", "ratio",
-               "DeltaNet share of a round"]
+               "DeltaNet layers' share of a round"]
     if args.long:
         row += [f"{ours['long_ratio']:.2f}x", fmt(peer.get("long_ratio"), 2)]
         headers += [f"round @{args.long} / @100", "llama.cpp"]
