@@ -52,6 +52,11 @@ void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, 
 // RMS-normalized (rounded to the dtype) before the rotation.
 void rope(int dtype, const void* x, int64_t x_stride, void* out, const float* cos, const float* sin, int64_t tokens,
           int64_t heads, int64_t head_dim, const void* norm_weight, double eps, int threads);
+// The same over heads head_stride apart (q beside its output gate) with rope over the first
+// rope_dim elements of each head (cos/sin [tokens, rope_dim]) and the rest copied (partial rope).
+void rope_heads(int dtype, const void* x, int64_t x_stride, int64_t head_stride, void* out, const float* cos,
+                const float* sin, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rope_dim,
+                const void* norm_weight, double eps, int threads);
 // out [rows, width] = silu(gate) * up, gate/up rows at their strides.
 void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out,
                   int64_t rows, int64_t width, int threads);

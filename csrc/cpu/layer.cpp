@@ -103,8 +103,11 @@ DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, con
               "DecoderLayer: positive num_heads, num_kv_heads, hidden, intermediate and a window >= 0 expected");
   TORCH_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0 && s.head_dim <= 256 && s.num_heads % s.num_kv_heads == 0,
               "DecoderLayer: head_dim must be even and at most 256, num_heads a multiple of num_kv_heads");
+  TORCH_CHECK(s.rope_dim > 0 && s.rope_dim % 2 == 0 && s.rope_dim <= s.head_dim,
+              "DecoderLayer: rope_dim must be even, positive and at most head_dim");
   const auto dtype = post_norm.scalar_type();
-  const int64_t q_size = s.num_heads * s.head_dim, qkv_width = q_size + 2 * s.num_kv_heads * s.head_dim;
+  const int64_t q_size = s.num_heads * s.head_dim;
+  const int64_t qkv_width = q_size * (s.output_gate ? 2 : 1) + 2 * s.num_kv_heads * s.head_dim;
   qkv_ = gemm_weight(qkv, qkv_width, s.hidden, code_, dtype, "qkv");
   o_ = gemm_weight(o, s.hidden, q_size, code_, dtype, "o_proj");
   gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "gate_up");
@@ -127,7 +130,8 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
   check_rows_in(x, b.residual, b.next_norm, hidden, post_norm_.scalar_type(), "DecoderLayer.forward");
   const int cache_code = dtype_code(b.k_cache, "DecoderLayer.forward: the cache");  // may differ from x's
   const int64_t tokens = x.size(0);
-  const int64_t q_size = heads * d, kv_size = kv_heads * d, qkv_width = q_size + 2 * kv_size;
+  const int64_t q_size = heads * d, kv_size = kv_heads * d, rope_dim = s.rope_dim;
+  const int64_t q_width = q_size * (s.output_gate ? 2 : 1), qkv_width = q_width + 2 * kv_size;
   TORCH_CHECK(b.k_cache.dim() == 4 && b.k_cache.size(2) == kv_heads && b.k_cache.size(3) == d &&
                   b.k_cache.is_contiguous() && b.v_cache.is_contiguous() && b.k_cache.device().is_cpu() &&
                   b.v_cache.device().is_cpu() && b.v_cache.scalar_type() == b.k_cache.scalar_type() &&
@@ -135,9 +139,9 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
               "DecoderLayer.forward: contiguous CPU caches of one shape and dtype [blocks, block_size, ", kv_heads,
               ", ", d, "] expected, got ", b.k_cache.sizes(), " and ", b.v_cache.sizes());
   TORCH_CHECK(b.cos.is_contiguous() && b.sin.is_contiguous() && b.cos.scalar_type() == torch::kFloat32 &&
-                  b.sin.scalar_type() == torch::kFloat32 && b.cos.sizes() == torch::IntArrayRef({tokens, d}) &&
+                  b.sin.scalar_type() == torch::kFloat32 && b.cos.sizes() == torch::IntArrayRef({tokens, rope_dim}) &&
                   b.sin.sizes() == b.cos.sizes(),
-              "DecoderLayer.forward: contiguous float32 cos/sin [tokens, head_dim] expected");
+              "DecoderLayer.forward: contiguous float32 cos/sin [tokens, rope_dim] expected");
   const auto &k_cache = b.k_cache, &v_cache = b.v_cache;
   int16_t* record = exponent_record(b.v_exp, k_cache, "DecoderLayer.forward");
   auto pos = b.positions.contiguous(), sl = b.slots.contiguous(), tab = b.tables.contiguous(),
@@ -160,15 +164,22 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
   char* qkv_p = static_cast<char*>(qkv.data_ptr());
 
   tf::matmul(code, x.data_ptr(), qkv_.packed.data_ptr(), qkv_.quant, qkv_p, tokens, qkv_width, hidden, nt);
-  tf::rope(code, qkv_p, qkv_width, q.data_ptr(), b.cos.data_ptr<float>(), b.sin.data_ptr<float>(), tokens, heads, d,
-           ptr_or_null(q_norm_), eps, nt);
-  tf::rope(code, qkv_p + q_size * el, qkv_width, k.data_ptr(), b.cos.data_ptr<float>(), b.sin.data_ptr<float>(),
-           tokens, kv_heads, d, ptr_or_null(k_norm_), eps, nt);
+  const int64_t q_head_stride = s.output_gate ? 2 * d : d;  // [q, gate] per head
+  tf::rope_heads(code, qkv_p, qkv_width, q_head_stride, q.data_ptr(), b.cos.data_ptr<float>(), b.sin.data_ptr<float>(),
+                 tokens, heads, d, rope_dim, ptr_or_null(q_norm_), eps, nt);
+  tf::rope_heads(code, qkv_p + q_width * el, qkv_width, d, k.data_ptr(), b.cos.data_ptr<float>(),
+                 b.sin.data_ptr<float>(), tokens, kv_heads, d, rope_dim, ptr_or_null(k_norm_), eps, nt);
   tf::write_kv(code, cache_code, k_cache.data_ptr(), v_cache.data_ptr(), record, k.data_ptr(), kv_size,
-               qkv_p + (q_size + kv_size) * el, qkv_width, sl.data_ptr<int64_t>(), tokens, kv_heads, d, nt);
+               qkv_p + (q_width + kv_size) * el, qkv_width, sl.data_ptr<int64_t>(), tokens, kv_heads, d, nt);
   tf::paged_attention(code, cache_code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), record, attn.data_ptr(),
                       pos.data_ptr<int64_t>(), tab.data_ptr<int64_t>(), tab.size(1), st.data_ptr<int64_t>(),
                       tab.size(0), heads, kv_heads, d, k_cache.size(1), s.scale, s.window, nt);
+  if (s.output_gate) {  // attn * sigmoid(gate), the gates copied out of the [q, gate] heads
+    auto gate = qkv.narrow(1, 0, q_width).view({tokens, heads, 2, d}).select(2, 1).contiguous();
+    auto gated = empty({tokens, heads, d});
+    tf::sigmoid_and_mul(code, gate.data_ptr(), attn.data_ptr(), q_size, gated.data_ptr(), tokens, q_size, nt);
+    attn = gated;
+  }
   tf::matmul(code, attn.data_ptr(), o_.packed.data_ptr(), o_.quant, o.data_ptr(), tokens, hidden, q_size, nt);
   return ffn_and_next_norm(code, o, b.residual, post_norm_, gate_up_, down_, b.next_norm, intermediate, eps, nt);
 }

@@ -11,7 +11,9 @@
 struct LayerShape {
   int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
   double eps, scale;
-  int64_t window;  // 0: none
+  int64_t window;       // 0: none
+  int64_t rope_dim;     // rope over the first rope_dim of each head (head_dim: all of it)
+  bool output_gate;     // Qwen3.5's gated attention: q_proj gives [q, gate] per head, out * sigmoid(gate)
 };
 
 // A GEMM weight [n, k] as the layer keeps it: packed dense (pack_weight, in the layer's dtype) or

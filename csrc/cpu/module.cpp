@@ -513,13 +513,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](const torch::Tensor& qkv, const torch::Tensor& o, const torch::Tensor& gate_up,
                        const torch::Tensor& down, const torch::Tensor& post_norm, const Out& q_norm,
                        const Out& k_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden,
-                       int64_t intermediate, double eps, double scale, int64_t window) {
+                       int64_t intermediate, double eps, double scale, int64_t window, int64_t rope_dim,
+                       bool output_gate) {
              return DecoderLayer(qkv, o, gate_up, down, post_norm, q_norm, k_norm,
-                                 {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale, window});
+                                 {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale, window,
+                                  rope_dim > 0 ? rope_dim : head_dim, output_gate});
            }),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("post_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("hidden"),
-           py::arg("intermediate"), py::arg("eps"), py::arg("scale"), py::arg("window"))
+           py::arg("intermediate"), py::arg("eps"), py::arg("scale"), py::arg("window"), py::arg("rope_dim") = 0,
+           py::arg("output_gate") = false)
       .def(
           "forward",
           [](const DecoderLayer& layer, const torch::Tensor& x, const torch::Tensor& residual, const Out& next_norm,
@@ -539,7 +542,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("head_dim", [](const DecoderLayer& l) { return l.shape().head_dim; })
       .def_property_readonly("hidden", [](const DecoderLayer& l) { return l.shape().hidden; })
       .def_property_readonly("intermediate", [](const DecoderLayer& l) { return l.shape().intermediate; })
-      .def_property_readonly("window", [](const DecoderLayer& l) { return l.shape().window; });
+      .def_property_readonly("window", [](const DecoderLayer& l) { return l.shape().window; })
+      .def_property_readonly("rope_dim", [](const DecoderLayer& l) { return l.shape().rope_dim; })
+      .def_property_readonly("output_gate", [](const DecoderLayer& l) { return l.shape().output_gate; });
   py::class_<DeltaNetLayer>(m, "DeltaNetLayer",
                             "one Gated DeltaNet layer with its SwiGLU MLP (the Qwen hybrids), built once at load "
                             "from its packed weights, norms, conv taps, rate and dt_bias, checked then")

@@ -3,6 +3,7 @@
 // of squares) is an exact integer sum, so its order is free.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "exact.h"
@@ -116,20 +117,25 @@ void rope_row(const T* x, T* out, const float* cos, const float* sin, int64_t d)
   }
 }
 
+// Heads head_stride apart in each token's row; rope over the first rope_dim of each head (cos, sin
+// [tokens, rope_dim]), the rest copied: Attention._position's partial rope.
 template <typename T>
-void rope_impl(const T* x, int64_t x_stride, T* out, const float* cos, const float* sin, int64_t tokens,
-               int64_t heads, int64_t d, const T* norm_weight, double eps, int threads) {
+void rope_impl(const T* x, int64_t x_stride, int64_t head_stride, T* out, const float* cos, const float* sin,
+               int64_t tokens, int64_t heads, int64_t d, int64_t rope_dim, const T* norm_weight, double eps,
+               int threads) {
   const bool parallel = threads > 1 && tokens > 1 && tokens * heads * d >= PARALLEL_ELEMENTS;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t t = 0; t < tokens; ++t) {
     T normed[MAX_HEAD_DIM];  // head_dim <= MAX_HEAD_DIM (checked by the bindings)
     for (int64_t h = 0; h < heads; ++h) {
-      const T* row = x + t * x_stride + h * d;
+      const T* row = x + t * x_stride + h * head_stride;
       if (norm_weight != nullptr) {  // qwen3: the head's norm, rounded to the dtype, then rope
         norm_row(row, norm_weight, normed, d, eps);
         row = normed;
       }
-      rope_row(row, out + (t * heads + h) * d, cos + t * d, sin + t * d, d);
+      T* dst = out + (t * heads + h) * d;
+      rope_row(row, dst, cos + t * rope_dim, sin + t * rope_dim, rope_dim);
+      if (rope_dim < d) std::memcpy(dst + rope_dim, row + rope_dim, (d - rope_dim) * sizeof(T));
     }
   }
 }
@@ -204,12 +210,18 @@ void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, 
 
 void rope(int dtype, const void* x, int64_t x_stride, void* out, const float* cos, const float* sin, int64_t tokens,
           int64_t heads, int64_t head_dim, const void* norm_weight, double eps, int threads) {
+  rope_heads(dtype, x, x_stride, head_dim, out, cos, sin, tokens, heads, head_dim, head_dim, norm_weight, eps, threads);
+}
+
+void rope_heads(int dtype, const void* x, int64_t x_stride, int64_t head_stride, void* out, const float* cos,
+                const float* sin, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rope_dim,
+                const void* norm_weight, double eps, int threads) {
   if (dtype == 0)
-    rope_impl(in<float>(x), x_stride, io<float>(out), cos, sin, tokens, heads, head_dim, in<float>(norm_weight), eps,
-              threads);
+    rope_impl(in<float>(x), x_stride, head_stride, io<float>(out), cos, sin, tokens, heads, head_dim, rope_dim,
+              in<float>(norm_weight), eps, threads);
   else
-    rope_impl(in<bf16>(x), x_stride, io<bf16>(out), cos, sin, tokens, heads, head_dim, in<bf16>(norm_weight), eps,
-              threads);
+    rope_impl(in<bf16>(x), x_stride, head_stride, io<bf16>(out), cos, sin, tokens, heads, head_dim, rope_dim,
+              in<bf16>(norm_weight), eps, threads);
 }
 
 void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows,

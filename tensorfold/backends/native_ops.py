@@ -115,8 +115,7 @@ def write_kv(kv, k, v, slots):
 
 def fuse(layer):
     """A DecoderLayer (models/blocks.py) as one native call, or None where the native layers do
-    not cover it (biases, weights of mixed formats, output gates, partial rope, MoE and other
-    block kinds): the block's Python composition, the same bits (tests/test_native_backend.py,
+    not cover it (biases, weights of mixed formats, MoE and other block kinds): the block's Python composition, the same bits (tests/test_native_backend.py,
     tests/test_hybrids.py), with one Python-to-C++ crossing per layer instead of eleven. The C++
     layer (_cpu.DecoderLayer for attention, _cpu.DeltaNetLayer for Gated DeltaNet, each with a
     SwiGLU MLP) is built once here, its weights checked once; the callable has
@@ -126,7 +125,7 @@ def fuse(layer):
         return None
     if type(mixer) is GatedDeltaNet:
         return _fuse_delta_net(layer)
-    if type(mixer) is not Attention or mixer.spec.output_gate or mixer.spec.rope_dim != mixer.spec.head_dim:
+    if type(mixer) is not Attention:
         return None
     weights = (mixer.qkv, mixer.o, ffn.gate_up, ffn.down)
     if not _single_parts(weights):
@@ -135,7 +134,8 @@ def fuse(layer):
     native = _cpu.DecoderLayer(
         *(w.single.data for w in weights), layer.post_mixer_norm, mixer.q_norm, mixer.k_norm,
         num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, hidden=layer.input_norm.shape[0],
-        intermediate=ffn.spec.intermediate_size, eps=layer.eps, scale=s.scale, window=s.window or 0)
+        intermediate=ffn.spec.intermediate_size, eps=layer.eps, scale=s.scale, window=s.window or 0,
+        rope_dim=s.rope_dim, output_gate=s.output_gate)
 
     def run(x, residual, next_norm, batch, kv):
         cos, sin = batch.rope_rows(mixer.rope)
