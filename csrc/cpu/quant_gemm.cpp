@@ -533,19 +533,45 @@ constexpr int sum16(int code_bits, int per) {  // quads whose vpmaddubsw pairs m
   return n;
 }
 
+// Sub-block p's dots of 8 columns with one row, times the row's block scale m: codes(q) gives quad
+// q's bytes (for q8_0, c + 128), xq the row's block as int32 quads, xsum its sub-block sums. The
+// vpmaddubsw pairs are summed in int16 SUM16 quads at a time, then in int32; A m < 2^19 2^11.
+template <int KIND, typename Codes>
+inline __m256i scaled_dots8(const int32_t* xq, const int32_t* xsum, __m256i m, int p, Codes codes) {
+  constexpr QKind KD = KINDS[KIND];
+  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
+  constexpr bool SIGNED = KD.code_bits == 8;
+  constexpr int SUM16 = sum16(KD.code_bits, PER);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i d32 = _mm256_setzero_si256();
+  for (int q0 = p * 8 / PER; q0 < (p + 1) * 8 / PER; q0 += SUM16) {
+    __m256i d16 = _mm256_setzero_si256();
+    for (int q = q0; q < q0 + SUM16; ++q) {
+      const __m256i x = _mm256_set1_epi32(xq[q]);
+      const __m256i c = codes(q);
+      if constexpr (SIGNED)
+        d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)));
+      else
+        d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(c, x));
+    }
+    d32 = _mm256_add_epi32(d32, _mm256_madd_epi16(d16, ones));
+  }
+  if constexpr (OFFSET != 0 && !SIGNED) d32 = _mm256_sub_epi32(d32, _mm256_set1_epi32(OFFSET * xsum[p]));
+  return _mm256_mullo_epi32(d32, m);
+}
+
 template <int R, bool F16, int KIND>
 void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                   const int32_t* top, int64_t* acc) {
   constexpr QKind KD = KINDS[KIND];  // the kind's traits as constants: no branch left in the block loop
   constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
-  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
+  constexpr int PER = BLOCK / KD.sub;
   constexpr bool SIGNED = KD.code_bits == 8;  // q8_0: c = u - 128 as a signed byte
-  constexpr int SUM16 = sum16(KD.code_bits, PER);
   const int term_bits = L.kind.term_bits;
   __m256i a[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_si256();
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256i top_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
   const __m256i top_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8));
   const int64_t ahead = prefetch_distance(L, r0);
@@ -602,22 +628,7 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       const __m256i m = _mm256_set1_epi32(row.m[b]);
       __m256i dots[PER][2];  // per scale (half of the block), per 8 columns
       for (int h = 0; h < 2; ++h)
-        for (int p = 0; p < PER; ++p) {
-          __m256i d32 = _mm256_setzero_si256();
-          for (int q0 = p * 8 / PER; q0 < (p + 1) * 8 / PER; q0 += SUM16) {
-            __m256i d16 = _mm256_setzero_si256();
-            for (int q = q0; q < q0 + SUM16; ++q) {
-              const __m256i x = _mm256_set1_epi32(xq[q]);
-              if constexpr (SIGNED)
-                d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(_mm256_abs_epi8(u[q][h]), _mm256_sign_epi8(x, u[q][h])));
-              else
-                d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(u[q][h], x));
-            }
-            d32 = _mm256_add_epi32(d32, _mm256_madd_epi16(d16, ones));
-          }
-          if constexpr (OFFSET != 0 && !SIGNED) d32 = _mm256_sub_epi32(d32, _mm256_set1_epi32(OFFSET * xsum[p]));
-          dots[p][h] = _mm256_mullo_epi32(d32, m);  // A m < 2^19 2^11: int32
-        }
+        for (int p = 0; p < PER; ++p) dots[p][h] = scaled_dots8<KIND>(xq, xsum, m, p, [&](int q) { return u[q][h]; });
       const __m256i kshift = _mm256_set1_epi64x(row_shift);
       const __m256i xs = _mm256_set1_epi64x(row.sm[b]);
       const __m256i mshift = _mm256_set1_epi64x(row.sdelta[b] + shift0);
@@ -655,13 +666,12 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
                      const int32_t* top, int64_t* acc) {
   constexpr QKind KD = KINDS[KIND];
   constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
-  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
+  constexpr int PER = BLOCK / KD.sub;
   constexpr bool SIGNED = KD.code_bits == 8;
-  constexpr int SUM16 = sum16(KD.code_bits, PER);
   __m256i even[R][2], odd[R][2];  // [row][half]
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) even[r][h] = odd[r][h] = _mm256_setzero_si256();
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), low32 = _mm256_set1_epi64x(0xFFFFFFFF);
+  const __m256i nib = _mm256_set1_epi8(0x0F), low32 = _mm256_set1_epi64x(0xFFFFFFFF);
   const int64_t ahead = prefetch_distance(L, r0);
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
@@ -702,21 +712,7 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
         const __m256i m = _mm256_set1_epi32(row.m[b]);
         __m256i ints_even, ints_odd;
         for (int p = 0; p < PER; ++p) {
-          __m256i d32 = _mm256_setzero_si256();
-          for (int q0 = p * 8 / PER; q0 < (p + 1) * 8 / PER; q0 += SUM16) {
-            __m256i d16 = _mm256_setzero_si256();
-            for (int q = q0; q < q0 + SUM16; ++q) {
-              const __m256i x = _mm256_set1_epi32(xq[q]);
-              const __m256i c = R > 1 ? u[q] : codes(q);
-              if constexpr (SIGNED)
-                d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)));
-              else
-                d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(c, x));
-            }
-            d32 = _mm256_add_epi32(d32, _mm256_madd_epi16(d16, ones));
-          }
-          if constexpr (OFFSET != 0 && !SIGNED) d32 = _mm256_sub_epi32(d32, _mm256_set1_epi32(OFFSET * xsum[p]));
-          const __m256i dot = _mm256_mullo_epi32(d32, m);  // A m < 2^19 2^11: int32
+          const __m256i dot = scaled_dots8<KIND>(xq, xsum, m, p, [&](int q) { return R > 1 ? u[q] : codes(q); });
           const __m256i e = _mm256_mul_epi32(dot, p == 0 ? s0 : s1);
           const __m256i o = _mm256_mul_epi32(_mm256_srli_epi64(dot, 32), p == 0 ? s0_odd : s1_odd);
           ints_even = p == 0 ? e : _mm256_add_epi64(ints_even, e);
