@@ -188,7 +188,8 @@ DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& 
                              const torch::Tensor& down, const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
                              const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
                              const DeltaNetShape& shape)
-    : shape_(shape), code_(dtype_code(post_norm, "DeltaNetLayer: post_norm")), post_norm_(post_norm),
+    : shape_(shape), code_(dtype_code(post_norm, "DeltaNetLayer: post_norm")),
+      gated_norm_code_(dtype_code(gated_norm, "DeltaNetLayer: the gated norm's weight")), post_norm_(post_norm),
       gated_norm_(gated_norm), conv_weight_(conv_weight), rate_(rate), dt_bias_(dt_bias) {
   const auto& s = shape_;
   TORCH_CHECK(s.key_heads > 0 && s.heads > 0 && s.heads % s.key_heads == 0 && s.key_dim > 0 && s.key_dim <= 256 &&
@@ -204,7 +205,6 @@ DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& 
   check_norm(post_norm, s.hidden, dtype, "post_norm");
   TORCH_CHECK(gated_norm.device().is_cpu() && gated_norm.is_contiguous() && gated_norm.numel() == s.value_dim,
               "DeltaNetLayer: the gated norm's weight must be a contiguous CPU tensor of value_dim elements");
-  dtype_code(gated_norm, "DeltaNetLayer: the gated norm's weight");
   TORCH_CHECK(conv_weight.device().is_cpu() && conv_weight.is_contiguous() && conv_weight.dim() == 2 &&
                   conv_weight.size(0) == C && conv_weight.size(1) >= 1 && conv_weight.scalar_type() == torch::kFloat32,
               "DeltaNetLayer: conv_weight a contiguous float32 [", C, ", K] expected");
@@ -241,9 +241,8 @@ std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBa
                   b.conv_state.data_ptr<float>(), b.ssm_state.data_ptr<float>(), slots.in(), slots.out(),
                   slots.starts(), slots.num_seqs, conv_weight_.data_ptr<float>(), K, rate_.data_ptr<float>(),
                   dt_bias_.data_ptr<float>(), s.key_heads, s.heads, s.key_dim, s.value_dim, core.data_ptr(), nt);
-    tf::gated_rms_norm(code, core.data_ptr(), code, z.data_ptr(), s.value_dim,
-                       dtype_code(gated_norm_, "DeltaNetLayer: the gated norm's weight"), gated_norm_.data_ptr(),
-                       normed.data_ptr(), tokens * s.heads, s.value_dim, s.eps, nt);
+    tf::gated_rms_norm(code, core.data_ptr(), code, z.data_ptr(), s.value_dim, gated_norm_code_,
+                       gated_norm_.data_ptr(), normed.data_ptr(), tokens * s.heads, s.value_dim, s.eps, nt);
   }
   tf::matmul(code, normed.data_ptr(), out_proj_.packed.data_ptr(), out_proj_.quant, mixed.data_ptr(), tokens, s.hidden,
              width, nt);

@@ -115,8 +115,9 @@ def write_kv(kv, k, v, slots):
 
 def fuse(layer):
     """A DecoderLayer (models/blocks.py) as one native call, or None where the native layers do
-    not cover it (biases, weights of mixed formats, MoE and other block kinds): the block's Python composition, the same bits (tests/test_native_backend.py,
-    tests/test_hybrids.py), with one Python-to-C++ crossing per layer instead of eleven. The C++
+    not cover it (biases, weights of mixed formats, MoE and other block kinds): the block's Python
+    composition, the same bits (tests/test_native_backend.py, tests/test_hybrids.py), with one
+    Python-to-C++ crossing per layer instead of eleven. The C++
     layer (_cpu.DecoderLayer for attention, _cpu.DeltaNetLayer for Gated DeltaNet, each with a
     SwiGLU MLP) is built once here, its weights checked once; the callable has
     DecoderLayer.forward's signature."""

@@ -98,8 +98,9 @@ class QuantWeight:
         move = (lambda t: None if t is None else t.to(device))
         return QuantWeight(self.kind, *(move(getattr(self, f)) for f in ("codes", "scale", "scale_exp", "min", "min_exp")))
 
-    def rows(self, ids: torch.Tensor) -> "QuantWeight":
-        """The weight rows `ids` (an embedding lookup: rows(ids).dequantize())."""
+    def rows(self, ids: torch.Tensor | slice) -> "QuantWeight":
+        """The weight rows `ids`, indices or a slice (an embedding lookup: rows(ids).dequantize();
+        a slice gives views)."""
         pick = (lambda t: None if t is None else t[ids])
         return QuantWeight(self.kind, self.codes[ids], self.scale[ids], self.scale_exp[ids], pick(self.min),
                            pick(self.min_exp))

@@ -52,7 +52,7 @@ class ForwardBatch:
         if not self.sequences or positions.numel() == 0:
             return (torch.full((len(self.sequences),), -1, dtype=torch.int64, device=device),
                     torch.full(positions.shape, -1, dtype=torch.int64, device=device))
-        starts = torch.tensor(self.row_starts, dtype=torch.int64, device=device)
+        starts = self.row_starts_tensor.to(device)
         seqs = torch.arange(len(self.sequences), device=device)
         tables = self.block_tables
         row_seq = torch.repeat_interleave(seqs, starts[1:] - starts[:-1])

@@ -521,11 +521,9 @@ def _take_rows(weight, ids: torch.Tensor | None):
 
 
 def _row_range(weight, start: int, stop: int):
-    if isinstance(weight, QuantWeight):
-        cut = (lambda t: None if t is None else t[start:stop])
-        return QuantWeight(weight.kind, *(cut(getattr(weight, f)) for f in ("codes", "scale", "scale_exp", "min",
-                                                                             "min_exp")))
-    return weight[start:stop]
+    """Rows [start, stop) of a matrix, dense or in blocks, as views."""
+    rows = slice(start, stop)
+    return weight.rows(rows) if isinstance(weight, QuantWeight) else weight[rows]
 
 
 def _take_columns(path: str, name: str, weight, ids: torch.Tensor | None):
