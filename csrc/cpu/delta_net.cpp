@@ -418,7 +418,7 @@ struct Call {
   const int64_t* state_out;  // [rows]: the block the state after each row is written to (-1: none)
   const int64_t* row_starts;
   int64_t num_seqs;
-  const float* conv_weight;  // [C, K]
+  const float* conv_taps;  // [K, C]: tap j of every channel, C apart
   const float* rate;
   const float* dt_bias;
   int64_t key_heads, heads, dk, dv, taps;  // taps: K
@@ -611,9 +611,6 @@ void delta_net_impl(const Call& c) {
   // states: each item reads its columns of its sequence's start before it writes, so only a block
   // that one sequence starts from and another writes needs a copy first (module.cpp refuses a block
   // two sequences write, so no other order matters).
-  std::vector<float> taps(K * C);
-  for (int64_t ch = 0; ch < C; ++ch)
-    for (int64_t j = 0; j < K; ++j) taps[j * C + ch] = c.conv_weight[ch * K + j];
   std::vector<float> windows(c.num_seqs * W * C, 0.0f);
   std::vector<const float*> starts(c.num_seqs, nullptr);
   const int64_t state_elements = H * dk * c.dv;
@@ -682,9 +679,9 @@ void delta_net_impl(const Call& c) {
       for (int64_t j = 0; j < K; ++j) {  // acc = in_0 w_0, then acc + in_j w_j
         const int64_t u = t + j;         // the row of the padded inputs: the window's, then qkv's
         if (u < W)
-          conv_tap(windows.data() + (s * W + u) * C, taps.data() + j * C, m, C, j == 0);
+          conv_tap(windows.data() + (s * W + u) * C, c.conv_taps + j * C, m, C, j == 0);
         else
-          conv_tap(qkv + (c.row_starts[s] + u - W) * c.qkv_stride, taps.data() + j * C, m, C, j == 0);
+          conv_tap(qkv + (c.row_starts[s] + u - W) * c.qkv_stride, c.conv_taps + j * C, m, C, j == 0);
       }
       silu_inplace(m, tmp.data(), t_buf.data(), C);
       for (int64_t kh = 0; kh < KH; ++kh) {
@@ -769,11 +766,11 @@ void gated_norm_weight(const void* x, const void* gate, int64_t gate_stride, int
 
 void delta_net(int dtype, const void* qkv, int64_t qkv_stride, const float* a, const float* b, float* conv_state,
                float* ssm_state, const int64_t* state_in, const int64_t* state_out, const int64_t* row_starts,
-               int64_t num_seqs, const float* conv_weight, int64_t conv_kernel, const float* rate,
+               int64_t num_seqs, const float* conv_taps, int64_t conv_kernel, const float* rate,
                const float* dt_bias, int64_t key_heads, int64_t heads, int64_t key_dim, int64_t value_dim, void* out,
                int threads) {
   const Call c{qkv,         qkv_stride,  a,         b,          conv_state, ssm_state, state_in,  state_out,
-               row_starts,  num_seqs,    conv_weight, rate,     dt_bias,    key_heads, heads,     key_dim,
+               row_starts,  num_seqs,    conv_taps,   rate,     dt_bias,    key_heads, heads,     key_dim,
                value_dim,   conv_kernel, out,         threads};
   if (dtype == 0)
     delta_net_impl<float>(c);

@@ -88,11 +88,12 @@ void paged_attention(int dtype, int cache_dtype, const void* q, const void* k_ca
 // key_dim, value_dim] float32: sequence s (rows [row_starts[s], row_starts[s + 1])) starts from block
 // state_in[s] (-1: zeros), and the state after row r is written to block state_out[r] (-1: none);
 // every starting state is read before any is written, and no block is written by two sequences
-// (the caller checks). conv_weight [C, K], rate and dt_bias [heads] float32. out [rows, heads,
+// (the caller checks). conv_taps [K, C] (the conv weight [C, K] transposed: tap-major, as the
+// conv reads it), rate and dt_bias [heads] float32. out [rows, heads,
 // value_dim] of `dtype`. key_dim <= 256 (the grid dots' exact sums).
 void delta_net(int dtype, const void* qkv, int64_t qkv_stride, const float* a, const float* b, float* conv_state,
                float* ssm_state, const int64_t* state_in, const int64_t* state_out, const int64_t* row_starts,
-               int64_t num_seqs, const float* conv_weight, int64_t conv_kernel, const float* rate,
+               int64_t num_seqs, const float* conv_taps, int64_t conv_kernel, const float* rate,
                const float* dt_bias, int64_t key_heads, int64_t heads, int64_t key_dim, int64_t value_dim, void* out,
                int threads);
 // delta_net.gated_rms_norm: out [rows, width] (x's dtype) = rms_norm(x) * weight * silu(gate); x

@@ -190,7 +190,7 @@ DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& 
                              const DeltaNetShape& shape)
     : shape_(shape), code_(dtype_code(post_norm, "DeltaNetLayer: post_norm")),
       gated_norm_code_(dtype_code(gated_norm, "DeltaNetLayer: the gated norm's weight")), post_norm_(post_norm),
-      gated_norm_(gated_norm), conv_weight_(conv_weight), rate_(rate), dt_bias_(dt_bias) {
+      gated_norm_(gated_norm), rate_(rate), dt_bias_(dt_bias) {
   const auto& s = shape_;
   TORCH_CHECK(s.key_heads > 0 && s.heads > 0 && s.heads % s.key_heads == 0 && s.key_dim > 0 && s.key_dim <= 256 &&
                   s.value_dim > 0 && s.hidden > 0 && s.intermediate > 0,
@@ -208,6 +208,7 @@ DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& 
   TORCH_CHECK(conv_weight.device().is_cpu() && conv_weight.is_contiguous() && conv_weight.dim() == 2 &&
                   conv_weight.size(0) == C && conv_weight.size(1) >= 1 && conv_weight.scalar_type() == torch::kFloat32,
               "DeltaNetLayer: conv_weight a contiguous float32 [", C, ", K] expected");
+  conv_taps_ = conv_weight.t().contiguous();  // what the conv reads, transposed once here
   for (const auto* t : {&rate, &dt_bias})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->numel() == s.heads &&
                     t->scalar_type() == torch::kFloat32,
@@ -221,7 +222,7 @@ std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBa
   const auto& s = shape_;
   const int code = code_;
   check_rows_in(b.x, b.residual, b.next_norm, s.hidden, post_norm_.scalar_type(), "DeltaNetLayer.forward");
-  const int64_t tokens = b.x.size(0), K = conv_weight_.size(1);
+  const int64_t tokens = b.x.size(0), K = conv_taps_.size(0);
   const int64_t C = 2 * s.key_heads * s.key_dim + s.heads * s.value_dim, width = s.heads * s.value_dim;
   const int64_t total = C + width + 2 * s.heads;
   const StateSlots slots = state_slots(b.conv_state, b.ssm_state, b.state_in, b.state_out, b.row_starts, tokens, C, K,
@@ -239,7 +240,7 @@ std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBa
   if (tokens > 0) {
     tf::delta_net(code, projected.data_ptr(), total, a.data_ptr<float>(), beta_in.data_ptr<float>(),
                   b.conv_state.data_ptr<float>(), b.ssm_state.data_ptr<float>(), slots.in(), slots.out(),
-                  slots.starts(), slots.num_seqs, conv_weight_.data_ptr<float>(), K, rate_.data_ptr<float>(),
+                  slots.starts(), slots.num_seqs, conv_taps_.data_ptr<float>(), K, rate_.data_ptr<float>(),
                   dt_bias_.data_ptr<float>(), s.key_heads, s.heads, s.key_dim, s.value_dim, core.data_ptr(), nt);
     tf::gated_rms_norm(code, core.data_ptr(), code, z.data_ptr(), s.value_dim, gated_norm_code_,
                        gated_norm_.data_ptr(), normed.data_ptr(), tokens * s.heads, s.value_dim, s.eps, nt);

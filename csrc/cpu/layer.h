@@ -91,5 +91,5 @@ class __attribute__((visibility("hidden"))) DeltaNetLayer {
   DeltaNetShape shape_;
   int code_, gated_norm_code_;  // the layer's dtype (post_norm's), the gated norm weight's
   LayerGemm in_proj_, out_proj_, gate_up_, down_;
-  torch::Tensor post_norm_, gated_norm_, conv_weight_, rate_, dt_bias_;
+  torch::Tensor post_norm_, gated_norm_, conv_taps_, rate_, dt_bias_;  // conv_taps_: [K, C], once at load
 };

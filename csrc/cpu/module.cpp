@@ -307,14 +307,14 @@ torch::Tensor delta_net(const torch::Tensor& qkv, const torch::Tensor& a, const 
   TORCH_CHECK(rate.numel() == num_heads && dt_bias.numel() == num_heads && rate.scalar_type() == torch::kFloat32 &&
                   dt_bias.scalar_type() == torch::kFloat32,
               "delta_net: rate and dt_bias float32 [num_heads] expected");
-  auto wc = conv_weight.contiguous(), rc = rate.contiguous(), dc = dt_bias.contiguous();
+  auto taps = conv_weight.t().contiguous(), rc = rate.contiguous(), dc = dt_bias.contiguous();  // taps [K, C]
   const StateSlots slots = state_slots(conv_state, ssm_state, state_in, state_out, row_starts, rows, C, K, num_heads,
                                        key_dim, value_dim);
   auto out = output(out_arg, {rows, num_heads, value_dim}, qkv, "delta_net");
   if (rows > 0)
     tf::delta_net(code, x.data_ptr(), x.stride(0), af.data_ptr<float>(), bf.data_ptr<float>(),
                   conv_state.data_ptr<float>(), ssm_state.data_ptr<float>(), slots.in(), slots.out(), slots.starts(),
-                  slots.num_seqs, wc.data_ptr<float>(), K, rc.data_ptr<float>(), dc.data_ptr<float>(), num_key_heads, num_heads,
+                  slots.num_seqs, taps.data_ptr<float>(), K, rc.data_ptr<float>(), dc.data_ptr<float>(), num_key_heads, num_heads,
                   key_dim, value_dim, out.data_ptr(), threads());
   return out;
 }
