@@ -104,12 +104,6 @@ struct Columns<1> {
 template <typename F, typename U> inline U magnitude_bits(F x) { return load<U>(&x) & 0x7FFFFFFFu; }
 template <typename U> inline U max_bits(U a, U b) { return a > b ? a : b; }
 
-// sigmoid32 of one float: t = exp_neg(-|x|); (x >= 0 ? 1 : t) / (1 + t).
-inline float sigmoid32(float x) {
-  const float t = exp_neg(-std::fabs(x));
-  return (x >= 0.0f ? 1.0f : t) / (1.0f + t);
-}
-
 // softplus32: log64(1 + exp64(min(y, 20))) in float64, rounded once; y above 20 is itself.
 inline float softplus32(float y) {
   const double y64 = y;

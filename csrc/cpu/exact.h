@@ -70,4 +70,10 @@ inline float exp_neg(float x) {
   return x <= EXP_MIN ? 0.0f : p;
 }
 
+// sigmoid32 of one float (reference.sigmoid32): t = exp_neg(-|x|); (x >= 0 ? 1 : t) / (1 + t).
+inline float sigmoid32(float x) {
+  const float t = exp_neg(-std::fabs(x));
+  return (x >= 0.0f ? 1.0f : t) / (1.0f + t);
+}
+
 }  // namespace tf

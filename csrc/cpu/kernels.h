@@ -102,6 +102,17 @@ void gated_rms_norm(int dtype, const void* x, int gate_dtype, const void* gate, 
                     int weight_dtype, const void* weight, void* out, int64_t rows, int64_t width, double eps,
                     int threads);
 
+// The MoE router's choice (moe.cpp; kernels/moe.route): logits [rows, experts] float32 -> chosen
+// [rows, top_k] (the largest first, ties to the lower index) and their weights [rows, top_k].
+void moe_route(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool normalize, int64_t* chosen,
+               float* weights, int threads);
+// The MoE's sum (models/moe.MoE.forward): out [rows, hidden] = each row's expert outputs (row j of
+// its choice at y [y_rows[r * top_k + j]], y [*, hidden]) times weights, added in ascending expert
+// index, plus sigmoid(shared_gate [rows]) * shared [rows, hidden] when shared is not null.
+void moe_combine(int dtype, const void* y, const int64_t* y_rows, const int64_t* chosen, const float* weights,
+                 int64_t rows, int64_t top_k, const void* shared_gate, const void* shared, void* out, int64_t hidden,
+                 int threads);
+
 // The keyed sampler's draw of rows without an order-dependent cut (draw.cpp): x [rows, vocab]
 // float32 logits (global ids offset ..), temps [rows] (0: greedy), keys [rows] the rows' noise
 // keys, min_q [rows] (0: min-p off). tokens [rows]; status [rows]: 0 drawn, 1 a NaN logit, 2 a

@@ -11,6 +11,9 @@
 // The weights are checked once, when the layer is built at load; a forward checks its batch.
 #include "layer.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "binding.h"
 #include "kernels.h"
 
@@ -22,15 +25,15 @@ const void* ptr_or_null(const c10::optional<torch::Tensor>& t) { return t ? t->d
 
 // A GEMM weight is packed dense (the layer's dtype, pack_weight) or packed quantized (uint8, pack_quant).
 LayerGemm gemm_weight(const torch::Tensor& w, int64_t n, int64_t k, int code, torch::ScalarType dtype,
-                      const char* name) {
-  check_cpu(w, "DecoderLayer: a weight");
-  TORCH_CHECK(w.is_contiguous(), "DecoderLayer: ", name, " weight is not contiguous");
+                      const char* owner, const char* name) {
+  check_cpu(w, owner);
+  TORCH_CHECK(w.is_contiguous(), owner, ": ", name, " weight is not contiguous");
   const bool quant = w.scalar_type() == torch::kUInt8;
   if (quant) {
-    TORCH_CHECK(tf::quant_packed_matches(w.data_ptr<uint8_t>(), w.numel(), n, k), "DecoderLayer: ", name,
+    TORCH_CHECK(tf::quant_packed_matches(w.data_ptr<uint8_t>(), w.numel(), n, k), owner, ": ", name,
                 " is not a packed quantized weight of [", n, ", ", k, "]");
   } else {
-    TORCH_CHECK(w.scalar_type() == dtype && w.numel() == tf::packed_numel(code, n, k), "DecoderLayer: ", name,
+    TORCH_CHECK(w.scalar_type() == dtype && w.numel() == tf::packed_numel(code, n, k), owner, ": ", name,
                 " is not a packed weight of [", n, ", ", k, "] in the layer's dtype (", dtype, "), got ",
                 w.scalar_type(), " of ", w.numel(), " elements");
   }
@@ -108,10 +111,10 @@ DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, con
   const auto dtype = post_norm.scalar_type();
   const int64_t q_size = s.num_heads * s.head_dim;
   const int64_t qkv_width = q_size * (s.output_gate ? 2 : 1) + 2 * s.num_kv_heads * s.head_dim;
-  qkv_ = gemm_weight(qkv, qkv_width, s.hidden, code_, dtype, "qkv");
-  o_ = gemm_weight(o, s.hidden, q_size, code_, dtype, "o_proj");
-  gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "gate_up");
-  down_ = gemm_weight(down, s.hidden, s.intermediate, code_, dtype, "down");
+  qkv_ = gemm_weight(qkv, qkv_width, s.hidden, code_, dtype, "DecoderLayer", "qkv");
+  o_ = gemm_weight(o, s.hidden, q_size, code_, dtype, "DecoderLayer", "o_proj");
+  gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "DecoderLayer", "gate_up");
+  down_ = gemm_weight(down, s.hidden, s.intermediate, code_, dtype, "DecoderLayer", "down");
   check_norm(post_norm, s.hidden, dtype, "post_norm");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderLayer: q_norm and k_norm come together (qwen3)");
   if (q_norm) {
@@ -198,10 +201,10 @@ DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& 
               "value_dim, hidden and intermediate expected");
   const auto dtype = post_norm.scalar_type();
   const int64_t C = 2 * s.key_heads * s.key_dim + s.heads * s.value_dim, width = s.heads * s.value_dim;
-  in_proj_ = gemm_weight(in_proj, C + width + 2 * s.heads, s.hidden, code_, dtype, "in_proj");
-  out_proj_ = gemm_weight(out_proj, s.hidden, width, code_, dtype, "out_proj");
-  gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "gate_up");
-  down_ = gemm_weight(down, s.hidden, s.intermediate, code_, dtype, "down");
+  in_proj_ = gemm_weight(in_proj, C + width + 2 * s.heads, s.hidden, code_, dtype, "DeltaNetLayer", "in_proj");
+  out_proj_ = gemm_weight(out_proj, s.hidden, width, code_, dtype, "DeltaNetLayer", "out_proj");
+  gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "DeltaNetLayer", "gate_up");
+  down_ = gemm_weight(down, s.hidden, s.intermediate, code_, dtype, "DeltaNetLayer", "down");
   check_norm(post_norm, s.hidden, dtype, "post_norm");
   TORCH_CHECK(gated_norm.device().is_cpu() && gated_norm.is_contiguous() && gated_norm.numel() == s.value_dim,
               "DeltaNetLayer: the gated norm's weight must be a contiguous CPU tensor of value_dim elements");
@@ -248,4 +251,123 @@ std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBa
   tf::matmul(code, normed.data_ptr(), out_proj_.packed.data_ptr(), out_proj_.quant, mixed.data_ptr(), tokens, s.hidden,
              width, nt);
   return ffn_and_next_norm(code, mixed, b.residual, post_norm_, gate_up_, down_, b.next_norm, s.intermediate, s.eps, nt);
+}
+
+// MoEBlock::forward's steps (models/moe.MoE.forward):
+//   logits = float(x @ router^T); chosen, w = moe_route(logits, top_k);
+//   the (row, choice) pairs grouped by expert, ascending, rows ascending within an expert: xs = x's
+//   rows in that order; for each chosen expert e: y[e's pairs] = silu_and_mul(xs[e's pairs] @
+//   gate_up_e^T) @ down_e^T (each expert's GEMM is row-invariant: its rows' bits do not depend on
+//   which other tokens chose it);
+//   shared = silu_and_mul(x @ shared_gate_up^T) @ shared_down^T, gate = x @ shared_gate^T;
+//   out = moe_combine(y, w, gate, shared): the terms added in ascending expert order.
+MoEBlock::MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
+                   const std::vector<torch::Tensor>& downs, const c10::optional<torch::Tensor>& shared_gate_up,
+                   const c10::optional<torch::Tensor>& shared_down, const c10::optional<torch::Tensor>& shared_gate,
+                   const MoEShape& shape)
+    : shape_(shape), code_(-1) {
+  const auto& s = shape_;
+  TORCH_CHECK(s.hidden > 0 && s.intermediate > 0 && s.shared_intermediate >= 0 && s.experts > 0 &&
+                  s.experts <= (1 << 13) && 1 <= s.top_k && s.top_k <= s.experts,
+              "MoEBlock: positive hidden and intermediate, 1 <= top_k <= experts <= 8192 expected");
+  TORCH_CHECK(static_cast<int64_t>(gate_ups.size()) == s.experts && static_cast<int64_t>(downs.size()) == s.experts,
+              "MoEBlock: one gate_up and one down per expert expected");
+  const bool shared = s.shared_intermediate > 0;
+  TORCH_CHECK(shared_gate_up.has_value() == shared && shared_down.has_value() == shared &&
+                  shared_gate.has_value() == shared,
+              "MoEBlock: the shared expert's gate_up, down and gate come together, with shared_intermediate > 0");
+  torch::ScalarType dtype = torch::kFloat32;  // the dense weights': the first dense one's
+  auto note = [&](const torch::Tensor& w) {
+    if (code_ < 0 && w.scalar_type() != torch::kUInt8) {
+      dtype = w.scalar_type();
+      code_ = dtype_code(w, "MoEBlock: a dense weight");
+    }
+  };
+  note(router);
+  for (int64_t e = 0; e < s.experts; ++e) note(gate_ups[e]), note(downs[e]);
+  if (shared) note(*shared_gate_up), note(*shared_down), note(*shared_gate);
+  const int code = std::max(code_, 0);
+  router_ = gemm_weight(router, s.experts, s.hidden, code, dtype, "MoEBlock", "router");
+  for (int64_t e = 0; e < s.experts; ++e) {
+    gate_ups_.push_back(gemm_weight(gate_ups[e], 2 * s.intermediate, s.hidden, code, dtype, "MoEBlock", "gate_up"));
+    downs_.push_back(gemm_weight(downs[e], s.hidden, s.intermediate, code, dtype, "MoEBlock", "down"));
+  }
+  if (shared) {
+    const int64_t si = s.shared_intermediate;
+    shared_gate_up_ = gemm_weight(*shared_gate_up, 2 * si, s.hidden, code, dtype, "MoEBlock", "shared gate_up");
+    shared_down_ = gemm_weight(*shared_down, s.hidden, si, code, dtype, "MoEBlock", "shared down");
+    shared_gate_ = gemm_weight(*shared_gate, 1, s.hidden, code, dtype, "MoEBlock", "shared gate");
+  }
+}
+
+torch::Tensor MoEBlock::forward(const torch::Tensor& x) const {
+  const auto& s = shape_;
+  check_cpu(x, "MoEBlock.forward: x");
+  const int code = dtype_code(x, "MoEBlock.forward: x");
+  TORCH_CHECK(code_ < 0 || code == code_, "MoEBlock.forward: x must be in the dense weights' dtype");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == s.hidden && x.is_contiguous(), "MoEBlock.forward: contiguous x [tokens, ",
+              s.hidden, "] expected, got ", x.sizes());
+  const int64_t tokens = x.size(0), k = s.top_k, hidden = s.hidden, inter = s.intermediate, pairs = tokens * k;
+  const int nt = threads();
+  const size_t el = x.element_size();
+  auto empty = [&](std::initializer_list<int64_t> shape) { return torch::empty(shape, x.options()); };
+  auto out = empty({tokens, hidden});
+  if (tokens == 0) return out;
+  auto logits = empty({tokens, s.experts});
+  tf::matmul(code, x.data_ptr(), router_.packed.data_ptr(), router_.quant, logits.data_ptr(), tokens, s.experts, hidden,
+             nt);
+  auto logits32 = logits.to(torch::kFloat32).contiguous();  // exact from bfloat16
+  auto chosen = torch::empty({tokens, k}, x.options().dtype(torch::kInt64));
+  auto weights = torch::empty({tokens, k}, x.options().dtype(torch::kFloat32));
+  tf::moe_route(logits32.data_ptr<float>(), tokens, s.experts, k, s.normalize, chosen.data_ptr<int64_t>(),
+                weights.data_ptr<float>(), nt);
+
+  const int64_t* c = chosen.data_ptr<int64_t>();
+  std::vector<int64_t> start(s.experts + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) ++start[c[p] + 1];
+  for (int64_t e = 0; e < s.experts; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  auto y_rows = torch::empty({pairs}, chosen.options());
+  auto xs = empty({pairs, hidden});
+  char* xs_p = static_cast<char*>(xs.data_ptr());
+  const char* x_p = static_cast<const char*>(x.data_ptr());
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t at = next[c[p]]++;
+    y_rows.data_ptr<int64_t>()[p] = at;
+    std::memcpy(xs_p + at * hidden * el, x_p + (p / k) * hidden * el, hidden * el);
+  }
+  auto gate_up = empty({pairs, 2 * inter});
+  auto act = empty({pairs, inter});
+  auto y = empty({pairs, hidden});
+  char *gu_p = static_cast<char*>(gate_up.data_ptr()), *act_p = static_cast<char*>(act.data_ptr()),
+       *y_p = static_cast<char*>(y.data_ptr());
+  for (int64_t e = 0; e < s.experts; ++e) {
+    const int64_t off = start[e], n = start[e + 1] - off;
+    if (n == 0) continue;
+    const LayerGemm &gu = gate_ups_[e], &down = downs_[e];
+    char* gu_e = gu_p + off * 2 * inter * el;
+    tf::matmul(code, xs_p + off * hidden * el, gu.packed.data_ptr(), gu.quant, gu_e, n, 2 * inter, hidden, nt);
+    tf::silu_and_mul(code, gu_e, gu_e + inter * el, 2 * inter, act_p + off * inter * el, n, inter, nt);
+    tf::matmul(code, act_p + off * inter * el, down.packed.data_ptr(), down.quant, y_p + off * hidden * el, n, hidden,
+               inter, nt);
+  }
+
+  torch::Tensor shared, gate;
+  if (s.shared_intermediate > 0) {
+    const int64_t si = s.shared_intermediate;
+    auto sgu = empty({tokens, 2 * si});
+    auto sact = empty({tokens, si});
+    shared = empty({tokens, hidden});
+    gate = empty({tokens, 1});
+    char* sgu_p = static_cast<char*>(sgu.data_ptr());
+    tf::matmul(code, x_p, shared_gate_up_.packed.data_ptr(), shared_gate_up_.quant, sgu_p, tokens, 2 * si, hidden, nt);
+    tf::silu_and_mul(code, sgu_p, sgu_p + si * el, 2 * si, sact.data_ptr(), tokens, si, nt);
+    tf::matmul(code, sact.data_ptr(), shared_down_.packed.data_ptr(), shared_down_.quant, shared.data_ptr(), tokens,
+               hidden, si, nt);
+    tf::matmul(code, x_p, shared_gate_.packed.data_ptr(), shared_gate_.quant, gate.data_ptr(), tokens, 1, hidden, nt);
+  }
+  tf::moe_combine(code, y_p, y_rows.data_ptr<int64_t>(), c, weights.data_ptr<float>(), tokens, k,
+                  gate.defined() ? gate.data_ptr() : nullptr, shared.defined() ? shared.data_ptr() : nullptr,
+                  out.data_ptr(), hidden, nt);
+  return out;
 }

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 // A layer's shapes and constants, fixed at load.
 struct LayerShape {
@@ -92,4 +93,33 @@ class __attribute__((visibility("hidden"))) DeltaNetLayer {
   int code_, gated_norm_code_;  // the layer's dtype (post_norm's), the gated norm weight's
   LayerGemm in_proj_, out_proj_, gate_up_, down_;
   torch::Tensor post_norm_, gated_norm_, conv_taps_, rate_, dt_bias_;  // conv_taps_: [K, C], once at load
+};
+
+// A mixture-of-experts feed-forward's shapes (models/moe.py: MoESpec).
+struct MoEShape {
+  int64_t hidden, experts, top_k, intermediate, shared_intermediate;  // shared_intermediate 0: no shared expert
+  bool normalize;                                                     // norm_topk_prob
+};
+
+// Qwen3.6 / Qwen3-Next's MoE feed-forward in one call (models/moe.MoE.forward, the same bits):
+// router GEMM, route, tokens grouped by expert through each chosen expert's SwiGLU GEMMs, the
+// sigmoid-gated shared expert, and the sum in ascending expert order. Every GEMM weight is packed,
+// dense ones in one dtype (x's), quantized ones in any of the quantized kinds.
+class __attribute__((visibility("hidden"))) MoEBlock {
+ public:
+  MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
+           const std::vector<torch::Tensor>& downs, const c10::optional<torch::Tensor>& shared_gate_up,
+           const c10::optional<torch::Tensor>& shared_down, const c10::optional<torch::Tensor>& shared_gate,
+           const MoEShape& shape);
+
+  // x [tokens, hidden] -> [tokens, hidden], x's dtype.
+  torch::Tensor forward(const torch::Tensor& x) const;
+
+  const MoEShape& shape() const { return shape_; }
+
+ private:
+  MoEShape shape_;
+  int code_;  // the dense weights' dtype code, -1 when every weight is quantized
+  LayerGemm router_, shared_gate_up_, shared_down_, shared_gate_;
+  std::vector<LayerGemm> gate_ups_, downs_;
 };

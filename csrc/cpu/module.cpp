@@ -215,6 +215,23 @@ torch::Tensor gate_and_mul(const torch::Tensor& gate, const torch::Tensor& up, c
   return out;
 }
 
+// kernels/moe.route: (chosen [rows, top_k] int64, weights [rows, top_k] float32).
+std::tuple<torch::Tensor, torch::Tensor> moe_route(const torch::Tensor& logits, int64_t top_k, bool normalize) {
+  check_cpu(logits, "moe_route: logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32,
+              "moe_route: float32 logits [rows, experts] expected, got ", logits.scalar_type(), " ", logits.sizes());
+  const int64_t rows = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(experts <= (1 << 13) && 1 <= top_k && top_k <= experts, "moe_route: top ", top_k, " of ", experts,
+              " experts (at most 8192)");
+  auto l = logits.contiguous();
+  auto chosen = torch::empty({rows, top_k}, l.options().dtype(torch::kInt64));
+  auto weights = torch::empty({rows, top_k}, l.options());
+  if (rows > 0)
+    tf::moe_route(l.data_ptr<float>(), rows, experts, top_k, normalize, chosen.data_ptr<int64_t>(),
+                  weights.data_ptr<float>(), threads());
+  return {chosen, weights};
+}
+
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& slots, const c10::optional<torch::Tensor>& v_exp) {
   check_cpu(k_cache, "write_kv: k_cache");
@@ -507,6 +524,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("temps"), py::arg("keys"), py::arg("min_q"), py::arg("offset"));
   m.def("gumbel", &gumbel, "keyed.gumbel: noise of (row key [R, 1], token ids [R|1, N])", py::arg("keys"),
         py::arg("ids"));
+  m.def("moe_route", &moe_route, "kernels/moe.route: the top k experts of each row and their weights",
+        py::arg("logits"), py::arg("top_k"), py::arg("normalize"));
+  py::class_<MoEBlock>(m, "MoEBlock",
+                       "a mixture-of-experts feed-forward (router, routed SwiGLU experts, gated shared expert) "
+                       "in one call, built once at load from its packed weights, checked then")
+      .def(py::init([](const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
+                       const std::vector<torch::Tensor>& downs, const Out& shared_gate_up, const Out& shared_down,
+                       const Out& shared_gate, int64_t hidden, int64_t top_k, int64_t intermediate,
+                       int64_t shared_intermediate, bool normalize) {
+             return MoEBlock(router, gate_ups, downs, shared_gate_up, shared_down, shared_gate,
+                             {hidden, static_cast<int64_t>(gate_ups.size()), top_k, intermediate, shared_intermediate,
+                              normalize});
+           }),
+           py::arg("router"), py::arg("gate_ups"), py::arg("downs"), py::arg("shared_gate_up") = py::none(),
+           py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none(), py::kw_only(), py::arg("hidden"),
+           py::arg("top_k"), py::arg("intermediate"), py::arg("shared_intermediate") = 0, py::arg("normalize") = true)
+      .def("forward", &MoEBlock::forward, "x [tokens, hidden] -> the block's output, x's dtype", py::arg("x"))
+      .def_property_readonly("num_experts", [](const MoEBlock& b) { return b.shape().experts; })
+      .def_property_readonly("top_k", [](const MoEBlock& b) { return b.shape().top_k; });
   py::class_<DecoderLayer>(m, "DecoderLayer",
                            "one llama/qwen3 decoder layer, built once at load from its packed weights "
                            "(pack_weight or pack_quant), norms and shapes, checked then")

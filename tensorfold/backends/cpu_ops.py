@@ -64,3 +64,8 @@ def linear(x, weight, bias=None):
 def fuse(layer):
     """No fused layers here: every layer runs its blocks' composition (models/blocks.py)."""
     return None
+
+
+def fuse_moe(moe):
+    """No fused MoE blocks here: an MoE runs its composition (models/moe.MoE.compose)."""
+    return None

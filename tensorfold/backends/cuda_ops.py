@@ -98,3 +98,8 @@ def paged_decode_attention(q, k_cache, v_cache, positions, block_tables, scale, 
 def fuse(layer):
     """No fused layers here: every layer runs its blocks' composition (models/blocks.py)."""
     return None
+
+
+def fuse_moe(moe):
+    """No fused MoE blocks here: an MoE runs its composition (models/moe.MoE.compose)."""
+    return None

@@ -14,7 +14,6 @@ import torch
 from tensorfold import _cpu
 from tensorfold.backends.huge_pages import arena
 from tensorfold.backends.linear_weight import LinearWeight
-from tensorfold.kernels.moe import route  # noqa: F401
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention
@@ -51,6 +50,11 @@ def delta_net(qkv, a, b, state, batch, params):
     state_in, state_out = batch.state_slots(state.block_size)
     return _cpu.delta_net(qkv, a, b, state.conv, state.ssm, state_in, state_out, batch.row_starts_tensor,
                           p.conv_weight, p.rate, p.dt_bias, p.num_key_heads, p.num_heads, p.key_dim, p.value_dim)
+
+
+def route(logits, top_k, normalize):
+    """kernels/moe.route's choice and weights (C++)."""
+    return _cpu.moe_route(logits, top_k, normalize)
 
 
 # the keyed draw with the C++ steps (draw_rows, sample_keys, top_keys, gumbel): sampler.sample's bits
@@ -168,3 +172,22 @@ def _fuse_delta_net(layer):
         return native.forward(x, residual, next_norm, state.conv, state.ssm, state_in, state_out,
                               batch.row_starts_tensor)
     return run
+
+
+def fuse_moe(moe):
+    """An MoE block (models/moe.py) as one _cpu.MoEBlock call: the router, the route, the chosen
+    experts over their tokens and the gated shared expert, MoE.compose's kernels in its order; None
+    where a weight is not one packed part without a bias."""
+    weights = [moe.router, *(w for e in moe.experts for w in (e.gate_up, e.down))]
+    if moe.shared is not None:
+        weights += [moe.shared.gate_up, moe.shared.down, moe.shared_gate]
+    if not _single_parts(weights):
+        return None
+    s, shared = moe.spec, moe.shared
+    native = _cpu.MoEBlock(
+        moe.router.single.data, [e.gate_up.single.data for e in moe.experts],
+        [e.down.single.data for e in moe.experts],
+        *((shared.gate_up.single.data, shared.down.single.data, moe.shared_gate.single.data) if shared else ()),
+        hidden=moe.router.single.k, top_k=s.top_k, intermediate=s.intermediate_size,
+        shared_intermediate=s.shared_intermediate_size if shared else 0, normalize=s.norm_topk_prob)
+    return native.forward

@@ -8,6 +8,9 @@ expert (Qwen3.6, Qwen3-Next).
              times their weights, added in ascending expert index (float32)
     shared   sigmoid(shared_gate(x)) * shared_expert(x), added last
 
+A backend may run the block as one call (`ops.fuse_moe`: the cpu backend's _cpu.MoEBlock), the
+same steps in the same order; `compose` is the block op by op.
+
 Batch invariant by construction: the router's logits come from the row-invariant GEMM, the
 choice and the weights from that row alone (exp is exact.float32's, the sums fixed in order or
 exact on the grid), an expert's GEMM gives each row the bits it gives it alone, whatever other
@@ -56,6 +59,8 @@ class MoE:
                                  spec.shared_intermediate_size, w.ops)
             self.shared_gate = mlp.linear("shared_expert_gate.weight")
         self.cache_spec = None
+        self._fused = w.ops.fuse_moe(self)  # the whole block as one native call, or None
+
 
     def gemms(self) -> dict:
         named = {"router": self.router}
@@ -67,6 +72,12 @@ class MoE:
         return named
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused(x)
+        return self.compose(x)
+
+    def compose(self, x: torch.Tensor) -> torch.Tensor:
+        """The block op by op (what a backend's fuse_moe must equal bitwise)."""
         chosen, weights = self.ops.route(self.router(x).float(), self.spec.top_k, self.spec.norm_topk_prob)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(chosen).tolist():  # ascending: each row's terms in expert order

@@ -1,0 +1,117 @@
+"""The cpu backend's MoE kernels (csrc/cpu/moe.cpp, layer.cpp's MoEBlock) against their torch
+references, bitwise:
+- _cpu.moe_route == kernels/moe.route on logits built to tie (small integers, -0.0 against +0.0,
+  -inf, a row of one value, NaN), both normalizations, up to 256 experts of which 8 are chosen;
+- _cpu.MoEBlock (the whole block in one call) == models/moe.MoE.compose on the torch reference op
+  set (cpu_ops with the fixed-order dense GEMM) and on the native op set op by op, in float32 and bfloat16, dense and quantized
+  experts (and both in one block), with and without a shared expert; each row alone gives the bits
+  it gives in the batch (experts chosen by other rows or by none change nothing).
+"""
+import pytest
+import torch
+
+from test_native_backend import reference_ops
+from tensorfold.backends import backend_ops
+from tensorfold.kernels import moe as moe_ref
+from tensorfold.models.moe import MoE, MoESpec
+from tensorfold.models.quantize import quantize
+from tensorfold.models.weights import WeightReader
+
+native = backend_ops("cpu")
+pytestmark = pytest.mark.skipif(not native.NAME.startswith("native-"), reason="the compiled op set is not built")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["topk_norm", "softmax_norm"])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (5, 1), (256, 8), (7, 7)])
+def test_route_equals_reference(experts, top_k, normalize):
+    gen = torch.Generator().manual_seed(experts * 10 + top_k)
+    rows = 70
+    logits = torch.randn(rows, experts, generator=gen) * 2.0
+    logits[1:6] = torch.randint(-2, 3, (5, experts), generator=gen).float()
+    logits[6] = 0.0
+    logits[6, ::2] = -0.0
+    logits[7, ::3] = float("-inf")
+    logits[8] = 1.25
+    logits[9, experts // 2] = float("nan")
+    logits[10, ::2] = float("nan")
+    want = moe_ref.route(logits, top_k, normalize)
+    got = native.route(logits, top_k, normalize)
+    assert torch.equal(got[0], want[0]), "the chosen experts differ"
+    ok = slice(0, 9)  # rows without NaN; the NaN rows' choice is checked above, their weights are NaN alike
+    assert _same_bits(got[1][ok], want[1][ok]), "the weights differ"
+    assert torch.equal(got[1][9:11].isnan(), want[1][9:11].isnan())
+    assert _same_bits(got[1][11:], want[1][11:])
+
+
+def _block_tensors(spec: MoESpec, hidden: int, formats: list[str], gen: torch.Generator) -> dict:
+    """An MoE block's checkpoint tensors under "mlp.": expert e's matrices in formats[e % len],
+    the router in the first format, the shared expert in the last ("dense", "q4_0", "q8_0")."""
+    matrices = [("gate.weight", (spec.num_experts, hidden), formats[0])]
+    for e in range(spec.num_experts):
+        fmt = formats[e % len(formats)]
+        matrices += [(f"experts.{e}.gate_proj.weight", (spec.intermediate_size, hidden), fmt),
+                     (f"experts.{e}.up_proj.weight", (spec.intermediate_size, hidden), fmt),
+                     (f"experts.{e}.down_proj.weight", (hidden, spec.intermediate_size), fmt)]
+    si = spec.shared_intermediate_size
+    if si:
+        matrices += [(f"shared_expert.{p}_proj.weight", (si, hidden), formats[-1]) for p in ("gate", "up")]
+        matrices += [("shared_expert.down_proj.weight", (hidden, si), formats[-1]),
+                     ("shared_expert_gate.weight", (1, hidden), formats[-1])]
+    tensors = {}
+    for name, shape, fmt in matrices:
+        w = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+        if name == "gate.weight":
+            w = w * 4.0  # routes with clear winners, and some experts chosen by no row
+        tensors["mlp." + name] = w if fmt == "dense" else quantize(w, fmt)
+    return tensors
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no_shared"])
+@pytest.mark.parametrize("dtype,formats", [
+    (torch.float32, ["dense"]), (torch.bfloat16, ["dense"]), (torch.float32, ["q4_0"]),
+    (torch.bfloat16, ["q8_0"]), (torch.float32, ["q4_0", "dense", "q8_0"])], ids=["f32", "bf16", "q4_0", "bf16-q8_0",
+                                                                                "mixed"])
+def test_moe_block_equals_its_composition(dtype, formats, shared):
+    gen = torch.Generator().manual_seed(len(formats) * 7 + shared)
+    oracle = reference_ops()  # cpu_ops with the fixed-order reference GEMM for dense weights
+    hidden = 64
+    for normalize in (True, False):
+        spec = MoESpec(num_experts=16, top_k=4, intermediate_size=32, shared_intermediate_size=96 if shared else 0,
+                       norm_topk_prob=normalize)
+        tensors = _block_tensors(spec, hidden, formats, gen)
+        fused = MoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), native), None)
+        reference = MoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), oracle), None)
+        assert fused._fused is not None and reference._fused is None
+        for rows in (1, 3, 37):
+            x = torch.randn(rows, hidden, generator=gen).to(dtype)
+            got = fused.forward(x)
+            assert got.dtype == dtype and got.shape == x.shape
+            assert torch.equal(got, reference.forward(x)), f"{rows} rows: the fused block != the torch reference"
+            assert torch.equal(got, fused.compose(x)), f"{rows} rows: the fused block != the native op by op"
+            alone = torch.cat([fused.forward(x[i:i + 1]) for i in range(rows)])
+            assert torch.equal(got, alone), f"{rows} rows: a row alone differs from the batch"
+        assert fused.forward(x[:0]).shape == (0, hidden)
+
+
+def test_moe_block_refuses_misshapen_weights():
+    from tensorfold import _cpu
+    spec = MoESpec(num_experts=4, top_k=2, intermediate_size=32, shared_intermediate_size=0)
+    gen = torch.Generator().manual_seed(0)
+    block = MoE(spec, WeightReader(_block_tensors(spec, 64, ["q4_0"], gen), torch.float32, torch.device("cpu"),
+                                   native), None)
+    router = block.router.single.data
+    gate_ups = [e.gate_up.single.data for e in block.experts]
+    downs = [e.down.single.data for e in block.experts]
+    with pytest.raises(RuntimeError, match="one gate_up and one down per expert"):
+        _cpu.MoEBlock(router, gate_ups, downs[:3], hidden=64, top_k=2, intermediate=32)
+    with pytest.raises(RuntimeError, match="gate_up is not a packed quantized weight"):
+        _cpu.MoEBlock(router, downs, gate_ups, hidden=64, top_k=2, intermediate=32)
+    with pytest.raises(RuntimeError, match="top_k <= experts"):
+        _cpu.MoEBlock(router, gate_ups, downs, hidden=64, top_k=5, intermediate=32)
+    ok = _cpu.MoEBlock(router, gate_ups, downs, hidden=64, top_k=2, intermediate=32)
+    with pytest.raises(RuntimeError, match=r"contiguous x \[tokens, 64\]"):
+        ok.forward(torch.zeros(3, 65))
