@@ -98,3 +98,13 @@ def test_bench_hybrid_runs(tmp_path):
                    "--repeats", "1", "--block-size", "32", "--cache-gib", "0.05", "--long", "64",
                    "--cache-dir", str(tmp_path))
     assert "DeltaNet layers' share of a round" in out and "round @64 / @100" in out
+
+
+def test_bench_hybrid_runs_a_gguf_written_by_layer(tmp_path):
+    """The moe shape's path (a GGUF written a layer at a time, served as stored by both engines) at
+    tiny sizes."""
+    out = run_tool("tools/bench_hybrid.py", "--shape", "tiny-gguf", "--quant", "q8_0", "--tokens", "4",
+                   "--prefill-tokens", "16", "--repeats", "1", "--block-size", "32", "--cache-gib", "0.05",
+                   "--cache-dir", str(tmp_path))
+    assert "tiny-gguf-4" in out and "DeltaNet layers' share of a round" in out, out
+    assert os.path.exists(tmp_path / "tiny-gguf-4" / "model-q8_0.gguf")

@@ -11,9 +11,10 @@ Random weights at the smallest real shapes, SmolLM2's tokenizer (49,152 tokens) 
 - moe: Qwen3.6-35B-A3B's layer shapes (hidden 2048, 256 experts of 512, top 8, a shared expert of
   512, DeltaNet 16 key / 32 value heads of 128, attention 16 heads / 2 KV of 256), cut to --layers
   layers (every fourth full attention) so that it fits this machine.
-TensorFold quantizes the matrices at load (--quant), llama.cpp runs a GGUF of the same weights in
-the same block type (tools/tiny_checkpoint.write_tiny_gguf; the column is skipped with a message
-when llama-cpp-python or the writer is missing). Best of --repeats, the engines alternating.
+dense: TensorFold quantizes the matrices at load (--quant), llama.cpp runs a GGUF of the same
+weights in the same block type (tools/tiny_checkpoint.write_tiny_gguf); moe: both serve one GGUF
+written a layer at a time (tiny_checkpoint.write_hybrid_gguf_by_layer), TensorFold its blocks as
+stored. The peer's column is skipped with a message when llama-cpp-python is missing. Best of --repeats, the engines alternating.
 Columns: one-stream decode after a 16-token prompt (drafting off), a 512-token prefill, 4 streams'
 aggregate decode, the DeltaNet layers' share of a decode round (their time, mixer and MLP, over
 the round), and with --long N the decode round at N tokens of context over the round at 100.
@@ -39,26 +40,37 @@ SHAPES = {
                                 linear_value_head_dim=128, intermediate_size=512, num_experts=256,
                                 num_experts_per_tok=8, moe_intermediate_size=512,
                                 shared_expert_intermediate_size=512)),
-    "tiny": ("qwen3_5_moe", {}),  # tools/tiny_checkpoint.py's sizes: the tool's own test
+    "tiny": ("qwen3_5_moe", {}),  # tools/tiny_checkpoint.py's sizes: the tool's own tests
+    "tiny-gguf": ("qwen3_5_moe", dict(linear_key_head_dim=32, linear_value_head_dim=32)),  # written by layer
 }
+REAL = ("dense", "moe")  # the shapes of real checkpoints (the others: the tool's tests)
+BY_LAYER = ("moe", "tiny-gguf")  # written straight to a GGUF a layer at a time
 ROPE = dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
             mrope_interleaved=True)
+REAL_SIZES = dict(max_position_embeddings=8192, initializer_range=0.02, rope_parameters=ROPE)
 
 
-def checkpoint(shape: str, layers: int | None, cache_dir: str) -> str:
-    """The random real-shape checkpoint (made once): an HF directory."""
-    from tools.tiny_checkpoint import make_tiny_checkpoint, smollm2_tokenizer
+def checkpoint(shape: str, layers: int | None, cache_dir: str, quant: str) -> tuple[str, str | None]:
+    """(what TensorFold serves, the peer's GGUF or None: made from it on demand), made once.
+    dense: an HF directory (quantized at load), moe: a GGUF written a layer at a time (its experts
+    would not fit this machine twice), served as stored by both engines."""
+    from tools.tiny_checkpoint import make_tiny_checkpoint, smollm2_tokenizer, write_hybrid_gguf_by_layer
 
     arch, sizes = SHAPES[shape]
-    if sizes:
-        sizes = dict(sizes, max_position_embeddings=8192, initializer_range=0.02, rope_parameters=ROPE)
+    sizes = dict(sizes, **REAL_SIZES) if shape in REAL else dict(sizes)
     if layers:
         sizes["num_hidden_layers"] = layers
     out = os.path.join(cache_dir, f"{shape}-{sizes.get('num_hidden_layers', 4)}")
+    if shape in BY_LAYER:
+        gguf = os.path.join(out, f"model-{quant}.gguf")
+        if not os.path.exists(gguf):
+            print(f"making {gguf} (random weights, once, a layer at a time)", file=sys.stderr)
+            write_hybrid_gguf_by_layer(out, arch, quant, tokenizer=smollm2_tokenizer(), **sizes)
+        return gguf, gguf
     if not os.path.exists(os.path.join(out, "config.json")):
         print(f"making {out} (random weights, once)", file=sys.stderr)
         make_tiny_checkpoint(out, arch, tokenizer=smollm2_tokenizer(), **sizes)
-    return out
+    return out, None
 
 
 def prompt_ids(n: int, offset: int = 0) -> list[int]:
@@ -96,7 +108,7 @@ def tensorfold_bench(path: str, args):
 
     torch.set_num_threads(args.threads)
     context = max(1024, args.long + args.tokens + 16)
-    engine = Engine(path, EngineConfig(quantize=args.quant, num_threads=args.threads, prompt_cache_gib=0,
+    engine = Engine(path, EngineConfig(quantize=None if path.endswith(".gguf") else args.quant, num_threads=args.threads, prompt_cache_gib=0,
                                        context=context, kv_cache_gib=args.cache_gib, block_size=args.block_size,
                                        max_tokens_per_step=512))
     out = {"exact": engine.exact, "ops": engine.info.ops}
@@ -129,13 +141,13 @@ def tensorfold_bench(path: str, args):
     return out, once
 
 
-def llama_cpp_bench(path: str, args):
+def llama_cpp_bench(path: str, gguf: str | None, args):
     if not peer_llama_cpp.available():
         print(peer_llama_cpp.SKIP_MESSAGE)
         return None
     from tools.tiny_checkpoint import write_tiny_gguf
 
-    gguf = os.path.join(path, f"peer-{args.quant}.gguf")
+    gguf = gguf or os.path.join(path, f"peer-{args.quant}.gguf")
     if not os.path.exists(gguf):
         try:
             write_tiny_gguf(path, args.quant, gguf)
@@ -177,15 +189,15 @@ def main(argv=None) -> None:
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/tensorfold-bench"))
     args = p.parse_args(argv)
     layers = args.layers or (4 if args.shape == "moe" else None)
-    path = checkpoint(args.shape, layers, args.cache_dir)
+    path, peer_gguf = checkpoint(args.shape, layers, args.cache_dir, args.quant)
     print(machine_line())
     ours, ours_once = tensorfold_bench(path, args)
-    peer_bench = llama_cpp_bench(path, args)
+    peer_bench = llama_cpp_bench(path, peer_gguf, args)
     peer, peer_once = peer_bench if peer_bench else ({}, lambda: None)
     for _ in range(args.repeats):
         ours_once()
         peer_once()
-    row = [f"{args.shape} ({os.path.basename(path)})", args.quant, ours["ops"], ours["exact"],
+    row = [f"{args.shape} ({os.path.basename(os.path.dirname(path) if peer_gguf else path)})", args.quant, ours["ops"], ours["exact"],
            fmt(ours["decode"], 1), fmt(peer.get("decode"), 1), ratio(ours["decode"], peer.get("decode")),
            fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
            fmt(ours["four"], 1), fmt(peer.get("four"), 1), ratio(ours["four"], peer.get("four")),

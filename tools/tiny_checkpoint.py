@@ -520,22 +520,32 @@ def _write_hybrid_gguf(hf_dir: str, config: dict, mix: str, out_path: str | None
     keeps them, every other matrix in the mix's blocks (a K-quant's fallback where a row length is
     no multiple of 256: q8_0). The tokenizer is the default model's with the directory's added
     tokens (family tokens) appended, the template the directory's."""
-    import gguf
     from safetensors.torch import load_file
+
+    writer, args = _hybrid_gguf_writer(hf_dir, config, out_path or os.path.join(hf_dir, f"tiny-{mix}.gguf"))
+    _add_hybrid_tensors(writer, _hybrid_gguf_tensors(_text_tensors(load_file(os.path.join(hf_dir, "model.safetensors"))),
+                                                     args), mix)
+    return _finish_gguf(writer)
+
+
+def _text_tensors(tensors: dict) -> dict:
+    """A hybrid's text-model tensors under model. (the vision tower and MTP head left out: not part of
+    the text model's GGUF)."""
+    return {name.replace("model.language_model.", "model.", 1): t for name, t in tensors.items()
+            if not name.startswith(("model.visual.", "mtp."))}
+
+
+def _hybrid_gguf_writer(hf_dir: str, config: dict, out_path: str):
+    """(a GGUFWriter with the hybrid's metadata and tokenizer, its ModelArgs)."""
+    import gguf
     from tokenizers import Tokenizer
 
     from tensorfold.models.config import ModelArgs
-    from tensorfold.models.quantize import QTYPES, gguf_blocks
 
     args = ModelArgs.from_hf(config)
     hf, arch = args.hf, GGUF_ARCHS[config["model_type"]]
     if args.rope.rope_type != "default":
         raise ValueError(f"rope type {args.rope.rope_type!r}: only the default rope is written")
-    tensors = {}
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        if name.startswith(("model.visual.", "mtp.")):
-            continue  # the vision tower and MTP head: not part of the text model's GGUF
-        tensors[name.replace("model.language_model.", "model.", 1)] = t
     nk, nv, dk, dv = (hf["linear_num_key_heads"], hf["linear_num_value_heads"], hf["linear_key_head_dim"],
                       hf["linear_value_head_dim"])
     if arch != "qwen3next" and nk != nv and dv % 32:
@@ -549,7 +559,6 @@ def _write_hybrid_gguf(hf_dir: str, config: dict, mix: str, out_path: str | None
     if None in extra:
         raise ValueError(f"vocab_size {args.vocab_size}: ids past the default model's {len(tokens)} are not all "
                          "added tokens of the directory's tokenizer")
-    out_path = out_path or os.path.join(hf_dir, f"tiny-{mix}.gguf")
     writer = gguf.GGUFWriter(out_path, arch)
     writer.add_block_count(args.num_layers)
     writer.add_context_length(args.max_position)
@@ -589,9 +598,15 @@ def _write_hybrid_gguf(hf_dir: str, config: dict, mix: str, out_path: str | None
             with open(os.path.join(hf_dir, "chat_template.jinja"), encoding="utf-8") as f:
                 value = f.read()
         writer.add_key_value(key, value, value_type, sub_type)
+    return writer, args
+
+
+def _add_hybrid_tensors(writer, tensors: dict, mix: str) -> None:
+    """GGUF-named float tensors (_hybrid_gguf_tensors') to the writer, each matrix in the mix's blocks."""
+    from tensorfold.models.quantize import QTYPES, gguf_blocks
 
     default, special = GGUF_MIXES[mix]
-    for name, t in _hybrid_gguf_tensors(tensors, args).items():
+    for name, t in tensors.items():
         part = name.split(".")[-2]  # token_embd, attn_q, ffn_down_exps, ...
         if t.dim() == 1 or part in FLOAT_TENSORS or part.endswith("_norm"):
             writer.add_tensor(name, t.contiguous().numpy())
@@ -601,11 +616,47 @@ def _write_hybrid_gguf(hf_dir: str, config: dict, mix: str, out_path: str | None
             kind = "q8_0"  # llama.cpp falls back to a 32-weight type (Q5_0, Q5_1, Q8_0); served here: q8_0
         blocks = gguf_blocks(t.reshape(-1, t.shape[-1]), kind)
         writer.add_tensor(name, blocks.reshape(*t.shape[:-1], -1).numpy(), raw_dtype=QTYPES[kind])
+
+
+def _finish_gguf(writer) -> str:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out_path
+    return str(writer.path)
+
+
+def write_hybrid_gguf_by_layer(out_dir: str, arch: str, mix: str, tokenizer=None, seed: int = 0, **sizes) -> str:
+    """A random hybrid too large to hold twice (a real MoE's 256 experts), written straight to
+    out_dir/model-{mix}.gguf a layer at a time: each layer is a one-layer transformers model of the
+    config (the layer's own kind, seed + layer), converted and quantized, then dropped; peak memory
+    is one layer in float32. out_dir also gets the config and tokenizer (no safetensors)."""
+    import json
+
+    import torch
+
+    tokenizer = family_tokenizer(arch, tokenizer, False)
+    full = _hybrid_config(arch, dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                     eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True), sizes)
+    full.save_pretrained(out_dir)
+    _hub_config(arch, out_dir)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    writer, args = _hybrid_gguf_writer(out_dir, config, os.path.join(out_dir, f"model-{mix}.gguf"))
+    layer_types = (full.text_config if hasattr(full, "text_config") else full).layer_types
+    for i, kind in enumerate(layer_types):
+        model = build_tiny_model(arch, seed + i, tokenizer, **dict(sizes, num_hidden_layers=1, layer_types=[kind]))
+        tensors = {}
+        for name, t in _text_tensors(model.state_dict()).items():
+            if name.startswith("model.layers.0."):
+                tensors[name.replace("model.layers.0.", f"model.layers.{i}.", 1)] = t
+            elif i == 0 and not (name == "lm_head.weight" and full.tie_word_embeddings):
+                tensors[name] = t  # the embedding and the final norm, once
+        del model
+        _add_hybrid_tensors(writer, _hybrid_gguf_tensors(tensors, args), mix)
+        del tensors
+    return _finish_gguf(writer)
 
 
 def main(argv: list[str] | None = None) -> str:
