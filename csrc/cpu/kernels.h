@@ -30,6 +30,15 @@ bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64
 void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float* out, int64_t N, int64_t K);
 void quant_linear(int dtype, const void* x, const uint8_t* packed, void* out, int64_t M, int64_t N, int64_t K,
                   int threads);
+// Several quantized GEMMs in one parallel region (out_j = x_j @ w_j^T, each as quant_linear
+// computes it): what a token's experts run as, one fork for all of them.
+struct QuantJob {
+  const void* x;
+  const uint8_t* packed;
+  void* out;
+  int64_t M, N, K;
+};
+void quant_linears(int dtype, const QuantJob* jobs, int64_t count, int threads);
 
 // One GEMM of either kind: `w` a dense packed weight (pack_weight) when `quant` is false, else a
 // packed quantized one.

@@ -46,30 +46,55 @@ void check_norm(const torch::Tensor& w, int64_t size, torch::ScalarType dtype, c
               dtype, "), got ", w.scalar_type(), " ", w.sizes());
 }
 
+// A layer's feed-forward, checked: gate_up and down of a SwiGLU MLP, or an MoEBlock.
+LayerFFN layer_ffn(const c10::optional<torch::Tensor>& gate_up, const c10::optional<torch::Tensor>& down,
+                   int64_t intermediate, int64_t hidden, int code, torch::ScalarType dtype, const char* owner,
+                   std::shared_ptr<const MoEBlock> moe) {
+  LayerFFN ffn;
+  if (moe) {
+    TORCH_CHECK(!gate_up && !down, owner, ": an MoE feed-forward or gate_up and down, not both");
+    TORCH_CHECK(moe->shape().hidden == hidden && (moe->dense_code() < 0 || moe->dense_code() == code), owner,
+                ": the MoE block's hidden size or dense dtype is not the layer's");
+    ffn.moe = std::move(moe);
+    return ffn;
+  }
+  TORCH_CHECK(gate_up && down && intermediate > 0, owner,
+              ": gate_up and down with intermediate > 0 expected (or an MoE feed-forward)");
+  ffn.gate_up = gemm_weight(*gate_up, 2 * intermediate, hidden, code, dtype, owner, "gate_up");
+  ffn.down = gemm_weight(*down, hidden, intermediate, code, dtype, owner, "down");
+  ffn.intermediate = intermediate;
+  return ffn;
+}
+
 // A layer's second half (DecoderLayer.forward after the mixer): x2, h = add_rms_norm(mixed,
-// residual, post_norm); mlp = silu_and_mul(x2 @ gate_up^T) @ down^T; then add_rms_norm(mlp, h,
-// next_norm), or h + mlp after the last layer.
+// residual, post_norm); out = silu_and_mul(x2 @ gate_up^T) @ down^T, or the MoE block's forward;
+// then add_rms_norm(out, h, next_norm), or h + out after the last layer.
 std::tuple<torch::Tensor, torch::Tensor> ffn_and_next_norm(int code, const torch::Tensor& mixed,
                                                            const torch::Tensor& residual, const torch::Tensor& post_norm,
-                                                           const LayerGemm& gate_up_w, const LayerGemm& down_w,
-                                                           const c10::optional<torch::Tensor>& next_norm,
-                                                           int64_t intermediate, double eps, int nt) {
-  const int64_t tokens = mixed.size(0), hidden = mixed.size(1);
+                                                           const LayerFFN& ffn,
+                                                           const c10::optional<torch::Tensor>& next_norm, double eps,
+                                                           int nt) {
+  const int64_t tokens = mixed.size(0), hidden = mixed.size(1), intermediate = ffn.intermediate;
   auto empty = [&](std::initializer_list<int64_t> shape) { return torch::empty(shape, mixed.options()); };
   auto x2 = empty({tokens, hidden});
   auto h = empty({tokens, hidden});
-  auto gate_up = empty({tokens, 2 * intermediate});
-  auto act = empty({tokens, intermediate});
-  auto mlp = empty({tokens, hidden});
   tf::rms_norm(code, mixed.data_ptr(), hidden, residual.data_ptr(), hidden, h.data_ptr(), post_norm.data_ptr(),
                x2.data_ptr(), tokens, hidden, eps, nt);
-  tf::matmul(code, x2.data_ptr(), gate_up_w.packed.data_ptr(), gate_up_w.quant, gate_up.data_ptr(), tokens,
-             2 * intermediate, hidden, nt);
-  char* gu = static_cast<char*>(gate_up.data_ptr());
-  tf::silu_and_mul(code, gu, gu + intermediate * mixed.element_size(), 2 * intermediate, act.data_ptr(), tokens,
-                   intermediate, nt);
-  tf::matmul(code, act.data_ptr(), down_w.packed.data_ptr(), down_w.quant, mlp.data_ptr(), tokens, hidden,
-             intermediate, nt);
+  torch::Tensor mlp;
+  if (ffn.moe) {
+    mlp = ffn.moe->forward(x2);
+  } else {
+    auto gate_up = empty({tokens, 2 * intermediate});
+    auto act = empty({tokens, intermediate});
+    mlp = empty({tokens, hidden});
+    tf::matmul(code, x2.data_ptr(), ffn.gate_up.packed.data_ptr(), ffn.gate_up.quant, gate_up.data_ptr(), tokens,
+               2 * intermediate, hidden, nt);
+    char* gu = static_cast<char*>(gate_up.data_ptr());
+    tf::silu_and_mul(code, gu, gu + intermediate * mixed.element_size(), 2 * intermediate, act.data_ptr(), tokens,
+                     intermediate, nt);
+    tf::matmul(code, act.data_ptr(), ffn.down.packed.data_ptr(), ffn.down.quant, mlp.data_ptr(), tokens, hidden,
+               intermediate, nt);
+  }
   if (next_norm) {  // the residual add and the next layer's norm
     auto x_next = empty({tokens, hidden});
     auto h_next = empty({tokens, hidden});
@@ -95,15 +120,16 @@ void check_rows_in(const torch::Tensor& x, const torch::Tensor& residual, const 
 
 }  // namespace
 
-DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, const torch::Tensor& gate_up,
-                           const torch::Tensor& down, const torch::Tensor& post_norm,
-                           const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
-                           const LayerShape& shape)
+DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o,
+                           const c10::optional<torch::Tensor>& gate_up, const c10::optional<torch::Tensor>& down,
+                           const torch::Tensor& post_norm, const c10::optional<torch::Tensor>& q_norm,
+                           const c10::optional<torch::Tensor>& k_norm, const LayerShape& shape,
+                           std::shared_ptr<const MoEBlock> moe)
     : shape_(shape), code_(dtype_code(post_norm, "DecoderLayer: post_norm")), post_norm_(post_norm),
       q_norm_(q_norm), k_norm_(k_norm) {
   const auto& s = shape_;
-  TORCH_CHECK(s.num_heads > 0 && s.num_kv_heads > 0 && s.hidden > 0 && s.intermediate > 0 && s.window >= 0,
-              "DecoderLayer: positive num_heads, num_kv_heads, hidden, intermediate and a window >= 0 expected");
+  TORCH_CHECK(s.num_heads > 0 && s.num_kv_heads > 0 && s.hidden > 0 && s.window >= 0,
+              "DecoderLayer: positive num_heads, num_kv_heads, hidden and a window >= 0 expected");
   TORCH_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0 && s.head_dim <= 256 && s.num_heads % s.num_kv_heads == 0,
               "DecoderLayer: head_dim must be even and at most 256, num_heads a multiple of num_kv_heads");
   TORCH_CHECK(s.rope_dim > 0 && s.rope_dim % 2 == 0 && s.rope_dim <= s.head_dim,
@@ -113,8 +139,7 @@ DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, con
   const int64_t qkv_width = q_size * (s.output_gate ? 2 : 1) + 2 * s.num_kv_heads * s.head_dim;
   qkv_ = gemm_weight(qkv, qkv_width, s.hidden, code_, dtype, "DecoderLayer", "qkv");
   o_ = gemm_weight(o, s.hidden, q_size, code_, dtype, "DecoderLayer", "o_proj");
-  gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "DecoderLayer", "gate_up");
-  down_ = gemm_weight(down, s.hidden, s.intermediate, code_, dtype, "DecoderLayer", "down");
+  ffn_ = layer_ffn(gate_up, down, s.intermediate, s.hidden, code_, dtype, "DecoderLayer", std::move(moe));
   check_norm(post_norm, s.hidden, dtype, "post_norm");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderLayer: q_norm and k_norm come together (qwen3)");
   if (q_norm) {
@@ -126,7 +151,6 @@ DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, con
 std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch& b) const {
   const auto& s = shape_;
   const int64_t heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim, hidden = s.hidden;
-  const int64_t intermediate = s.intermediate;
   const double eps = s.eps;
   const auto& x = b.x;
   const int code = code_;
@@ -184,27 +208,27 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
     attn = gated;
   }
   tf::matmul(code, attn.data_ptr(), o_.packed.data_ptr(), o_.quant, o.data_ptr(), tokens, hidden, q_size, nt);
-  return ffn_and_next_norm(code, o, b.residual, post_norm_, gate_up_, down_, b.next_norm, intermediate, eps, nt);
+  return ffn_and_next_norm(code, o, b.residual, post_norm_, ffn_, b.next_norm, eps, nt);
 }
 
-DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& out_proj, const torch::Tensor& gate_up,
-                             const torch::Tensor& down, const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
+DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& out_proj,
+                             const c10::optional<torch::Tensor>& gate_up, const c10::optional<torch::Tensor>& down,
+                             const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
                              const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
-                             const DeltaNetShape& shape)
+                             const DeltaNetShape& shape, std::shared_ptr<const MoEBlock> moe)
     : shape_(shape), code_(dtype_code(post_norm, "DeltaNetLayer: post_norm")),
       gated_norm_code_(dtype_code(gated_norm, "DeltaNetLayer: the gated norm's weight")), post_norm_(post_norm),
       gated_norm_(gated_norm), rate_(rate), dt_bias_(dt_bias) {
   const auto& s = shape_;
   TORCH_CHECK(s.key_heads > 0 && s.heads > 0 && s.heads % s.key_heads == 0 && s.key_dim > 0 && s.key_dim <= 256 &&
-                  s.value_dim > 0 && s.hidden > 0 && s.intermediate > 0,
+                  s.value_dim > 0 && s.hidden > 0,
               "DeltaNetLayer: heads a multiple of key_heads, 0 < key_dim <= 256 (the grid dots' exact sums), positive "
-              "value_dim, hidden and intermediate expected");
+              "value_dim and hidden expected");
   const auto dtype = post_norm.scalar_type();
   const int64_t C = 2 * s.key_heads * s.key_dim + s.heads * s.value_dim, width = s.heads * s.value_dim;
   in_proj_ = gemm_weight(in_proj, C + width + 2 * s.heads, s.hidden, code_, dtype, "DeltaNetLayer", "in_proj");
   out_proj_ = gemm_weight(out_proj, s.hidden, width, code_, dtype, "DeltaNetLayer", "out_proj");
-  gate_up_ = gemm_weight(gate_up, 2 * s.intermediate, s.hidden, code_, dtype, "DeltaNetLayer", "gate_up");
-  down_ = gemm_weight(down, s.hidden, s.intermediate, code_, dtype, "DeltaNetLayer", "down");
+  ffn_ = layer_ffn(gate_up, down, s.intermediate, s.hidden, code_, dtype, "DeltaNetLayer", std::move(moe));
   check_norm(post_norm, s.hidden, dtype, "post_norm");
   TORCH_CHECK(gated_norm.device().is_cpu() && gated_norm.is_contiguous() && gated_norm.numel() == s.value_dim,
               "DeltaNetLayer: the gated norm's weight must be a contiguous CPU tensor of value_dim elements");
@@ -250,8 +274,32 @@ std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBa
   }
   tf::matmul(code, normed.data_ptr(), out_proj_.packed.data_ptr(), out_proj_.quant, mixed.data_ptr(), tokens, s.hidden,
              width, nt);
-  return ffn_and_next_norm(code, mixed, b.residual, post_norm_, gate_up_, down_, b.next_norm, s.intermediate, s.eps, nt);
+  return ffn_and_next_norm(code, mixed, b.residual, post_norm_, ffn_, b.next_norm, s.eps, nt);
 }
+
+namespace {
+
+// A GEMM of a batch: weight, input rows, output rows.
+struct GemmCall {
+  const LayerGemm* w;
+  const void* x;
+  void* out;
+  int64_t rows;
+};
+
+// The calls' GEMMs: the quantized ones in one parallel region (tf::quant_linears), dense ones each.
+void run_gemms(int code, const std::vector<GemmCall>& calls, int nt) {
+  std::vector<tf::QuantJob> quant;
+  for (const GemmCall& c : calls) {
+    if (c.w->quant)
+      quant.push_back({c.x, c.w->packed.data_ptr<uint8_t>(), c.out, c.rows, c.w->n, c.w->k});
+    else
+      tf::linear(code, c.x, c.w->packed.data_ptr(), c.out, c.rows, c.w->n, c.w->k, nt);
+  }
+  if (!quant.empty()) tf::quant_linears(code, quant.data(), static_cast<int64_t>(quant.size()), nt);
+}
+
+}  // namespace
 
 // MoEBlock::forward's steps (models/moe.MoE.forward):
 //   logits = float(x @ router^T); chosen, w = moe_route(logits, top_k);
@@ -260,6 +308,8 @@ std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBa
 //   gate_up_e^T) @ down_e^T (each expert's GEMM is row-invariant: its rows' bits do not depend on
 //   which other tokens chose it);
 //   shared = silu_and_mul(x @ shared_gate_up^T) @ shared_down^T, gate = x @ shared_gate^T;
+//   (every gate_up and the shared gate as one batch of GEMMs, every down as another: a decode
+//   round forks twice for its experts, not twice per expert);
 //   out = moe_combine(y, w, gate, shared): the terms added in ascending expert order.
 MoEBlock::MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
                    const std::vector<torch::Tensor>& downs, const c10::optional<torch::Tensor>& shared_gate_up,
@@ -339,33 +389,32 @@ torch::Tensor MoEBlock::forward(const torch::Tensor& x) const {
   auto gate_up = empty({pairs, 2 * inter});
   auto act = empty({pairs, inter});
   auto y = empty({pairs, hidden});
-  char *gu_p = static_cast<char*>(gate_up.data_ptr()), *act_p = static_cast<char*>(act.data_ptr()),
-       *y_p = static_cast<char*>(y.data_ptr());
+  char *gu_p = static_cast<char*>(gate_up.data_ptr()), *y_p = static_cast<char*>(y.data_ptr());
+  std::vector<GemmCall> ups, downs;
   for (int64_t e = 0; e < s.experts; ++e) {
     const int64_t off = start[e], n = start[e + 1] - off;
     if (n == 0) continue;
-    const LayerGemm &gu = gate_ups_[e], &down = downs_[e];
-    char* gu_e = gu_p + off * 2 * inter * el;
-    tf::matmul(code, xs_p + off * hidden * el, gu.packed.data_ptr(), gu.quant, gu_e, n, 2 * inter, hidden, nt);
-    tf::silu_and_mul(code, gu_e, gu_e + inter * el, 2 * inter, act_p + off * inter * el, n, inter, nt);
-    tf::matmul(code, act_p + off * inter * el, down.packed.data_ptr(), down.quant, y_p + off * hidden * el, n, hidden,
-               inter, nt);
+    ups.push_back({&gate_ups_[e], xs_p + off * hidden * el, gu_p + off * 2 * inter * el, n});
+    downs.push_back({&downs_[e], static_cast<char*>(act.data_ptr()) + off * inter * el, y_p + off * hidden * el, n});
   }
-
-  torch::Tensor shared, gate;
-  if (s.shared_intermediate > 0) {
-    const int64_t si = s.shared_intermediate;
-    auto sgu = empty({tokens, 2 * si});
-    auto sact = empty({tokens, si});
+  torch::Tensor shared, gate, shared_gate_up, shared_act;
+  const int64_t si = s.shared_intermediate;
+  if (si > 0) {
+    shared_gate_up = empty({tokens, 2 * si});
+    shared_act = empty({tokens, si});
     shared = empty({tokens, hidden});
     gate = empty({tokens, 1});
-    char* sgu_p = static_cast<char*>(sgu.data_ptr());
-    tf::matmul(code, x_p, shared_gate_up_.packed.data_ptr(), shared_gate_up_.quant, sgu_p, tokens, 2 * si, hidden, nt);
-    tf::silu_and_mul(code, sgu_p, sgu_p + si * el, 2 * si, sact.data_ptr(), tokens, si, nt);
-    tf::matmul(code, sact.data_ptr(), shared_down_.packed.data_ptr(), shared_down_.quant, shared.data_ptr(), tokens,
-               hidden, si, nt);
-    tf::matmul(code, x_p, shared_gate_.packed.data_ptr(), shared_gate_.quant, gate.data_ptr(), tokens, 1, hidden, nt);
+    ups.push_back({&shared_gate_up_, x_p, shared_gate_up.data_ptr(), tokens});
+    ups.push_back({&shared_gate_, x_p, gate.data_ptr(), tokens});
+    downs.push_back({&shared_down_, shared_act.data_ptr(), shared.data_ptr(), tokens});
   }
+  run_gemms(code, ups, nt);
+  tf::silu_and_mul(code, gu_p, gu_p + inter * el, 2 * inter, act.data_ptr(), pairs, inter, nt);
+  if (si > 0) {
+    char* sgu = static_cast<char*>(shared_gate_up.data_ptr());
+    tf::silu_and_mul(code, sgu, sgu + si * el, 2 * si, shared_act.data_ptr(), tokens, si, nt);
+  }
+  run_gemms(code, downs, nt);
   tf::moe_combine(code, y_p, y_rows.data_ptr<int64_t>(), c, weights.data_ptr<float>(), tokens, k,
                   gate.defined() ? gate.data_ptr() : nullptr, shared.defined() ? shared.data_ptr() : nullptr,
                   out.data_ptr(), hidden, nt);

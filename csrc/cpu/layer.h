@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -23,76 +24,6 @@ struct LayerGemm {
   torch::Tensor packed;
   bool quant;
   int64_t n, k;
-};
-
-// What one forward brings: the batch's rows and the layer's part of the cache.
-struct LayerBatch {
-  torch::Tensor x, residual;               // [tokens, hidden], the layer's dtype
-  c10::optional<torch::Tensor> next_norm;  // the next layer's input norm [hidden]; none after the last layer
-  torch::Tensor cos, sin;                  // float32 [tokens, head_dim]
-  torch::Tensor k_cache, v_cache;          // [blocks, block_size, num_kv_heads, head_dim], written in place
-  c10::optional<torch::Tensor> v_exp;      // write_kv's record of V's exponents [blocks, block_size, num_kv_heads]
-  torch::Tensor slots, positions;          // int64 [tokens]
-  torch::Tensor tables, row_starts;        // int64 [seqs, width], [seqs + 1]
-};
-
-// The layer's weights are checked once, here, and kept alive for as long as the layer is.
-// The layer's dtype (float32 or bfloat16) is post_norm's: x, the norms and dense weights take it.
-// Hidden, as pybind11's own types are: module.cpp binds it (py::class_), and a class visible beyond
-// the extension would outlive pybind11's hidden base.
-class __attribute__((visibility("hidden"))) DecoderLayer {
- public:
-  DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, const torch::Tensor& gate_up,
-               const torch::Tensor& down, const torch::Tensor& post_norm, const c10::optional<torch::Tensor>& q_norm,
-               const c10::optional<torch::Tensor>& k_norm, const LayerShape& shape);
-
-  // (the next layer's normed input, or an undefined tensor without next_norm; the new residual
-  // stream). The caches (and v_exp, when given) are written in place.
-  std::tuple<torch::Tensor, torch::Tensor> forward(const LayerBatch& batch) const;
-
-  const LayerShape& shape() const { return shape_; }
-
- private:
-  LayerShape shape_;
-  int code_;  // the layer's dtype: 0 float32, 1 bfloat16
-  LayerGemm qkv_, o_, gate_up_, down_;
-  torch::Tensor post_norm_;
-  c10::optional<torch::Tensor> q_norm_, k_norm_;  // qwen3's per-head norms [head_dim], both or neither
-};
-
-// The Gated DeltaNet layer's shapes and constants (models/linear_attention.py: LinearAttentionSpec).
-struct DeltaNetShape {
-  int64_t key_heads, heads, key_dim, value_dim, hidden, intermediate;
-  double eps;
-};
-
-// What one forward of a DeltaNet layer brings: the rows, the layer's recurrent state (written in
-// place) and its slots (ForwardBatch.state_slots, row_starts).
-struct DeltaNetBatch {
-  torch::Tensor x, residual;
-  c10::optional<torch::Tensor> next_norm;
-  torch::Tensor conv_state, ssm_state;
-  torch::Tensor state_in, state_out, row_starts;
-};
-
-// A Qwen hybrid's linear-attention layer with its SwiGLU MLP: GatedDeltaNet.forward and
-// DecoderLayer's add, norm and MLP, through the same kernels in the same order.
-class __attribute__((visibility("hidden"))) DeltaNetLayer {
- public:
-  DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& out_proj, const torch::Tensor& gate_up,
-                const torch::Tensor& down, const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
-                const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
-                const DeltaNetShape& shape);
-
-  std::tuple<torch::Tensor, torch::Tensor> forward(const DeltaNetBatch& batch) const;
-
-  const DeltaNetShape& shape() const { return shape_; }
-
- private:
-  DeltaNetShape shape_;
-  int code_, gated_norm_code_;  // the layer's dtype (post_norm's), the gated norm weight's
-  LayerGemm in_proj_, out_proj_, gate_up_, down_;
-  torch::Tensor post_norm_, gated_norm_, conv_taps_, rate_, dt_bias_;  // conv_taps_: [K, C], once at load
 };
 
 // A mixture-of-experts feed-forward's shapes (models/moe.py: MoESpec).
@@ -116,10 +47,93 @@ class __attribute__((visibility("hidden"))) MoEBlock {
   torch::Tensor forward(const torch::Tensor& x) const;
 
   const MoEShape& shape() const { return shape_; }
+  int dense_code() const { return code_; }
 
  private:
   MoEShape shape_;
   int code_;  // the dense weights' dtype code, -1 when every weight is quantized
   LayerGemm router_, shared_gate_up_, shared_down_, shared_gate_;
   std::vector<LayerGemm> gate_ups_, downs_;
+};
+
+// A layer's feed-forward: a SwiGLU MLP (gate_up [2 intermediate, hidden], down) or a mixture of
+// experts (moe; the MLP's fields unused), shared with the Python block that built it.
+struct LayerFFN {
+  LayerGemm gate_up, down;
+  int64_t intermediate = 0;
+  std::shared_ptr<const MoEBlock> moe;
+};
+
+// What one forward brings: the batch's rows and the layer's part of the cache.
+struct LayerBatch {
+  torch::Tensor x, residual;               // [tokens, hidden], the layer's dtype
+  c10::optional<torch::Tensor> next_norm;  // the next layer's input norm [hidden]; none after the last layer
+  torch::Tensor cos, sin;                  // float32 [tokens, head_dim]
+  torch::Tensor k_cache, v_cache;          // [blocks, block_size, num_kv_heads, head_dim], written in place
+  c10::optional<torch::Tensor> v_exp;      // write_kv's record of V's exponents [blocks, block_size, num_kv_heads]
+  torch::Tensor slots, positions;          // int64 [tokens]
+  torch::Tensor tables, row_starts;        // int64 [seqs, width], [seqs + 1]
+};
+
+// The layer's weights are checked once, here, and kept alive for as long as the layer is.
+// The layer's dtype (float32 or bfloat16) is post_norm's: x, the norms and dense weights take it.
+// Hidden, as pybind11's own types are: module.cpp binds it (py::class_), and a class visible beyond
+// the extension would outlive pybind11's hidden base.
+class __attribute__((visibility("hidden"))) DecoderLayer {
+ public:
+  // The feed-forward: gate_up and down (shape.intermediate), or moe (then neither).
+  DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, const c10::optional<torch::Tensor>& gate_up,
+               const c10::optional<torch::Tensor>& down, const torch::Tensor& post_norm,
+               const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+               const LayerShape& shape, std::shared_ptr<const MoEBlock> moe = nullptr);
+
+  // (the next layer's normed input, or an undefined tensor without next_norm; the new residual
+  // stream). The caches (and v_exp, when given) are written in place.
+  std::tuple<torch::Tensor, torch::Tensor> forward(const LayerBatch& batch) const;
+
+  const LayerShape& shape() const { return shape_; }
+
+ private:
+  LayerShape shape_;
+  int code_;  // the layer's dtype: 0 float32, 1 bfloat16
+  LayerGemm qkv_, o_;
+  LayerFFN ffn_;
+  torch::Tensor post_norm_;
+  c10::optional<torch::Tensor> q_norm_, k_norm_;  // qwen3's per-head norms [head_dim], both or neither
+};
+
+// The Gated DeltaNet layer's shapes and constants (models/linear_attention.py: LinearAttentionSpec).
+struct DeltaNetShape {
+  int64_t key_heads, heads, key_dim, value_dim, hidden, intermediate;
+  double eps;
+};
+
+// What one forward of a DeltaNet layer brings: the rows, the layer's recurrent state (written in
+// place) and its slots (ForwardBatch.state_slots, row_starts).
+struct DeltaNetBatch {
+  torch::Tensor x, residual;
+  c10::optional<torch::Tensor> next_norm;
+  torch::Tensor conv_state, ssm_state;
+  torch::Tensor state_in, state_out, row_starts;
+};
+
+// A Qwen hybrid's linear-attention layer with its SwiGLU MLP: GatedDeltaNet.forward and
+// DecoderLayer's add, norm and MLP, through the same kernels in the same order.
+class __attribute__((visibility("hidden"))) DeltaNetLayer {
+ public:
+  DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& out_proj, const c10::optional<torch::Tensor>& gate_up,
+                const c10::optional<torch::Tensor>& down, const torch::Tensor& post_norm,
+                const torch::Tensor& gated_norm, const torch::Tensor& conv_weight, const torch::Tensor& rate,
+                const torch::Tensor& dt_bias, const DeltaNetShape& shape, std::shared_ptr<const MoEBlock> moe = nullptr);
+
+  std::tuple<torch::Tensor, torch::Tensor> forward(const DeltaNetBatch& batch) const;
+
+  const DeltaNetShape& shape() const { return shape_; }
+
+ private:
+  DeltaNetShape shape_;
+  int code_, gated_norm_code_;  // the layer's dtype (post_norm's), the gated norm weight's
+  LayerGemm in_proj_, out_proj_;
+  LayerFFN ffn_;
+  torch::Tensor post_norm_, gated_norm_, conv_taps_, rate_, dt_bias_;  // conv_taps_: [K, C], once at load
 };

@@ -526,7 +526,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ids"));
   m.def("moe_route", &moe_route, "kernels/moe.route: the top k experts of each row and their weights",
         py::arg("logits"), py::arg("top_k"), py::arg("normalize"));
-  py::class_<MoEBlock>(m, "MoEBlock",
+  py::class_<MoEBlock, std::shared_ptr<MoEBlock>>(m, "MoEBlock",
                        "a mixture-of-experts feed-forward (router, routed SwiGLU experts, gated shared expert) "
                        "in one call, built once at load from its packed weights, checked then")
       .def(py::init([](const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
@@ -541,24 +541,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none(), py::kw_only(), py::arg("hidden"),
            py::arg("top_k"), py::arg("intermediate"), py::arg("shared_intermediate") = 0, py::arg("normalize") = true)
       .def("forward", &MoEBlock::forward, "x [tokens, hidden] -> the block's output, x's dtype", py::arg("x"))
+      .def("__call__", &MoEBlock::forward, "forward(x)", py::arg("x"))
       .def_property_readonly("num_experts", [](const MoEBlock& b) { return b.shape().experts; })
       .def_property_readonly("top_k", [](const MoEBlock& b) { return b.shape().top_k; });
   py::class_<DecoderLayer>(m, "DecoderLayer",
                            "one llama/qwen3 decoder layer, built once at load from its packed weights "
                            "(pack_weight or pack_quant), norms and shapes, checked then")
-      .def(py::init([](const torch::Tensor& qkv, const torch::Tensor& o, const torch::Tensor& gate_up,
-                       const torch::Tensor& down, const torch::Tensor& post_norm, const Out& q_norm,
-                       const Out& k_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden,
-                       int64_t intermediate, double eps, double scale, int64_t window, int64_t rope_dim,
-                       bool output_gate) {
+      .def(py::init([](const torch::Tensor& qkv, const torch::Tensor& o, const Out& gate_up, const Out& down,
+                       const torch::Tensor& post_norm, const Out& q_norm, const Out& k_norm, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
+                       double scale, int64_t window, int64_t rope_dim, bool output_gate,
+                       std::shared_ptr<MoEBlock> moe) {
              return DecoderLayer(qkv, o, gate_up, down, post_norm, q_norm, k_norm,
                                  {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale, window,
-                                  rope_dim > 0 ? rope_dim : head_dim, output_gate});
+                                  rope_dim > 0 ? rope_dim : head_dim, output_gate},
+                                 std::move(moe));
            }),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("post_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("hidden"),
            py::arg("intermediate"), py::arg("eps"), py::arg("scale"), py::arg("window"), py::arg("rope_dim") = 0,
-           py::arg("output_gate") = false)
+           py::arg("output_gate") = false, py::arg("moe") = py::none())
       .def(
           "forward",
           [](const DecoderLayer& layer, const torch::Tensor& x, const torch::Tensor& residual, const Out& next_norm,
@@ -582,20 +584,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rope_dim", [](const DecoderLayer& l) { return l.shape().rope_dim; })
       .def_property_readonly("output_gate", [](const DecoderLayer& l) { return l.shape().output_gate; });
   py::class_<DeltaNetLayer>(m, "DeltaNetLayer",
-                            "one Gated DeltaNet layer with its SwiGLU MLP (the Qwen hybrids), built once at load "
+                            "one Gated DeltaNet layer with its SwiGLU MLP or MoE block (the Qwen hybrids), built once at load "
                             "from its packed weights, norms, conv taps, rate and dt_bias, checked then")
-      .def(py::init([](const torch::Tensor& in_proj, const torch::Tensor& out_proj, const torch::Tensor& gate_up,
-                       const torch::Tensor& down, const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
+      .def(py::init([](const torch::Tensor& in_proj, const torch::Tensor& out_proj, const Out& gate_up, const Out& down,
+                       const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
                        const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
                        int64_t num_key_heads, int64_t num_heads, int64_t key_dim, int64_t value_dim, int64_t hidden,
-                       int64_t intermediate, double eps) {
+                       int64_t intermediate, double eps, std::shared_ptr<MoEBlock> moe) {
              return DeltaNetLayer(in_proj, out_proj, gate_up, down, post_norm, gated_norm, conv_weight, rate, dt_bias,
-                                  {num_key_heads, num_heads, key_dim, value_dim, hidden, intermediate, eps});
+                                  {num_key_heads, num_heads, key_dim, value_dim, hidden, intermediate, eps},
+                                  std::move(moe));
            }),
            py::arg("in_proj"), py::arg("out_proj"), py::arg("gate_up"), py::arg("down"), py::arg("post_norm"),
            py::arg("gated_norm"), py::arg("conv_weight"), py::arg("rate"), py::arg("dt_bias"), py::arg("num_key_heads"),
            py::arg("num_heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("hidden"), py::arg("intermediate"),
-           py::arg("eps"))
+           py::arg("eps"), py::arg("moe") = py::none())
       .def(
           "forward",
           [](const DeltaNetLayer& layer, const torch::Tensor& x, const torch::Tensor& residual, const Out& next_norm,

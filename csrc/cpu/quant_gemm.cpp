@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "exact.h"
@@ -802,46 +803,90 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
 #endif
 }
 
+// One GEMM of a batch (quant_linears): its layout and its rows' place in the batch's RowQ buffer.
+struct GemmJob {
+  const QuantJob* job;
+  Layout L;
+  int log_terms, shift0;
+  int64_t row0;  // its rows' first index in the batch's activation blocks
+};
+
+// Groups [g0, g1) of a job against all its rows, written to its out.
 template <typename T>
-void quant_linear_impl(const T* x, const uint8_t* packed, T* out, int64_t M, int64_t N, int64_t K, int threads) {
-  const Header* h = reinterpret_cast<const Header*>(packed);
-  const Layout L(static_cast<int>(h->kind), h->f16 != 0, N, K);
-  const QKind& kd = L.kind;
+void job_groups(const GemmJob& j, const RowQ* row_q, int64_t g0, int64_t g1) {
+  constexpr int64_t ROWS_PER_PASS = 64;  // rows whose activations stay in cache while a group runs
+  const QuantJob& q = *j.job;
+  const Layout& L = j.L;
+  const uint8_t* packed = q.packed;
+  const int kind = static_cast<int>(reinterpret_cast<const Header*>(packed)->kind);
+  const int32_t* top = reinterpret_cast<const int32_t*>(packed + L.top);
+  const RowQ* rows = row_q + j.row0;
+  T* out = static_cast<T*>(q.out);
+  int64_t acc[ROWS_PER_PASS * GROUP];
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t cols = std::min<int64_t>(GROUP, q.N - g * GROUP);
+    for (int64_t r0 = 0; r0 < q.M; r0 += ROWS_PER_PASS) {
+      const int64_t r1 = std::min(q.M, r0 + ROWS_PER_PASS);
+      group_rows(L, kind, packed, rows, r0, r1, g, j.shift0, top + g * GROUP, acc);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const int grid = top[g * GROUP + c] + rows[r].kmax + L.kind.term_bits - 62 + j.log_terms;
+          const double y = static_cast<double>(acc[(r - r0) * GROUP + c]) * pow2(grid);
+          out[r * q.N + g * GROUP + c] = from_f32<T>(static_cast<float>(y));
+        }
+    }
+  }
+}
+
+// The GEMMs of `jobs` in one parallel region: every job's rows quantized first, then tasks (runs
+// of a job's neighbouring groups: one weight stream each) taken dynamically across all jobs, so a
+// batch of small GEMMs (a token's experts) pays one fork and two barriers, not one per GEMM.
+template <typename T>
+void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
+  std::vector<GemmJob> js;
+  js.reserve(count);
+  int64_t total_rows = 0, total_groups = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const QuantJob& q = jobs[i];
+    if (q.M == 0 || q.N == 0) continue;
+    const Header* h = reinterpret_cast<const Header*>(q.packed);
+    const Layout L(static_cast<int>(h->kind), h->f16 != 0, q.N, q.K);
+    const int log_terms = log2_ceil(L.blocks * (L.kind.has_min ? 2 : 1));
+    js.push_back({&q, L, log_terms, 62 - log_terms - L.kind.term_bits, total_rows});
+    total_rows += q.M;
+    total_groups += L.groups;
+  }
   // The rows' activation blocks, in buffers each calling thread keeps across calls (their vectors
   // keep their capacity: a decode step's GEMMs allocate nothing after the first).
   static thread_local std::vector<RowQ> rows;
-  if (static_cast<int64_t>(rows.size()) < M) rows.resize(M);
+  if (static_cast<int64_t>(rows.size()) < total_rows) rows.resize(total_rows);
   RowQ* row_q = rows.data();  // (inside the parallel region `rows` would name each thread's own)
-  const int log_terms = log2_ceil(L.blocks * (kd.has_min ? 2 : 1));
-  const int shift0 = 62 - log_terms - kd.term_bits;  // a term's shift: (E - top) + (k - kmax) + shift0
-  const int32_t* top = reinterpret_cast<const int32_t*>(packed + L.top);
-  constexpr int64_t ROWS_PER_PASS = 64;  // rows whose activations stay in cache while a group runs
-  // Tasks are runs of neighbouring groups (records back to back: one stream per thread); a few
-  // per thread, taken dynamically, so a thread the OS parks takes fewer instead of stalling all.
-  const int64_t tasks = std::min<int64_t>(L.groups, threads > 1 ? 4 * threads : 1);
-#pragma omp parallel num_threads(threads) if (tasks > 1)
+  // Tasks: a few per thread, taken dynamically, so a thread the OS parks takes fewer instead of
+  // stalling all; each within one job.
+  const int64_t wanted = threads > 1 ? 4 * threads : 1, per_task = std::max<int64_t>(1, total_groups / wanted);
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (job, first group); a task runs to the next's
+  std::vector<int64_t> task_end;
+  for (int64_t i = 0; i < static_cast<int64_t>(js.size()); ++i) {
+    const int64_t groups = js[i].L.groups, n = std::max<int64_t>(1, std::min(groups, (groups + per_task / 2) / per_task));
+    for (int64_t t = 0; t < n; ++t) {
+      tasks.emplace_back(i, t * groups / n);
+      task_end.push_back((t + 1) * groups / n);
+    }
+  }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+#pragma omp parallel num_threads(threads) if (num_tasks > 1)
   {
     // Each row's activations quantized by one thread (row-local: which one cannot matter); every
     // row is done before any group starts (the implicit barrier).
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < M; ++r) quantize_row(x + r * K, L.blocks, kd.sub, &row_q[r]);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
-      int64_t acc[ROWS_PER_PASS * GROUP];
-      for (int64_t g = t * L.groups / tasks; g < (t + 1) * L.groups / tasks; ++g) {
-        const int64_t cols = std::min<int64_t>(GROUP, N - g * GROUP);
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS_PER_PASS) {
-          const int64_t r1 = std::min(M, r0 + ROWS_PER_PASS);
-          group_rows(L, static_cast<int>(h->kind), packed, row_q, r0, r1, g, shift0, top + g * GROUP, acc);
-          for (int64_t r = r0; r < r1; ++r)
-            for (int64_t j = 0; j < cols; ++j) {
-              const int grid = top[g * GROUP + j] + row_q[r].kmax + kd.term_bits - 62 + log_terms;
-              const double y = static_cast<double>(acc[(r - r0) * GROUP + j]) * pow2(grid);
-              out[r * N + g * GROUP + j] = from_f32<T>(static_cast<float>(y));
-            }
-        }
-      }
+    for (int64_t r = 0; r < total_rows; ++r) {
+      const auto it = std::upper_bound(js.begin(), js.end(), r,
+                                       [](int64_t row, const GemmJob& j) { return row < j.row0; }) - 1;
+      const QuantJob& q = *it->job;
+      quantize_row(static_cast<const T*>(q.x) + (r - it->row0) * q.K, it->L.blocks, it->L.kind.sub, &row_q[r]);
     }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tasks; ++t) job_groups<T>(js[tasks[t].first], row_q, tasks[t].second, task_end[t]);
   }
 }
 
@@ -953,10 +998,15 @@ void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float*
 
 void quant_linear(int dtype, const void* x, const uint8_t* packed, void* out, int64_t M, int64_t N, int64_t K,
                   int threads) {
+  const QuantJob job{x, packed, out, M, N, K};
+  quant_linears(dtype, &job, 1, threads);
+}
+
+void quant_linears(int dtype, const QuantJob* jobs, int64_t count, int threads) {
   if (dtype == 0)
-    quant_linear_impl(static_cast<const float*>(x), packed, static_cast<float*>(out), M, N, K, threads);
+    quant_linears_impl<float>(jobs, count, threads);
   else
-    quant_linear_impl(static_cast<const bf16*>(x), packed, static_cast<bf16*>(out), M, N, K, threads);
+    quant_linears_impl<bf16>(jobs, count, threads);
 }
 
 }  // namespace tf

@@ -18,6 +18,7 @@ from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention
 from tensorfold.models.linear_attention import GatedDeltaNet
+from tensorfold.models.moe import MoE
 from tensorfold.sampling import sampler
 
 NAME = f"native-{_cpu.isa()}"
@@ -119,28 +120,27 @@ def write_kv(kv, k, v, slots):
 
 def fuse(layer):
     """A DecoderLayer (models/blocks.py) as one native call, or None where the native layers do
-    not cover it (biases, weights of mixed formats, MoE and other block kinds): the block's Python
+    not cover it (biases, weights of mixed formats, other block kinds): the block's Python
     composition, the same bits (tests/test_native_backend.py, tests/test_hybrids.py), with one
-    Python-to-C++ crossing per layer instead of eleven. The C++
-    layer (_cpu.DecoderLayer for attention, _cpu.DeltaNetLayer for Gated DeltaNet, each with a
-    SwiGLU MLP) is built once here, its weights checked once; the callable has
+    Python-to-C++ crossing per layer instead of eleven. The C++ layer (_cpu.DecoderLayer for
+    attention, _cpu.DeltaNetLayer for Gated DeltaNet, each with a SwiGLU MLP or the MoE block
+    fuse_moe built) is built once here, its weights checked once; the callable has
     DecoderLayer.forward's signature."""
     mixer, ffn = layer.mixer, layer.ffn
-    if type(ffn) is not MLP:
+    ffn_args = _ffn_args(ffn)
+    if ffn_args is None:
         return None
     if type(mixer) is GatedDeltaNet:
-        return _fuse_delta_net(layer)
-    if type(mixer) is not Attention:
-        return None
-    weights = (mixer.qkv, mixer.o, ffn.gate_up, ffn.down)
-    if not _single_parts(weights):
+        return _fuse_delta_net(layer, ffn_args)
+    if type(mixer) is not Attention or not _single_parts((mixer.qkv, mixer.o)):
         return None
     s = mixer.spec
     native = _cpu.DecoderLayer(
-        *(w.single.data for w in weights), layer.post_mixer_norm, mixer.q_norm, mixer.k_norm,
+        mixer.qkv.single.data, mixer.o.single.data, post_norm=layer.post_mixer_norm, q_norm=mixer.q_norm,
+        k_norm=mixer.k_norm,
         num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, hidden=layer.input_norm.shape[0],
-        intermediate=ffn.spec.intermediate_size, eps=layer.eps, scale=s.scale, window=s.window or 0,
-        rope_dim=s.rope_dim, output_gate=s.output_gate)
+        eps=layer.eps, scale=s.scale, window=s.window or 0, rope_dim=s.rope_dim, output_gate=s.output_gate,
+        **ffn_args)
 
     def run(x, residual, next_norm, batch, kv):
         cos, sin = batch.rope_rows(mixer.rope)
@@ -149,23 +149,35 @@ def fuse(layer):
     return run
 
 
+def _ffn_args(ffn) -> dict | None:
+    """The native layers' feed-forward arguments: a SwiGLU MLP's packed gate_up and down, or the
+    MoE block fuse_moe built; None where neither applies."""
+    if type(ffn) is MLP and _single_parts((ffn.gate_up, ffn.down)):
+        return dict(gate_up=ffn.gate_up.single.data, down=ffn.down.single.data,
+                    intermediate=ffn.spec.intermediate_size)
+    if type(ffn) is MoE and ffn._fused is not None:
+        return dict(gate_up=None, down=None, intermediate=0, moe=ffn._fused)
+    return None
+
+
 def _single_parts(weights) -> bool:
     """Whether each weight is one packed part without a bias (what the native layers take)."""
     return all(w.single is not None and w.bias is None for w in weights)
 
 
-def _fuse_delta_net(layer):
-    """A Gated DeltaNet layer with its MLP as one _cpu.DeltaNetLayer call (GatedDeltaNet.forward
-    and DecoderLayer's add, norm and MLP, the same kernels in the same order)."""
-    mixer, ffn = layer.mixer, layer.ffn
-    weights = (mixer.in_proj, mixer.out_proj, ffn.gate_up, ffn.down)
-    if not _single_parts(weights) or mixer.eps != layer.eps:
+def _fuse_delta_net(layer, ffn_args: dict):
+    """A Gated DeltaNet layer with its feed-forward as one _cpu.DeltaNetLayer call
+    (GatedDeltaNet.forward and DecoderLayer's add, norm and MLP or MoE, the same kernels in the
+    same order)."""
+    mixer = layer.mixer
+    if not _single_parts((mixer.in_proj, mixer.out_proj)) or mixer.eps != layer.eps:
         return None
     s, p = mixer.spec, mixer.params
     native = _cpu.DeltaNetLayer(
-        *(w.single.data for w in weights), layer.post_mixer_norm, mixer.norm.contiguous(), p.conv_weight, p.rate,
-        p.dt_bias, num_key_heads=s.num_key_heads, num_heads=s.num_heads, key_dim=s.key_dim, value_dim=s.value_dim,
-        hidden=layer.input_norm.shape[0], intermediate=ffn.spec.intermediate_size, eps=layer.eps)
+        mixer.in_proj.single.data, mixer.out_proj.single.data, post_norm=layer.post_mixer_norm,
+        gated_norm=mixer.norm.contiguous(), conv_weight=p.conv_weight, rate=p.rate, dt_bias=p.dt_bias,
+        num_key_heads=s.num_key_heads, num_heads=s.num_heads, key_dim=s.key_dim, value_dim=s.value_dim,
+        hidden=layer.input_norm.shape[0], eps=layer.eps, **ffn_args)
 
     def run(x, residual, next_norm, batch, state):
         state_in, state_out = batch.state_slots(state.block_size)
@@ -190,4 +202,4 @@ def fuse_moe(moe):
         *((shared.gate_up.single.data, shared.down.single.data, moe.shared_gate.single.data) if shared else ()),
         hidden=moe.router.single.k, top_k=s.top_k, intermediate=s.intermediate_size,
         shared_intermediate=s.shared_intermediate_size if shared else 0, normalize=s.norm_topk_prob)
-    return native.forward
+    return native  # callable: native(x) is its forward; the fused layers take it as their feed-forward
