@@ -115,3 +115,26 @@ def test_moe_block_refuses_misshapen_weights():
     ok = _cpu.MoEBlock(router, gate_ups, downs, hidden=64, top_k=2, intermediate=32)
     with pytest.raises(RuntimeError, match=r"contiguous x \[tokens, 64\]"):
         ok.forward(torch.zeros(3, 65))
+
+
+def test_a_fused_layer_takes_an_moe_block_or_an_mlp_not_both():
+    from tensorfold import _cpu
+    spec = MoESpec(num_experts=4, top_k=2, intermediate_size=32, shared_intermediate_size=0)
+    gen = torch.Generator().manual_seed(1)
+    block = MoE(spec, WeightReader(_block_tensors(spec, 64, ["q4_0"], gen), torch.float32, torch.device("cpu"),
+                                   native), None)._fused
+
+    def packed(n, k):
+        return native.Linear.of(quantize(torch.randn(n, k, generator=gen), "q4_0")).single.data
+
+    def layer(**ffn):
+        return _cpu.DecoderLayer(packed(128, 64), packed(64, 64), post_norm=torch.ones(64), q_norm=None, k_norm=None,
+                                 num_heads=2, num_kv_heads=1, head_dim=32, hidden=64, eps=1e-6, scale=0.17, window=0,
+                                 **ffn)
+
+    layer(gate_up=None, down=None, intermediate=0, moe=block)
+    layer(gate_up=packed(64, 64), down=packed(64, 32), intermediate=32)
+    with pytest.raises(RuntimeError, match="an MoE feed-forward or gate_up and down, not both"):
+        layer(gate_up=packed(64, 64), down=packed(64, 32), intermediate=32, moe=block)
+    with pytest.raises(RuntimeError, match="gate_up and down with intermediate > 0 expected"):
+        layer(gate_up=None, down=None, intermediate=0)
