@@ -843,8 +843,14 @@ void job_groups(const GemmJob& j, const RowQ* row_q, int64_t g0, int64_t g1) {
 // batch of small GEMMs (a token's experts) pays one fork and two barriers, not one per GEMM.
 template <typename T>
 void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
-  std::vector<GemmJob> js;
-  js.reserve(count);
+  // The batch's jobs and tasks, in buffers each calling thread keeps (a decode round runs a
+  // hundred GEMMs: no allocation each).
+  static thread_local std::vector<GemmJob> js;
+  static thread_local std::vector<std::pair<int64_t, int64_t>> tasks;  // (job, first group); a task runs to the next's
+  static thread_local std::vector<int64_t> task_end;
+  js.clear();
+  tasks.clear();
+  task_end.clear();
   int64_t total_rows = 0, total_groups = 0;
   for (int64_t i = 0; i < count; ++i) {
     const QuantJob& q = jobs[i];
@@ -864,8 +870,6 @@ void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
   // Tasks: a few per thread, taken dynamically, so a thread the OS parks takes fewer instead of
   // stalling all; each within one job.
   const int64_t wanted = threads > 1 ? 4 * threads : 1, per_task = std::max<int64_t>(1, total_groups / wanted);
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (job, first group); a task runs to the next's
-  std::vector<int64_t> task_end;
   for (int64_t i = 0; i < static_cast<int64_t>(js.size()); ++i) {
     const int64_t groups = js[i].L.groups, n = std::max<int64_t>(1, std::min(groups, (groups + per_task / 2) / per_task));
     for (int64_t t = 0; t < n; ++t) {
@@ -874,19 +878,23 @@ void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
     }
   }
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  // (inside the parallel region the thread_local names would be each thread's own)
+  const GemmJob *job_p = js.data(), *job_end = js.data() + js.size();
+  const std::pair<int64_t, int64_t>* task_p = tasks.data();
+  const int64_t* end_p = task_end.data();
 #pragma omp parallel num_threads(threads) if (num_tasks > 1)
   {
     // Each row's activations quantized by one thread (row-local: which one cannot matter); every
     // row is done before any group starts (the implicit barrier).
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < total_rows; ++r) {
-      const auto it = std::upper_bound(js.begin(), js.end(), r,
-                                       [](int64_t row, const GemmJob& j) { return row < j.row0; }) - 1;
+      const GemmJob* it = std::upper_bound(job_p, job_end, r,
+                                           [](int64_t row, const GemmJob& j) { return row < j.row0; }) - 1;
       const QuantJob& q = *it->job;
       quantize_row(static_cast<const T*>(q.x) + (r - it->row0) * q.K, it->L.blocks, it->L.kind.sub, &row_q[r]);
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < num_tasks; ++t) job_groups<T>(js[tasks[t].first], row_q, tasks[t].second, task_end[t]);
+    for (int64_t t = 0; t < num_tasks; ++t) job_groups<T>(job_p[task_p[t].first], row_q, task_p[t].second, end_p[t]);
   }
 }
 
