@@ -299,6 +299,25 @@ void run_gemms(int code, const std::vector<GemmCall>& calls, int nt) {
   if (!quant.empty()) tf::quant_linears(code, quant.data(), static_cast<int64_t>(quant.size()), nt);
 }
 
+// The (row, choice) pairs of `chosen` [tokens, k] grouped by expert: expert e's pairs take rows
+// [start[e], start[e + 1]) of the grouped order, rows ascending within an expert; at[p] is pair
+// p's row there.
+struct ExpertGroups {
+  std::vector<int64_t> start;
+  torch::Tensor at;
+};
+ExpertGroups group_by_expert(const torch::Tensor& chosen, int64_t experts) {
+  const int64_t pairs = chosen.numel();
+  const int64_t* c = chosen.data_ptr<int64_t>();
+  ExpertGroups g{std::vector<int64_t>(experts + 1, 0), torch::empty({pairs}, chosen.options())};
+  for (int64_t p = 0; p < pairs; ++p) ++g.start[c[p] + 1];
+  for (int64_t e = 0; e < experts; ++e) g.start[e + 1] += g.start[e];
+  std::vector<int64_t> next(g.start.begin(), g.start.end() - 1);
+  int64_t* at = g.at.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p) at[p] = next[c[p]]++;
+  return g;
+}
+
 }  // namespace
 
 // MoEBlock::forward's steps (models/moe.MoE.forward):
@@ -373,19 +392,14 @@ torch::Tensor MoEBlock::forward(const torch::Tensor& x) const {
                 weights.data_ptr<float>(), nt);
 
   const int64_t* c = chosen.data_ptr<int64_t>();
-  std::vector<int64_t> start(s.experts + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) ++start[c[p] + 1];
-  for (int64_t e = 0; e < s.experts; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> next(start.begin(), start.end() - 1);
-  auto y_rows = torch::empty({pairs}, chosen.options());
+  const ExpertGroups groups = group_by_expert(chosen, s.experts);
+  const std::vector<int64_t>& start = groups.start;
+  const int64_t* at = groups.at.data_ptr<int64_t>();
   auto xs = empty({pairs, hidden});
   char* xs_p = static_cast<char*>(xs.data_ptr());
   const char* x_p = static_cast<const char*>(x.data_ptr());
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t at = next[c[p]]++;
-    y_rows.data_ptr<int64_t>()[p] = at;
-    std::memcpy(xs_p + at * hidden * el, x_p + (p / k) * hidden * el, hidden * el);
-  }
+#pragma omp parallel for num_threads(nt) schedule(static) if (pairs > 64)
+  for (int64_t p = 0; p < pairs; ++p) std::memcpy(xs_p + at[p] * hidden * el, x_p + (p / k) * hidden * el, hidden * el);
   auto gate_up = empty({pairs, 2 * inter});
   auto act = empty({pairs, inter});
   auto y = empty({pairs, hidden});
@@ -415,7 +429,7 @@ torch::Tensor MoEBlock::forward(const torch::Tensor& x) const {
     tf::silu_and_mul(code, sgu, sgu + si * el, 2 * si, shared_act.data_ptr(), tokens, si, nt);
   }
   run_gemms(code, downs, nt);
-  tf::moe_combine(code, y_p, y_rows.data_ptr<int64_t>(), c, weights.data_ptr<float>(), tokens, k,
+  tf::moe_combine(code, y_p, at, c, weights.data_ptr<float>(), tokens, k,
                   gate.defined() ? gate.data_ptr() : nullptr, shared.defined() ? shared.data_ptr() : nullptr,
                   out.data_ptr(), hidden, nt);
   return out;
