@@ -35,7 +35,7 @@ def _rows_invariant(fn, make_rows, name: str, failures: list[str]) -> None:
 def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -> list[str]:
     """Run every probe; returns the failures (empty when the path is batch-invariant). The GEMMs
     are the first layer's and the head (the model's LinearWeights, parts of mixed formats
-    included); kv_dtype: the KV cache's dtype the engine serves with (default: the model's)."""
+    included), one of each shape and formats; kv_dtype: the KV cache's dtype the engine serves with (default: the model's)."""
     dtype, device = model.dtype, model.device
     gen = torch.Generator().manual_seed(1234)  # drawn on the CPU, the same inputs on every device
     failures: list[str] = []
@@ -46,7 +46,12 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
     layer = model.layers[0]
     gemms = {name.removeprefix("layers.0."): w for name, w in model.gemms().items()
              if name.startswith("layers.0.") or name == "lm_head"}
+    probed = set()
     for name, weight in gemms.items():  # each LinearWeight whole: parts of mixed formats included
+        signature = (weight.formats, weight.widths, weight.in_features, weight.bias is not None)
+        if signature in probed:  # the same kernels on the same shape (an MoE's experts): one speaks for all
+            continue
+        probed.add(signature)
         k = weight.shape[1]
         _rows_invariant(lambda x, w=weight: w(x), lambda m, k=k: randn(m, k), f"linear {name} (K {k})", failures)
     hidden, eps = layer.input_norm.shape[0], layer.eps
