@@ -346,6 +346,10 @@ kernels = {
     "route": (moe_triton.route_kernel,
               dict(logits_ptr="*fp32", experts_ptr="*i64", weights_ptr="*fp32", num_rows="i32", stride_row="i32"),
               dict(E=128, E_PAD=128, TOP_K=8, K_PAD=8, ROWS=moe_triton.ROWS, NORMALIZE=False, SUM_BITS=40)),
+    "combine": (moe_triton.combine_kernel,
+                dict(y_ptr="*bf16", y_rows_ptr="*i64", experts_ptr="*i64", weights_ptr="*fp32", gate_ptr="*bf16",
+                     shared_ptr="*bf16", out_ptr="*bf16", hidden="i32"),
+                dict(TOP_K=8, K_PAD=8, BLOCK=128, SHARED=True)),
 }
 out = {}
 for name, (fn, sig, const) in kernels.items():
@@ -375,7 +379,7 @@ def float_ops(code: str) -> dict[str, int]:
     return {n: names.count(n) for n in sorted(set(names))}
 
 
-@pytest.mark.parametrize("name", ["conv", "recurrence", "gated_rms_norm", "route"])
+@pytest.mark.parametrize("name", ["conv", "recurrence", "gated_rms_norm", "route", "combine"])
 def test_kernel_compiles_without_fma_flushes_or_approximations(ptx, name):
     code = ptx[name]
     assert not code.startswith("ERROR"), code
@@ -411,3 +415,47 @@ def test_route_equals_reference(draw, experts, top_k, normalize):
     got = moe_triton.route(logits, top_k, normalize)
     assert torch.equal(got[0].cpu(), want[0]), f"experts differ ({draw})"
     assert same_bits(got[1], want[1]), f"weights differ ({draw})"
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no_shared"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_combine_equals_reference(draw, dtype, shared):
+    """The sum of each row's experts (kernels/moe.combine) from route's choice over 9 experts, 3 a
+    row, the pairs grouped by expert; 150 columns over two column programs; the output NaN first."""
+    from tensorfold.kernels import moe, moe_triton
+    rows, top_k, hidden = 13, 3, 150
+    experts, weights = moe.route(draw.randn(rows, 9, scale=2.0).cpu(), top_k, True)
+    _, y_rows = moe.group_by_expert(experts)
+    y = draw.randn(rows * top_k, hidden, dtype=dtype, scale=3.0)
+    gate = draw.randn(rows, 1, dtype=dtype, scale=2.0) if shared else None
+    shared_out = draw.randn(rows, hidden, dtype=dtype) if shared else None
+    want = moe.combine(y.cpu(), y_rows, experts, weights, *((gate.cpu(), shared_out.cpu()) if shared else ()))
+    out = torch.full((rows, hidden), NAN, dtype=dtype, device=DEVICE)
+    got = moe_triton.combine(y, y_rows.to(DEVICE), experts.to(DEVICE), weights.to(DEVICE), gate, shared_out,
+                             out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert same_bits(got, want), f"combine differs ({draw})"
+
+
+def test_the_cuda_op_sets_moe_block_equals_its_composition(draw):
+    """cuda_ops.fuse_moe (tokens grouped once, moe_triton.combine) against MoE.compose (an indexed
+    add per expert) on the same op set: the same bits, rows alone as in the batch."""
+    from tensorfold.backends import backend_ops
+    from tensorfold.models.moe import MoE, MoESpec
+    from tensorfold.models.weights import WeightReader
+    ops = backend_ops("cuda")
+    spec = MoESpec(num_experts=8, top_k=2, intermediate_size=16, shared_intermediate_size=24)
+    hidden = 32
+    shapes = {"gate.weight": (8, hidden), "shared_expert.gate_proj.weight": (24, hidden),
+              "shared_expert.up_proj.weight": (24, hidden), "shared_expert.down_proj.weight": (hidden, 24),
+              "shared_expert_gate.weight": (1, hidden)}
+    for e in range(8):
+        shapes.update({f"experts.{e}.gate_proj.weight": (16, hidden), f"experts.{e}.up_proj.weight": (16, hidden),
+                       f"experts.{e}.down_proj.weight": (hidden, 16)})
+    tensors = {"mlp." + name: draw.randn(*shape, scale=0.3) for name, shape in shapes.items()}
+    block = MoE(spec, WeightReader(tensors, torch.float32, torch.device(DEVICE), ops), None)
+    assert block._fused is not None
+    x = draw.randn(11, hidden)
+    got = block.forward(x)
+    assert same_bits(got, block.compose(x)), f"the fused block differs from its composition ({draw})"
+    assert same_bits(torch.cat([block.forward(x[i:i + 1]) for i in range(11)]), got)

@@ -138,3 +138,21 @@ def test_a_fused_layer_takes_an_moe_block_or_an_mlp_not_both():
         layer(gate_up=packed(64, 64), down=packed(64, 32), intermediate=32, moe=block)
     with pytest.raises(RuntimeError, match="gate_up and down with intermediate > 0 expected"):
         layer(gate_up=None, down=None, intermediate=0)
+
+
+def test_the_sums_reference_is_the_blocks_sum():
+    """kernels/moe.combine over the pairs grouped by expert (group_by_expert) gives MoE.compose's
+    bits: the reference the C++ and Triton sums are held to is the model's own."""
+    gen = torch.Generator().manual_seed(3)
+    for normalize in (True, False):
+        spec = MoESpec(num_experts=16, top_k=4, intermediate_size=32, shared_intermediate_size=64,
+                       norm_topk_prob=normalize)
+        block = MoE(spec, WeightReader(_block_tensors(spec, 64, ["q8_0"], gen), torch.float32, torch.device("cpu"),
+                                       reference_ops()), None)
+        x = torch.randn(9, 64, generator=gen)
+        experts, weights = moe_ref.route(block.router(x).float(), spec.top_k, normalize)
+        order, y_rows = moe_ref.group_by_expert(experts)
+        grouped = experts.flatten()[order].tolist()
+        y = torch.cat([block.experts[e](x[p // spec.top_k][None]) for e, p in zip(grouped, order.tolist())])
+        got = moe_ref.combine(y, y_rows, experts, weights, block.shared_gate(x), block.shared(x))
+        assert torch.equal(got, block.compose(x))

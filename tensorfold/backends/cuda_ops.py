@@ -12,6 +12,8 @@ What runs where, and why:
   (kernels/attention_triton.py: integer sums, bitwise the cpu reference's result); the cache write
   is the reference's (each vector rounded to its fixed-point grid, then an index_put: elementwise,
   so invariant as it stands).
+- the MoE: the router's choice (moe_triton.route) and the sum of a token's experts
+  (moe_triton.combine), each expert's GEMMs over its grouped tokens as any linear (fuse_moe).
 - sample (the engine's draw; Python ints back), verify, apply_token_bitmask: Triton keyed
   sampling and grammar-masked verification.
 - linear with a quantized weight (a QuantWeight from kernels/quant_gemm.py, packed once by
@@ -26,9 +28,14 @@ What runs where, and why:
   engine's startup probes vouch for it on a given device; a fixed-tile Triton GEMM without
   split-K is the next kernel (docs/kernels.md).
 """
+import functools
+
+import torch
+
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
-from tensorfold.kernels.moe_triton import route  # noqa: F401
+from tensorfold.kernels.moe import group_by_expert
+from tensorfold.kernels.moe_triton import combine, route
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.paged_attention import write_kv_ref
@@ -101,5 +108,24 @@ def fuse(layer):
 
 
 def fuse_moe(moe):
-    """No fused MoE blocks here: an MoE runs its composition (models/moe.MoE.compose)."""
-    return None
+    """The MoE block with its tokens grouped by expert once (kernels/moe.group_by_expert) and the
+    sum in one launch (moe_triton.combine) instead of an indexed add per expert: MoE.compose's
+    kernels and order, so its bits."""
+    return functools.partial(_moe_block, moe)
+
+
+def _moe_block(moe, x):
+    spec, hidden = moe.spec, x.shape[1]
+    experts, weights = route(moe.router(x).float(), spec.top_k, spec.norm_topk_prob)
+    order, y_rows = group_by_expert(experts)
+    xs = x[order // spec.top_k]
+    y = torch.empty((order.numel(), hidden), dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(torch.bincount(experts.flatten(), minlength=spec.num_experts).tolist()):
+        if n:
+            y[start:start + n] = moe.experts[e](xs[start:start + n])
+            start += n
+    gate = shared = None
+    if moe.shared is not None:
+        gate, shared = moe.shared_gate(x), moe.shared(x)
+    return combine(y, y_rows, experts, weights, gate, shared)

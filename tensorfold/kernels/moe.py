@@ -1,4 +1,6 @@
-"""The MoE router's choice and weights, the torch reference (models/moe.py's `route` step).
+"""The MoE's own steps, the torch references (models/moe.py): the router's choice and weights
+(`route`), the pairs grouped by expert (`group_by_expert`) and the sum of a token's expert
+outputs (`combine`).
 
 Batch invariant by construction: each row's choice and weights come from that row alone; the
 top k by a stable sort (ties to the lower expert index); exp is exact.float32's; the sum over
@@ -7,6 +9,7 @@ the chosen experts is added in rank order, the sum over every expert exactly on 
 import torch
 
 from tensorfold.exact import float32, grid
+from tensorfold.kernels.reference import sigmoid32
 
 SUM_BITS = 40  # the all-experts sum: each exp(l - max) <= 1 on a 2^-39 grid, 2^13 experts stay below 2^53
 
@@ -25,3 +28,28 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
         every = float32.exp_neg(logits - ordered[:, :1]).double()
         total = (grid.round_even(every * 2.0 ** (SUM_BITS - 1)).sum(dim=-1) * 2.0 ** (1 - SUM_BITS)).float()
     return index[:, :top_k], top / total[:, None]
+
+
+def group_by_expert(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, choice) pairs of experts [rows, k] grouped by expert: (order [rows * k]: the
+    pairs' flat indices in that order, rows ascending within an expert; y_rows [rows, k]: each
+    pair's place in it), what a block runs each expert's GEMMs over and what combine reads back."""
+    order = torch.argsort(experts.flatten(), stable=True)
+    y_rows = torch.empty_like(order)
+    y_rows[order] = torch.arange(order.numel(), device=order.device)
+    return order, y_rows.view(experts.shape)
+
+
+def combine(y: torch.Tensor, y_rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+            shared_gate: torch.Tensor | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE's sum (models/moe.MoE.compose's): out [rows, hidden] in y's dtype, where each row adds,
+    from 0 in float32 and in ascending expert index, its experts' outputs y[y_rows[r, j]] times
+    weights[r, j] (the product rounded first), then sigmoid32(shared_gate [rows, 1]) * shared."""
+    order = torch.argsort(experts, dim=1, stable=True)  # a row's experts are distinct
+    out = torch.zeros((experts.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
+    for i in range(experts.shape[1]):
+        j = order[:, i:i + 1]
+        out += y[y_rows.gather(1, j).squeeze(1)].float() * weights.gather(1, j)
+    if shared is not None:
+        out += sigmoid32(shared_gate.float()) * shared.float()
+    return out.to(y.dtype)

@@ -14,7 +14,14 @@
 Launched with FMA contraction off (exact_triton.LAUNCH_EXACT). Each row is computed alone, so
 its bits do not depend on the rows beside it.
 
-The cuda op set's `route` (models/moe.MoE.forward calls ops.route).
+`combine(y, y_rows, experts, weights, shared_gate, shared)`: kernels/moe.combine, bitwise. One
+program per (row, BLOCK columns): the row's k experts ranked by index (each one's rank: how many
+of the row's experts are lower; they are distinct), then for rank 0, 1, ...: acc = acc + y * w in
+float32 from 0 (the product rounded first: no contraction), then + sigmoid32(gate) * shared, and
+one rounding to the output's dtype.
+
+The cuda op set's `route` and `combine` (models/moe.MoE.forward calls ops.route; the cuda op set's
+fuse_moe, combine).
 """
 import torch
 import triton
@@ -90,3 +97,50 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, *, rows_per_program
             K_PAD=triton.next_power_of_2(top_k), ROWS=rows_per_program, NORMALIZE=bool(normalize),
             SUM_BITS=ref.SUM_BITS, **LAUNCH_EXACT)
     return experts, weights
+
+
+@triton.jit
+def combine_kernel(y_ptr, y_rows_ptr, experts_ptr, weights_ptr, gate_ptr, shared_ptr, out_ptr, hidden,
+                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    slots = tl.arange(0, K_PAD)
+    slot_ok = slots < TOP_K
+    experts = tl.load(experts_ptr + row * TOP_K + slots, mask=slot_ok, other=0)
+    # each slot's rank among the row's experts (ascending index; padding ranks past TOP_K)
+    lower = (experts[None, :] < experts[:, None]) & slot_ok[None, :]
+    rank = tl.where(slot_ok, tl.sum(lower.to(tl.int32), 1), K_PAD)
+    y_rows = tl.load(y_rows_ptr + row * TOP_K + slots, mask=slot_ok, other=0)
+    weights = tl.load(weights_ptr + row * TOP_K + slots, mask=slot_ok, other=0.0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in tl.static_range(TOP_K):
+        y_row = tl.sum(tl.where(rank == i, y_rows, 0), 0)
+        w = tl.max(tl.where(rank == i, weights.to(tl.int32, bitcast=True), -2147483648), 0).to(tl.float32,
+                                                                                                  bitcast=True)
+        y = tl.load(y_ptr + y_row * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = acc + y * w
+    if SHARED:
+        g = tl.load(gate_ptr + row).to(tl.float32)
+        t = ex.exp_neg(-tl.abs(g))
+        sig = tl.math.div_rn(tl.where(g >= 0, 1.0, t), 1.0 + t)
+        acc = acc + sig * tl.load(shared_ptr + row * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine(y: torch.Tensor, y_rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+            shared_gate: torch.Tensor | None = None, shared: torch.Tensor | None = None, *,
+            out: torch.Tensor | None = None, block: int = 128) -> torch.Tensor:
+    """`kernels.moe.combine`, bitwise: out [rows, hidden] in y's dtype."""
+    rows, top_k = experts.shape
+    hidden = y.shape[1]
+    y, y_rows, experts, weights = y.contiguous(), y_rows.contiguous(), experts.contiguous(), weights.contiguous()
+    if out is None:
+        out = torch.empty((rows, hidden), dtype=y.dtype, device=y.device)
+    has_shared = shared is not None
+    if rows:
+        gate = shared_gate.contiguous() if has_shared else y
+        combine_kernel[(rows, triton.cdiv(hidden, block))](
+            y, y_rows, experts, weights, gate, shared.contiguous() if has_shared else y, out, hidden,
+            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK=block, SHARED=has_shared, **LAUNCH_EXACT)
+    return out
