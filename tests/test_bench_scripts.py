@@ -100,6 +100,14 @@ def test_bench_hybrid_runs(tmp_path):
     assert "DeltaNet layers' share of a round" in out and "round @64 / @100" in out
 
 
+def test_bench_hybrid_runs_the_mlx_peer_where_it_is_installed(tmp_path):
+    out = run_tool("tools/bench_hybrid.py", "--shape", "tiny", "--tokens", "4", "--prefill-tokens", "16",
+                   "--repeats", "1", "--block-size", "32", "--cache-gib", "0.05", "--mlx", "--cache-dir", str(tmp_path))
+    assert "mlx_lm decode (CPU, once)" in out, out
+    from tools import peer_mlx_lm
+    assert (peer_mlx_lm.SKIP_MESSAGE in out) != peer_mlx_lm.available()
+
+
 def test_bench_hybrid_runs_a_gguf_written_by_layer(tmp_path):
     """The moe shape's path (a GGUF written a layer at a time, served as stored by both engines) at
     tiny sizes."""

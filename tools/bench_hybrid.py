@@ -3,6 +3,7 @@
     python tools/bench_hybrid.py                       # Qwen3.5-0.8B's shapes, q4_0, 2 threads
     python tools/bench_hybrid.py --shape moe --layers 4
     python tools/bench_hybrid.py --long 4096           # also a round at 4k tokens of context
+    python tools/bench_hybrid.py --mlx                 # also mlx_lm on MLX's CPU device, once
 
 Random weights at the smallest real shapes, SmolLM2's tokenizer (49,152 tokens) in place of the
 248k-token one, made once with transformers and kept in --cache-dir:
@@ -172,6 +173,22 @@ def llama_cpp_bench(path: str, gguf: str | None, args):
     return out, once
 
 
+def mlx_lm_bench(path: str, gguf: str | None, args) -> dict:
+    """mlx_lm on MLX's CPU device (tools/peer_mlx_lm.py), once: it reads Hugging Face directories only
+    (no GGUF: the moe shape has none), MLX's 4- or 8-bit blocks of 32 for --quant."""
+    from tools import peer_mlx_lm
+
+    if not peer_mlx_lm.available():
+        print(peer_mlx_lm.SKIP_MESSAGE)
+        return {}
+    if gguf and gguf == path:
+        print("mlx_lm reads Hugging Face directories; this shape is a GGUF only: skipping mlx_lm")
+        return {}
+    model = peer_mlx_lm.load(path, bits=8 if args.quant == "q8_0" else 4)
+    return {"decode": peer_mlx_lm.decode_tps(model, prompt_ids(16), args.tokens),
+            "prefill": args.prefill_tokens / peer_mlx_lm.prefill_seconds(model, prompt_ids(args.prefill_tokens))}
+
+
 def ratio(ours, peer):
     return f"{ours / peer:.2f}x" if peer else "-"
 
@@ -189,6 +206,7 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=256, help="cache block (one recurrent state per block)")
     p.add_argument("--cache-gib", type=float, default=2.0)
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/tensorfold-bench"))
+    p.add_argument("--mlx", action="store_true", help="also mlx_lm on MLX's CPU device, once (dense shape)")
     args = p.parse_args(argv)
     layers = args.layers or (4 if args.shape == "moe" else None)
     path, peer_gguf = checkpoint(args.shape, layers, args.cache_dir, args.quant)
@@ -211,6 +229,11 @@ def main(argv=None) -> None:
         row += [f"{ours['long_ratio']:.2f}x", fmt(peer.get("long_ratio"), 2), fmt(1e3 * ours["long_round"], 1),
                 fmt(1e3 * peer["long_round"] if "long_round" in peer else None, 1)]
         headers += [f"round @{args.long} / @100", "llama.cpp", f"round @{args.long} ms", "llama.cpp"]
+    if args.mlx:
+        mlx = mlx_lm_bench(path, peer_gguf, args)
+        row += [fmt(mlx.get("decode"), 1), ratio(ours["decode"], mlx.get("decode")), fmt(mlx.get("prefill"), 0),
+                ratio(ours["prefill"], mlx.get("prefill"))]
+        headers += ["mlx_lm decode (CPU, once)", "ratio", "mlx_lm prefill", "ratio"]
     print_table(headers, [row], f"{args.threads} threads, {args.tokens} new tokens, best of {args.repeats}")
 
 
