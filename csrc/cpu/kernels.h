@@ -115,7 +115,7 @@ void gated_rms_norm(int dtype, const void* x, int gate_dtype, const void* gate, 
 // [rows, top_k] (the largest first, ties to the lower index) and their weights [rows, top_k].
 void moe_route(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool normalize, int64_t* chosen,
                float* weights, int threads);
-// The MoE's sum (models/moe.MoE.forward): out [rows, hidden] = each row's expert outputs (row j of
+// The MoE's sum (kernels/moe.combine: MoE.compose's): out [rows, hidden] = each row's expert outputs (row j of
 // its choice at y [y_rows[r * top_k + j]], y [*, hidden]) times weights, added in ascending expert
 // index, plus sigmoid(shared_gate [rows]) * shared [rows, hidden] when shared is not null.
 void moe_combine(int dtype, const void* y, const int64_t* y_rows, const int64_t* chosen, const float* weights,

@@ -10,7 +10,7 @@
 //      the sum over every expert of round_even(exp_neg(l - l_0) 2^39), exact in float64 (each
 //      term <= 2^39, at most 2^13 of them), times 2^-39, rounded to float32;
 //   4. w_j = p_j / total (float32 division).
-// combine (MoE.forward's sum), per row: acc = 0; for its experts in ascending index:
+// combine (kernels/moe.combine, MoE.compose's sum), per row: acc = 0; for its experts in ascending index:
 //   acc = acc + float(y) * w (the product rounded first); then, with a shared expert,
 //   acc = acc + sigmoid32(float(gate)) * float(shared); out = acc in the dtype.
 #include <algorithm>
