@@ -181,6 +181,15 @@ for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(3, 96, generator=g).to(dtype)
         packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
         assert torch.equal(cpu.quant_linear(x, packed, 24, 96), quant_gemm.linear(x, w)), kind + " (float16 scales)"
+    from test_quant_gemm import random_k_file
+    for kind in ("q4_k", "q6_k"):  # as GGUF stores them: packed in the file's form
+        raw, w = random_k_file(g, kind, 32, 512)
+        packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+        assert packed.numel() < 1.05 * raw.numel(), kind + " not in the file's form"
+        x = torch.randn(5, 512, generator=g) * 2.0 ** torch.randint(-30, 6, (5, 1), generator=g)
+        x = x.to(dtype)
+        assert torch.equal(cpu.quant_linear(x, packed, 32, 512), quant_gemm.linear(x, w)), kind + " (file form)"
+        assert torch.equal(cpu.quant_rows(packed, torch.arange(32), 32, 512), w.dequantize()), kind + " rows"
 print("bitwise")
 """
 

@@ -462,6 +462,46 @@ def test_quant_linear_equals_its_reference(draw, threads, dtype, kind, rows, n, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (7, 16, 512), (19, 45, 768)])
+def test_quant_linear_with_k_quant_file_blocks_equals_its_reference(draw, threads, dtype, kind, rows, n, k):
+    """Q4_K and Q6_K as a GGUF file stores them, packed in the file's own form (d, dmin and the
+    sub-block scales decoded in registers; q6_k's codes as nibbles and two-bit planes): every row,
+    a row alone and the rows' order, bitwise the reference; the weight's rows as floats too."""
+    from test_quant_gemm import random_k_file, random_x
+
+    from tensorfold.kernels import quant_gemm
+
+    raw, w = random_k_file(draw.gen, kind, n, k)
+    x = random_x(draw.gen, rows, k).to(dtype)
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    groups = (n + 15) // 16  # columns go in groups of 16; then a header, the column tops and lows
+    assert packed.numel() <= raw.numel() // n * 16 * groups + 128 + 64 * groups + 64 * (groups // 8 + 1), "not in the file's form"
+    want = quant_gemm.linear(x, w)
+    assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{kind} x [{rows}, {k}]")
+    assert_bitwise(_cpu.quant_linear(x[-1:], packed, n, k), want[-1:], draw, "the last row alone")
+    order = torch.randperm(rows, generator=draw.gen)
+    assert_bitwise(_cpu.quant_linear(x[order], packed, n, k), want[order], draw, "the rows reordered")
+    ids = torch.randperm(n, generator=draw.gen)[:5]
+    assert torch.equal(_cpu.quant_rows(packed, ids, n, k), w.dequantize()[ids]), "rows as floats"
+
+
+def test_k_quant_file_form_is_the_files_size():
+    """A Q4_K / Q6_K matrix kept packed takes the file's bytes (1.00x, plus a small header and the
+    column tops), where the wide form of other K-quant scales takes 0.81 / 1.03 bytes a weight."""
+    from test_quant_gemm import random_generic, random_k_file
+
+    g = torch.Generator().manual_seed(5)
+    for kind in ("q4_k", "q6_k"):
+        raw, w = random_k_file(g, kind, 256, 2048)
+        packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+        assert packed.numel() <= 1.01 * raw.numel(), (kind, packed.numel() / raw.numel())
+        other = random_generic(g, kind, 256, 2048)  # scales that do not factor as a file's: the wide form
+        wide = _cpu.pack_quant(kind, other.codes, other.scale, other.scale_exp, other.min, other.min_exp)
+        assert wide.numel() > 1.2 * raw.numel()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (6, 16, 576)])
 def test_quant_linear_with_gguf_scales_equals_its_reference(draw, threads, dtype, kind, rows, n, k):

@@ -178,6 +178,26 @@ def random_generic(rng: torch.Generator, kind: str, n: int, k: int) -> qg.QuantW
     return qg.QuantWeight(kind, codes, scale, exps(), mins, exps())
 
 
+K_FILE_TYPES = {"q4_k": QType.Q4_K, "q6_k": QType.Q6_K}  # the K-quants the native GEMM keeps in their file's form
+
+
+def random_k_file(rng: torch.Generator, kind: str, n: int, k: int) -> tuple[torch.Tensor, qg.QuantWeight]:
+    """A K-quant matrix as a GGUF file holds it, random bytes with finite float16 d (and dmin) over
+    many binades, signs, a zero and a subnormal among them, and its QuantWeight (gguf_quants).
+    Returns (the file's bytes, the weight)."""
+    import gguf
+
+    qtype = K_FILE_TYPES[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = torch.randint(0, 256, (n * k // block, size), generator=rng, dtype=torch.uint8)
+    for at in ([208] if kind == "q6_k" else [0, 2]):
+        h = (torch.randn(len(blocks), generator=rng) * 2.0 ** torch.randint(-22, 4, (len(blocks),), generator=rng)).half()
+        h[0], h[-1] = 0.0, 2.0 ** -20
+        blocks[:, at:at + 2] = h.view(torch.uint8).reshape(-1, 2)
+    raw = blocks.reshape(-1)
+    return raw, gguf_quants.quant_weight(raw, qtype, (n, k))
+
+
 def test_an_infinite_or_nan_scale_is_refused():
     q = torch.zeros(2, 32, dtype=torch.uint8)
     for bad in (float("inf"), float("nan")):

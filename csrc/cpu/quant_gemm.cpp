@@ -47,7 +47,7 @@ constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
 constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr float X_MAX = 127.0f;     // |xq| <= 127
 constexpr float F16_MAX = 65504.0f;  // float16 scales saturate here
-constexpr int64_t MAGIC = 0x544651554e540003;  // "TFQUNT" v3
+constexpr int64_t MAGIC = 0x544651554e540004;  // "TFQUNT" v4
 
 struct QKind {
   int sub;         // weights per scale S
@@ -63,24 +63,46 @@ constexpr QKind KINDS[] = {{32, 41, false, 128, false, 8}, {32, 41, false, 8, tr
 
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
-// Where things sit in a packed weight: the header, then group g's records at g * blocks * record,
-// then top [groups][16] int32 (the largest E or F of each column), then lows [groups][2] int32: the
+// How a packed weight keeps its scales (Header::form): WIDE, the reference's integers S, E - top,
+// M, F - top per block of 32; F16, the float16 bits the file stored (the 32-weight types: S 2^E is
+// a float16's significand and exponent); SUPER, the K-quants' super-block form (q4_k, q6_k): per
+// 256 weights of a column the float16 d (and dmin) and the 6-bit (q6_k: 8-bit) sub-block scales,
+// so that S = dm sc and M = -(dminm m) are formed in registers, and q6_k's codes as a nibble plane
+// and a plane of their top two bits: the file's bytes per weight.
+enum Form { WIDE = 0, F16 = 1, SUPER = 2 };
+constexpr int SUPER_BLOCKS = 8;     // blocks of 32 per K-quant super-block
+constexpr int Q4K = 3, Q6K = 5;     // the kinds with a SUPER form
+
+// Where things sit in a packed weight: the header, then group g's records (one per block of 32,
+// front to back; SUPER: one per super-block, a head of scales then its eight blocks' codes), then
+// top [groups][16] int32 (the largest E or F of each column), then lows [groups][2] int32: the
 // group's smallest E - top and F - top over its nonzero scales and minimums (0 where none), which
 // tell a row tile whether any of its terms can have a negative shift (group_rows).
 struct Layout {
   QKind kind;
-  bool f16;                                    // scales as float16 bits (else wide)
+  int form;
   int64_t groups, blocks, per, code_bytes;     // per: scales per block (32 / sub)
-  int64_t min_at, sexp_at, mexp_at, record;    // offsets inside a record
+  int64_t min_at, sexp_at, mexp_at, record;    // offsets inside a record; record: its bytes (SUPER: per block, on average)
+  int64_t super_head = 0, super_block = 0, super_bytes = 0;  // SUPER: a head's bytes, a block's, a super-block's
   int64_t top, lows, total;
-  Layout(int kind_id, bool f16_scales, int64_t N, int64_t K) : kind(KINDS[kind_id]), f16(f16_scales) {
+  Layout(int kind_id, int form_, int64_t N, int64_t K) : kind(KINDS[kind_id]), form(form_) {
     groups = (N + GROUP - 1) / GROUP;
     blocks = K / BLOCK;
     per = BLOCK / kind.sub;
     code_bytes = kind.nibbles ? GROUP * BLOCK / 2 : GROUP * BLOCK;
-    if (f16) {  // d [16] u16, then m [16] u16
+    sexp_at = mexp_at = min_at = 0;
+    if (form == SUPER) {
+      // q4_k head: d [16] u16, dmin [16] u16, the 12 scale bytes as planes [12][16]; q6_k head:
+      // d [16] u16, sc [16 sub-blocks][16] int8; a q6_k block: its low nibbles (as q4's codes),
+      // then their top two bits [2][64] (quad q's in bits 2 (q % 4) of row q / 4).
+      const bool q6 = kind_id == Q6K;
+      super_head = q6 ? 2 * GROUP + 16 * GROUP : 4 * GROUP + 12 * GROUP;
+      code_bytes = GROUP * BLOCK / 2;
+      super_block = q6 ? code_bytes + GROUP * BLOCK / 4 : code_bytes;
+      super_bytes = super_head + SUPER_BLOCKS * super_block;
+      record = super_bytes / SUPER_BLOCKS;
+    } else if (form == F16) {  // d [16] u16, then m [16] u16
       min_at = code_bytes + 2 * GROUP;
-      sexp_at = mexp_at = 0;
       record = code_bytes + 2 * GROUP * (kind.has_min ? 2 : 1);
     } else {    // S [per][16] i32, E - top [16] i8, then M [16] i32, F - top [16] i8
       sexp_at = code_bytes + 4 * GROUP * per;
@@ -95,7 +117,7 @@ struct Layout {
 };
 
 struct Header {
-  int64_t magic, kind, N, K, f16;
+  int64_t magic, kind, N, K, form;
 };
 
 // A float16 (its bits) as dm 2^de, dm its integer significand (quant_gemm.significand).
@@ -232,9 +254,32 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   row->kmax = kmax;
 }
 
-// Block b of group g: its record, and column j's scales as the reference's integers.
+// Block b of group g: its record (SUPER: the block's codes inside its super-block's record).
 inline const uint8_t* record_at(const uint8_t* packed, const Layout& L, int64_t g, int64_t b) {
+  if (L.form == SUPER)
+    return packed + 64 + (g * (L.blocks / SUPER_BLOCKS) + b / SUPER_BLOCKS) * L.super_bytes + L.super_head +
+           (b % SUPER_BLOCKS) * L.super_block;
   return packed + 64 + (g * L.blocks + b) * L.record;
+}
+
+// SUPER: the head of the super-block whose block b's codes are at `rec`.
+inline const uint8_t* super_head(const uint8_t* rec, const Layout& L, int64_t b) {
+  return rec - L.super_head - (b % SUPER_BLOCKS) * L.super_block;
+}
+
+// q4_k's 6-bit scale and minimum of sub-block i (0..7) from column j's 12 scale bytes, kept as
+// planes of 16 columns (byte t of column j at planes[16 t + j]), as GGUF packs them: bytes 0-3
+// and 4-7 the low 6 bits of sc_0..3 and m_0..3, their top 2 bits the bits 4-5 of sc_4..7 and
+// m_4..7, whose low 4 bits are the nibbles of bytes 8-11 (sc low, m high).
+inline void k_scale(const uint8_t* planes, int j, int i, int32_t* sc, int32_t* m) {
+  const auto byte = [&](int t) { return static_cast<int32_t>(planes[16 * t + j]); };
+  if (i < 4) {
+    *sc = byte(i) & 63;
+    *m = byte(i + 4) & 63;
+  } else {
+    *sc = (byte(i + 4) & 15) | ((byte(i - 4) >> 6) << 4);
+    *m = (byte(i + 4) >> 4) | ((byte(i) >> 6) << 4);
+  }
 }
 
 // How far ahead of record_at a group's first row tile asks for records: PREFETCH_BYTES in whole
@@ -255,9 +300,31 @@ struct ColumnScales {
   int32_t s[2], sexp, min, mexp;  // S per half, E - top, M, F - top
 };
 
-inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int j, int32_t top) {
+// Column j's scales in block b (codes at rec) as the reference's integers.
+inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int64_t b, int j, int32_t top) {
   ColumnScales c{{0, 0}, 0, 0, 0};
-  if (L.f16) {
+  if (L.form == SUPER) {
+    const uint8_t* head = super_head(rec, L, b);
+    const int i = static_cast<int>(b % SUPER_BLOCKS);
+    uint16_t bits;
+    int32_t dm;
+    std::memcpy(&bits, head + 2 * j, 2);
+    significand16(bits, &dm, &c.sexp);
+    c.sexp -= top;
+    if (L.per == 2) {  // q6_k: sub-blocks 2i and 2i + 1
+      for (int h = 0; h < 2; ++h) c.s[h] = dm * static_cast<int8_t>(head[2 * GROUP + 16 * (2 * i + h) + j]);
+      return c;
+    }
+    int32_t sc, m, mm;
+    k_scale(head + 4 * GROUP, j, i, &sc, &m);
+    c.s[0] = dm * sc;
+    std::memcpy(&bits, head + 2 * GROUP + 2 * j, 2);
+    significand16(bits, &mm, &c.mexp);
+    c.mexp -= top;
+    c.min = -(mm * m);
+    return c;
+  }
+  if (L.form == F16) {
     uint16_t bits;
     std::memcpy(&bits, rec + L.code_bytes + 2 * j, 2);
     significand16(bits, &c.s[0], &c.sexp);
@@ -278,6 +345,18 @@ inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int j, in
   return c;
 }
 
+// Code u = c + offset of column j at k (0..31) in the block whose codes are at rec.
+inline int code_at(const uint8_t* rec, const Layout& L, int j, int k) {
+  const bool nibbles = L.kind.nibbles || L.form == SUPER;
+  const uint8_t byte = rec[code_index(nibbles, j, k)];
+  int u = nibbles ? (k / 4 >= 4 ? byte >> 4 : byte & 0x0F) : byte;
+  if (L.form == SUPER && L.per == 2) {  // q6_k: the top two bits
+    const int quad = k / 4;
+    u |= ((rec[L.code_bytes + (quad / 4) * 64 + j * 4 + k % 4] >> (2 * (quad % 4))) & 3) << 4;
+  }
+  return u;
+}
+
 // Rows [r0, r1) of the output against column group g, in plain C++: acc[r][j] the int64 sums.
 [[maybe_unused]] void group_scalar(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0,
                                    int64_t r1, int64_t g, int shift0, const int32_t* top, int64_t* acc) {
@@ -291,15 +370,11 @@ inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int j, in
       const int8_t* xq = row.xq.data() + b * BLOCK;
       const int kd_b = row.kdelta[b] + shift0;
       for (int j = 0; j < GROUP; ++j) {
-        const ColumnScales c = column_scales(rec, L, j, top[j]);
+        const ColumnScales c = column_scales(rec, L, b, j, top[j]);
         int64_t term = 0;
         for (int h = 0; h < L.per; ++h) {
           int32_t dot = 0;
-          for (int k = h * kd.sub; k < (h + 1) * kd.sub; ++k) {
-            const uint8_t byte = rec[code_index(kd.nibbles, j, k)];
-            const int u = kd.nibbles ? (k / 4 >= 4 ? byte >> 4 : byte & 0x0F) : byte;
-            dot += u * static_cast<int32_t>(xq[k]);
-          }
+          for (int k = h * kd.sub; k < (h + 1) * kd.sub; ++k) dot += code_at(rec, L, j, k) * static_cast<int32_t>(xq[k]);
           dot -= kd.offset * row.xsum[b * L.per + h];
           term += static_cast<int64_t>(c.s[h]) * (dot * row.m[b]);
         }
@@ -369,14 +444,61 @@ inline void store_columns(int64_t* acc, __m512i even, __m512i odd) {
   _mm512_storeu_si512(acc + 8, _mm512_permutex2var_epi64(even, second, odd));
 }
 
+// q6_k's top two bits into its codes' nibbles u[0..8): quad q's in bits 2 (q % 4) of row q / 4 of `bits`.
+inline void add_top_bits(const uint8_t* bits, __m512i* u) {
+  const __m512i three = _mm512_set1_epi8(3);
+  for (int row = 0; row < 2; ++row) {
+    const __m512i v = _mm512_loadu_si512(bits + 64 * row);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i two = _mm512_and_si512(_mm512_srli_epi16(v, 2 * i), three);  // bits of the byte itself
+      u[4 * row + i] = _mm512_or_si512(u[4 * row + i], _mm512_slli_epi16(two, 4));
+    }
+  }
+}
+
+inline __m512i plane_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// A SUPER record's scales of sub-block i for 16 columns (k_scale, column_scales): S = dm sc (q6_k:
+// both halves), E - top, and q4_k's M = -(dminm m), F - top.
+inline void super_scales(const uint8_t* head, int i, bool q6, __m512i top, __m512i* s0, __m512i* s1, __m512i* sexp,
+                         __m512i* mv, __m512i* mexp) {
+  __m512i dm;
+  decode_f16(head, top, &dm, sexp);
+  if (q6) {
+    const auto sc = [&](int t) {
+      return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 2 * GROUP + 16 * t)));
+    };
+    *s0 = _mm512_mullo_epi32(dm, sc(2 * i));
+    *s1 = _mm512_mullo_epi32(dm, sc(2 * i + 1));
+    return;
+  }
+  const uint8_t* planes = head + 4 * GROUP;
+  const auto byte = [&](int t) { return plane_u8(planes + 16 * t); };
+  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+  __m512i sc, m;
+  if (i < 4) {
+    sc = _mm512_and_si512(byte(i), low6);
+    m = _mm512_and_si512(byte(i + 4), low6);
+  } else {
+    const __m512i rest = byte(i + 4);
+    sc = _mm512_or_si512(_mm512_and_si512(rest, low4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i - 4), 6), 4));
+    m = _mm512_or_si512(_mm512_srli_epi32(rest, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i), 6), 4));
+  }
+  *s0 = _mm512_mullo_epi32(dm, sc);
+  __m512i mm;
+  decode_f16(head + 2 * GROUP, top, &mm, mexp);
+  *mv = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(mm, m));
+}
+
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
 // Each block dot runs as two independent vpdpbusd chains (an integer sum: any split gives the
 // same value).
-template <int R, bool F16, int KIND>
+template <int R, int FORM, int KIND>
 void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                   const int32_t* top, int64_t* acc) {
   constexpr QKind KD = KINDS[KIND];  // the kind's traits as constants: no branch left in the block loop
-  constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
+  constexpr bool NIBBLES = KD.nibbles || FORM == SUPER, HAS_MIN = KD.has_min;
+  constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
   constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
   const int term_bits = L.kind.term_bits;
   __m512i even[R], odd[R];
@@ -410,8 +532,13 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     } else {
       for (int q = 0; q < 8; ++q) u[q] = _mm512_loadu_si512(rec + q * 64);
     }
+    if constexpr (TOP_BITS) add_top_bits(rec + L.code_bytes, u);
     __m512i s0, sexp, mv = _mm512_setzero_si512(), mexp = mv;
-    if constexpr (F16) {
+    __m512i s1 = _mm512_setzero_si512();
+    if constexpr (FORM == SUPER) {
+      super_scales(super_head(rec, L, b), static_cast<int>(b % SUPER_BLOCKS), KIND == Q6K, topv, &s0, &s1, &sexp, &mv,
+                   &mexp);
+    } else if constexpr (FORM == F16) {
       decode_f16(rec + L.code_bytes, topv, &s0, &sexp);
       if constexpr (HAS_MIN) decode_f16(rec + L.min_at, topv, &mv, &mexp);
     } else {
@@ -424,9 +551,9 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     }
     // vpmuldq's operands: the even columns' int32 are the low halves as loaded, the odd ones shift there
     const __m512i s0_odd = odd_low(s0), m_odd = odd_low(mv);
-    __m512i s1 = s0, s1_odd = s0_odd;
-    if constexpr (PER == 2) {  // the second half's scales (q6_k: sub-blocks of 16, wide scales)
-      s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);
+    __m512i s1_odd = s0_odd;
+    if constexpr (PER == 2) {  // the second half's scales (q6_k: sub-blocks of 16)
+      if constexpr (FORM != SUPER) s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);
       s1_odd = odd_low(s1);
     }
     // The block's column shifts as 64-bit lanes once for all rows; a row adds its own, and only a
@@ -561,11 +688,57 @@ inline __m256i scaled_dots8(const int32_t* xq, const int32_t* xsum, __m256i m, i
   return _mm256_mullo_epi32(d32, m);
 }
 
-template <int R, bool F16, int KIND>
+// q6_k's top two bits into the nibbles of columns 8h..8h+7 (add_top_bits, eight columns).
+inline void add_top_bits8(const uint8_t* bits, int h, __m256i* u) {
+  const __m256i three = _mm256_set1_epi8(3);
+  for (int row = 0; row < 2; ++row) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + 64 * row + 32 * h));
+    for (int i = 0; i < 4; ++i) {
+      const __m256i two = _mm256_and_si256(_mm256_srli_epi16(v, 2 * i), three);
+      u[4 * row + i] = _mm256_or_si256(u[4 * row + i], _mm256_slli_epi16(two, 4));
+    }
+  }
+}
+
+inline __m256i plane_u8x8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// super_scales for columns 8h..8h+7.
+inline void super_scales8(const uint8_t* head, int i, bool q6, int h, __m256i top, __m256i* s0, __m256i* s1,
+                          __m256i* sexp, __m256i* mv, __m256i* mexp) {
+  __m256i dm;
+  decode_f16x8(head + 16 * h, top, &dm, sexp);
+  if (q6) {
+    const auto sc = [&](int t) { return load_i8x8(head + 2 * GROUP + 16 * t + 8 * h); };
+    *s0 = _mm256_mullo_epi32(dm, sc(2 * i));
+    *s1 = _mm256_mullo_epi32(dm, sc(2 * i + 1));
+    return;
+  }
+  const uint8_t* planes = head + 4 * GROUP + 8 * h;
+  const auto byte = [&](int t) { return plane_u8x8(planes + 16 * t); };
+  const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15);
+  __m256i sc, m;
+  if (i < 4) {
+    sc = _mm256_and_si256(byte(i), low6);
+    m = _mm256_and_si256(byte(i + 4), low6);
+  } else {
+    const __m256i rest = byte(i + 4);
+    sc = _mm256_or_si256(_mm256_and_si256(rest, low4), _mm256_slli_epi32(_mm256_srli_epi32(byte(i - 4), 6), 4));
+    m = _mm256_or_si256(_mm256_srli_epi32(rest, 4), _mm256_slli_epi32(_mm256_srli_epi32(byte(i), 6), 4));
+  }
+  *s0 = _mm256_mullo_epi32(dm, sc);
+  __m256i mm;
+  decode_f16x8(head + 2 * GROUP + 16 * h, top, &mm, mexp);
+  *mv = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(mm, m));
+}
+
+template <int R, int FORM, int KIND>
 void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                   const int32_t* top, int64_t* acc) {
   constexpr QKind KD = KINDS[KIND];  // the kind's traits as constants: no branch left in the block loop
-  constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
+  constexpr bool NIBBLES = KD.nibbles || FORM == SUPER, HAS_MIN = KD.has_min;
+  constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
   constexpr int PER = BLOCK / KD.sub;
   constexpr bool SIGNED = KD.code_bits == 8;  // q8_0: c = u - 128 as a signed byte
   const int term_bits = L.kind.term_bits;
@@ -592,12 +765,21 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
           if constexpr (SIGNED) u[q][h] = _mm256_xor_si256(u[q][h], _mm256_set1_epi8(static_cast<char>(0x80)));
         }
       }
+      if constexpr (TOP_BITS) {
+        __m256i half[8];
+        for (int q = 0; q < 8; ++q) half[q] = u[q][h];
+        add_top_bits8(rec + L.code_bytes, h, half);
+        for (int q = 0; q < 8; ++q) u[q][h] = half[q];
+      }
     }
-    __m256i s0[2], sexp[2], mv[2], mexp[2];
+    __m256i s0[2], sexp[2], mv[2], mexp[2], s1[2];
     for (int h = 0; h < 2; ++h) {
-      mv[h] = mexp[h] = _mm256_setzero_si256();
+      mv[h] = mexp[h] = s1[h] = _mm256_setzero_si256();
       const __m256i t = h == 0 ? top_lo : top_hi;
-      if constexpr (F16) {
+      if constexpr (FORM == SUPER) {
+        super_scales8(super_head(rec, L, b), static_cast<int>(b % SUPER_BLOCKS), KIND == Q6K, h, t, &s0[h], &s1[h],
+                      &sexp[h], &mv[h], &mexp[h]);
+      } else if constexpr (FORM == F16) {
         decode_f16x8(rec + L.code_bytes + 16 * h, t, &s0[h], &sexp[h]);
         if constexpr (HAS_MIN) decode_f16x8(rec + L.min_at + 16 * h, t, &mv[h], &mexp[h]);
       } else {
@@ -617,8 +799,9 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       m64[2 * h] = widen4_lo(mv[h]), m64[2 * h + 1] = widen4_hi(mv[h]);
       mexp64[2 * h] = widen4_lo(mexp[h]), mexp64[2 * h + 1] = widen4_hi(mexp[h]);
       if constexpr (PER == 2) {
-        const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 4 * GROUP + 32 * h));
-        s1_64[2 * h] = widen4_lo(s1), s1_64[2 * h + 1] = widen4_hi(s1);
+        if constexpr (FORM != SUPER)
+          s1[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 4 * GROUP + 32 * h));
+        s1_64[2 * h] = widen4_lo(s1[h]), s1_64[2 * h + 1] = widen4_hi(s1[h]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -662,11 +845,12 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
 // low int32 of each 64-bit lane: the odd columns shift down once, nothing widens), and a shift in
 // [0, 63] reads from its int32 lane by a mask (even) or a shift (odd); a negative count, which
 // only a zero term can have here, reads as more than 63 and adds 0, as the term itself would.
-template <int R, bool F16, int KIND>
+template <int R, int FORM, int KIND>
 void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                      const int32_t* top, int64_t* acc) {
   constexpr QKind KD = KINDS[KIND];
-  constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
+  constexpr bool NIBBLES = KD.nibbles || FORM == SUPER, HAS_MIN = KD.has_min;
+  constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
   constexpr int PER = BLOCK / KD.sub;
   constexpr bool SIGNED = KD.code_bits == 8;
   __m256i even[R][2], odd[R][2];  // [row][half]
@@ -679,7 +863,10 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
     for (int h = 0; h < 2; ++h) {
       const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8 * h));
       __m256i s0, sexp, mv = _mm256_setzero_si256(), mexp = mv, s1 = mv;
-      if constexpr (F16) {
+      if constexpr (FORM == SUPER) {
+        super_scales8(super_head(rec, L, b), static_cast<int>(b % SUPER_BLOCKS), KIND == Q6K, h, t, &s0, &s1, &sexp,
+                      &mv, &mexp);
+      } else if constexpr (FORM == F16) {
         decode_f16x8(rec + L.code_bytes + 16 * h, t, &s0, &sexp);
         if constexpr (HAS_MIN) decode_f16x8(rec + L.min_at + 16 * h, t, &mv, &mexp);
       } else {
@@ -695,7 +882,13 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
       const __m256i m_odd = _mm256_srli_epi64(mv, 32);
       // quad q of this half's 8 columns as bytes (R == 1 reads them where they are used)
       const auto codes = [&](int q) {
-        if constexpr (NIBBLES) {
+        if constexpr (TOP_BITS) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (q % 4) * 64 + 32 * h));
+          const __m256i low = q < 4 ? _mm256_and_si256(v, nib) : _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 64 * (q / 4) + 32 * h));
+          const __m256i two = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (q % 4)), _mm256_set1_epi8(3));
+          return _mm256_or_si256(low, _mm256_slli_epi16(two, 4));
+        } else if constexpr (NIBBLES) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (q % 4) * 64 + 32 * h));
           return q < 4 ? _mm256_and_si256(v, nib) : _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         } else {
@@ -767,7 +960,7 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
                 int64_t g, int shift0, const int32_t* top, int64_t* acc) {
 #if defined(TF_QUANT_VNNI) || defined(TF_QUANT_AVX2)
   const int32_t* lows = reinterpret_cast<const int32_t*>(packed + L.lows) + 2 * g;
-  const auto tiles = [&](auto f16, auto kind_id) {
+  const auto tiles = [&](auto form, auto kind_id) {
     by_row_tiles(r0, r1, [&](auto tile_rows, int64_t r) {
       constexpr int R = decltype(tile_rows)::value;
 #if defined(TF_QUANT_AVX2)
@@ -776,27 +969,33 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
         checked = checked || lows[0] + rows[r + i].kmin + shift0 < 0 ||
                   (L.kind.has_min && lows[1] + rows[r + i].smin + shift0 < 0);
       if (!checked)
-        return group_unchecked<R, decltype(f16)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
-                                                                                   acc + (r - r0) * GROUP);
+        return group_unchecked<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
+                                                                                    acc + (r - r0) * GROUP);
 #endif
-      group_vector<R, decltype(f16)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
-                                                                      acc + (r - r0) * GROUP);
+      group_vector<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
+                                                                       acc + (r - r0) * GROUP);
     });
   };
-  const auto by_kind = [&](auto f16) {
+  const auto by_kind = [&](auto form) {
     switch (kind) {  // quant_gemm.TYPES order, as KINDS
-      case 0: return tiles(f16, std::integral_constant<int, 0>{});
-      case 1: return tiles(f16, std::integral_constant<int, 1>{});
-      case 2: return tiles(f16, std::integral_constant<int, 2>{});
-      case 3: return tiles(f16, std::integral_constant<int, 3>{});
-      case 4: return tiles(f16, std::integral_constant<int, 4>{});
-      default: return tiles(f16, std::integral_constant<int, 5>{});
+      case 0: return tiles(form, std::integral_constant<int, 0>{});
+      case 1: return tiles(form, std::integral_constant<int, 1>{});
+      case 2: return tiles(form, std::integral_constant<int, 2>{});
+      case 3: return tiles(form, std::integral_constant<int, 3>{});
+      case 4: return tiles(form, std::integral_constant<int, 4>{});
+      default: return tiles(form, std::integral_constant<int, 5>{});
     }
   };
-  if (L.f16)
-    by_kind(std::true_type{});
-  else
-    by_kind(std::false_type{});
+  if (L.form == SUPER) {  // q4_k or q6_k only
+    if (kind == Q4K)
+      tiles(std::integral_constant<int, SUPER>{}, std::integral_constant<int, Q4K>{});
+    else
+      tiles(std::integral_constant<int, SUPER>{}, std::integral_constant<int, Q6K>{});
+  } else if (L.form == F16) {
+    by_kind(std::integral_constant<int, F16>{});
+  } else {
+    by_kind(std::integral_constant<int, WIDE>{});
+  }
 #else
   (void)kind;
   group_scalar(L, packed, rows, r0, r1, g, shift0, top, acc);
@@ -856,7 +1055,7 @@ void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
     const QuantJob& q = jobs[i];
     if (q.M == 0 || q.N == 0) continue;
     const Header* h = reinterpret_cast<const Header*>(q.packed);
-    const Layout L(static_cast<int>(h->kind), h->f16 != 0, q.N, q.K);
+    const Layout L(static_cast<int>(h->kind), static_cast<int>(h->form), q.N, q.K);
     const int log_terms = log2_ceil(L.blocks * (L.kind.has_min ? 2 : 1));
     js.push_back({&q, L, log_terms, 62 - log_terms - L.kind.term_bits, total_rows});
     total_rows += q.M;
@@ -911,20 +1110,113 @@ bool f16_scales(int kind, const int32_t* scale, const int32_t* scale_exp, const 
   return true;
 }
 
+// The values v[0..n) (stride apart) as f dm with one float16 significand dm at exponent e and
+// every factor f in [lo, hi]: a K-quant super-block's S = dm sc (or M = -dminm m) as the file
+// had it. Any such dm gives the same products, so the first found serves; false where none exists
+// (scales that did not come from a K-quant file).
+bool factor_scales(const int32_t* v, int n, int64_t stride, int e, int lo, int hi, int32_t* dm, int32_t* f) {
+  int64_t vmax = 0;
+  for (int i = 0; i < n; ++i) vmax = std::max<int64_t>(vmax, std::abs(static_cast<int64_t>(v[i * stride])));
+  if (vmax == 0) {  // all zero: any float16 at e
+    for (int32_t cand : {0, 1024}) {
+      if (float16_bits(cand, e) < 0) continue;
+      *dm = cand;
+      std::fill_n(f, n, 0);
+      return true;
+    }
+    return false;
+  }
+  for (int64_t c = 1; c <= std::max(-lo, hi); ++c) {
+    if (vmax % c != 0) continue;
+    for (int sign : {1, -1}) {
+      const int64_t d = sign * (vmax / c);
+      if (float16_bits(static_cast<int32_t>(d), e) < 0) continue;
+      bool ok = true;
+      for (int i = 0; i < n && ok; ++i) {
+        const int64_t x = v[i * stride];
+        ok = x % d == 0 && x / d >= lo && x / d <= hi;
+        if (ok) f[i] = static_cast<int32_t>(x / d);
+      }
+      if (ok) {
+        *dm = static_cast<int32_t>(d);
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// One column's super-block sb in the SUPER form: d's and dmin's float16 bits, the sub-block
+// factors (q4_k: sc and m, 8 each; q6_k: sc, 16). False where the scales do not factor so.
+struct SuperScales {
+  uint16_t d = 0, dmin = 0;
+  int32_t sc[16] = {}, m[8] = {};
+};
+
+bool super_scales_of(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
+                     const int32_t* min_exp, int64_t n, int64_t sb, int64_t K, SuperScales* out) {
+  const int64_t blocks = K / BLOCK, b0 = n * blocks + sb * SUPER_BLOCKS;
+  for (int i = 1; i < SUPER_BLOCKS; ++i)
+    if (scale_exp[b0 + i] != scale_exp[b0] || (min_exp != nullptr && min_exp[b0 + i] != min_exp[b0])) return false;
+  int32_t dm;
+  if (kind == Q6K) {
+    if (!factor_scales(scale + n * (K / 16) + sb * 16, 16, 1, scale_exp[b0], -128, 127, &dm, out->sc)) return false;
+    out->d = static_cast<uint16_t>(float16_bits(dm, scale_exp[b0]));
+    return true;
+  }
+  if (!factor_scales(scale + b0, SUPER_BLOCKS, 1, scale_exp[b0], 0, 63, &dm, out->sc)) return false;
+  out->d = static_cast<uint16_t>(float16_bits(dm, scale_exp[b0]));
+  int32_t neg;  // M = neg m with neg = -dminm
+  if (!factor_scales(min + b0, SUPER_BLOCKS, 1, min_exp[b0], 0, 63, &neg, out->m)) return false;
+  if (float16_bits(-neg, min_exp[b0]) < 0) return false;
+  out->dmin = static_cast<uint16_t>(float16_bits(-neg, min_exp[b0]));
+  return true;
+}
+
+// The form a weight packs in: SUPER for q4_k and q6_k whose scales factor as their file's do,
+// F16 for the 32-weight types with float16 scales, else WIDE.
+int form_of(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min, const int32_t* min_exp,
+            int64_t N, int64_t K) {
+  if (f16_scales(kind, scale, scale_exp, min, min_exp, N, K)) return F16;
+  if ((kind != Q4K && kind != Q6K) || K % (BLOCK * SUPER_BLOCKS) != 0) return WIDE;
+  SuperScales s;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t sb = 0; sb < K / (BLOCK * SUPER_BLOCKS); ++sb)
+      if (!super_scales_of(kind, scale, scale_exp, min, min_exp, n, sb, K, &s)) return WIDE;
+  return SUPER;
+}
+
+// Column j of a SUPER record's head (head: the record's start) from its super-block's scales.
+void write_super_head(int kind, const SuperScales& s, int j, uint8_t* head) {
+  std::memcpy(head + 2 * j, &s.d, 2);
+  if (kind == Q6K) {
+    for (int t = 0; t < 16; ++t) head[2 * GROUP + 16 * t + j] = static_cast<uint8_t>(static_cast<int8_t>(s.sc[t]));
+    return;
+  }
+  std::memcpy(head + 2 * GROUP + 2 * j, &s.dmin, 2);
+  uint8_t bytes[12];  // k_scale's packing, inverted
+  for (int i = 0; i < 4; ++i) {
+    bytes[i] = static_cast<uint8_t>((s.sc[i] & 63) | ((s.sc[i + 4] >> 4) << 6));
+    bytes[i + 4] = static_cast<uint8_t>((s.m[i] & 63) | ((s.m[i + 4] >> 4) << 6));
+    bytes[i + 8] = static_cast<uint8_t>((s.sc[i + 4] & 15) | ((s.m[i + 4] & 15) << 4));
+  }
+  for (int t = 0; t < 12; ++t) head[4 * GROUP + 16 * t + j] = bytes[t];
+}
+
 }  // namespace
 
 int64_t quant_packed_bytes(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
                            const int32_t* min_exp, int64_t N, int64_t K) {
-  return Layout(kind, f16_scales(kind, scale, scale_exp, min, min_exp, N, K), N, K).total;
+  return Layout(kind, form_of(kind, scale, scale_exp, min, min_exp, N, K), N, K).total;
 }
 
 void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
                 const int32_t* min_exp, uint8_t* packed, int64_t N, int64_t K) {
-  const bool f16 = f16_scales(kind, scale, scale_exp, min, min_exp, N, K);
-  const Layout L(kind, f16, N, K);
+  const int form = form_of(kind, scale, scale_exp, min, min_exp, N, K);
+  const Layout L(kind, form, N, K);
   const QKind& kd = L.kind;
   std::memset(packed, 0, L.total);
-  const Header h{MAGIC, kind, N, K, f16 ? 1 : 0};
+  const Header h{MAGIC, kind, N, K, form};
   std::memcpy(packed, &h, sizeof(h));
   int32_t* top = reinterpret_cast<int32_t*>(packed + L.top);
   int32_t* lows = reinterpret_cast<int32_t*>(packed + L.lows);
@@ -946,13 +1238,24 @@ void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32
       if (kd.has_min && min[n * L.blocks + b] != 0) lows[2 * g + 1] = std::min(lows[2 * g + 1], min_exp[n * L.blocks + b] - t);
     }
     for (int64_t b = 0; b < L.blocks; ++b) {
-      uint8_t* rec = packed + 64 + (g * L.blocks + b) * L.record;
+      uint8_t* rec = const_cast<uint8_t*>(record_at(packed, L, g, b));
+      const bool nibbles = kd.nibbles || form == SUPER;
       for (int k = 0; k < BLOCK; ++k) {
         const uint8_t u = static_cast<uint8_t>(codes[n * K + b * BLOCK + k] + kd.offset);
-        rec[code_index(kd.nibbles, j, k)] |= kd.nibbles && k / 4 >= 4 ? static_cast<uint8_t>(u << 4) : u;
+        rec[code_index(nibbles, j, k)] |= nibbles && k / 4 >= 4 ? static_cast<uint8_t>((u & 15) << 4) : (nibbles ? u & 15 : u);
+        if (form == SUPER && kind == Q6K)  // code_at's top two bits
+          rec[L.code_bytes + (k / 16) * 64 + j * 4 + k % 4] |= static_cast<uint8_t>((u >> 4) << (2 * ((k / 4) % 4)));
       }
       const int64_t nb = n * L.blocks + b;
-      if (f16) {
+      if (form == SUPER) {
+        if (b % SUPER_BLOCKS == 0) {
+          SuperScales s;
+          super_scales_of(kind, scale, scale_exp, min, min_exp, n, b / SUPER_BLOCKS, K, &s);
+          write_super_head(kind, s, j, const_cast<uint8_t*>(super_head(rec, L, b)));
+        }
+        continue;
+      }
+      if (form == F16) {
         const uint16_t d = static_cast<uint16_t>(float16_bits(scale[nb], scale_exp[nb]));
         std::memcpy(rec + L.code_bytes + 2 * j, &d, 2);
         if (kd.has_min) {
@@ -976,13 +1279,15 @@ void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32
 bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64_t K) {
   if (bytes < static_cast<int64_t>(sizeof(Header))) return false;
   const Header* h = reinterpret_cast<const Header*>(packed);
-  return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < 6 && (h->f16 == 0 || h->f16 == 1) &&
-         bytes == Layout(static_cast<int>(h->kind), h->f16 != 0, N, K).total;
+  const bool form_ok = h->form == WIDE || h->form == F16 ||
+                       (h->form == SUPER && (h->kind == Q4K || h->kind == Q6K) && K % (BLOCK * SUPER_BLOCKS) == 0);
+  return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < 6 && form_ok &&
+         bytes == Layout(static_cast<int>(h->kind), static_cast<int>(h->form), N, K).total;
 }
 
 void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float* out, int64_t N, int64_t K) {
   const Header* h = reinterpret_cast<const Header*>(packed);
-  const Layout L(static_cast<int>(h->kind), h->f16 != 0, N, K);
+  const Layout L(static_cast<int>(h->kind), static_cast<int>(h->form), N, K);
   const QKind& kd = L.kind;
   const int32_t* top = reinterpret_cast<const int32_t*>(packed + L.top);
   for (int64_t i = 0; i < count; ++i) {
@@ -990,11 +1295,10 @@ void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float*
     const int j = static_cast<int>(n % GROUP);
     for (int64_t b = 0; b < L.blocks; ++b) {
       const uint8_t* rec = record_at(packed, L, g, b);
-      const ColumnScales c = column_scales(rec, L, j, top[n]);
+      const ColumnScales c = column_scales(rec, L, b, j, top[n]);
       const float low = kd.has_min ? static_cast<float>(static_cast<double>(c.min) * pow2(c.mexp + top[n])) : 0.0f;
       for (int k = 0; k < BLOCK; ++k) {
-        const uint8_t byte = rec[code_index(kd.nibbles, j, k)];
-        const int code = (kd.nibbles ? (k / 4 >= 4 ? byte >> 4 : byte & 0x0F) : byte) - kd.offset;
+        const int code = code_at(rec, L, j, k) - kd.offset;
         const int64_t sc = c.s[k / kd.sub];
         float w = static_cast<float>(static_cast<double>(sc * code) * pow2(c.sexp + top[n]));
         if (kd.has_min) w = w + low;
