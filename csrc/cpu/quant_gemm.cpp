@@ -458,36 +458,38 @@ inline void add_top_bits(const uint8_t* bits, __m512i* u) {
 
 inline __m512i plane_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// A SUPER record's scales of sub-block i for 16 columns (k_scale, column_scales): S = dm sc (q6_k:
-// both halves), E - top, and q4_k's M = -(dminm m), F - top.
-inline void super_scales(const uint8_t* head, int i, bool q6, __m512i top, __m512i* s0, __m512i* s1, __m512i* sexp,
-                         __m512i* mv, __m512i* mexp) {
+// A SUPER record's scales for 16 columns (k_scale, column_scales), once per super-block: into
+// sup, S = dm sc of each sub-block (q4_k: sup[0..8), then M = -(dminm m) in sup[8..16); q6_k:
+// sup[0..16)), and the shifts E - top and q4_k's F - top.
+inline void super_scales(const uint8_t* head, bool q6, __m512i top, int32_t (*sup)[GROUP], __m512i* sexp,
+                         __m512i* mexp) {
   __m512i dm;
   decode_f16(head, top, &dm, sexp);
   if (q6) {
-    const auto sc = [&](int t) {
-      return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 2 * GROUP + 16 * t)));
-    };
-    *s0 = _mm512_mullo_epi32(dm, sc(2 * i));
-    *s1 = _mm512_mullo_epi32(dm, sc(2 * i + 1));
+    for (int t = 0; t < 16; ++t) {
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 2 * GROUP + 16 * t)));
+      _mm512_store_si512(sup[t], _mm512_mullo_epi32(dm, sc));
+    }
     return;
   }
+  __m512i mm;
+  decode_f16(head + 2 * GROUP, top, &mm, mexp);
   const uint8_t* planes = head + 4 * GROUP;
   const auto byte = [&](int t) { return plane_u8(planes + 16 * t); };
   const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
-  __m512i sc, m;
-  if (i < 4) {
-    sc = _mm512_and_si512(byte(i), low6);
-    m = _mm512_and_si512(byte(i + 4), low6);
-  } else {
-    const __m512i rest = byte(i + 4);
-    sc = _mm512_or_si512(_mm512_and_si512(rest, low4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i - 4), 6), 4));
-    m = _mm512_or_si512(_mm512_srli_epi32(rest, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i), 6), 4));
+  for (int i = 0; i < SUPER_BLOCKS; ++i) {
+    __m512i sc, m;
+    if (i < 4) {
+      sc = _mm512_and_si512(byte(i), low6);
+      m = _mm512_and_si512(byte(i + 4), low6);
+    } else {
+      const __m512i rest = byte(i + 4);
+      sc = _mm512_or_si512(_mm512_and_si512(rest, low4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i - 4), 6), 4));
+      m = _mm512_or_si512(_mm512_srli_epi32(rest, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i), 6), 4));
+    }
+    _mm512_store_si512(sup[i], _mm512_mullo_epi32(dm, sc));
+    _mm512_store_si512(sup[SUPER_BLOCKS + i], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(mm, m)));
   }
-  *s0 = _mm512_mullo_epi32(dm, sc);
-  __m512i mm;
-  decode_f16(head + 2 * GROUP, top, &mm, mexp);
-  *mv = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(mm, m));
 }
 
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
@@ -520,6 +522,8 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   }
   const __m512i topv = _mm512_loadu_si512(top);
   const int64_t ahead = prefetch_distance(L, r0);
+  alignas(64) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales)
+  __m512i sup_sexp = _mm512_setzero_si512(), sup_mexp = sup_sexp;
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m512i u[8];
@@ -535,9 +539,14 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     if constexpr (TOP_BITS) add_top_bits(rec + L.code_bytes, u);
     __m512i s0, sexp, mv = _mm512_setzero_si512(), mexp = mv;
     __m512i s1 = _mm512_setzero_si512();
-    if constexpr (FORM == SUPER) {
-      super_scales(super_head(rec, L, b), static_cast<int>(b % SUPER_BLOCKS), KIND == Q6K, topv, &s0, &s1, &sexp, &mv,
-                   &mexp);
+    if constexpr (FORM == SUPER) {  // the super-block's scales decoded at its first block
+      const int i = static_cast<int>(b % SUPER_BLOCKS);
+      if (i == 0) super_scales(super_head(rec, L, b), KIND == Q6K, topv, sup, &sup_sexp, &sup_mexp);
+      s0 = _mm512_load_si512(sup[KIND == Q6K ? 2 * i : i]);
+      if constexpr (KIND == Q6K) s1 = _mm512_load_si512(sup[2 * i + 1]);
+      if constexpr (HAS_MIN) mv = _mm512_load_si512(sup[SUPER_BLOCKS + i]);
+      sexp = sup_sexp;
+      mexp = sup_mexp;
     } else if constexpr (FORM == F16) {
       decode_f16(rec + L.code_bytes, topv, &s0, &sexp);
       if constexpr (HAS_MIN) decode_f16(rec + L.min_at, topv, &mv, &mexp);
@@ -704,33 +713,45 @@ inline __m256i plane_u8x8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// super_scales for columns 8h..8h+7.
-inline void super_scales8(const uint8_t* head, int i, bool q6, int h, __m256i top, __m256i* s0, __m256i* s1,
-                          __m256i* sexp, __m256i* mv, __m256i* mexp) {
+// super_scales for columns 8h..8h+7: into sup[t][8h..8h + 8).
+inline void super_scales8(const uint8_t* head, bool q6, int h, __m256i top, int32_t (*sup)[GROUP], __m256i* sexp,
+                          __m256i* mexp) {
   __m256i dm;
   decode_f16x8(head + 16 * h, top, &dm, sexp);
+  const auto put = [&](int t, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(sup[t] + 8 * h), v); };
   if (q6) {
-    const auto sc = [&](int t) { return load_i8x8(head + 2 * GROUP + 16 * t + 8 * h); };
-    *s0 = _mm256_mullo_epi32(dm, sc(2 * i));
-    *s1 = _mm256_mullo_epi32(dm, sc(2 * i + 1));
+    for (int t = 0; t < 16; ++t) put(t, _mm256_mullo_epi32(dm, load_i8x8(head + 2 * GROUP + 16 * t + 8 * h)));
     return;
   }
+  __m256i mm;
+  decode_f16x8(head + 2 * GROUP + 16 * h, top, &mm, mexp);
   const uint8_t* planes = head + 4 * GROUP + 8 * h;
   const auto byte = [&](int t) { return plane_u8x8(planes + 16 * t); };
   const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15);
-  __m256i sc, m;
-  if (i < 4) {
-    sc = _mm256_and_si256(byte(i), low6);
-    m = _mm256_and_si256(byte(i + 4), low6);
-  } else {
-    const __m256i rest = byte(i + 4);
-    sc = _mm256_or_si256(_mm256_and_si256(rest, low4), _mm256_slli_epi32(_mm256_srli_epi32(byte(i - 4), 6), 4));
-    m = _mm256_or_si256(_mm256_srli_epi32(rest, 4), _mm256_slli_epi32(_mm256_srli_epi32(byte(i), 6), 4));
+  for (int i = 0; i < SUPER_BLOCKS; ++i) {
+    __m256i sc, m;
+    if (i < 4) {
+      sc = _mm256_and_si256(byte(i), low6);
+      m = _mm256_and_si256(byte(i + 4), low6);
+    } else {
+      const __m256i rest = byte(i + 4);
+      sc = _mm256_or_si256(_mm256_and_si256(rest, low4), _mm256_slli_epi32(_mm256_srli_epi32(byte(i - 4), 6), 4));
+      m = _mm256_or_si256(_mm256_srli_epi32(rest, 4), _mm256_slli_epi32(_mm256_srli_epi32(byte(i), 6), 4));
+    }
+    put(i, _mm256_mullo_epi32(dm, sc));
+    put(SUPER_BLOCKS + i, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(mm, m)));
   }
-  *s0 = _mm256_mullo_epi32(dm, sc);
-  __m256i mm;
-  decode_f16x8(head + 2 * GROUP + 16 * h, top, &mm, mexp);
-  *mv = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(mm, m));
+}
+
+// Sub-block i's scales of columns 8h..8h+7 from super_scales8's sup.
+inline void super_block_scales8(const int32_t (*sup)[GROUP], int i, bool q6, int h, __m256i* s0, __m256i* s1,
+                                __m256i* mv) {
+  const auto get = [&](int t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup[t] + 8 * h)); };
+  *s0 = get(q6 ? 2 * i : i);
+  if (q6)
+    *s1 = get(2 * i + 1);
+  else
+    *mv = get(SUPER_BLOCKS + i);
 }
 
 template <int R, int FORM, int KIND>
@@ -749,6 +770,8 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   const __m256i top_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
   const __m256i top_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8));
   const int64_t ahead = prefetch_distance(L, r0);
+  alignas(32) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales8), both halves
+  __m256i sup_sexp[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sup_mexp[2] = {sup_sexp[0], sup_sexp[0]};
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m256i u[8][2];  // quad q, columns 8h..8h+7
@@ -776,9 +799,12 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     for (int h = 0; h < 2; ++h) {
       mv[h] = mexp[h] = s1[h] = _mm256_setzero_si256();
       const __m256i t = h == 0 ? top_lo : top_hi;
-      if constexpr (FORM == SUPER) {
-        super_scales8(super_head(rec, L, b), static_cast<int>(b % SUPER_BLOCKS), KIND == Q6K, h, t, &s0[h], &s1[h],
-                      &sexp[h], &mv[h], &mexp[h]);
+      if constexpr (FORM == SUPER) {  // the super-block's scales decoded at its first block
+        const int i = static_cast<int>(b % SUPER_BLOCKS);
+        if (i == 0) super_scales8(super_head(rec, L, b), KIND == Q6K, h, t, sup, &sup_sexp[h], &sup_mexp[h]);
+        super_block_scales8(sup, i, KIND == Q6K, h, &s0[h], &s1[h], &mv[h]);
+        sexp[h] = sup_sexp[h];
+        mexp[h] = sup_mexp[h];
       } else if constexpr (FORM == F16) {
         decode_f16x8(rec + L.code_bytes + 16 * h, t, &s0[h], &sexp[h]);
         if constexpr (HAS_MIN) decode_f16x8(rec + L.min_at + 16 * h, t, &mv[h], &mexp[h]);
@@ -858,14 +884,19 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
     for (int h = 0; h < 2; ++h) even[r][h] = odd[r][h] = _mm256_setzero_si256();
   const __m256i nib = _mm256_set1_epi8(0x0F), low32 = _mm256_set1_epi64x(0xFFFFFFFF);
   const int64_t ahead = prefetch_distance(L, r0);
+  alignas(32) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales8), both halves
+  __m256i sup_sexp[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sup_mexp[2] = {sup_sexp[0], sup_sexp[0]};
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     for (int h = 0; h < 2; ++h) {
       const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8 * h));
       __m256i s0, sexp, mv = _mm256_setzero_si256(), mexp = mv, s1 = mv;
-      if constexpr (FORM == SUPER) {
-        super_scales8(super_head(rec, L, b), static_cast<int>(b % SUPER_BLOCKS), KIND == Q6K, h, t, &s0, &s1, &sexp,
-                      &mv, &mexp);
+      if constexpr (FORM == SUPER) {  // the super-block's scales decoded at its first block
+        const int i = static_cast<int>(b % SUPER_BLOCKS);
+        if (i == 0) super_scales8(super_head(rec, L, b), KIND == Q6K, h, t, sup, &sup_sexp[h], &sup_mexp[h]);
+        super_block_scales8(sup, i, KIND == Q6K, h, &s0, &s1, &mv);
+        sexp = sup_sexp[h];
+        mexp = sup_mexp[h];
       } else if constexpr (FORM == F16) {
         decode_f16x8(rec + L.code_bytes + 16 * h, t, &s0, &sexp);
         if constexpr (HAS_MIN) decode_f16x8(rec + L.min_at + 16 * h, t, &mv, &mexp);
