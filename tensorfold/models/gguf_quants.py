@@ -26,10 +26,12 @@ Packing, within a block:
   4 bits in nibble s of ql byte 64 h + i, and weight h 128 + 32 t + i (i < 32) its top 2 bits in
   bits 2t..2t+1 of qh byte 32 h + i.
 """
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
 from tensorfold.kernels.quant_gemm import QuantWeight, from_legacy, significand
+from tensorfold.models.checkpoint import CheckpointError
 
 BLOCK_SIZE = 32
 QK = 256  # weights per K-quant super-block
@@ -169,3 +171,33 @@ def quant_weight(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> Qua
     mm, me = significand(dmin)
     return QuantWeight(kind, q.to(torch.int8).reshape(n, k), (dm * sc.to(torch.int32)).reshape(n, k // BLOCK_SIZE),
                        per_32(de), (-(mm * m.to(torch.int32))).reshape(n, k // BLOCK_SIZE), per_32(me))
+
+
+class FileBlocks:
+    """A matrix in blocks, left in its file until load(): a checkpoint of these holds no weight
+    bytes, so a model built from it unpacks, packs and drops one matrix at a time, and the load
+    never holds the model twice (the file's pages are read, not mapped, so they do not stay
+    resident either). `order` (rows, optional) is applied on load: GGUF's Q/K row permutation."""
+
+    def __init__(self, path: str, offset: int, nbytes: int, qtype: QType, shape: tuple[int, int], name: str,
+                 order: torch.Tensor | None = None):
+        if qtype not in KEPT_TYPES:
+            raise ValueError(f"{getattr(qtype, 'name', qtype)} tensors are not kept in blocks")
+        self.path, self.offset, self.nbytes, self.qtype, self.name = path, offset, nbytes, qtype, name
+        self.shape, self.order = tuple(shape), order
+        self.kind = KIND_NAMES[qtype]
+
+    def load(self) -> QuantWeight:
+        """The blocks as a QuantWeight, read from the file now; a bad block (an infinite scale)
+        is a CheckpointError naming the file and the tensor."""
+        raw = torch.from_numpy(np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.offset))
+        if raw.numel() != self.nbytes:
+            raise CheckpointError(f"{self.path}: tensor {self.name} is cut short ({raw.numel()} of {self.nbytes} bytes)")
+        try:
+            weight = quant_weight(raw, self.qtype, self.shape)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: tensor {self.name} ({self.qtype.name}): {e}") from e
+        return weight if self.order is None else weight.rows(self.order)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.load().dequantize()

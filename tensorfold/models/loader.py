@@ -39,9 +39,10 @@ def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
     """--quantize: every dense GEMM matrix of `ckpt` to `kind` blocks, in place (deterministic:
     gguf's quantizer, byte for byte). A checkpoint already in blocks is refused."""
     from tensorfold.kernels.quant_gemm import QuantWeight
+    from tensorfold.models.gguf_quants import FileBlocks
     from tensorfold.models.quantize import quantize
 
-    if any(isinstance(t, QuantWeight) for t in ckpt.tensors.values()):
+    if any(isinstance(t, (QuantWeight, FileBlocks)) for t in ckpt.tensors.values()):
         raise CheckpointError(f"{ckpt.path}: --quantize is for dense checkpoints; this one is already in blocks "
                               "(served as stored)")
     split_stacked_experts(ckpt.tensors)

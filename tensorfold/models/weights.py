@@ -9,6 +9,7 @@ import torch
 
 from tensorfold.kernels import quant_gemm
 from tensorfold.models.checkpoint import CheckpointError
+from tensorfold.models.gguf_quants import FileBlocks
 
 
 class WeightReader:
@@ -53,8 +54,11 @@ class WeightReader:
         """A GEMM matrix as stored for the op set: quantized blocks stay blocks (on the device),
         dense ones become the dtype."""
         full = self.prefix + name
-        if isinstance(self.tensors.get(full), quant_gemm.QuantWeight):
-            return self.tensors[full].to(self.device)
+        stored = self.tensors.get(full)
+        if isinstance(stored, FileBlocks):  # read from its file now, and not kept here
+            return stored.load().to(self.device)
+        if isinstance(stored, quant_gemm.QuantWeight):
+            return stored.to(self.device)
         return self.dense(name)
 
     def linear(self, *names: str, biases: tuple[str, ...] = ()):

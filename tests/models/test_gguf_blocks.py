@@ -24,7 +24,7 @@ from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.gguf_file import default_model_path, load_gguf
-from tensorfold.models.gguf_quants import KEPT_TYPES, KIND_NAMES, dequantize, quant_weight
+from tensorfold.models.gguf_quants import KEPT_TYPES, KIND_NAMES, FileBlocks, dequantize, quant_weight
 from tensorfold.models.quantize import QTYPES, gguf_blocks, quantize
 from test_quant_gemm import frexp16, shift_round  # the legacy types' oracle's integer helpers
 
@@ -287,6 +287,8 @@ def test_k_quant_linear_equals_the_integer_oracle(qtype):
 def assert_kept_equals_dense(kept: dict, dense: dict, expect_kinds: dict[str, str]):
     assert set(kept) == set(dense)
     for name, weight in kept.items():
+        if isinstance(weight, FileBlocks):  # left in the file until asked for
+            weight = weight.load()
         assert (weight.kind if isinstance(weight, QuantWeight) else None) == expect_kinds.get(name), name
         floats = weight.dequantize() if isinstance(weight, QuantWeight) else weight
         np.testing.assert_array_equal(floats.numpy().view(np.uint32), dense[name].numpy().view(np.uint32),
