@@ -19,12 +19,14 @@ void linear(int dtype, const void* x, const void* packed, void* out, int64_t M, 
 // The exact quantized GEMM (kernels/quant_gemm.py): x [M, K] against w [N, K] in blocks, packed
 // once by pack_quant from the reference's QuantWeight fields (kind: the index in
 // quant_gemm.TYPES; codes [N, K], scale [N, K / sub], scale_exp, min, min_exp [N, K / 32]; min and
-// min_exp null for the types without a minimum) into quant_packed_bytes(...) bytes, which carry
-// their kind and shape (quant_packed_matches checks them). out [M, N] in x's dtype.
-int64_t quant_packed_bytes(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
-                           const int32_t* min_exp, int64_t N, int64_t K);
-void pack_quant(int kind, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
-                const int32_t* min_exp, uint8_t* packed, int64_t N, int64_t K);
+// min_exp null for the types without a minimum) into quant_packed_bytes(kind, form, N, K) bytes,
+// form = quant_pack_form(...) (how the scales are kept), which carry their kind and shape
+// (quant_packed_matches checks them). out [M, N] in x's dtype.
+int quant_pack_form(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
+                    const int32_t* min_exp, int64_t N, int64_t K, int threads);
+int64_t quant_packed_bytes(int kind, int form, int64_t N, int64_t K);
+void pack_quant(int kind, int form, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp,
+                const int32_t* min, const int32_t* min_exp, uint8_t* packed, int64_t N, int64_t K, int threads);
 bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64_t K);
 // Rows `ids` of a packed weight as float32 [count, K] (QuantWeight.rows(ids).dequantize()).
 void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float* out, int64_t N, int64_t K);

@@ -90,11 +90,11 @@ torch::Tensor pack_quant(const std::string& kind, const torch::Tensor& codes, co
   }
   const int32_t* mp = has_min ? mc.data_ptr<int32_t>() : nullptr;
   const int32_t* mep = has_min ? me.data_ptr<int32_t>() : nullptr;
-  auto packed = torch::empty(
-      {tf::quant_packed_bytes(k, sc.data_ptr<int32_t>(), se.data_ptr<int32_t>(), mp, mep, n, kk)}, torch::kUInt8);
-  tf::pack_quant(k, cc.data_ptr<int8_t>(), sc.data_ptr<int32_t>(), se.data_ptr<int32_t>(),
-                 has_min ? mc.data_ptr<int32_t>() : nullptr, has_min ? me.data_ptr<int32_t>() : nullptr,
-                 packed.data_ptr<uint8_t>(), n, kk);
+  const int nt = threads();
+  const int form = tf::quant_pack_form(k, sc.data_ptr<int32_t>(), se.data_ptr<int32_t>(), mp, mep, n, kk, nt);
+  auto packed = torch::empty({tf::quant_packed_bytes(k, form, n, kk)}, torch::kUInt8);
+  tf::pack_quant(k, form, cc.data_ptr<int8_t>(), sc.data_ptr<int32_t>(), se.data_ptr<int32_t>(), mp, mep,
+                 packed.data_ptr<uint8_t>(), n, kk, nt);
   return packed;
 }
 
