@@ -29,6 +29,7 @@ from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.kernels import quant_gemm
 from tensorfold.kernels.delta_net import decay_rate
 from tensorfold.kernels.quant_gemm import QuantWeight
+from tensorfold.models.gguf_quants import FileBlocks
 from tensorfold.models import qwen3_5
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
@@ -62,7 +63,7 @@ def q8_loaded(q8):
     _, hf_dir, path = q8
     reference = load_hf_dir(hf_dir)
     quantize_checkpoint(reference, "q8_0")
-    return load_gguf(path, keep_quantized=True), reference
+    return load_blocks(path), reference
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)
@@ -76,6 +77,13 @@ def k_quants(request, tmp_path_factory, smollm2_tokenizer):
 def _text_tensors(hf_dir: str) -> dict:
     return {name.replace("model.language_model.", "model.", 1): t for name, t in load_hf_dir(hf_dir).tensors.items()
             if not name.startswith("model.visual.")}
+
+
+def load_blocks(path: str):
+    """load_gguf(keep_quantized=True) with every matrix read from the file (gguf_quants.FileBlocks.load)."""
+    ckpt = load_gguf(path, keep_quantized=True)
+    ckpt.tensors = {name: t.load() if isinstance(t, FileBlocks) else t for name, t in ckpt.tensors.items()}
+    return ckpt
 
 
 def _same_blocks(a: QuantWeight, b: QuantWeight) -> bool:
@@ -225,7 +233,7 @@ def _quantized_like(gguf_ckpt, hf_dir: str):
 def test_k_quant_mix_serves_the_bits_of_the_directory_in_the_same_blocks(k_quants):
     arch, hf_dir, path = k_quants
     ops = backend_ops("cpu")
-    gguf_ckpt = load_gguf(path, keep_quantized=True)
+    gguf_ckpt = load_blocks(path)
     model = build_model(gguf_ckpt, torch.float32, ops)
     reference = build_model(_quantized_like(gguf_ckpt, hf_dir), torch.float32, ops)
     formats = model.weight_formats()
@@ -286,7 +294,7 @@ def _rewrite(path: str, out: str, arch: str) -> str:
 def test_fused_spellings_and_an_mtp_block_read_the_same(q8, q8_loaded, tmp_path):
     arch, _, path = q8
     want = q8_loaded[0]
-    got = load_gguf(_rewrite(path, str(tmp_path / "fused.gguf"), arch), keep_quantized=True)
+    got = load_blocks(_rewrite(path, str(tmp_path / "fused.gguf"), arch))
     assert got.config == want.config and got.tensors.keys() == want.tensors.keys()
     for name, tensor in got.tensors.items():
         same = _same_blocks(tensor, want.tensors[name]) if isinstance(tensor, QuantWeight) else torch.equal(
@@ -322,7 +330,7 @@ def test_the_command_line_writes_a_hybrid_gguf(tmp_path, smollm2_tokenizer):
     """tools/tiny_checkpoint.py OUT --arch qwen3_next --gguf q4_0 (in process: the tokenizer
     conversion and the default model's fields are cached): the sizes a GGUF needs, every matrix q4_0."""
     path = main([str(tmp_path / "next"), "--arch", "qwen3_next", "--gguf", "q4_0"])
-    ckpt = load_gguf(path, keep_quantized=True)
+    ckpt = load_blocks(path)
     assert (ckpt.config["linear_key_head_dim"], ckpt.config["linear_value_head_dim"]) == (32, 32)
     kinds = {t.kind for t in ckpt.tensors.values() if isinstance(t, QuantWeight)}
     assert kinds == {"q4_0"} and ckpt.architecture == "Qwen3NextForCausalLM"

@@ -64,11 +64,18 @@ def real_shape_gguf(shape: str, qtype: str, out_dir: str | None = None, threads:
 
 
 def _write_f16(shape: str, dst: str) -> None:
+    write_random_gguf(dst, *SHAPES[shape], name=f"random {shape}")
+
+
+def write_random_gguf(dst: str, arch: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                      ffn: int, theta: float = 500000.0, qtype: str = "f16", name: str = "random") -> None:
+    """A llama or qwen3 GGUF of these sizes with SmolLM2's tokenizer and random weights: f16
+    (normal, std 0.02), or q8_0 blocks written as such (random codes, float16 scales near 0.02 / 127;
+    no quantizer run, so any size is quick to make). Norms are 1."""
     import gguf
 
     from tensorfold.models.gguf_file import default_model_path
 
-    arch, hidden, layers, heads, kv_heads, head_dim, ffn, theta = SHAPES[shape]
     source = gguf.GGUFReader(default_model_path())
     writer = gguf.GGUFWriter(dst, arch)
     for key, field in source.fields.items():  # the tokenizer and its chat template, as they are
@@ -76,8 +83,8 @@ def _write_f16(shape: str, dst: str) -> None:
             kind = field.types[0]
             writer.add_key_value(key, field.contents(), kind, field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
     vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
-    writer.add_name(f"random {shape}")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_context_length(8192)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
@@ -94,12 +101,19 @@ def _write_f16(shape: str, dst: str) -> None:
     names = gguf.TENSOR_NAMES
     T = gguf.MODEL_TENSOR
 
-    def matrix(name: str, rows: int, cols: int) -> None:
-        w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
-        writer.add_tensor(name, w.astype(np.float16))
+    def matrix(tensor: str, rows: int, cols: int) -> None:
+        if qtype == "f16":
+            w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
+            writer.add_tensor(tensor, w.astype(np.float16))
+            return
+        blocks = rows * cols // 32  # q8_0: [d: f16][q: int8 x 32]
+        d = (rng.uniform(0.5, 1.5, blocks) * (0.02 / 127)).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+        q = rng.integers(-127, 128, (blocks, 32), dtype=np.int8).view(np.uint8)
+        writer.add_tensor(tensor, np.concatenate([d, q], axis=1).reshape(rows, cols // 32 * 34),
+                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
-    def norm(name: str, size: int) -> None:
-        writer.add_tensor(name, np.ones(size, dtype=np.float32))
+    def norm(tensor: str, size: int) -> None:
+        writer.add_tensor(tensor, np.ones(size, dtype=np.float32))
 
     matrix(names[T.TOKEN_EMBD] + ".weight", vocab, hidden)  # tied: the LM head is the embedding
     norm(names[T.OUTPUT_NORM] + ".weight", hidden)
@@ -119,7 +133,7 @@ def _write_f16(shape: str, dst: str) -> None:
         matrix(blk(T.FFN_DOWN), hidden, ffn)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=True)
+    writer.write_tensors_to_file(progress=qtype == "f16")
     writer.close()
 
 

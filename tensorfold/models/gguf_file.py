@@ -6,8 +6,8 @@ Hugging Face directory would give: config.json keys, HF parameter names and layo
 tensors (dequantized by gguf_quants.py), and a `tokenizers.Tokenizer`. With keep_quantized, every
 2-D tensor of a block type in gguf_quants.KEPT_TYPES stays in its blocks instead, as a
 kernels.quant_gemm.QuantWeight in the same [out, in] layout (whose dequantize() is that float
-tensor); llama and qwen3 files leave those blocks in the file (gguf_quants.FileBlocks) until the
-model packs them, one matrix at a time. Invariants:
+tensor), left in the file (gguf_quants.FileBlocks) until the model packs them, one matrix at a
+time. Invariants:
 
 - every tensor the config implies is present with its HF shape ([out, in]); anything else in the
   file, any missing tensor or metadata key, and a tensor of a type neither path reads, raises
@@ -362,15 +362,15 @@ def _tensors(
             raise CheckpointError(
                 f"{path}: tensor {info.name}: unsupported quantization {info.tensor_type.name} (supported: {supported})"
             )
-        proj = name.split(".")[-2]
-        order = rope_row_order(shape[0], heads[proj]) if arch.rope_permuted and proj in heads else None
         if keep_quantized and len(shape) == 2 and info.tensor_type in KEPT_TYPES:  # read when the model packs it
-            tensors[name] = FileBlocks(path, int(info.data_offset), int(info.n_bytes), info.tensor_type, shape,
-                                       info.name, order)
-            continue
-        raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
-        weight = dequantize(raw, info.tensor_type, shape).to(dtype)
-        tensors[name] = weight if order is None else take_rows(weight, order)
+            weight = FileBlocks(path, int(info.data_offset), int(info.n_bytes), info.tensor_type, shape, info.name)
+        else:
+            raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
+            weight = dequantize(raw, info.tensor_type, shape).to(dtype)
+        proj = name.split(".")[-2]
+        if arch.rope_permuted and proj in heads:
+            weight = _take_rows(weight, rope_row_order(shape[0], heads[proj]))
+        tensors[name] = weight
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise CheckpointError(f"{path}: missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
@@ -514,33 +514,45 @@ def _untiled(num_k: int, num_v: int, width: int) -> torch.Tensor | None:
 
 
 def _take_rows(weight, ids: torch.Tensor | None):
-    return weight if ids is None else take_rows(weight, ids)
+    if ids is None:
+        return weight
+    return weight.rows(ids) if isinstance(weight, FileBlocks) else take_rows(weight, ids)
 
 
 def _row_range(weight, start: int, stop: int):
-    """Rows [start, stop) of a matrix, dense or in blocks, as views."""
+    """Rows [start, stop) of a matrix, dense or in blocks, as views (blocks in the file: only
+    those rows are read)."""
     rows = slice(start, stop)
-    return weight.rows(rows) if isinstance(weight, QuantWeight) else weight[rows]
+    return weight.rows(rows) if isinstance(weight, (QuantWeight, FileBlocks)) else weight[rows]
 
 
 def _take_columns(path: str, name: str, weight, ids: torch.Tensor | None):
     """weight[:, ids]; blocks move whole (every run of 32 columns must stay one block)."""
     if ids is None:
         return weight
+    if isinstance(weight, FileBlocks):  # checked now, applied when the blocks are read
+        _column_blocks(path, name, ids)
+        return weight.then(lambda w: _take_columns(path, name, w, ids), (weight.shape[0], len(ids)))
     if not isinstance(weight, QuantWeight):
         return weight[:, ids]
+    blocks = _column_blocks(path, name, ids)
+    per = QUANT_BLOCK // QUANT_KINDS[weight.kind].sub
+    subs = (blocks[:, None] * per + torch.arange(per)).reshape(-1)
+    pick = (lambda t: None if t is None else t[:, blocks])
+    return QuantWeight(weight.kind, weight.codes[:, ids], weight.scale[:, subs], weight.scale_exp[:, blocks],
+                       pick(weight.min), pick(weight.min_exp))
+
+
+def _column_blocks(path: str, name: str, ids: torch.Tensor) -> torch.Tensor:
+    """The blocks of 32 columns that columns `ids` take, in order, where they move whole; else a
+    CheckpointError."""
     runs = ids.reshape(-1, QUANT_BLOCK) if ids.numel() % QUANT_BLOCK == 0 else None
     whole = runs is not None and not (runs[:, 0] % QUANT_BLOCK).any()
     if not whole or not torch.equal(runs, runs[:, :1] + torch.arange(QUANT_BLOCK)):
         raise CheckpointError(f"{path}: tensor {name}: llama.cpp stores its columns in another order in runs "
                               f"that are not whole blocks of {QUANT_BLOCK} (the linear-attention value head dim "
                               "is not a multiple of 32), so its blocks cannot be put back in order")
-    blocks = runs[:, 0] // QUANT_BLOCK
-    per = QUANT_BLOCK // QUANT_KINDS[weight.kind].sub
-    subs = (blocks[:, None] * per + torch.arange(per)).reshape(-1)
-    pick = (lambda t: None if t is None else t[:, blocks])
-    return QuantWeight(weight.kind, weight.codes[:, ids], weight.scale[:, subs], weight.scale_exp[:, blocks],
-                       pick(weight.min), pick(weight.min_exp))
+    return runs[:, 0] // QUANT_BLOCK
 
 
 def _hybrid_rules(path: str, config: dict[str, Any], arch_name: str, arch: _Arch):
@@ -710,14 +722,12 @@ def _hybrid_tensors(path: str, reader: GGUFReader, config: dict[str, Any], arch_
             supported = ", ".join(t.name for t in DEQUANTIZERS)
             raise CheckpointError(f"{path}: tensor {info.name}: unsupported quantization {info.tensor_type.name} "
                                   f"(supported: {supported})")
-        raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
         rows = (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape  # experts: [E * out, in]
         if rule.matrix and keep_quantized and len(shape) >= 2 and info.tensor_type in KEPT_TYPES:
-            try:
-                weight = quant_weight(raw, info.tensor_type, rows)
-            except ValueError as e:
-                raise CheckpointError(f"{path}: tensor {info.name} ({info.tensor_type.name}): {e}") from e
+            # read when the model packs it (an expert: only its rows)
+            weight = FileBlocks(path, int(info.data_offset), int(info.n_bytes), info.tensor_type, rows, info.name)
         else:
+            raw = torch.from_numpy(np.array(info.data).view(np.uint8).reshape(-1))  # copied off the mmap
             weight = dequantize(raw, info.tensor_type, rows)
             weight = weight.to(dtype) if rule.matrix else weight  # parameters stay float32
         prefix = "" if layer is None else f"model.layers.{layer}."

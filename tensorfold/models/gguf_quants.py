@@ -176,16 +176,35 @@ def quant_weight(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> Qua
 class FileBlocks:
     """A matrix in blocks, left in its file until load(): a checkpoint of these holds no weight
     bytes, so a model built from it unpacks, packs and drops one matrix at a time, and the load
-    never holds the model twice (the file's pages are read, not mapped, so they do not stay
-    resident either). `order` (rows, optional) is applied on load: GGUF's Q/K row permutation."""
+    never holds the model twice (the file's bytes are read, not mapped, so its pages do not stay
+    resident either). The readers' rearrangements wait for the load too: `rows(range)` narrows
+    the bytes read (an expert's rows of a stacked tensor), other row orders and `then(step)`
+    (a column permutation) are applied to the loaded blocks in order."""
 
     def __init__(self, path: str, offset: int, nbytes: int, qtype: QType, shape: tuple[int, int], name: str,
-                 order: torch.Tensor | None = None):
+                 steps: tuple = (), stored: tuple[int, int] | None = None):
+        """nbytes at offset hold the `stored` [rows, K] blocks (default: `shape`); `shape` is
+        the matrix's after the steps."""
         if qtype not in KEPT_TYPES:
             raise ValueError(f"{getattr(qtype, 'name', qtype)} tensors are not kept in blocks")
         self.path, self.offset, self.nbytes, self.qtype, self.name = path, offset, nbytes, qtype, name
-        self.shape, self.order = tuple(shape), order
+        self.shape, self.steps, self.stored = tuple(shape), steps, tuple(stored or shape)
         self.kind = KIND_NAMES[qtype]
+
+    def rows(self, ids: torch.Tensor | slice) -> "FileBlocks":
+        """Rows `ids` (indices, or a slice of consecutive rows: read alone from the file)."""
+        if isinstance(ids, slice) and not self.steps and ids.step in (None, 1):
+            start, stop, _ = ids.indices(self.shape[0])
+            row_bytes = self.nbytes // self.shape[0]
+            return FileBlocks(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes, self.qtype,
+                              (stop - start, self.shape[1]), self.name)
+        count = len(range(*ids.indices(self.shape[0]))) if isinstance(ids, slice) else len(ids)
+        return self.then(lambda w: w.rows(ids), (count, self.shape[1]))
+
+    def then(self, step, shape: tuple[int, int]) -> "FileBlocks":
+        """These blocks with step(QuantWeight) -> QuantWeight of `shape` applied after the load."""
+        return FileBlocks(self.path, self.offset, self.nbytes, self.qtype, shape, self.name, (*self.steps, step),
+                          self.stored)
 
     def load(self) -> QuantWeight:
         """The blocks as a QuantWeight, read from the file now; a bad block (an infinite scale)
@@ -194,10 +213,12 @@ class FileBlocks:
         if raw.numel() != self.nbytes:
             raise CheckpointError(f"{self.path}: tensor {self.name} is cut short ({raw.numel()} of {self.nbytes} bytes)")
         try:
-            weight = quant_weight(raw, self.qtype, self.shape)
+            weight = quant_weight(raw, self.qtype, self.stored)
         except ValueError as e:
             raise CheckpointError(f"{self.path}: tensor {self.name} ({self.qtype.name}): {e}") from e
-        return weight if self.order is None else weight.rows(self.order)
+        for step in self.steps:
+            weight = step(weight)
+        return weight
 
     def dequantize(self) -> torch.Tensor:
         return self.load().dequantize()
