@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 
 from tools import peer_llama_cpp  # noqa: E402
 from tools.bench_core import fmt, machine_line, print_table  # noqa: E402
+from tools.bench_native import prompt_ids, streams_decode_tps  # noqa: E402
 
 SHAPES = {
     "dense": ("qwen3_5", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
@@ -72,10 +73,6 @@ def checkpoint(shape: str, layers: int | None, cache_dir: str, quant: str) -> tu
         print(f"making {out} (random weights, once)", file=sys.stderr)
         make_tiny_checkpoint(out, arch, tokenizer=smollm2_tokenizer(), **sizes)
     return out, None
-
-
-def prompt_ids(n: int, offset: int = 0) -> list[int]:
-    return peer_llama_cpp.arbitrary_prompt(n + offset)[offset:]
 
 
 class LayerClock:
@@ -128,14 +125,7 @@ def tensorfold_bench(path: str, args):
         out["delta_share"] = min(out.get("delta_share", 1), clock.seconds / (round_s * (args.tokens - 1) + 1e-9))
         done = engine.generate(prompt_ids(args.prefill_tokens), SamplingParams(max_tokens=1, **greedy))
         out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens / done.request.stats.prefill_s)
-        ids = [engine.add_request(prompt_ids(16, offset=100 * i), SamplingParams(max_tokens=args.tokens, **greedy))
-               for i in range(4)]
-        while any(engine.requests[i].num_computed_tokens < 16 for i in ids if i in engine.requests):
-            engine.step()
-        started = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        out["four"] = max(out.get("four", 0), 4 * (args.tokens - 1) / (time.perf_counter() - started))
+        out["four"] = max(out.get("four", 0), streams_decode_tps(engine, 4, args.tokens))
         if args.long:
             short, deep = decode_round_s(100), decode_round_s(args.long)
             out["long_ratio"] = min(out.get("long_ratio", 99), deep / short)

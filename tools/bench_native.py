@@ -101,15 +101,7 @@ def tensorfold_bench(dtype: str, args):
         done = engine.generate(prompt_ids(args.prefill_tokens), SamplingParams(max_tokens=1, **greedy))
         out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens / done.request.stats.prefill_s)
 
-        ids = [engine.add_request(prompt_ids(16, offset=100 * i), SamplingParams(max_tokens=args.tokens, **greedy))
-               for i in range(4)]
-        engine.step()
-        while any(engine.requests[i].num_computed_tokens < 16 for i in ids if i in engine.requests):
-            engine.step()
-        started = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        out["four"] = max(out.get("four", 0), 4 * (args.tokens - 1) / (time.perf_counter() - started))
+        out["four"] = max(out.get("four", 0), streams_decode_tps(engine, 4, args.tokens))
 
         if args.long:
             done = engine.generate(prompt_ids(args.long), SamplingParams(max_tokens=args.tokens, **greedy))
@@ -117,6 +109,21 @@ def tensorfold_bench(dtype: str, args):
             out["long_prefill"] = max(out.get("long_prefill", 0), args.long / s.prefill_s)
             out["long_decode"] = max(out.get("long_decode", 0), (args.tokens - 1) / s.decode_s)
     return out, once
+
+
+def streams_decode_tps(engine, streams: int, tokens: int) -> float:
+    """Aggregate greedy decode tokens/s of `streams` requests decoding side by side (drafting off,
+    16-token prompts, prefilled first and not timed), `tokens` new tokens each."""
+    from tensorfold.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, draft=False)
+    ids = [engine.add_request(prompt_ids(16, offset=100 * i), params) for i in range(streams)]
+    while any(engine.requests[i].num_computed_tokens < 16 for i in ids if i in engine.requests):
+        engine.step()
+    started = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return streams * (tokens - 1) / (time.perf_counter() - started)
 
 
 def llama_cpp_bench(dtype: str, args, kv_dtype: str = peer_llama_cpp.DEFAULT_KV):

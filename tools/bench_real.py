@@ -12,7 +12,8 @@ quantized by llama.cpp's own quantizer), made once and kept. Per file:
 - speed, the engines alternating, best of --repeats: one-stream greedy decode after a 16-token
   prompt (drafting off), a --prefill-tokens prefill, four streams' aggregate decode, with the
   ratios ours / llama.cpp; "GB/s" is the decode's weight bytes per token (the packed matrices)
-  times its tokens/s, the read bandwidth it reaches.
+  times its tokens/s, the read bandwidth it reaches, and "of read" that over the machine's read
+  bandwidth (a 1 GiB int64 sum by torch on the same threads, best of 5, printed first).
 TensorFold serves the blocks as stored (dtype auto); llama.cpp runs the same file with its f16 KV
 cache. The peer's columns read "-" without llama-cpp-python.
 """
@@ -23,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -30,7 +32,7 @@ if ROOT not in sys.path:
 
 from tools import peer_llama_cpp  # noqa: E402
 from tools.bench_core import fmt, machine_line, print_table, rss_mib  # noqa: E402
-from tools.bench_native import prompt_ids, ratio  # noqa: E402
+from tools.bench_native import prompt_ids, ratio, streams_decode_tps  # noqa: E402
 from tools.real_shapes import SHAPES, real_shape_gguf  # noqa: E402
 
 
@@ -39,11 +41,13 @@ def packed_bytes() -> int:
     from tensorfold.backends.linear_weight import LinearWeight
 
     total = 0
-    for obj in gc.get_objects():
-        if isinstance(obj, LinearWeight):
-            for part in obj.parts:
-                data = getattr(part, "data", part)
-                total += data.numel() * data.element_size()
+    with warnings.catch_warnings():  # isinstance on every object trips torch's deprecated aliases
+        warnings.simplefilter("ignore")
+        weights = [obj for obj in gc.get_objects() if isinstance(obj, LinearWeight)]
+    for weight in weights:
+        for part in weight.parts:
+            data = getattr(part, "data", part)
+            total += data.numel() * data.element_size()
     return total
 
 
@@ -52,6 +56,21 @@ def tensor_bytes(path: str) -> int:
     import gguf
 
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1)
+
+
+def read_bandwidth(threads: int) -> float:
+    """The machine's read bandwidth in GB/s: a 1 GiB int64 tensor summed by torch, best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(2**27, dtype=torch.int64)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - started)
+    return x.numel() * 8 / best / 1e9
 
 
 def load_child(path: str, threads: int) -> dict:
@@ -96,14 +115,7 @@ def tensorfold_bench(path: str, args):
         out["decode"] = max(out.get("decode", 0), (args.tokens - 1) / done.request.stats.decode_s)
         done = engine.generate(prompt_ids(args.prefill_tokens), SamplingParams(max_tokens=1, **greedy))
         out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens / done.request.stats.prefill_s)
-        ids = [engine.add_request(prompt_ids(16, offset=100 * i), SamplingParams(max_tokens=args.tokens, **greedy))
-               for i in range(4)]
-        while any(engine.requests[i].num_computed_tokens < 16 for i in ids if i in engine.requests):
-            engine.step()
-        started = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        out["four"] = max(out.get("four", 0), 4 * (args.tokens - 1) / (time.perf_counter() - started))
+        out["four"] = max(out.get("four", 0), streams_decode_tps(engine, 4, args.tokens))
     return out, once, engine
 
 
@@ -137,6 +149,8 @@ def main(argv=None) -> None:
         print(json.dumps(load_child(args.load_child, args.threads)))
         return
     print(machine_line())
+    bandwidth = read_bandwidth(args.threads)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
     load_rows, speed_rows = [], []
     for qtype in args.types.split(","):
         path = real_shape_gguf(args.shape, qtype)
@@ -154,7 +168,7 @@ def main(argv=None) -> None:
             peer_once()
         gbs = ours["packed"] * ours["decode"] / 1e9
         speed_rows.append([name, ours["ops"], ours["exact"], fmt(ours["decode"], 1), fmt(peer.get("decode"), 1),
-                           ratio(ours["decode"], peer.get("decode")), fmt(gbs, 1),
+                           ratio(ours["decode"], peer.get("decode")), fmt(gbs, 1), f"{100 * gbs / bandwidth:.0f}%",
                            fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
                            fmt(ours["four"], 1), fmt(peer.get("four"), 1), ratio(ours["four"], peer.get("four")),
                            f"{ours['four'] / ours['decode']:.2f}x"])
@@ -163,7 +177,7 @@ def main(argv=None) -> None:
     print_table(["file", "MiB", "load s", "runtime RSS MiB", "peak RSS MiB", "packed MiB", "cache MiB",
                  "peak - packed - cache - runtime", "resident / file"], load_rows,
                 f"load, a fresh process each, {args.threads} threads")
-    print_table(["file", "ops", "exact", "decode tok/s", "llama.cpp", "ratio", "decode GB/s",
+    print_table(["file", "ops", "exact", "decode tok/s", "llama.cpp", "ratio", "decode GB/s", "of read",
                  f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams tok/s", "llama.cpp", "ratio",
                  "4 / 1 streams"], speed_rows,
                 f"{args.threads} threads, {args.tokens} new tokens, best of {args.repeats}, engines alternating")
