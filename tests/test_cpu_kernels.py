@@ -550,11 +550,14 @@ def test_quant_linear_at_the_codes_and_activations_bounds(draw, kind):
         assert_bitwise(_cpu.quant_linear(x, packed, 24, 256), quant_gemm.linear(x, w), draw, f"codes at {code}")
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k file", "q6_k file"])
 def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
-    from test_quant_gemm import random_generic, random_x
+    """A row's outputs are the same alone and among 2..64 others (every kind; "file": the K-quants
+    as a GGUF file stores them, packed in its form)."""
+    from test_quant_gemm import random_generic, random_k_file, random_x
 
-    w = random_generic(draw.gen, kind, 40, 512)
+    kind, _, form = kind.partition(" ")
+    w = random_k_file(draw.gen, kind, 40, 512)[1] if form else random_generic(draw.gen, kind, 40, 512)
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     probe = random_x(draw.gen, 1, 512)
     alone = _cpu.quant_linear(probe, packed, 40, 512)
