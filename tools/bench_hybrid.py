@@ -31,7 +31,7 @@ if ROOT not in sys.path:
 
 from tools import peer_llama_cpp  # noqa: E402
 from tools.bench_core import fmt, machine_line, print_table  # noqa: E402
-from tools.bench_native import prompt_ids, streams_decode_tps  # noqa: E402
+from tools.bench_native import peer_round, prompt_ids, streams_decode_tps  # noqa: E402
 
 SHAPES = {
     "dense": ("qwen3_5", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
@@ -150,11 +150,7 @@ def llama_cpp_bench(path: str, gguf: str | None, args):
     out = {}
 
     def once() -> None:
-        out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))
-        out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens /
-                             peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.prefill_tokens)))
-        out["four"] = max(out.get("four", 0), peer_llama_cpp.streams_decode_tps(
-            llm, [prompt_ids(16, offset=100 * i) for i in range(4)], args.tokens))
+        peer_round(llm, args, out)
         if args.long:
             short = 1 / peer_llama_cpp.decode_tps(llm, prompt_ids(100), args.tokens)
             deep = 1 / peer_llama_cpp.decode_tps(llm, prompt_ids(args.long), args.tokens)

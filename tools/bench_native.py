@@ -126,6 +126,16 @@ def streams_decode_tps(engine, streams: int, tokens: int) -> float:
     return streams * (tokens - 1) / (time.perf_counter() - started)
 
 
+def peer_round(llm, args, out: dict, kv_dtype: str = peer_llama_cpp.DEFAULT_KV) -> None:
+    """One more of llama.cpp's decode (16-token prompt), prefill (--prefill-tokens) and four
+    streams' aggregate decode, each kept in `out` where it beats the best so far."""
+    out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))
+    out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens /
+                         peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.prefill_tokens)))
+    out["four"] = max(out.get("four", 0), peer_llama_cpp.streams_decode_tps(
+        llm, [prompt_ids(16, offset=100 * i) for i in range(4)], args.tokens, kv_dtype))
+
+
 def llama_cpp_bench(dtype: str, args, kv_dtype: str = peer_llama_cpp.DEFAULT_KV):
     """llama.cpp on the same weights in the same precision, its KV cache in kv_dtype (ours);
     (out, once) as tensorfold_bench, or None when llama-cpp-python is not installed."""
@@ -141,11 +151,7 @@ def llama_cpp_bench(dtype: str, args, kv_dtype: str = peer_llama_cpp.DEFAULT_KV)
     out = {"kv": kv_dtype}
 
     def once() -> None:
-        out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))
-        out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens /
-                             peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.prefill_tokens)))
-        out["four"] = max(out.get("four", 0), peer_llama_cpp.streams_decode_tps(
-            llm, [prompt_ids(16, offset=100 * i) for i in range(4)], args.tokens, kv_dtype))
+        peer_round(llm, args, out, kv_dtype)
         if args.long:
             out["long_prefill"] = max(out.get("long_prefill", 0),
                                       args.long / peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.long)))

@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 from tools import peer_llama_cpp  # noqa: E402
 from tools.bench_core import fmt, machine_line, print_table, rss_mib  # noqa: E402
-from tools.bench_native import prompt_ids, ratio, streams_decode_tps  # noqa: E402
+from tools.bench_native import peer_round, prompt_ids, ratio, streams_decode_tps  # noqa: E402
 from tools.real_shapes import SHAPES, real_shape_gguf  # noqa: E402
 
 
@@ -127,11 +127,7 @@ def llama_cpp_bench(path: str, args):
     out = {}
 
     def once() -> None:
-        out["decode"] = max(out.get("decode", 0), peer_llama_cpp.decode_tps(llm, prompt_ids(16), args.tokens))
-        out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens /
-                             peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.prefill_tokens)))
-        out["four"] = max(out.get("four", 0), peer_llama_cpp.streams_decode_tps(
-            llm, [prompt_ids(16, offset=100 * i) for i in range(4)], args.tokens))
+        peer_round(llm, args, out)
     return out, once
 
 
