@@ -152,7 +152,7 @@ def test_bitwise_checks_can_fail(draw):
 def test_cache_vectors_sit_on_their_grid(draw):
     """write_kv_ref's rounding is a fixed point, and the kernel refuses what it cannot sum exactly."""
     for dtype, bits in ((torch.float32, 22), (torch.bfloat16, 22), (torch.float32, 20)):
-        x = (draw.randn(64, 2, 128) * torch.pow(2.0, torch.randint(-30, 30, (64, 2, 1), generator=draw.gen))).to(dtype)
+        x = (draw.randn(64, 2, 128).cpu() * torch.pow(2.0, torch.randint(-30, 30, (64, 2, 1), generator=draw.gen))).to(dtype)
         once = grid.on_grid(x, bits)
         assert torch.equal(grid.on_grid(once, bits), once)
         ints, e = grid.to_fixed(once, bits)

@@ -30,6 +30,9 @@ def test_bench_kernels_smoke_runs_and_attention_is_bitwise():
     assert len(attention) == 6, out
     assert all("bitwise equal" in line for line in attention), "\n".join(attention)
     assert "| verify greedy + grammar" in out
+    quant = [line for line in out.splitlines() if line.startswith("| quant_linear")]
+    assert len(quant) == 2 and all("bitwise equal" in line for line in quant), out
+    assert sum(line.startswith("| dense_linear") for line in out.splitlines()) == 2, out
 
 
 def test_bench_exact_runs():

@@ -43,7 +43,7 @@ cache = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", positions_
 strides = dict(scale="fp32", window=i32, row_base=i32, stride_qr=i32, stride_qh=i32, stride_kb=i32,
                stride_ks=i32, stride_kh=i32, stride_vb=i32, stride_vs=i32, stride_vh=i32,
                stride_bt=i32, max_splits=i32)
-sizes = dict(GROUP=4, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_M=attn.BLOCK_M, BLOCK_N=attn.BLOCK_N,
+sizes = dict(GROUP=4, HEAD_DIM=128, HALF=64, PAGE=16, BLOCK_M=attn.BLOCK_M, BLOCK_N=attn.BLOCK_N,
              SPLIT=attn.SPLIT_SIZE, HAS_WINDOW=True)
 norm_args = dict(x_ptr="*bf16", residual_ptr="*bf16", h_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16",
                  cos_ptr="*fp32", sin_ptr="*fp32", eps="fp64", rows_per_token=i32)

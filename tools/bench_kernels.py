@@ -141,6 +141,34 @@ def benchmarks(torch, device: str, smoke: bool):
                 "reference.apply_rope", lambda: reference.apply_rope(qh, cos, sin),
                 2 * qh.numel() * qh.element_size() + 2 * cos.numel() * 4, "GB/s"))
 
+    # The exact quantized GEMM on q8_0 blocks of an 8B-like matrix: one decode row (bound by the
+    # weights' bytes) and a prefill chunk, against cuBLAS on the same matrix in bf16.
+    from tensorfold.kernels import quant_gemm as qg, quant_gemm_triton as qt
+    n, kdim = s(4096, 64), s(4096, 64)
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (n, kdim), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, kdim // 32, generator=gen) * 2e-4 + 1e-4).half()
+    qw = qg.from_legacy("q8_0", codes, scales)
+    packed = qt.pack_quant_weight(qg.QuantWeight(qw.kind, *(t.to(device) for t in
+                                                            (qw.codes, qw.scale, qw.scale_exp)), None, None))
+    dense = (codes.float() * scales.float().repeat_interleave(32, dim=1)).to(bf16).to(device)
+    for rows_ in (1, s(512, 8)):
+        xq = torch.randn(rows_, kdim, device=device)
+        same = "bitwise equal" if torch.equal(qt.quant_linear(xq, packed).cpu(), qg.linear(xq.cpu(), qw)) else "DIFFERENT BITS"
+        amount, unit = ((n * kdim * 34 / 32, "GB/s") if rows_ == 1 else (2 * rows_ * n * kdim, "TFLOP/s"))
+        out.append((f"quant_linear q8_0 ({rows_}x{kdim} @ {n}x{kdim}; {same} to quant_gemm.linear)",
+                    lambda xq=xq: qt.quant_linear(xq, packed), "F.linear bf16 (cuBLAS, not exact)",
+                    lambda xq=xq: F.linear(xq.to(bf16), dense), amount, unit))
+
+    # The dense GEMM (Triton, fixed tiles: batch invariant) on the same matrix in bf16, against cuBLAS.
+    from tensorfold.kernels.dense_gemm_triton import dense_linear
+    for rows_ in (1, s(512, 8)):
+        xb = torch.randn(rows_, kdim, device=device).to(bf16)
+        amount, unit = ((n * kdim * 2, "GB/s") if rows_ == 1 else (2 * rows_ * n * kdim, "TFLOP/s"))
+        out.append((f"dense_linear bf16 ({rows_}x{kdim} @ {n}x{kdim}; batch invariant)",
+                    lambda xb=xb: dense_linear(xb, dense), "F.linear bf16 (cuBLAS, not invariant)",
+                    lambda xb=xb: F.linear(xb, dense), amount, unit))
+
     # Sampling and verification over a Qwen-sized vocabulary.
     vocab = s(151936, 300)
     num_rows = s(64, 4)

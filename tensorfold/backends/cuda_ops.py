@@ -21,12 +21,14 @@ What runs where, and why:
   blocks, integer block dots, an int64 sum on a grid known before any block), bitwise
   quant_gemm.linear for every kind, fixed tiles whatever M, so a row's bits never depend on the
   batch; on CUDA tensors and, in tests, on CPU tensors under the interpreter alike.
-- linear with a dense weight, silu_and_mul, sigmoid_and_mul, pad_rows, rope_table: the torch reference ops on CUDA
-  tensors, shared by both op sets rather than mirrored. Both gates are elementwise (invariant on
-  a GPU as it is). Dense linear relies on cuBLAS after padding rows to 8, which is not a
-  documented batch-invariance guarantee on GPUs (cuBLAS may pick a split-K kernel by shape): the
-  engine's startup probes vouch for it on a given device; a fixed-tile Triton GEMM without
-  split-K is the next kernel (docs/kernels.md).
+- linear with a dense weight on a GPU: the fixed-tile Triton GEMM (kernels/dense_gemm_triton.py:
+  no split-K, one configuration whatever M, so batch invariant; not cuBLAS, which changed a row's
+  bits with the batch on an H200). Its bits are its own: dense weights agree across backends only
+  as closely as two float GEMMs do; quantized ones agree bitwise. On CPU tensors (the tests, in
+  the interpreter) dense linear is the cpu backend's GEMM, so the op sets are compared on equal
+  GEMMs there.
+- silu_and_mul, sigmoid_and_mul, pad_rows, rope_table: the torch reference ops on CUDA tensors,
+  shared by both op sets rather than mirrored (elementwise: invariant on a GPU as they are).
 """
 import functools
 
@@ -37,6 +39,7 @@ from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noq
 from tensorfold.kernels.moe import group_by_expert
 from tensorfold.kernels.moe_triton import combine, route
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
+from tensorfold.kernels.dense_gemm_triton import dense_linear
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.kernels.quant_gemm import QuantWeight
@@ -53,7 +56,7 @@ V_EXPONENT_RECORD = False  # the attention reads V's exponents from the V rows
 
 class Linear(LinearWeight):
     """Quantized parts packed once for the Triton quantized GEMM (PackedQuantWeight); dense parts
-    as they are: cuBLAS takes them [N, K] (rows padded to 8) on a GPU; on CPU tensors (the tests,
+    as they are, [N, K]: the Triton dense GEMM takes them on a GPU; on CPU tensors (the tests,
     under the Triton interpreter) the cpu backend's GEMM, so the two op sets are compared on
     equal GEMMs."""
 
@@ -72,9 +75,10 @@ class Linear(LinearWeight):
 
 
 def linear(x, weight, bias=None):
-    """x [M, K] @ weight^T (+ bias) for a plain dense [N, K] tensor."""
+    """x [M, K] @ weight^T (+ bias) for a plain dense [N, K] tensor: on a GPU the fixed-tile Triton
+    GEMM (batch invariant); on CPU tensors (tests, in the interpreter) the cpu backend's GEMM."""
     if x.device.type != "cpu":
-        return linear_padded(x, weight, bias)
+        return dense_linear(x, weight, bias)
     from tensorfold.backends import native_problem
     if native_problem() is None:
         from tensorfold.backends import native_ops

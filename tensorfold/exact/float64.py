@@ -157,7 +157,7 @@ def _by_chunks(step, num_scratch: int, x: torch.Tensor, *more) -> torch.Tensor:
     more = [t.reshape(-1) if t is not None else None for t in more]
     n = flat.numel()
     out = torch.empty_like(flat)
-    scratch = torch.empty((num_scratch, min(n, CHUNK64)), dtype=torch.float64)
+    scratch = torch.empty((num_scratch, min(n, CHUNK64)), dtype=torch.float64, device=x.device)
     for a in range(0, n, CHUNK64):
         b = min(n, a + CHUNK64)
         step(out[a:b], *(buf[:b - a] for buf in scratch), flat[a:b],

@@ -45,10 +45,10 @@ WORKSPACE_BYTES = 256 << 20  # split partials per launch; long prefills run in s
 
 @triton.jit
 def _tile(q_ptr, positions_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, window, stride_qr, stride_qh,
-          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """What a program of the stats and sums kernels works on: its tile's sequence, its lanes' rows,
-    query heads, validity and positions, their q on its grid, and the keys [lo, hi) of its split
+    query heads, validity and positions, their q on its grid (even dims, odd dims), and the keys [lo, hi) of its split
     that any lane may see (steps outside would only add exact zeros)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,50 +61,69 @@ def _tile(q_ptr, positions_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, wind
     heads = kv_head * GROUP + lanes % GROUP
     lane_ok = (lanes < (BLOCK_M // GROUP) * GROUP) & (rows < row_end)
     pos = tl.load(positions_ptr + rows, mask=lane_ok, other=-1).to(tl.int32)  # -1 sees nothing
-    q_grid = _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM, D_PAD)
+    q_even, q_odd = _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM, HALF)
     lo = split * SPLIT
     hi = tl.minimum(tl.max(pos, 0) + 1, lo + SPLIT)
     if HAS_WINDOW:
         first = tl.min(tl.where(lane_ok, pos - window + 1, hi), 0)
         lo = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
-    return kv_head, split, seq, rows, heads, lane_ok, pos, q_grid, lo, hi
+    return kv_head, split, seq, rows, heads, lane_ok, pos, q_even, q_odd, lo, hi
+
+
+@triton.jit
+def _load_pairs(ptr, base, ok, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """Elements 2j and 2j + 1 (j < HALF) of the vectors at element offsets `base` [R] (rows masked
+    by `ok`), as two float32 [R, HALF] tensors: the even and the odd dims. A dot product is exact
+    here, so it may run over the dims in any order: even dims, then odd ones. bfloat16 vectors are
+    read as 32-bit words, a pair per word, because a float64 tl.dot whose operands come from
+    loads narrower than 32 bits does not compile on sm_80+ (Triton picks an operand layout for
+    the narrow type that float64 MMA lacks; seen with Triton 3.6 on an H200)."""
+    j = tl.arange(0, HALF)
+    mask = ok[:, None] & (2 * j < HEAD_DIM)[None, :]
+    if ptr.dtype.element_ty == tl.bfloat16:
+        words = tl.load(ptr.to(tl.pointer_type(tl.int32)) + (base // 2)[:, None] + j[None, :], mask=mask, other=0)
+        even = (words << 16).to(tl.float32, bitcast=True)
+        odd = (words & -65536).to(tl.float32, bitcast=True)
+    else:
+        even = tl.load(ptr + base[:, None] + 2 * j[None, :], mask=mask, other=0.0).to(tl.float32)
+        odd = tl.load(ptr + base[:, None] + 2 * j[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+    return even, odd
 
 
 @triton.jit
 def _q_on_grid(q_ptr, rows, heads, lane_ok, stride_qr, stride_qh, HEAD_DIM: tl.constexpr,
-               D_PAD: tl.constexpr):
-    """The lanes' q rows on their fixed-point grid, float64 [BLOCK_M, D_PAD]."""
-    dims = tl.arange(0, D_PAD)
-    q = tl.load(q_ptr + rows[:, None] * stride_qr + heads[:, None] * stride_qh + dims[None, :],
-                mask=lane_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
-    e = ex.exponent(tl.max(tl.abs(q), 1))
-    return ex.to_fixed(q, e, QK_BITS) * ex.pow2(e - QK_BITS + 1)[:, None]
+               HALF: tl.constexpr):
+    """The lanes' q rows on their fixed-point grid, float64 [BLOCK_M, HALF] twice: even and odd dims."""
+    even, odd = _load_pairs(q_ptr, rows * stride_qr + heads * stride_qh, lane_ok, HEAD_DIM, HALF)
+    e = ex.exponent(tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1)))
+    unit = ex.pow2(e - QK_BITS + 1)[:, None]
+    return ex.to_fixed(even, e, QK_BITS) * unit, ex.to_fixed(odd, e, QK_BITS) * unit
 
 
 @triton.jit
-def _kv_step(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_grid, pos, scale,
+def _kv_step(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_even, q_odd, pos, scale,
              window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+             HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
              HAS_WINDOW: tl.constexpr):
     """One BLOCK_N step of keys: scores [BLOCK_M, BLOCK_N] (float32, -inf where unseen), which keys
-    each lane sees, v as float32 [BLOCK_N, D_PAD] and v's exponents [BLOCK_N]."""
+    each lane sees, v as float32 [BLOCK_N, HALF] (even dims, odd dims) and v's exponents [BLOCK_N]."""
     keys = start + tl.arange(0, BLOCK_N)  # absolute positions
     key_ok = keys < hi
-    dims = tl.arange(0, D_PAD)
     page = tl.load(block_tables_ptr + seq * stride_bt + keys // PAGE, mask=key_ok, other=0)
     slot = keys % PAGE
-    kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
-                + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    dots = tl.dot(q_grid, tl.trans(k.to(tl.float64)))  # exact: integers on one grid, < 2^53
+    k_even, k_odd = _load_pairs(k_cache_ptr, page * stride_kb + slot * stride_ks + kv_head * stride_kh,
+                                key_ok, HEAD_DIM, HALF)
+    v_even, v_odd = _load_pairs(v_cache_ptr, page * stride_vb + slot * stride_vs + kv_head * stride_vh,
+                                key_ok, HEAD_DIM, HALF)
+    dots = tl.dot(q_even, tl.trans(k_even.to(tl.float64)))  # exact: integers on one grid, < 2^53
+    dots += tl.dot(q_odd, tl.trans(k_odd.to(tl.float64)))
     scores = (dots * tl.cast(scale, tl.float32).to(tl.float64)).to(tl.float32)  # scale: a float32 arg
     seen = keys[None, :] <= pos[:, None]
     if HAS_WINDOW:
         seen &= keys[None, :] > pos[:, None] - window
     scores = tl.where(seen, scores, float("-inf"))
-    return scores, seen, v, ex.exponent(tl.max(tl.abs(v), 1))
+    v_exp = ex.exponent(tl.maximum(tl.max(tl.abs(v_even), 1), tl.max(tl.abs(v_odd), 1)))
+    return scores, seen, v_even, v_odd, v_exp
 
 
 @triton.jit(do_not_specialize=["window", "row_base", "max_splits"])
@@ -114,20 +133,20 @@ def attention_stats_kernel(
         scale, window, row_base,
         stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_bt, max_splits,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Per lane and split: the largest visible score and the largest visible v exponent."""
-    kv_head, split, seq, rows, heads, lane_ok, pos, q_grid, lo, hi = _tile(
+    kv_head, split, seq, rows, heads, lane_ok, pos, q_even, q_odd, lo, hi = _tile(
         q_ptr, positions_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, window, stride_qr, stride_qh,
-        GROUP, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, SPLIT, HAS_WINDOW)
+        GROUP, HEAD_DIM, HALF, BLOCK_M, BLOCK_N, SPLIT, HAS_WINDOW)
 
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     top = tl.full([BLOCK_M], NO_KEY_EXPONENT, tl.int32)
     for start in range(lo, hi, BLOCK_N):
-        scores, seen, v, v_exp = _kv_step(
-            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_grid, pos, scale,
+        scores, seen, v_even, v_odd, v_exp = _kv_step(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_even, q_odd, pos, scale,
             window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            HEAD_DIM, D_PAD, PAGE, BLOCK_N, HAS_WINDOW)
+            HEAD_DIM, HALF, PAGE, BLOCK_N, HAS_WINDOW)
         best = tl.maximum(best, tl.max(scores, 1))
         top = tl.maximum(top, tl.max(tl.where(seen, v_exp[None, :], NO_KEY_EXPONENT), 1))
     part = ((rows - row_base).to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * max_splits + split
@@ -142,33 +161,36 @@ def attention_sums_kernel(
         scale, window, row_base,
         stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_bt, max_splits,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Per lane and split: sum_j w_j v_j on the row's integer grid, and sum_j round(p_j 2^L_BITS)."""
-    kv_head, split, seq, rows, heads, lane_ok, pos, q_grid, lo, hi = _tile(
+    kv_head, split, seq, rows, heads, lane_ok, pos, q_even, q_odd, lo, hi = _tile(
         q_ptr, positions_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, window, stride_qr, stride_qh,
-        GROUP, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, SPLIT, HAS_WINDOW)
+        GROUP, HEAD_DIM, HALF, BLOCK_M, BLOCK_N, SPLIT, HAS_WINDOW)
     lane = (rows - row_base).to(tl.int64) * (tl.num_programs(1) * GROUP) + heads  # [launch rows, heads]
     row_max = tl.load(max_ptr + lane, mask=lane_ok, other=0.0)
     lane_scale = ex.pow2(-tl.load(top_ptr + lane, mask=lane_ok, other=0) + W_BITS)
 
-    num = tl.zeros([BLOCK_M, D_PAD], tl.float64)
+    num_even = tl.zeros([BLOCK_M, HALF], tl.float64)
+    num_odd = tl.zeros([BLOCK_M, HALF], tl.float64)
     den = tl.zeros([BLOCK_M], tl.float64)
     for start in range(lo, hi, BLOCK_N):
-        scores, seen, v, v_exp = _kv_step(
-            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_grid, pos, scale,
+        scores, seen, v_even, v_odd, v_exp = _kv_step(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi, q_even, q_odd, pos, scale,
             window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            HEAD_DIM, D_PAD, PAGE, BLOCK_N, HAS_WINDOW)
+            HEAD_DIM, HALF, PAGE, BLOCK_N, HAS_WINDOW)
         p = ex.exp_neg(scores - row_max[:, None]).to(tl.float64)  # 0 where unseen
         den += tl.sum(ex.round_even(p * (2.0 ** L_BITS)), 1)
         w = ex.round_even((p * ex.pow2(v_exp)[None, :]) * lane_scale[:, None])
-        v_int = v.to(tl.float64) * ex.pow2(-v_exp + (V_BITS - 1))[:, None]
-        num += tl.dot(w, v_int)  # exact: integer terms, a split sums to < 2^53
-    dims = tl.arange(0, D_PAD)
+        v_unit = ex.pow2(-v_exp + (V_BITS - 1))[:, None]
+        num_even += tl.dot(w, v_even.to(tl.float64) * v_unit)  # exact: integer terms, a split sums to < 2^53
+        num_odd += tl.dot(w, v_odd.to(tl.float64) * v_unit)
+    j = tl.arange(0, HALF)
     part = lane * max_splits + split
     tl.store(den_ptr + part, den, mask=lane_ok)
-    tl.store(num_ptr + part[:, None] * HEAD_DIM + dims[None, :], num,
-             mask=lane_ok[:, None] & (dims < HEAD_DIM)[None, :])
+    mask = lane_ok[:, None] & (2 * j < HEAD_DIM)[None, :]
+    tl.store(num_ptr + part[:, None] * HEAD_DIM + 2 * j[None, :], num_even, mask=mask)
+    tl.store(num_ptr + part[:, None] * HEAD_DIM + 2 * j[None, :] + 1, num_odd, mask=mask)
 
 
 @triton.jit(do_not_specialize=["row_base", "max_splits"])
@@ -225,8 +247,11 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if split_size % block_n or block_n < 16 or block_m < 16 or split_size > SPLIT_SIZE:
         raise ValueError(f"split_size {split_size} must be a multiple of block_n {block_n} (>= 16) "
                          f"and at most {SPLIT_SIZE}")
-    if head_dim > 256:
-        raise ValueError(f"head_dim {head_dim} > 256: q.k would leave float64's exact range")
+    if head_dim > 256 or head_dim % 2:
+        raise ValueError(f"head_dim {head_dim}: must be even and at most 256 (q.k in float64's exact range)")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{name} is {t.dtype}: the kernel reads float32 or bfloat16")
     if out is None:
         out = torch.empty_like(q)  # [num_rows, num_heads, head_dim]
     elif out.shape != q.shape or not out.is_contiguous():
@@ -254,6 +279,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             tiles.append(tile)
     launches.append(tiles)
     d_pad = triton.next_power_of_2(max(head_dim, 16))
+    half = triton.next_power_of_2(max(head_dim, 32)) // 2  # even and odd dims; tl.dot wants K >= 16
     has_window = window is not None
     target = _aligned(out)
     for tiles in launches:
@@ -275,7 +301,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                   block_tables.stride(0), max_splits)
-        sizes = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, BLOCK_M=block_m,
+        sizes = dict(GROUP=group, HEAD_DIM=head_dim, HALF=half, PAGE=page, BLOCK_M=block_m,
                      BLOCK_N=block_n, SPLIT=split_size, HAS_WINDOW=has_window, **ex.LAUNCH_EXACT)
         attention_stats_kernel[grid](q, k_cache, v_cache, positions, block_tables, tile_seq, tile_start,
                                      tile_end, best, top, *common, **sizes)
