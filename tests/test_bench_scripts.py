@@ -54,6 +54,15 @@ def test_bench_native_runs():
     assert len(row) == 1 and "| True " in row[0], out
 
 
+def test_bench_perplexity_runs():
+    """One short window: the quantized and dense rows (and llama.cpp's where it is installed), each
+    a finite perplexity; the quantized path's is the baseline."""
+    out = run_tool("tools/bench_perplexity.py", "--windows", "1", "--window", "64")
+    rows = [line for line in out.splitlines() if line.startswith("| TensorFold") or line.startswith("| llama.cpp")]
+    assert len(rows) in (2, 3) and "| +0.00% |" in rows[0], out
+    assert all(1.0 < float(line.split("|")[2]) < 1e5 for line in rows), out
+
+
 def test_bench_quant_runs():
     """Every section at tiny sizes; without llama.cpp its columns read n/a."""
     out = run_tool("tools/bench_quant.py", "--tokens", "4", "--prefill-tokens", "16", "--repeats", "1",

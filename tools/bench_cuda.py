@@ -65,7 +65,8 @@ def engine_row(path: str, dtype: str, args, device: str) -> dict:
                                        probe=not args.smoke, max_tokens_per_step=max(512, args.prefill_tokens)))
     out = {"load": time.perf_counter() - started, "ops": engine.info.ops}
     greedy = dict(temperature=0, ignore_eos=True, draft=False)
-    engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **greedy))  # warm-up: compiles the kernels
+    for n in (8, args.prefill_tokens):  # warm-up: compiles the kernels at decode and prefill shapes
+        engine.generate(prompt_ids(n), SamplingParams(max_tokens=2, **greedy))
     for _ in range(args.repeats):
         for n in args.streams:
             out[n] = max(out.get(n, 0), streams_decode_tps(engine, n, args.tokens))
@@ -92,6 +93,7 @@ def transformers_row(path: str, args, device: str) -> dict:
         return time.perf_counter() - started
 
     generate(prompt_ids(8), 2)  # warm-up
+    generate(prompt_ids(args.prefill_tokens), 1)
     out = {"ops": "transformers generate, bf16"}
     for _ in range(args.repeats):
         decode = (args.tokens - 1) / (generate(prompt_ids(16), args.tokens) - generate(prompt_ids(16), 1))

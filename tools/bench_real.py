@@ -15,7 +15,8 @@ quantized by llama.cpp's own quantizer), made once and kept. Per file:
   times its tokens/s, the read bandwidth it reaches, and "of read" that over the machine's read
   bandwidth (a 1 GiB int64 sum by torch on the same threads, best of 5, printed first).
 TensorFold serves the blocks as stored (dtype auto); llama.cpp runs the same file with its f16 KV
-cache. The peer's columns read "-" without llama-cpp-python.
+cache. The peer's columns read "-" without llama-cpp-python. --long N adds a prompt of N tokens
+(both engines' context sized to hold it): its prefill tokens/s, then decode at that depth.
 """
 import argparse
 import gc
@@ -104,8 +105,8 @@ def tensorfold_bench(path: str, args):
     from tensorfold.sampling.params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    engine = Engine(path, EngineConfig(num_threads=args.threads, prompt_cache_gib=0, context=2048, kv_cache_gib=0.5,
-                                       max_tokens_per_step=512))
+    engine = Engine(path, EngineConfig(num_threads=args.threads, prompt_cache_gib=0, context=context(args),
+                                       kv_cache_gib=0.5, max_tokens_per_step=512))
     out = {"exact": engine.exact, "ops": engine.info.ops, "packed": packed_bytes()}
     greedy = dict(temperature=0, ignore_eos=True, draft=False)
     engine.generate(prompt_ids(8), SamplingParams(max_tokens=2, **greedy))  # warm-up
@@ -116,18 +117,30 @@ def tensorfold_bench(path: str, args):
         done = engine.generate(prompt_ids(args.prefill_tokens), SamplingParams(max_tokens=1, **greedy))
         out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens / done.request.stats.prefill_s)
         out["four"] = max(out.get("four", 0), streams_decode_tps(engine, 4, args.tokens))
+        if args.long:
+            s = engine.generate(prompt_ids(args.long), SamplingParams(max_tokens=args.tokens, **greedy)).request.stats
+            out["long_prefill"] = max(out.get("long_prefill", 0), args.long / s.prefill_s)
+            out["long_decode"] = max(out.get("long_decode", 0), (args.tokens - 1) / s.decode_s)
     return out, once, engine
+
+
+def context(args) -> int:
+    return max(2048, args.long + args.tokens + 16)
 
 
 def llama_cpp_bench(path: str, args):
     if not peer_llama_cpp.available():
         print(peer_llama_cpp.SKIP_MESSAGE)
         return {}, (lambda: None)
-    llm = peer_llama_cpp.load(path, n_ctx=2048, threads=args.threads)
+    llm = peer_llama_cpp.load(path, n_ctx=context(args), threads=args.threads)
     out = {}
 
     def once() -> None:
         peer_round(llm, args, out)
+        if args.long:
+            long = prompt_ids(args.long)
+            out["long_prefill"] = max(out.get("long_prefill", 0), args.long / peer_llama_cpp.prefill_seconds(llm, long))
+            out["long_decode"] = max(out.get("long_decode", 0), peer_llama_cpp.decode_tps(llm, long, args.tokens))
     return out, once
 
 
@@ -139,6 +152,8 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--long", type=int, default=0, help="also a prompt of this many tokens (0: off)")
+    p.add_argument("--no-load", action="store_true", help="skip the load table (speed only)")
     p.add_argument("--load-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.load_child:
@@ -152,11 +167,12 @@ def main(argv=None) -> None:
         path = real_shape_gguf(args.shape, qtype)
         name = os.path.basename(path)
         file_mib = os.path.getsize(path) / 2**20
-        ld = measure_load(path, args.threads)
-        load_rows.append([name, fmt(file_mib, 0), fmt(ld["load_s"], 1), fmt(ld["runtime"], 0), fmt(ld["peak"], 0),
-                          fmt(ld["packed"] / 2**20, 0), fmt(ld["cache"], 0),
-                          fmt(ld["peak"] - ld["packed"] / 2**20 - ld["cache"] - ld["runtime"], 0),
-                          f"{ld['packed'] / tensor_bytes(path):.3f}x"])
+        ld = None if args.no_load else measure_load(path, args.threads)
+        if ld:
+            load_rows.append([name, fmt(file_mib, 0), fmt(ld["load_s"], 1), fmt(ld["runtime"], 0), fmt(ld["peak"], 0),
+                              fmt(ld["packed"] / 2**20, 0), fmt(ld["cache"], 0),
+                              fmt(ld["peak"] - ld["packed"] / 2**20 - ld["cache"] - ld["runtime"], 0),
+                              f"{ld['packed'] / tensor_bytes(path):.3f}x"])
         ours, ours_once, engine = tensorfold_bench(path, args)
         peer, peer_once = llama_cpp_bench(path, args)
         for _ in range(args.repeats):
@@ -168,14 +184,20 @@ def main(argv=None) -> None:
                            fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
                            fmt(ours["four"], 1), fmt(peer.get("four"), 1), ratio(ours["four"], peer.get("four")),
                            f"{ours['four'] / ours['decode']:.2f}x"])
+        if args.long:
+            speed_rows[-1] += [fmt(ours["long_prefill"], 0), fmt(peer.get("long_prefill"), 0),
+                               ratio(ours["long_prefill"], peer.get("long_prefill")), fmt(ours["long_decode"], 1),
+                               fmt(peer.get("long_decode"), 1), ratio(ours["long_decode"], peer.get("long_decode"))]
         del engine, ours_once, peer_once
         gc.collect()
-    print_table(["file", "MiB", "load s", "runtime RSS MiB", "peak RSS MiB", "packed MiB", "cache MiB",
-                 "peak - packed - cache - runtime", "resident / file"], load_rows,
-                f"load, a fresh process each, {args.threads} threads")
+    if load_rows:
+        print_table(["file", "MiB", "load s", "runtime RSS MiB", "peak RSS MiB", "packed MiB", "cache MiB",
+                     "peak - packed - cache - runtime", "resident / file"], load_rows,
+                    f"load, a fresh process each, {args.threads} threads")
     print_table(["file", "ops", "exact", "decode tok/s", "llama.cpp", "ratio", "decode GB/s", "of read",
                  f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams tok/s", "llama.cpp", "ratio",
-                 "4 / 1 streams"], speed_rows,
+                 "4 / 1 streams"] + ([f"prefill {args.long} tok/s", "llama.cpp", "ratio", f"decode @{args.long}",
+                                      "llama.cpp", "ratio"] if args.long else []), speed_rows,
                 f"{args.threads} threads, {args.tokens} new tokens, best of {args.repeats}, engines alternating")
 
 

@@ -38,7 +38,7 @@ from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
 from tensorfold.kernels.moe import group_by_expert
 from tensorfold.kernels.moe_triton import combine, route
-from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen  # noqa: F401
+from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen, tile_plan  # noqa: F401
 from tensorfold.kernels.dense_gemm_triton import dense_linear
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.paged_attention import write_kv_ref
@@ -88,9 +88,14 @@ def linear(x, weight, bias=None):
 
 def attention(q, kv, batch, scale, window=None):
     """All rows of a ForwardBatch over one layer's cache (kv: models/cache.LayerKV) in one launch
-    (the kernel reads V's exponents from V: no record)."""
+    (the kernel reads V's exponents from V: no record). The launch's tile plan is made once per
+    forward and head shape, so the layers after the first neither wait for the GPU (the largest
+    position) nor copy tiles to it."""
+    num_heads, head_dim, group = q.shape[1], q.shape[2], q.shape[1] // kv.k.shape[2]
+    plan = batch.memo(("attention tiles", num_heads, group, head_dim),
+                      lambda: tile_plan(batch.positions, batch.row_starts, num_heads, group, head_dim))
     return paged_attention_varlen(q, kv.k, kv.v, batch.positions, batch.block_tables, batch.row_starts, scale,
-                                  window)
+                                  window, plan=plan)
 
 
 def write_kv(kv, k, v, slots):

@@ -23,6 +23,8 @@ exactness on a GPU: K is read twice (stats, then sums), V twice for its exponent
 run in float64 (tensor cores do float64 on sm80+ at a fraction of their bf16 rate); nothing here
 has been timed on a GPU yet (docs/kernels.md).
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -228,17 +230,56 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                   split_size=split_size, out=out, workspace_fill=workspace_fill)
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """How a varlen call walks its rows, the same for every layer of a forward with the same heads:
+    the number of KV splits (from the largest position) and the launches, each (row_base, row_end,
+    tile_seq, tile_start, tile_end) with the tile columns on the device. Making it reads the
+    largest position back from the device and copies the tiles there once: a model builds it once
+    per forward (ForwardBatch.memo), not once per layer."""
+    max_splits: int
+    launches: list
+
+
+def tile_plan(positions: torch.Tensor, row_starts: list[int], num_heads: int, group: int, head_dim: int,
+              block_m: int = BLOCK_M, split_size: int = SPLIT_SIZE) -> TilePlan:
+    """Tiles of block_m // group rows of one sequence, in row order; a launch takes consecutive
+    tiles while the split partials of its rows stay under WORKSPACE_BYTES."""
+    max_splits = int(positions.max()) // split_size + 1
+    rows_per_tile = block_m // group
+    launch_rows = max(rows_per_tile, WORKSPACE_BYTES // (num_heads * max_splits * (head_dim + 3) * 8))
+    runs, tiles = [], []
+    for seq, (a, b) in enumerate(zip(row_starts[:-1], row_starts[1:])):
+        for start in range(a, b, rows_per_tile):
+            tile = (seq, start, min(start + rows_per_tile, b))
+            if tiles and tile[2] - tiles[0][1] > launch_rows:
+                runs.append(tiles)
+                tiles = []
+            tiles.append(tile)
+    runs.append(tiles)
+    flat, spans = [], []
+    for tiles in runs:
+        spans.append((len(flat), len(tiles)))
+        for column in zip(*tiles):  # seq, start, end
+            flat.extend(column)
+    columns = torch.tensor(flat, dtype=torch.int32).to(positions.device)  # one copy for every launch
+    launches = [(tiles[0][1], tiles[-1][2], *columns[at:at + 3 * n].view(3, n).unbind(0))
+                for (at, n), tiles in zip(spans, runs)]
+    return TilePlan(max_splits, launches)
+
+
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            positions: torch.Tensor, block_tables: torch.Tensor, row_starts: list[int],
                            scale: float, window: int | None = None, *, block_m: int = BLOCK_M,
                            block_n: int = BLOCK_N, split_size: int = SPLIT_SIZE,
-                           out: torch.Tensor | None = None,
-                           workspace_fill: float | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, workspace_fill: float | None = None,
+                           plan: "TilePlan | None" = None) -> torch.Tensor:
     """Several sequences in one launch: sequence i owns rows row_starts[i]:row_starts[i + 1] of q
     and row i of block_tables [num_seqs, max_blocks]. Tile and split sizes are free (the result
     does not depend on them); split_size must be <= 512 (exactness of a split's float64 sum) and a
     multiple of block_n. `out` receives the result; `workspace_fill` pre-fills the split partials
-    (tests: NaN, so a read of an unwritten partial shows)."""
+    (tests: NaN, so a read of an unwritten partial shows). `plan`: tile_plan's result for these
+    rows, made once per forward by a caller that runs many layers (else made here)."""
     num_rows, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -264,26 +305,14 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     device = q.device
     positions = positions.to(device=device, dtype=torch.int64).contiguous()
     block_tables = block_tables.to(device=device, dtype=torch.int64).contiguous()
-    max_splits = int(positions.max()) // split_size + 1
-    # Tiles of rows of one sequence, in row order; launches take consecutive tiles so that the
-    # split partials of a launch stay under WORKSPACE_BYTES.
-    rows_per_tile = block_m // group
-    launch_rows = max(rows_per_tile, WORKSPACE_BYTES // (num_heads * max_splits * (head_dim + 3) * 8))
-    launches, tiles = [], []
-    for seq, (a, b) in enumerate(zip(row_starts[:-1], row_starts[1:])):
-        for start in range(a, b, rows_per_tile):
-            tile = (seq, start, min(start + rows_per_tile, b))
-            if tiles and tile[2] - tiles[0][1] > launch_rows:
-                launches.append(tiles)
-                tiles = []
-            tiles.append(tile)
-    launches.append(tiles)
+    if plan is None:
+        plan = tile_plan(positions, row_starts, num_heads, group, head_dim, block_m, split_size)
+    max_splits = plan.max_splits
     d_pad = triton.next_power_of_2(max(head_dim, 16))
     half = triton.next_power_of_2(max(head_dim, 32)) // 2  # even and odd dims; tl.dot wants K >= 16
     has_window = window is not None
     target = _aligned(out)
-    for tiles in launches:
-        row_base, row_end = tiles[0][1], tiles[-1][2]
+    for row_base, row_end, tile_seq, tile_start, tile_end in plan.launches:
         parts = (row_end - row_base, num_heads, max_splits)
         best = torch.empty(parts, dtype=torch.float32, device=device)
         top = torch.empty(parts, dtype=torch.int32, device=device)
@@ -293,9 +322,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             for t in (best, den, num):
                 t.fill_(workspace_fill)
             top.fill_(2 ** 30)
-        tile_seq, tile_start, tile_end = (torch.tensor(col, dtype=torch.int32, device=device)
-                                          for col in zip(*tiles))
-        grid = (len(tiles), num_kv_heads, max_splits)
+        grid = (len(tile_seq), num_kv_heads, max_splits)
         common = (scale, window if has_window else 0, row_base,
                   q.stride(0), q.stride(1),
                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
