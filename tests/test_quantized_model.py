@@ -157,8 +157,8 @@ def test_q4_k_m_gguf_native_equals_torch_references(tiny_q4_k_m_gguf):
                          for ops in (backend_ops("cpu"), cpu_ops))
     # per layer q, k, o, gate_up Q4_K and v, down Q6_K; the tied head Q6_K (token_embd)
     assert native.weight_formats() == {"q4_k": 8, "q6_k": 5}
-    qkv = native.layers[0].mixer.qkv  # Q4_K q, k beside Q6_K v: two parts, so no fused layer
-    assert qkv.formats == ("q4_k", "q4_k", "q6_k") and len(qkv.parts) == 3 and native.ops.fuse(native.layers[0]) is None
+    qkv = native.layers[0].mixer.qkv  # Q4_K q, k beside Q6_K v: three parts, in one fused layer
+    assert qkv.formats == ("q4_k", "q4_k", "q6_k") and len(qkv.parts) == 3 and native.ops.fuse(native.layers[0]) is not None
     got, got_sha = greedy_run(native, PROMPTS, steps=3)
     want, want_sha = greedy_run(reference, PROMPTS, steps=3)
     assert_same_logits(got, want, "q4_k_m")

@@ -120,7 +120,8 @@ void check_rows_in(const torch::Tensor& x, const torch::Tensor& residual, const 
 
 }  // namespace
 
-DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o,
+DecoderLayer::DecoderLayer(const std::vector<torch::Tensor>& qkv, const std::vector<int64_t>& qkv_widths,
+                           const torch::Tensor& o,
                            const c10::optional<torch::Tensor>& gate_up, const c10::optional<torch::Tensor>& down,
                            const torch::Tensor& post_norm, const c10::optional<torch::Tensor>& q_norm,
                            const c10::optional<torch::Tensor>& k_norm, const LayerShape& shape,
@@ -137,7 +138,14 @@ DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o,
   const auto dtype = post_norm.scalar_type();
   const int64_t q_size = s.num_heads * s.head_dim;
   const int64_t qkv_width = q_size * (s.output_gate ? 2 : 1) + 2 * s.num_kv_heads * s.head_dim;
-  qkv_ = gemm_weight(qkv, qkv_width, s.hidden, code_, dtype, "DecoderLayer", "qkv");
+  const std::vector<int64_t> widths = qkv_widths.empty() ? std::vector<int64_t>{qkv_width} : qkv_widths;
+  TORCH_CHECK(!qkv.empty() && qkv.size() == widths.size(), "DecoderLayer: one width per qkv part expected");
+  int64_t width = 0;
+  for (size_t i = 0; i < qkv.size(); ++i) {
+    qkv_.push_back(gemm_weight(qkv[i], widths[i], s.hidden, code_, dtype, "DecoderLayer", "qkv"));
+    width += widths[i];
+  }
+  TORCH_CHECK(width == qkv_width, "DecoderLayer: the qkv parts are ", width, " wide, the heads need ", qkv_width);
   o_ = gemm_weight(o, s.hidden, q_size, code_, dtype, "DecoderLayer", "o_proj");
   ffn_ = layer_ffn(gate_up, down, s.intermediate, s.hidden, code_, dtype, "DecoderLayer", std::move(moe));
   check_norm(post_norm, s.hidden, dtype, "post_norm");
@@ -145,6 +153,37 @@ DecoderLayer::DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o,
   if (q_norm) {
     check_norm(*q_norm, s.head_dim, dtype, "q_norm");
     check_norm(*k_norm, s.head_dim, dtype, "k_norm");
+  }
+}
+
+// x @ qkv^T into qkv [tokens, qkv_width]: one GEMM, or each part's into its own output (quantized
+// parts in one parallel region) and the outputs side by side, as LinearWeight concatenates them.
+void DecoderLayer::qkv_gemms(int code, const torch::Tensor& x, torch::Tensor& qkv, int nt) const {
+  const int64_t tokens = x.size(0), hidden = shape_.hidden;
+  if (qkv_.size() == 1) {
+    tf::matmul(code, x.data_ptr(), qkv_[0].packed.data_ptr(), qkv_[0].quant, qkv.data_ptr(), tokens, qkv.size(1),
+               hidden, nt);
+    return;
+  }
+  std::vector<torch::Tensor> outs;
+  std::vector<tf::QuantJob> jobs;
+  bool all_quant = true;
+  for (const auto& part : qkv_) {
+    outs.push_back(torch::empty({tokens, part.n}, x.options()));
+    jobs.push_back({x.data_ptr(), part.packed.data_ptr<uint8_t>(), outs.back().data_ptr(), tokens, part.n, hidden});
+    all_quant = all_quant && part.quant;
+  }
+  if (all_quant) {
+    tf::quant_linears(code, jobs.data(), static_cast<int64_t>(jobs.size()), nt);
+  } else {
+    for (size_t i = 0; i < qkv_.size(); ++i)
+      tf::matmul(code, x.data_ptr(), qkv_[i].packed.data_ptr(), qkv_[i].quant, outs[i].data_ptr(), tokens, qkv_[i].n,
+                 hidden, nt);
+  }
+  int64_t at = 0;
+  for (size_t i = 0; i < qkv_.size(); ++i) {
+    qkv.narrow(1, at, qkv_[i].n).copy_(outs[i]);
+    at += qkv_[i].n;
   }
 }
 
@@ -190,7 +229,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch&
   const size_t el = x.element_size();
   char* qkv_p = static_cast<char*>(qkv.data_ptr());
 
-  tf::matmul(code, x.data_ptr(), qkv_.packed.data_ptr(), qkv_.quant, qkv_p, tokens, qkv_width, hidden, nt);
+  qkv_gemms(code, x, qkv, nt);
   const int64_t q_head_stride = s.output_gate ? 2 * d : d;  // [q, gate] per head
   tf::rope_heads(code, qkv_p, qkv_width, q_head_stride, q.data_ptr(), b.cos.data_ptr<float>(), b.sin.data_ptr<float>(),
                  tokens, heads, d, rope_dim, ptr_or_null(q_norm_), eps, nt);

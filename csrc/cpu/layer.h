@@ -82,7 +82,10 @@ struct LayerBatch {
 class __attribute__((visibility("hidden"))) DecoderLayer {
  public:
   // The feed-forward: gate_up and down (shape.intermediate), or moe (then neither).
-  DecoderLayer(const torch::Tensor& qkv, const torch::Tensor& o, const c10::optional<torch::Tensor>& gate_up,
+  // qkv: its packed parts side by side (one, or several: Q4_K_M files keep v in Q6_K beside q and k
+  // in Q4_K), qkv_widths their output widths.
+  DecoderLayer(const std::vector<torch::Tensor>& qkv, const std::vector<int64_t>& qkv_widths,
+               const torch::Tensor& o, const c10::optional<torch::Tensor>& gate_up,
                const c10::optional<torch::Tensor>& down, const torch::Tensor& post_norm,
                const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
                const LayerShape& shape, std::shared_ptr<const MoEBlock> moe = nullptr);
@@ -94,9 +97,12 @@ class __attribute__((visibility("hidden"))) DecoderLayer {
   const LayerShape& shape() const { return shape_; }
 
  private:
+  void qkv_gemms(int code, const torch::Tensor& x, torch::Tensor& qkv, int threads) const;
+
   LayerShape shape_;
   int code_;  // the layer's dtype: 0 float32, 1 bfloat16
-  LayerGemm qkv_, o_;
+  std::vector<LayerGemm> qkv_;  // the parts, outputs side by side
+  LayerGemm o_;
   LayerFFN ffn_;
   torch::Tensor post_norm_;
   c10::optional<torch::Tensor> q_norm_, k_norm_;  // qwen3's per-head norms [head_dim], both or neither

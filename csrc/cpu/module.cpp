@@ -547,12 +547,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderLayer>(m, "DecoderLayer",
                            "one llama/qwen3 decoder layer, built once at load from its packed weights "
                            "(pack_weight or pack_quant), norms and shapes, checked then")
-      .def(py::init([](const torch::Tensor& qkv, const torch::Tensor& o, const Out& gate_up, const Out& down,
-                       const torch::Tensor& post_norm, const Out& q_norm, const Out& k_norm, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-                       double scale, int64_t window, int64_t rope_dim, bool output_gate,
-                       std::shared_ptr<MoEBlock> moe) {
-             return DecoderLayer(qkv, o, gate_up, down, post_norm, q_norm, k_norm,
+      .def(py::init([](const std::vector<torch::Tensor>& qkv, const torch::Tensor& o, const Out& gate_up,
+                       const Out& down, const torch::Tensor& post_norm, const Out& q_norm, const Out& k_norm,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden,
+                       int64_t intermediate, double eps, double scale, int64_t window, int64_t rope_dim,
+                       bool output_gate, std::shared_ptr<MoEBlock> moe, const std::vector<int64_t>& qkv_widths) {
+             return DecoderLayer(qkv, qkv_widths, o, gate_up, down, post_norm, q_norm, k_norm,
                                  {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale, window,
                                   rope_dim > 0 ? rope_dim : head_dim, output_gate},
                                  std::move(moe));
@@ -560,7 +560,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("post_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("hidden"),
            py::arg("intermediate"), py::arg("eps"), py::arg("scale"), py::arg("window"), py::arg("rope_dim") = 0,
-           py::arg("output_gate") = false, py::arg("moe") = py::none())
+           py::arg("output_gate") = false, py::arg("moe") = py::none(),
+           py::arg("qkv_widths") = std::vector<int64_t>{})
       .def(
           "forward",
           [](const DecoderLayer& layer, const torch::Tensor& x, const torch::Tensor& residual, const Out& next_norm,

@@ -120,7 +120,8 @@ def write_kv(kv, k, v, slots):
 
 def fuse(layer):
     """A DecoderLayer (models/blocks.py) as one native call, or None where the native layers do
-    not cover it (biases, weights of mixed formats, other block kinds): the block's Python
+    not cover it (biases, an o_proj or MLP of mixed formats, other block kinds; a qkv of several
+    parts, such as Q4_K_M's Q4_K q and k beside a Q6_K v, is covered): the block's Python
     composition, the same bits (tests/test_native_backend.py, tests/test_hybrids.py), with one
     Python-to-C++ crossing per layer instead of eleven. The C++ layer (_cpu.DecoderLayer for
     attention, _cpu.DeltaNetLayer for Gated DeltaNet, each with a SwiGLU MLP or the MoE block
@@ -132,11 +133,12 @@ def fuse(layer):
         return None
     if type(mixer) is GatedDeltaNet:
         return _fuse_delta_net(layer, ffn_args)
-    if type(mixer) is not Attention or not _single_parts((mixer.qkv, mixer.o)):
+    if type(mixer) is not Attention or not _single_parts((mixer.o,)) or mixer.qkv.bias is not None:
         return None
     s = mixer.spec
     native = _cpu.DecoderLayer(
-        mixer.qkv.single.data, mixer.o.single.data, post_norm=layer.post_mixer_norm, q_norm=mixer.q_norm,
+        [part.data for part in mixer.qkv.parts], mixer.o.single.data, qkv_widths=list(mixer.qkv.widths),
+        post_norm=layer.post_mixer_norm, q_norm=mixer.q_norm,
         k_norm=mixer.k_norm,
         num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, hidden=layer.input_norm.shape[0],
         eps=layer.eps, scale=s.scale, window=s.window or 0, rope_dim=s.rope_dim, output_gate=s.output_gate,
