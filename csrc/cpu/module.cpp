@@ -547,12 +547,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderLayer>(m, "DecoderLayer",
                            "one llama/qwen3 decoder layer, built once at load from its packed weights "
                            "(pack_weight or pack_quant), norms and shapes, checked then")
-      .def(py::init([](const std::vector<torch::Tensor>& qkv, const torch::Tensor& o, const Out& gate_up,
+      .def(py::init([](const py::object& qkv, const torch::Tensor& o, const Out& gate_up,
                        const Out& down, const torch::Tensor& post_norm, const Out& q_norm, const Out& k_norm,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden,
                        int64_t intermediate, double eps, double scale, int64_t window, int64_t rope_dim,
                        bool output_gate, std::shared_ptr<MoEBlock> moe, const std::vector<int64_t>& qkv_widths) {
-             return DecoderLayer(qkv, qkv_widths, o, gate_up, down, post_norm, q_norm, k_norm,
+             // qkv: one packed tensor, or a list of parts (qkv_widths then gives their widths)
+             const bool parts = py::isinstance<py::list>(qkv) || py::isinstance<py::tuple>(qkv);
+             return DecoderLayer(parts ? qkv.cast<std::vector<torch::Tensor>>()
+                                       : std::vector<torch::Tensor>{qkv.cast<torch::Tensor>()},
+                                 qkv_widths, o, gate_up, down, post_norm, q_norm, k_norm,
                                  {num_heads, num_kv_heads, head_dim, hidden, intermediate, eps, scale, window,
                                   rope_dim > 0 ? rope_dim : head_dim, output_gate},
                                  std::move(moe));
