@@ -149,8 +149,7 @@ def benchmarks(torch, device: str, smoke: bool):
     codes = torch.randint(-127, 128, (n, kdim), generator=gen, dtype=torch.int8)
     scales = (torch.rand(n, kdim // 32, generator=gen) * 2e-4 + 1e-4).half()
     qw = qg.from_legacy("q8_0", codes, scales)
-    packed = qt.pack_quant_weight(qg.QuantWeight(qw.kind, *(t.to(device) for t in
-                                                            (qw.codes, qw.scale, qw.scale_exp)), None, None))
+    packed = qt.pack_quant_weight(qw.to(device))
     dense = (codes.float() * scales.float().repeat_interleave(32, dim=1)).to(bf16).to(device)
     for rows_ in (1, s(512, 8)):
         xq = torch.randn(rows_, kdim, device=device)

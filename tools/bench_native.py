@@ -103,12 +103,21 @@ def tensorfold_bench(dtype: str, args):
 
         out["four"] = max(out.get("four", 0), streams_decode_tps(engine, 4, args.tokens))
 
-        if args.long:
-            done = engine.generate(prompt_ids(args.long), SamplingParams(max_tokens=args.tokens, **greedy))
-            s = done.request.stats
-            out["long_prefill"] = max(out.get("long_prefill", 0), args.long / s.prefill_s)
-            out["long_decode"] = max(out.get("long_decode", 0), (args.tokens - 1) / s.decode_s)
+        long_round(engine, args, out)
     return out, once
+
+
+def long_round(engine, args, out: dict) -> None:
+    """With --long N: the engine's prefill of an N-token prompt and its greedy decode at that depth,
+    each kept in `out` where it beats the best so far."""
+    from tensorfold.sampling.params import SamplingParams
+
+    if not args.long:
+        return
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, draft=False)
+    s = engine.generate(prompt_ids(args.long), params).request.stats
+    out["long_prefill"] = max(out.get("long_prefill", 0), args.long / s.prefill_s)
+    out["long_decode"] = max(out.get("long_decode", 0), (args.tokens - 1) / s.decode_s)
 
 
 def streams_decode_tps(engine, streams: int, tokens: int) -> float:
@@ -136,6 +145,16 @@ def peer_round(llm, args, out: dict, kv_dtype: str = peer_llama_cpp.DEFAULT_KV) 
         llm, [prompt_ids(16, offset=100 * i) for i in range(4)], args.tokens, kv_dtype))
 
 
+def peer_long_round(llm, args, out: dict) -> None:
+    """long_round's two numbers for llama.cpp."""
+    if not args.long:
+        return
+    out["long_prefill"] = max(out.get("long_prefill", 0),
+                              args.long / peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.long)))
+    out["long_decode"] = max(out.get("long_decode", 0),
+                             peer_llama_cpp.decode_tps(llm, prompt_ids(args.long), args.tokens))
+
+
 def llama_cpp_bench(dtype: str, args, kv_dtype: str = peer_llama_cpp.DEFAULT_KV):
     """llama.cpp on the same weights in the same precision, its KV cache in kv_dtype (ours);
     (out, once) as tensorfold_bench, or None when llama-cpp-python is not installed."""
@@ -152,11 +171,7 @@ def llama_cpp_bench(dtype: str, args, kv_dtype: str = peer_llama_cpp.DEFAULT_KV)
 
     def once() -> None:
         peer_round(llm, args, out, kv_dtype)
-        if args.long:
-            out["long_prefill"] = max(out.get("long_prefill", 0),
-                                      args.long / peer_llama_cpp.prefill_seconds(llm, prompt_ids(args.long)))
-            out["long_decode"] = max(out.get("long_decode", 0),
-                                     peer_llama_cpp.decode_tps(llm, prompt_ids(args.long), args.tokens))
+        peer_long_round(llm, args, out)
     return out, once
 
 

@@ -33,7 +33,8 @@ if ROOT not in sys.path:
 
 from tools import peer_llama_cpp  # noqa: E402
 from tools.bench_core import fmt, machine_line, print_table, rss_mib  # noqa: E402
-from tools.bench_native import peer_round, prompt_ids, ratio, streams_decode_tps  # noqa: E402
+from tools.bench_native import (long_round, peer_long_round, peer_round, prompt_ids, ratio,  # noqa: E402
+                                streams_decode_tps)
 from tools.real_shapes import SHAPES, real_shape_gguf  # noqa: E402
 
 
@@ -117,10 +118,7 @@ def tensorfold_bench(path: str, args):
         done = engine.generate(prompt_ids(args.prefill_tokens), SamplingParams(max_tokens=1, **greedy))
         out["prefill"] = max(out.get("prefill", 0), args.prefill_tokens / done.request.stats.prefill_s)
         out["four"] = max(out.get("four", 0), streams_decode_tps(engine, 4, args.tokens))
-        if args.long:
-            s = engine.generate(prompt_ids(args.long), SamplingParams(max_tokens=args.tokens, **greedy)).request.stats
-            out["long_prefill"] = max(out.get("long_prefill", 0), args.long / s.prefill_s)
-            out["long_decode"] = max(out.get("long_decode", 0), (args.tokens - 1) / s.decode_s)
+        long_round(engine, args, out)
     return out, once, engine
 
 
@@ -137,10 +135,7 @@ def llama_cpp_bench(path: str, args):
 
     def once() -> None:
         peer_round(llm, args, out)
-        if args.long:
-            long = prompt_ids(args.long)
-            out["long_prefill"] = max(out.get("long_prefill", 0), args.long / peer_llama_cpp.prefill_seconds(llm, long))
-            out["long_decode"] = max(out.get("long_decode", 0), peer_llama_cpp.decode_tps(llm, long, args.tokens))
+        peer_long_round(llm, args, out)
     return out, once
 
 

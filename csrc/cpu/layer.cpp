@@ -105,6 +105,26 @@ std::tuple<torch::Tensor, torch::Tensor> ffn_and_next_norm(int code, const torch
   return {torch::Tensor(), h + mlp};  // the last layer: the add alone (torch's, as the model does it)
 }
 
+// A GEMM of a batch: weight, input rows, output rows.
+struct GemmCall {
+  const LayerGemm* w;
+  const void* x;
+  void* out;
+  int64_t rows;
+};
+
+// The calls' GEMMs: the quantized ones in one parallel region (tf::quant_linears), dense ones each.
+void run_gemms(int code, const std::vector<GemmCall>& calls, int nt) {
+  std::vector<tf::QuantJob> quant;
+  for (const GemmCall& c : calls) {
+    if (c.w->quant)
+      quant.push_back({c.x, c.w->packed.data_ptr<uint8_t>(), c.out, c.rows, c.w->n, c.w->k});
+    else
+      tf::linear(code, c.x, c.w->packed.data_ptr(), c.out, c.rows, c.w->n, c.w->k, nt);
+  }
+  if (!quant.empty()) tf::quant_linears(code, quant.data(), static_cast<int64_t>(quant.size()), nt);
+}
+
 // x and residual [tokens, hidden] in the layer's dtype, contiguous; next_norm [hidden] if given.
 void check_rows_in(const torch::Tensor& x, const torch::Tensor& residual, const c10::optional<torch::Tensor>& next_norm,
                    int64_t hidden, torch::ScalarType dtype, const char* what) {
@@ -156,30 +176,23 @@ DecoderLayer::DecoderLayer(const std::vector<torch::Tensor>& qkv, const std::vec
   }
 }
 
-// x @ qkv^T into qkv [tokens, qkv_width]: one GEMM, or each part's into its own output (quantized
-// parts in one parallel region) and the outputs side by side, as LinearWeight concatenates them.
+// x @ qkv^T into qkv [tokens, qkv_width]: one GEMM, or each part's into its own output (run_gemms:
+// the quantized ones in one parallel region) and the outputs side by side, as LinearWeight
+// concatenates them.
 void DecoderLayer::qkv_gemms(int code, const torch::Tensor& x, torch::Tensor& qkv, int nt) const {
-  const int64_t tokens = x.size(0), hidden = shape_.hidden;
+  const int64_t tokens = x.size(0);
   if (qkv_.size() == 1) {
     tf::matmul(code, x.data_ptr(), qkv_[0].packed.data_ptr(), qkv_[0].quant, qkv.data_ptr(), tokens, qkv.size(1),
-               hidden, nt);
+               shape_.hidden, nt);
     return;
   }
   std::vector<torch::Tensor> outs;
-  std::vector<tf::QuantJob> jobs;
-  bool all_quant = true;
+  std::vector<GemmCall> calls;
   for (const auto& part : qkv_) {
     outs.push_back(torch::empty({tokens, part.n}, x.options()));
-    jobs.push_back({x.data_ptr(), part.packed.data_ptr<uint8_t>(), outs.back().data_ptr(), tokens, part.n, hidden});
-    all_quant = all_quant && part.quant;
+    calls.push_back({&part, x.data_ptr(), outs.back().data_ptr(), tokens});
   }
-  if (all_quant) {
-    tf::quant_linears(code, jobs.data(), static_cast<int64_t>(jobs.size()), nt);
-  } else {
-    for (size_t i = 0; i < qkv_.size(); ++i)
-      tf::matmul(code, x.data_ptr(), qkv_[i].packed.data_ptr(), qkv_[i].quant, outs[i].data_ptr(), tokens, qkv_[i].n,
-                 hidden, nt);
-  }
+  run_gemms(code, calls, nt);
   int64_t at = 0;
   for (size_t i = 0; i < qkv_.size(); ++i) {
     qkv.narrow(1, at, qkv_[i].n).copy_(outs[i]);
@@ -317,26 +330,6 @@ std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBa
 }
 
 namespace {
-
-// A GEMM of a batch: weight, input rows, output rows.
-struct GemmCall {
-  const LayerGemm* w;
-  const void* x;
-  void* out;
-  int64_t rows;
-};
-
-// The calls' GEMMs: the quantized ones in one parallel region (tf::quant_linears), dense ones each.
-void run_gemms(int code, const std::vector<GemmCall>& calls, int nt) {
-  std::vector<tf::QuantJob> quant;
-  for (const GemmCall& c : calls) {
-    if (c.w->quant)
-      quant.push_back({c.x, c.w->packed.data_ptr<uint8_t>(), c.out, c.rows, c.w->n, c.w->k});
-    else
-      tf::linear(code, c.x, c.w->packed.data_ptr(), c.out, c.rows, c.w->n, c.w->k, nt);
-  }
-  if (!quant.empty()) tf::quant_linears(code, quant.data(), static_cast<int64_t>(quant.size()), nt);
-}
 
 // The (row, choice) pairs of `chosen` [tokens, k] grouped by expert: expert e's pairs take rows
 // [start[e], start[e + 1]) of the grouped order, rows ascending within an expert; at[p] is pair

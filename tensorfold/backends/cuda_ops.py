@@ -40,6 +40,7 @@ from tensorfold.kernels.moe import group_by_expert
 from tensorfold.kernels.moe_triton import combine, route
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen, tile_plan  # noqa: F401
 from tensorfold.kernels.dense_gemm_triton import dense_linear
+from tensorfold.kernels.exact_triton import aligned
 from tensorfold.kernels.paged_attention import pad_block_tables
 from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.kernels.quant_gemm import QuantWeight
@@ -61,7 +62,7 @@ class Linear(LinearWeight):
     equal GEMMs."""
 
     def pack(self, part):
-        return pack_quant_weight(part) if self.quantized(part) else part
+        return pack_quant_weight(part) if self.quantized(part) else aligned(part)
 
     def multiply(self, x, part):
         if isinstance(part, PackedQuantWeight):

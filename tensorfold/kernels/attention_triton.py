@@ -233,10 +233,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 @dataclass(frozen=True)
 class TilePlan:
     """How a varlen call walks its rows, the same for every layer of a forward with the same heads:
-    the number of KV splits (from the largest position) and the launches, each (row_base, row_end,
-    tile_seq, tile_start, tile_end) with the tile columns on the device. Making it reads the
-    largest position back from the device and copies the tiles there once: a model builds it once
-    per forward (ForwardBatch.memo), not once per layer."""
+    the tiling it was made for (block_m, split_size), the number of KV splits (from the largest
+    position) and the launches, each (row_base, row_end, tile_seq, tile_start, tile_end) with the
+    tile columns on the device. Making it reads the largest position back from the device and
+    copies the tiles there once: a model builds it once per forward (ForwardBatch.memo), not once
+    per layer."""
+    block_m: int
+    split_size: int
     max_splits: int
     launches: list
 
@@ -248,24 +251,16 @@ def tile_plan(positions: torch.Tensor, row_starts: list[int], num_heads: int, gr
     max_splits = int(positions.max()) // split_size + 1
     rows_per_tile = block_m // group
     launch_rows = max(rows_per_tile, WORKSPACE_BYTES // (num_heads * max_splits * (head_dim + 3) * 8))
-    runs, tiles = [], []
+    tiles, runs = [], [0]  # runs: where each launch's tiles start in `tiles`
     for seq, (a, b) in enumerate(zip(row_starts[:-1], row_starts[1:])):
         for start in range(a, b, rows_per_tile):
-            tile = (seq, start, min(start + rows_per_tile, b))
-            if tiles and tile[2] - tiles[0][1] > launch_rows:
-                runs.append(tiles)
-                tiles = []
-            tiles.append(tile)
-    runs.append(tiles)
-    flat, spans = [], []
-    for tiles in runs:
-        spans.append((len(flat), len(tiles)))
-        for column in zip(*tiles):  # seq, start, end
-            flat.extend(column)
-    columns = torch.tensor(flat, dtype=torch.int32).to(positions.device)  # one copy for every launch
-    launches = [(tiles[0][1], tiles[-1][2], *columns[at:at + 3 * n].view(3, n).unbind(0))
-                for (at, n), tiles in zip(spans, runs)]
-    return TilePlan(max_splits, launches)
+            if len(tiles) > runs[-1] and min(start + rows_per_tile, b) - tiles[runs[-1]][1] > launch_rows:
+                runs.append(len(tiles))
+            tiles.append((seq, start, min(start + rows_per_tile, b)))
+    runs.append(len(tiles))
+    columns = torch.tensor(tiles, dtype=torch.int32).T.contiguous().to(positions.device)  # one copy
+    launches = [(tiles[i][1], tiles[j - 1][2], *columns[:, i:j].unbind(0)) for i, j in zip(runs[:-1], runs[1:])]
+    return TilePlan(block_m, split_size, max_splits, launches)
 
 
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -299,7 +294,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
     if num_rows == 0:
         return out
-    q = _aligned(q)
+    q = ex.aligned(q)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
     device = q.device
@@ -307,11 +302,14 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables = block_tables.to(device=device, dtype=torch.int64).contiguous()
     if plan is None:
         plan = tile_plan(positions, row_starts, num_heads, group, head_dim, block_m, split_size)
+    elif (plan.block_m, plan.split_size) != (block_m, split_size):
+        raise ValueError(f"a plan for block_m {plan.block_m}, split_size {plan.split_size} given to a call with "
+                         f"{block_m}, {split_size}")
     max_splits = plan.max_splits
     d_pad = triton.next_power_of_2(max(head_dim, 16))
     half = triton.next_power_of_2(max(head_dim, 32)) // 2  # even and odd dims; tl.dot wants K >= 16
     has_window = window is not None
-    target = _aligned(out)
+    target = ex.aligned(out)
     for row_base, row_end, tile_seq, tile_start, tile_end in plan.launches:
         parts = (row_end - row_base, num_heads, max_splits)
         best = torch.empty(parts, dtype=torch.float32, device=device)
@@ -345,10 +343,3 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.copy_(target)
     return out
 
-
-def _aligned(x: torch.Tensor) -> torch.Tensor:
-    """x contiguous at a 16-byte aligned address: Triton specialises kernels on pointer
-    alignment, and one compiled variant for every call keeps the reduction order fixed."""
-    if x.is_contiguous() and x.data_ptr() % 16 == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format)

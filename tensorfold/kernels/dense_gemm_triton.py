@@ -67,7 +67,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    x, weight = x.contiguous(), weight.contiguous()
+    x, weight = ex.aligned(x), weight.contiguous()  # weights: aligned once, when packed (cuda_ops.Linear)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     dense_gemm_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, kdim,
                             x.stride(0), weight.stride(0), out.stride(0),

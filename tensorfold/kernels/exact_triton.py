@@ -3,12 +3,21 @@
 Kernels that use them are launched with `enable_fp_fusion=False` (LAUNCH_EXACT), so `a * b + c`
 stays a rounded product and a rounded sum, as in torch, instead of becoming one FMA.
 """
+import torch
 import triton
 import triton.language as tl
 
 from tensorfold.exact import float32 as ref32, float64 as ref64, grid
 
 LAUNCH_EXACT = {"enable_fp_fusion": False}
+
+
+def aligned(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous at a 16-byte aligned address: Triton specialises kernels on pointer
+    alignment, and one compiled variant for every call keeps the reduction order fixed."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 ROUND_MAGIC: tl.constexpr = tl.constexpr(grid.ROUND_MAGIC)
 EXP_MIN: tl.constexpr = tl.constexpr(ref32.EXP_MIN)
