@@ -18,7 +18,8 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "mlx", "cpu"],
-                   help="where the model runs; auto: cuda if a GPU is found, else cpu (mlx: not yet available)")
+                   help="where the model runs; auto: mlx on Apple silicon, else cuda if a GPU is found, else cpu "
+                        "(mlx runs llama and qwen3 layers; on Linux it uses MLX's CPU device)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: a GGUF's quantized matrices served in their blocks, float32 activations; "
                         "float32/bfloat16: every weight dequantized to it")

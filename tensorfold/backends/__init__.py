@@ -1,7 +1,8 @@
-"""Which backend serves, and its op set: cpu (the C++ kernels, else torch ops) or cuda (Triton).
+"""Which backend serves, and its op set: cpu (the C++ kernels, else torch ops), cuda (Triton) or
+mlx (MLX arrays: backends/mlx_backend.py, tensorfold/mlx).
 
-`auto` picks cuda when torch sees a GPU and triton imports, else cpu; asking for a backend that
-cannot run here is a startup error that says why. Nothing here touches a GPU at import time:
+`auto` picks mlx on Apple silicon where mlx imports, else cuda when torch sees a GPU and triton
+imports, else cpu; asking for a backend that cannot run here is a startup error that says why. Nothing here touches a GPU at import time:
 cuda_ops (which imports triton) is imported only when the cuda backend is chosen.
 
 The cpu backend's op set is native_ops (csrc/cpu, built at install when a C++ compiler is
@@ -17,7 +18,7 @@ import platform
 
 log = logging.getLogger("tensorfold.backends")
 
-IMPLEMENTED = ("cpu", "cuda")
+IMPLEMENTED = ("cpu", "cuda", "mlx")
 
 
 def keeps_v_exponents(ops) -> bool:
@@ -39,8 +40,22 @@ def _cuda_problem() -> str | None:
     return None
 
 
+def _mlx_problem() -> str | None:
+    """Why the mlx backend cannot run here, or None when it can."""
+    if importlib.util.find_spec("mlx") is None:
+        extra = "" if platform.system() == "Darwin" else "[cpu]"
+        return f'mlx is not installed (pip install "mlx{extra}")'
+    return None
+
+
+def _apple_silicon() -> bool:
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
 def select_backend(requested: str) -> str:
     if requested == "auto":
+        if _apple_silicon() and _mlx_problem() is None:
+            return "mlx"
         return "cuda" if _cuda_problem() is None else "cpu"
     if requested == "cpu":
         return "cpu"
@@ -50,9 +65,10 @@ def select_backend(requested: str) -> str:
             raise RuntimeError(f"--backend cuda: {problem}; use --backend cpu")
         return "cuda"
     if requested == "mlx":
-        if platform.system() != "Darwin" and importlib.util.find_spec("mlx") is None:
-            raise RuntimeError("--backend mlx: mlx is not installed (pip install mlx); use --backend cpu")
-        raise RuntimeError("--backend mlx: the MLX engine is not in this build yet; use --backend cpu")
+        problem = _mlx_problem()
+        if problem:
+            raise RuntimeError(f"--backend mlx: {problem}; use --backend cpu")
+        return "mlx"
     raise RuntimeError(f"unknown backend {requested!r} (choose auto, cuda, mlx or cpu)")
 
 
@@ -88,6 +104,9 @@ def open_backend(config):
     probes, describe), for the backend select_backend chose (EngineConfig.backend)."""
     import torch
 
+    if config.backend == "mlx":
+        from tensorfold.backends.mlx_backend import MLXBackend
+        return MLXBackend(config)
     from tensorfold.backends.torch_backend import TorchBackend
     device = torch.device(config.device or config.backend)
     return TorchBackend(config.backend, backend_ops(config.backend), device, config.num_threads)

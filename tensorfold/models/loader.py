@@ -71,13 +71,13 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     """The checkpoint's family's layers over `ops`, the backend's op set (backends.backend_ops)."""
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     family = model_family(ckpt.architecture, ckpt.path)
-    tensors = LoadProgress(_served_tensors(ckpt.tensors, family))
+    tensors = LoadProgress(served_tensors(ckpt.tensors, family))
     model = Model(args, family.layer_specs(args), tensors, dtype, ops, device, family.blocks, family.norm_offset)
     tensors.finish()
     return model
 
 
-def _served_tensors(tensors: dict, family) -> dict:
+def served_tensors(tensors: dict, family) -> dict:
     """The checkpoint's tensors under the names the decoder reads (family.tensor_name, stacked
     experts split); those the family does not serve (a vision tower, MTP heads) are left out,
     said once in the log."""

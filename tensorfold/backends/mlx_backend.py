@@ -1,0 +1,151 @@
+"""The mlx backend: the model on MLX arrays (tensorfold/mlx), behind the same four calls as the
+torch backends (load, allocate, runner, describe), so the engine, scheduler, drafter, prefix
+cache and API serve it unchanged.
+
+The draw is the keyed sampler on the host (sampling/sampler.py, torch on the CPU): the logits
+rows come back from MLX (unified memory on Apple silicon: no copy across a bus), so a row's
+token is the one the cpu backend draws from the same logits, grammar masks and all.
+"""
+import logging
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from tensorfold.backends.torch_backend import DTYPES, Allocation, Loaded, kv_cache_dtype
+from tensorfold.engine.step_plan import StepPlan
+from tensorfold.mlx import ops
+from tensorfold.mlx.model import MLXBatch, MLXModel, SequenceSpan
+from tensorfold.models.config import ModelArgs
+from tensorfold.models.loader import load_checkpoint, quantize_checkpoint, served_tensors
+from tensorfold.models.progress import LoadProgress
+from tensorfold.models.registry import model_family
+from tensorfold.models.tokenizer import Tokenizer
+from tensorfold.sampling.sampler import sample
+
+log = logging.getLogger("tensorfold.engine")
+
+PROBE_BATCH_SIZES = (2, 3, 7, 8, 13, 64)
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def __init__(self, config):
+        self.config = config
+        self.model: MLXModel | None = None
+        self.caches: list[ops.LayerCache] = []
+        self.kv_dtype: torch.dtype | None = None
+        self.block_size = config.block_size
+
+    def load(self, model_path: str | None, config) -> Loaded:
+        kv_cache_dtype(config, quantized=False)  # a bad value fails before the load
+        checkpoint = load_checkpoint(model_path, keep_quantized=config.dtype == "auto")
+        if config.quantize:
+            quantize_checkpoint(checkpoint, config.quantize)
+        tokenizer = Tokenizer.from_checkpoint(checkpoint)
+        args = ModelArgs.from_hf(checkpoint.config)
+        family = model_family(checkpoint.architecture, checkpoint.path)
+        tensors = LoadProgress(served_tensors(checkpoint.tensors, family))
+        self.model = model = MLXModel(args, family.layer_specs(args), tensors, DTYPES[config.dtype],
+                                      family.norm_offset)
+        tensors.finish()
+        checkpoint.tensors = {}
+        formats = model.weight_formats()
+        log.info("GEMM weights: %s", ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items())))
+        self.kv_dtype = kv_cache_dtype(config, quantized=any(f not in ("float32", "bfloat16") for f in formats))
+        failures = probe_rows(model) if config.probe else []
+        if failures:
+            log.error("EXACT MODE REFUSED: batch-invariance probes failed on this machine: %s. "
+                      "Serving one request at a time without drafts.", "; ".join(failures))
+            config = replace(config, max_num_seqs=1, drafting=False, max_tokens_per_step=1 << 30)
+        self.config = config
+        return Loaded(checkpoint, tokenizer, config, failures, args.vocab_size, args.max_position, args.num_layers)
+
+    def allocate(self, context_length: int) -> Allocation:
+        """Every attention layer's K/V (PagedKV: blocks of block_size tokens) within --kv-cache-gib,
+        and at least one full window."""
+        config, shapes = self.config, self.model.cache_shapes()
+        itemsize = torch.finfo(self.kv_dtype).bits // 8
+        per_block = sum(2 * heads * dim * itemsize for heads, dim in shapes) * config.block_size
+        num_blocks = max(int(config.kv_cache_gib * 2**30) // per_block, -(-context_length // config.block_size))
+        cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
+        dtype = ops.DTYPES[self.kv_dtype]
+        self.caches = [ops.LayerCache(num_blocks * config.block_size, heads, dim, dtype) for heads, dim in shapes]
+        mx.eval(*[t for c in self.caches for t in (c.k, c.v)])
+        nbytes = sum(c.nbytes for c in self.caches)
+        return Allocation(num_blocks, cached, nbytes, f"{len(shapes)} x PagedKV")
+
+    def runner(self) -> "MLXRunner":
+        return MLXRunner(self.model, self.caches, self.config.block_size)
+
+    def describe(self) -> dict:
+        return {"backend": "mlx", "ops": "mlx", "device": str(mx.default_device()),
+                "dtype": str(self.model.dtype).removeprefix("torch."),
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "weights": self.model.weight_formats()}
+
+
+class MLXRunner:
+    """Executes a StepPlan on the MLX model: one forward, the caches and logits evaluated
+    together, the draws on the host."""
+
+    def __init__(self, model: MLXModel, caches: list[ops.LayerCache], block_size: int):
+        self.model, self.caches, self.block_size = model, caches, block_size
+
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        batch = self._batch(plan)
+        logits = self.model.forward(batch, self.caches)
+        mx.eval(logits, *[t for c in self.caches for t in (c.k, c.v)])
+        rows = [row for req in plan.requests for row in req.rows]
+        drawn = sample(ops.to_torch(logits), rows, bitmask=plan.bitmask) if rows else []
+        out, i = [], 0
+        for req in plan.requests:
+            out.append(drawn[i:i + len(req.rows)])
+            i += len(req.rows)
+        return out
+
+    def _batch(self, plan: StepPlan) -> MLXBatch:
+        bs = self.block_size
+        input_ids, positions, slots, sequences, logits_rows = [], [], [], [], []
+        for req in plan.requests:
+            start, num = len(input_ids), len(req.token_ids)
+            pos = np.arange(req.start_position, req.start_position + num)
+            table = np.asarray(req.block_ids, dtype=np.int64)
+            input_ids += req.token_ids
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            keys = np.arange(int(pos[-1]) + 1)
+            sequences.append(SequenceSpan(start, start + num, pos, mx.array(table[keys // bs] * bs + keys % bs)))
+            logits_rows += range(start + num - len(req.rows), start + num)
+        return MLXBatch(mx.array(np.asarray(input_ids, dtype=np.int32)), np.concatenate(positions),
+                        mx.array(np.concatenate(slots)), sequences, mx.array(np.asarray(logits_rows, dtype=np.int32)))
+
+
+def probe_rows(model: MLXModel) -> list[str]:
+    """The startup probes: each GEMM of the first layer and the head, and the norm, on random
+    rows alone and inside batches of several sizes at several places; a moved bit is a failure
+    (attention and the norm's sum are exact sums, so only the float steps can move)."""
+    rng = np.random.default_rng(1234)
+    failures: list[str] = []
+
+    def randn(m, k):
+        return mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(model.mx_dtype)
+
+    layer = model.layers[0]
+    checks = {f"linear {name}": weight for name, weight in model.gemms().items()
+              if name.startswith("layers.0.") or name == "lm_head"}
+    checks["rms_norm"] = lambda x: ops.rms_norm(x, layer.input_norm, layer.eps)
+    for name, fn in checks.items():
+        width = fn.shape[1] if hasattr(fn, "shape") else layer.input_norm.shape[0]
+        probe = randn(1, width)
+        alone = np.array(fn(probe).astype(mx.float32))
+        for m in PROBE_BATCH_SIZES:
+            rows = randn(m, width)
+            place = m // 2
+            rows[place] = probe[0]
+            got = np.array(fn(rows).astype(mx.float32))[place]
+            if not np.array_equal(got, alone[0]):
+                failures.append(f"{name}: row differs at batch {m}, place {place}")
+                break
+    return failures

@@ -1,0 +1,15 @@
+"""The mlx backend's model and ops: MLX arrays (Apple's array framework: Metal on a Mac, its CPU
+device on Linux), exact without float64.
+
+Metal has no float64, and the torch references finish their exact sums in float64
+(tensorfold/exact). Here every sum is an int64 sum (products of integers on the fixed-point
+grid, computed as float32 matmuls of 8-bit limbs, each exact) and every other step is one
+float32 IEEE operation or an integer operation on the bits. Which steps give the torch
+references' bits and which are this backend's own is listed in grid.py and ops.py and in
+docs/kernels.md ("The mlx backend").
+
+    grid.py   the fixed-point grid in integers: exponents, rounding shifts, exact int matmul,
+              float32(float64(T) 2^g) without float64, exp_neg
+    ops.py    the op set: norms, rope, SwiGLU, the K/V cache write, paged attention, the GEMMs
+    model.py  the decoder (llama, qwen3) on those ops over a paged cache
+"""

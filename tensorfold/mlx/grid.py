@@ -1,0 +1,173 @@
+"""The fixed-point grid in MLX, without float64: integers for every sum, float32 bits for the rest.
+
+The torch references (tensorfold/exact) hold grid integers in float64; here they are int64 and a
+float32 value is taken apart into its integer significand and exponent. Every function below is
+exact or rounds once, ties to even, and each says whether it gives the torch reference's bits:
+
+    exponent(a)            floor(log2 |a|) from float32 bits             = exact.grid.exponent
+    significand(x)         x = m 2^ex, m an integer (|m| < 2^24)         exact
+    shift_round(i, down)   i / 2^down rounded half to even (int64)       exact.grid.round_even's rule
+    to_fixed(x, bits)      x on its vector's grid as int64               = exact.grid.to_fixed
+    on_grid(x, bits)       x rounded to its grid, as float32             = exact.grid.on_grid
+    scale(x, e)            float32 x 2^e, one rounding at most           (float32 multiplies)
+    int_matmul(a, b)       exact int64 a @ b of grid integers            exact (any order)
+    float32_of_int(t, g)   float32(float64(t) 2^g), two roundings        = the quantized GEMM's step 4
+    exp_neg(x)             float32 exp of x <= 0                          = exact.float32.exp_neg
+
+int_matmul is the one place a matmul runs: its operands are split into signed 8-bit limbs, and
+each limb product summed over at most 1,024 terms stays below 2^24, so a float32 matmul returns
+it exactly whatever kernel, tiling or row count MLX picks; the limbs' partial sums are added as
+int64. No float64 anywhere, so the same code runs on Metal.
+"""
+import mlx.core as mx
+
+from tensorfold.exact.float32 import EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E
+
+LIMB = 8                 # bits per limb of int_matmul
+LIMB_TERMS = 1 << 10     # terms per exact float32 limb sum: 2^7 * 2^7 * 2^10 = 2^24
+
+
+def exponent(a: mx.array) -> mx.array:
+    """floor(log2(a)) of non-negative float32 a as int32 (0 and subnormals: -127)."""
+    return ((a.astype(mx.float32).view(mx.int32) >> 23) & 0xFF) - 127
+
+
+def significand(x: mx.array) -> tuple[mx.array, mx.array]:
+    """float32 x (finite) as (m, ex) int64 with x == m 2^ex exactly, |m| < 2^24."""
+    bits = x.astype(mx.float32).view(mx.int32).astype(mx.int64)
+    biased = (bits >> 23) & 0xFF
+    frac = bits & 0x7FFFFF
+    m = mx.where(biased > 0, frac | 0x800000, frac)
+    m = mx.where(bits < 0, -m, m)
+    return m, mx.where(biased > 0, biased - 150, -149)
+
+
+def shift_round(ints: mx.array, down: mx.array) -> mx.array:
+    """int64 ints / 2^down, rounded half to even, for down >= 0 (a shift of 62 or more gives 0
+    for every |ints| < 2^61)."""
+    down = mx.minimum(down.astype(mx.int64), 62)
+    floor = ints >> down
+    rem = ints - (floor << down)
+    half = mx.where(down > 0, mx.array(1, mx.int64) << mx.maximum(down - 1, 0), 0)
+    up = (down > 0) & ((rem > half) | ((rem == half) & ((floor & 1) == 1)))
+    return floor + up.astype(mx.int64)
+
+
+def shift(ints: mx.array, by: mx.array) -> mx.array:
+    """ints 2^by for an int64 `by` of either sign: a left shift, or shift_round."""
+    return mx.where(by >= 0, ints << mx.maximum(by, 0), shift_round(ints, mx.maximum(-by, 0)))
+
+
+def to_fixed(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """Each vector along the last dim as int64 integers and its exponent e (int32, one less dim):
+    round_even(x 2^(bits - 1 - e)), e = exponent(max |x|): the torch reference's integers."""
+    x = x.astype(mx.float32)
+    e = exponent(mx.abs(x).max(axis=-1))
+    m, ex = significand(x)
+    return shift(m, ex + (bits - 1) - e[..., None].astype(mx.int64)), e
+
+
+def scale(x: mx.array, e: mx.array) -> mx.array:
+    """float32 x 2^e for int e: two float32 multiplies by powers of two, the first exact, so at
+    most one rounding (where the result is subnormal)."""
+    e = e.astype(mx.int32)
+    first = mx.clip(e, -126, 127)
+    return x * _pow2(first) * _pow2(mx.clip(e - first, -126, 127))
+
+
+def _pow2(e: mx.array) -> mx.array:
+    """2^e as float32 for int e in [-126, 127], from its bits."""
+    return ((e.astype(mx.int32) + 127) << 23).view(mx.float32)
+
+
+def on_grid(x: mx.array, bits: int) -> mx.array:
+    """x with each vector (last dim) rounded to its grid, as float32: the torch reference's
+    values (exact.grid.on_grid), including its second pass where rounding lifts the largest
+    element to the next power of two."""
+    ints, e = to_fixed(x, bits)
+    e = e[..., None].astype(mx.int64)
+    lifted = (mx.abs(ints).max(axis=-1, keepdims=True) >= (1 << bits))
+    ints = mx.where(lifted, shift_round(ints, mx.array(1, mx.int64)), ints)
+    e = e + lifted.astype(mx.int64)
+    return scale(ints.astype(mx.float32), e - bits + 1)
+
+
+def _limbs(ints: mx.array, count: int) -> list[mx.array]:
+    """int64 ints as `count` signed limbs l_i in [-128, 128), ints = sum l_i 2^(8 i), as float32."""
+    out = []
+    for _ in range(count):
+        low = ((ints + 128) & 255) - 128
+        out.append(low.astype(mx.float32))
+        ints = (ints - low) >> LIMB
+    return out
+
+
+def limb_count(bits: int) -> int:
+    """Limbs that hold every |int| <= 2^bits."""
+    return bits // LIMB + 1
+
+
+def int_matmul(a: mx.array, b: mx.array, a_bits: int, b_bits: int) -> mx.array:
+    """Exact a @ b for int64 a [..., M, K], b [..., K, N] with |a| <= 2^a_bits, |b| <= 2^b_bits
+    (the caller keeps the total below 2^63). Limb products are < 2^14, summed over at most
+    LIMB_TERMS of K per matmul: each float32 matmul is exact, in whatever order MLX adds."""
+    la, lb = _limbs(a, limb_count(a_bits)), _limbs(b, limb_count(b_bits))
+    k = a.shape[-1]
+    total = None
+    for start in range(0, k, LIMB_TERMS):
+        cut = slice(start, min(k, start + LIMB_TERMS))
+        for i, ai in enumerate(la):
+            for j, bj in enumerate(lb):
+                part = mx.matmul(ai[..., cut], bj[..., cut, :]).astype(mx.int64) << (LIMB * (i + j))
+                total = part if total is None else total + part
+    return total
+
+
+def float32_of_int(total: mx.array, g: mx.array) -> mx.array:
+    """float32(float64(total) 2^g) for int64 |total| < 2^62 and int g, without float64: total
+    rounded to 53 significant bits (half to even), then to float32's 24 (or to its subnormal
+    quantum 2^-149), as the two conversions round. The quantized GEMM's step 4, bitwise."""
+    sign = total < 0
+    a = mx.abs(total)
+    top = _bit_length(a)                                           # a < 2^top
+    r53 = mx.maximum(top - 53, 0)
+    a = shift_round(a, r53) << r53                                 # float64(total)
+    top = _bit_length(a)                                           # the rounding may carry
+    g = g.astype(mx.int64)
+    e32 = top - 1 + g                                              # the result's exponent
+    drop = mx.where(e32 < -126, -149 - g, top - 24)                # bits below float32's quantum
+    m = shift(a, -drop)                                            # the significand, rounded
+    e = drop + g                                                   # value = m 2^e, m <= 2^24
+    # Normalise m (< 2^24, or == 2^24 after a carry) into float32 bits.
+    carry = m >= (1 << 24)
+    m = mx.where(carry, m >> 1, m)
+    e = e + carry.astype(mx.int64)
+    normal = m >= (1 << 23)
+    biased = e + 23 + 127
+    bits = mx.where(normal, (biased << 23) | (m & 0x7FFFFF), m)   # subnormal: e == -149
+    bits = mx.where(normal & (biased >= 255), 0x7F800000, bits)   # overflow: inf
+    bits = mx.where(a == 0, 0, bits) | mx.where(sign, 1 << 31, 0)
+    return bits.astype(mx.uint32).view(mx.float32)
+
+
+def _bit_length(a: mx.array) -> mx.array:
+    """The bit length of non-negative int64 a (0 for 0): 1 + floor(log2 a), from the float32
+    conversion's exponent, corrected where that conversion rounded up to a power of two."""
+    e = exponent(a.astype(mx.float32)).astype(mx.int64)
+    e = mx.where(e >= 0, e, 0)
+    e = mx.where((a >> mx.minimum(e, 62)) == 0, e - 1, e)         # rounded up past a
+    return mx.where(a > 0, e + 1, 0)
+
+
+def exp_neg(x: mx.array) -> mx.array:
+    """exp(x) for float32 x <= 0: exact.float32.exp_neg's steps and constants, bitwise."""
+    x = mx.maximum(x, EXP_MIN)
+    n = mx.floor(x * LOG2E + 0.5)
+    r = x - n * LN2_HI
+    r = r - n * LN2_LO
+    p = r * EXP_POLY[0]
+    for c in EXP_POLY[1:]:
+        p = (p + c) * r
+    p = p * r + r + 1.0
+    p = p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
+    return mx.where(x <= EXP_MIN, 0.0, p)

@@ -1,0 +1,191 @@
+"""The decoder on MLX arrays: the families whose layers are attention + dense SwiGLU (llama, qwen3).
+
+Built from the same layer specs (models/spec.py) and checkpoint readers (HF directories, GGUF
+blocks served as stored) as the torch model, with this backend's ops (tensorfold/mlx/ops.py)
+and weights (ops.MLXLinear). Layer kinds this backend does not run yet (Gated DeltaNet, MoE,
+gated attention) are a startup error that names them.
+
+A forward reads an MLXBatch (the round's rows, flattened; one entry per sequence) and the
+layers' caches, and returns the logits rows as an mx.array; the runner evaluates them together
+with the caches it wrote, so no round leaves a graph behind.
+"""
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from tensorfold.models.checkpoint import CheckpointError
+from tensorfold.models.config import ModelArgs, rope_inv_freq
+from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
+from tensorfold.models.weights import WeightReader
+from tensorfold.kernels.reference import rope_table
+from tensorfold.mlx import ops
+
+
+class _WeightOps:
+    """What WeightReader asks of an op set: its weight type."""
+    Linear = ops.MLXLinear
+
+
+@dataclass
+class SequenceSpan:
+    start: int                 # first row of the sequence in the batch
+    end: int
+    positions: np.ndarray      # its rows' positions (ascending)
+    key_slots: mx.array        # cache slots of its positions 0 .. positions[-1]
+
+
+@dataclass
+class MLXBatch:
+    input_ids: mx.array        # [rows] int32
+    positions: np.ndarray      # [rows] int64 (host)
+    slots: mx.array            # [rows] flat cache slot each row's K/V goes to
+    sequences: list[SequenceSpan]
+    logits_rows: mx.array      # rows whose logits are returned
+
+
+class RopeRows:
+    """A rope table (the torch reference's float32 values) and its rows gathered per batch."""
+
+    def __init__(self, spec: AttentionSpec):
+        inv_freq, scale = rope_inv_freq(spec.rope, spec.rope_dim)
+        cos, sin = rope_table(inv_freq, scale, spec.max_position)
+        self.cos, self.sin = ops.from_torch(cos), ops.from_torch(sin)
+
+    def at(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:
+        index = mx.array(positions)
+        return self.cos[index], self.sin[index]
+
+
+class Attention:
+    def __init__(self, spec: AttentionSpec, w: WeightReader, eps: float):
+        if spec.output_gate:
+            raise CheckpointError("the mlx backend does not run gated attention yet (Qwen3.5/Next layers); "
+                                  "use --backend cpu")
+        self.spec, self.eps = spec, eps
+        attn = w.under("self_attn.")
+        self.qkv = attn.linear("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                               biases=("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+        self.o = attn.linear("o_proj.weight", biases=("o_proj.bias",))
+        self.q_norm, self.k_norm = (_mx(attn.maybe_norm(n)) for n in ("q_norm.weight", "k_norm.weight"))
+        if spec.qk_norm and (self.q_norm is None or self.k_norm is None):
+            raise CheckpointError(f"{attn.prefix}: the config asks for QK-norm, the checkpoint lacks "
+                                  "q_norm / k_norm weights")
+        self.rope = RopeRows(spec)
+
+    def __call__(self, x: mx.array, batch: MLXBatch, cache: ops.LayerCache, rope_rows) -> mx.array:
+        s, rows = self.spec, x.shape[0]
+        qkv = self.qkv(x)
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q = qkv[:, :q_size].reshape(rows, s.num_heads, s.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(rows, s.num_kv_heads, s.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(rows, s.num_kv_heads, s.head_dim)
+        cos, sin = rope_rows(self.rope)
+        q, k = self._position(q, self.q_norm, cos, sin), self._position(k, self.k_norm, cos, sin)
+        ops.write_kv(cache, k, v, batch.slots)
+        out = [ops.attention(q[seq.start:seq.end], cache, seq.positions, seq.key_slots, s.scale, s.window)
+               for seq in batch.sequences]
+        out = out[0] if len(out) == 1 else mx.concatenate(out)
+        return self.o(out.reshape(rows, -1))
+
+    def _position(self, x, norm, cos, sin):
+        if norm is not None:
+            x = ops.rms_norm(x, norm, self.eps)
+        rope_dim = self.spec.rope_dim
+        if rope_dim == self.spec.head_dim:
+            return ops.apply_rope(x, cos, sin)
+        return mx.concatenate([ops.apply_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], axis=-1)
+
+
+class MLP:
+    def __init__(self, spec: MLPSpec, w: WeightReader):
+        mlp = w.under("mlp.")
+        self.size = spec.intermediate_size
+        self.gate_up = mlp.linear("gate_proj.weight", "up_proj.weight")
+        self.down = mlp.linear("down_proj.weight")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate_up = self.gate_up(x)
+        return self.down(ops.silu_and_mul(gate_up[:, :self.size], gate_up[:, self.size:]))
+
+
+class DecoderLayer:
+    def __init__(self, spec: LayerSpec, w: WeightReader):
+        if type(spec.mixer) is not AttentionSpec or type(spec.ffn) is not MLPSpec:
+            raise CheckpointError(f"the mlx backend runs attention + dense MLP layers (llama, qwen3); this "
+                                  f"checkpoint has {type(spec.mixer).__name__} + {type(spec.ffn).__name__} layers: "
+                                  "use --backend cpu")
+        self.eps = spec.norm_eps
+        self.input_norm = _mx(w.norm("input_layernorm.weight"))
+        self.post_mixer_norm = _mx(w.norm("post_attention_layernorm.weight"))
+        self.mixer = Attention(spec.mixer, w, spec.norm_eps)
+        self.ffn = MLP(spec.ffn, w)
+        self.spec = spec
+
+    def gemms(self) -> dict:
+        return {"qkv": self.mixer.qkv, "o_proj": self.mixer.o, "gate_up": self.ffn.gate_up, "down": self.ffn.down}
+
+
+class MLXModel:
+    """forward(batch, caches) -> logits [num_logits, vocab] float32 (an mx.array)."""
+
+    def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype,
+                 norm_offset: float = 0.0):
+        self.args, self.specs, self.dtype = args, list(specs), dtype
+        self.mx_dtype = ops.DTYPES[dtype]
+        w = WeightReader(tensors, dtype, torch.device("cpu"), _WeightOps, norm_offset=norm_offset)
+        embed = w.matrix("model.embed_tokens.weight")
+        if tuple(embed.shape) != (args.vocab_size, args.hidden_size):
+            raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, "
+                                  f"config says ({args.vocab_size}, {args.hidden_size})")
+        self.layers = [DecoderLayer(spec, w.under(f"model.layers.{i}.")) for i, spec in enumerate(self.specs)]
+        self.norm = _mx(w.norm("model.norm.weight"))
+        quantized = ops.MLXLinear.quantized(embed)
+        self.table = ops.MLXLinear.of(embed) if quantized else None
+        self.embed = self.table.rows if quantized else ops.from_torch(embed).__getitem__
+        if w.has("lm_head.weight"):
+            self.lm_head = w.linear("lm_head.weight")
+        elif args.tie_word_embeddings:
+            self.lm_head = self.table or ops.MLXLinear.of(embed)
+        else:
+            raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
+
+    def cache_shapes(self) -> list[tuple[int, int]]:
+        """Each layer's (kv_heads, head_dim)."""
+        return [(layer.mixer.spec.num_kv_heads, layer.mixer.spec.head_dim) for layer in self.layers]
+
+    def forward(self, batch: MLXBatch, caches: list[ops.LayerCache]) -> mx.array:
+        rope_cache: dict[int, tuple] = {}
+
+        def rope_rows(table):  # each table's rows once per forward
+            if id(table) not in rope_cache:
+                rope_cache[id(table)] = table.at(batch.positions)
+            return rope_cache[id(table)]
+
+        residual = self.embed(batch.input_ids).astype(self.mx_dtype)
+        x = ops.rms_norm(residual, self.layers[0].input_norm, self.layers[0].eps)
+        for i, layer in enumerate(self.layers):
+            residual = residual + layer.mixer(x, batch, caches[i], rope_rows)
+            residual = residual + layer.ffn(ops.rms_norm(residual, layer.post_mixer_norm, layer.eps))
+            if i + 1 < len(self.layers):
+                x = ops.rms_norm(residual, self.layers[i + 1].input_norm, layer.eps)
+        out = ops.rms_norm(residual[batch.logits_rows], self.norm, self.specs[-1].norm_eps)
+        return self.lm_head(out).astype(mx.float32)
+
+    def gemms(self) -> dict:
+        named = {f"layers.{i}.{name}": weight for i, layer in enumerate(self.layers)
+                 for name, weight in layer.gemms().items()}
+        named["lm_head"] = self.lm_head
+        return named
+
+    def weight_formats(self) -> dict[str, int]:
+        formats: dict[str, int] = {}
+        for weight in self.gemms().values():
+            for fmt in weight.formats:
+                formats[fmt] = formats.get(fmt, 0) + 1
+        return formats
+
+
+def _mx(t: torch.Tensor | None) -> mx.array | None:
+    return None if t is None else ops.from_torch(t)

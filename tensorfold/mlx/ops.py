@@ -1,0 +1,295 @@
+"""The mlx backend's op set, in MLX arrays: every sum an exact int64 sum, the rest float32 steps.
+
+Each op says where its bits are the torch reference's (kernels/reference.py, paged_attention.py,
+quant_gemm.py) and where this backend finishes in float32 what the references finish in
+float64 (then the result is within a float32 ulp or two of the reference, and the same for a row
+alone or among any others, since the sums are exact and the finishes elementwise).
+
+    silu_and_mul, sigmoid_and_mul, apply_rope     the reference's float32 steps: bitwise
+    write_kv                                      K/V on their grids: bitwise
+    rms_norm                                      the exact sum of squares bitwise; then
+                                                  var, 1/sqrt and x * inv in float32 (own)
+    attention                                     exact scores, weights and sums bitwise; the
+                                                  score times scale and num / den in float32
+                                                  (own; bitwise where scale is a power of two
+                                                  up to the last division)
+    QuantLinear                                   the exact quantized GEMM: bitwise
+    DenseLinear                                   MLX's matmul over rows padded to 8: row-
+                                                  invariant where MLX keeps one kernel per
+                                                  shape (the startup probes check it)
+"""
+import math
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.kernels import quant_gemm
+from tensorfold.kernels.paged_attention import L_BITS, QK_BITS, V_BITS, W_BITS
+from tensorfold.kernels.reference import MAX_NORM_WIDTH, NORM_BITS, ROW_PAD
+from tensorfold.mlx import grid
+
+DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
+
+
+def from_torch(t: torch.Tensor, dtype=None) -> mx.array:
+    """A CPU torch tensor as an MLX array (bfloat16 through float32: exact), in `dtype` if given."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        out = mx.array(t.float().numpy()).astype(mx.bfloat16)
+    else:
+        out = mx.array(t.numpy())
+    return out if dtype is None else out.astype(dtype)
+
+
+def to_torch(a: mx.array) -> torch.Tensor:
+    """An MLX array as a CPU torch tensor (float32 for bfloat16: exact)."""
+    if a.dtype == mx.bfloat16:
+        return torch.from_numpy(np.array(a.astype(mx.float32))).to(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+# ---- elementwise: the references' float32 steps ----
+
+def silu_and_mul(gate: mx.array, up: mx.array) -> mx.array:
+    g = gate.astype(mx.float32)
+    t = grid.exp_neg(-mx.abs(g))
+    silu = mx.where(g >= 0, g, g * t) / (1.0 + t)
+    return (silu * up.astype(mx.float32)).astype(gate.dtype)
+
+
+def sigmoid_and_mul(gate: mx.array, up: mx.array) -> mx.array:
+    g = gate.astype(mx.float32)
+    t = grid.exp_neg(-mx.abs(g))
+    return (mx.where(g >= 0, 1.0, t) / (1.0 + t) * up.astype(mx.float32)).astype(gate.dtype)
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """x [rows, heads, head_dim], cos/sin [rows, head_dim] (float32): rotate_half rope."""
+    x32 = x.astype(mx.float32)
+    half = x.shape[-1] // 2
+    rotated = mx.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+# ---- RMSNorm ----
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim.
+
+    1. The squares on the row's grid, sq = round_even(x^2 2^(2 (NORM_BITS - 1 - e))), as int64
+       from each float32's significand (the reference's integers), summed exactly: ss.
+    2. var = float32(ss) 2^(2 (e - NORM_BITS + 1)) / N; inv = 1 / sqrt(var + eps); out =
+       float32(x inv) float32(weight): float32 steps where the reference takes float64 ones."""
+    n = x.shape[-1]
+    if n > MAX_NORM_WIDTH:
+        raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide, got {n}")
+    x32 = x.astype(mx.float32)
+    e = grid.exponent(mx.abs(x32).max(axis=-1, keepdims=True)).astype(mx.int64)
+    m, ex = grid.significand(x32)
+    sq = grid.shift(m * m, 2 * ex + 2 * (NORM_BITS - 1) - 2 * e)
+    ss = sq.sum(axis=-1, keepdims=True)                                  # exact: <= 2^53
+    var = grid.scale(ss.astype(mx.float32), 2 * (e - NORM_BITS + 1)) / n
+    inv = 1.0 / mx.sqrt(var + eps)
+    return ((x32 * inv) * weight.astype(mx.float32)).astype(x.dtype)
+
+
+# ---- the K/V cache and attention ----
+
+def write_kv(cache: "LayerCache", k: mx.array, v: mx.array, slots: mx.array) -> None:
+    """k, v [rows, kv_heads, head_dim] into the layer's flat slots, each vector rounded to the
+    cache's dtype and then to its grid (the reference's values, bitwise)."""
+    dtype = cache.k.dtype
+    cache.k[slots] = grid.on_grid(k.astype(dtype), QK_BITS).astype(dtype)
+    cache.v[slots] = grid.on_grid(v.astype(dtype), V_BITS).astype(dtype)
+
+
+class LayerCache:
+    """One attention layer's K and V, [num_blocks * block_size, kv_heads, head_dim] each."""
+
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype):
+        self.k = mx.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype)
+        self.v = mx.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: mx.array, scale: float,
+              window: int | None) -> mx.array:
+    """One sequence's query rows q [R, H, D] at `positions` (host ints, ascending) over its keys
+    0..positions[-1] (key_slots: their cache slots) -> [R, H, D] in q's dtype.
+
+    1. q and k as grid integers (22 bits, the reference's); each score T 2^(qe + ke - 42) is an
+       exact int64 dot product T (grid.int_matmul), made float32 once (float32_of_int) and
+       multiplied by float32(scale).
+    2. p = exp_neg(score - row max), 0 for keys a row does not see (the reference's).
+    3. den = sum round(p 2^L_BITS) and num = sum w_j v_j with w_j = round(p 2^(e_j - E + W_BITS)):
+       the reference's integers, summed exactly in int64.
+    4. out = float32(num 2^(E - V_BITS - W_BITS + 1 + L_BITS)) / float32(den), then q's dtype (the
+       reference divides in float64)."""
+    rows, heads, dim = q.shape
+    keys = int(positions[-1]) + 1
+    k, v = cache.k[key_slots], cache.v[key_slots]                         # [L, KVH, D]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    lanes = q.reshape(rows, kv_heads, group, dim).transpose(1, 2, 0, 3).reshape(kv_heads, group * rows, dim)
+    q_int, q_exp = grid.to_fixed(lanes, QK_BITS)                          # [KVH, M, D], [KVH, M]
+    k_int, k_exp = grid.to_fixed(k.transpose(1, 0, 2), QK_BITS)           # [KVH, L, D], [KVH, L]
+    dots = grid.int_matmul(q_int, k_int.transpose(0, 2, 1), QK_BITS, QK_BITS)  # [KVH, M, L]
+    g = q_exp[..., None].astype(mx.int64) + k_exp[:, None, :].astype(mx.int64) - 2 * (QK_BITS - 1)
+    scores = grid.float32_of_int(dots, g) * _f32(scale)
+
+    lane_pos = mx.array(np.tile(positions, group))[None, :, None]       # lane m = g * R + r
+    key_pos = mx.arange(keys)[None, None, :]
+    seen = key_pos <= lane_pos
+    if window is not None:
+        seen = seen & (key_pos > lane_pos - window)
+    scores = mx.where(seen, scores, -mx.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = mx.where(mx.isinf(row_max), 0.0, row_max)
+    p = grid.exp_neg(scores - row_max)                                    # 0 where unseen
+    pm, pe = grid.significand(p)
+
+    den = grid.shift(pm, pe + L_BITS).sum(axis=-1)                        # [KVH, M]
+    v_int, v_exp = grid.to_fixed(v.transpose(1, 0, 2), V_BITS)            # [KVH, L, D], [KVH, L]
+    v_exp = v_exp[:, None, :].astype(mx.int64)                            # [KVH, 1, L]
+    top = mx.where(seen, v_exp, -1024).max(axis=-1, keepdims=True)
+    top = mx.where(top == -1024, 0, top)                                  # [KVH, M, 1]
+    w = grid.shift(pm, pe + v_exp + W_BITS - top)                         # <= 2^W_BITS
+    num = grid.int_matmul(w, v_int, W_BITS, V_BITS)                       # [KVH, M, D]
+    out = grid.float32_of_int(num, top - V_BITS - W_BITS + 1 + L_BITS) / mx.maximum(den, 1).astype(mx.float32)[..., None]
+    out = out.reshape(kv_heads, group, rows, dim).transpose(2, 0, 1, 3).reshape(rows, heads, dim)
+    return out.astype(q.dtype)
+
+
+def _f32(value: float) -> float:
+    return float(np.float32(value))
+
+
+# ---- GEMMs ----
+
+class MLXLinear(LinearWeight):
+    """A GEMM weight on MLX arrays: a dense part is an mx.array [N, K], a quantized one its
+    QuantWeight's arrays (QuantParts). Parts of different formats are computed whole and laid
+    side by side, as on every backend."""
+
+    def __init__(self, parts: list, bias: torch.Tensor | None = None, shard=None):
+        super().__init__(parts, None, shard)
+        self.bias = None if bias is None else from_torch(bias)
+
+    def pack(self, part):
+        if self.quantized(part):
+            return QuantParts.of(part)
+        return from_torch(part)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        outs = [self.multiply(x, part) for part in self.parts]
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        return out if self.bias is None else out + self.bias
+
+    def multiply(self, x: mx.array, part) -> mx.array:
+        if isinstance(part, QuantParts):
+            return quant_linear(x, part)
+        return dense_linear(x, part)
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Rows of a one-part weight as float32 (an embedding lookup)."""
+        part = self.single
+        if isinstance(part, QuantParts):
+            return part.dequantize_rows(ids)
+        return part[ids]
+
+
+def dense_linear(x: mx.array, weight: mx.array) -> mx.array:
+    """x [M, K] @ weight^T with M padded to a multiple of ROW_PAD (so a row meets one matmul
+    shape per padded size; the probes check that MLX keeps its rows apart)."""
+    rows = x.shape[0]
+    pad = -rows % ROW_PAD
+    if pad:
+        x = mx.concatenate([x, mx.zeros((pad, x.shape[1]), dtype=x.dtype)])
+    return mx.matmul(x, weight.astype(x.dtype).T)[:rows]
+
+
+class QuantParts:
+    """A QuantWeight's arrays as MLX arrays (codes int8 [N, K] -> float32 [S, sub, N] for the
+    limb-free matmul of step 2; scales int64), plus the torch QuantWeight for row lookups."""
+
+    def __init__(self, weight: quant_gemm.QuantWeight):
+        kind = quant_gemm.KINDS[weight.kind]
+        n, k = weight.shape
+        self.source, self.kind, self.shape = weight, weight.kind, (n, k)
+        subs = k // kind.sub
+        codes = weight.codes.reshape(n, subs, kind.sub).permute(1, 2, 0).float()
+        self.codes = from_torch(codes.contiguous())                              # [S, sub, N]
+        self.scale = from_torch(weight.scale.T.contiguous()).astype(mx.int64)    # [S, N]
+        self.scale_exp = from_torch(weight.scale_exp.T.contiguous()).astype(mx.int64)  # [B, N]
+        self.min = None if weight.min is None else from_torch(weight.min.T.contiguous()).astype(mx.int64)
+        self.min_exp = None if weight.min_exp is None else from_torch(weight.min_exp.T.contiguous()).astype(mx.int64)
+        self.top = from_torch(weight.top()).astype(mx.int64)                     # [N]
+
+    @classmethod
+    def of(cls, weight: quant_gemm.QuantWeight) -> "QuantParts":
+        return cls(weight)
+
+    def dequantize_rows(self, ids: mx.array) -> mx.array:
+        rows = self.source.rows(torch.from_numpy(np.array(ids)).long()).dequantize()
+        return from_torch(rows)
+
+
+def _significand16(h: mx.array) -> tuple[mx.array, mx.array]:
+    """float16 h -> (dm, de) int64 with h == dm 2^de (quant_gemm.significand's integers)."""
+    bits = h.view(mx.uint16).astype(mx.int64)
+    exp, frac = (bits >> 10) & 0x1F, bits & 0x3FF
+    normal = exp > 0
+    dm = mx.where(normal, frac | 0x400, frac)
+    dm = mx.where((bits >> 15) == 1, -dm, dm)
+    return dm, mx.where(normal, exp - 25, -24)
+
+
+def quantize_activations(x: mx.array):
+    """quant_gemm.quantize_activations' float32 steps: xq [M, B, 32] float32 integers and per
+    block (m, k, sm, se) int64, bitwise the reference's."""
+    rows, kdim = x.shape
+    blocks = x.astype(mx.float32).reshape(rows, kdim // quant_gemm.BLOCK, quant_gemm.BLOCK)
+    amax = mx.abs(blocks).max(axis=-1)
+    zero = grid.exponent(amax) < -120
+    safe = mx.where(zero, 1.0, amax)
+    d = mx.where(zero, 0.0, safe / quant_gemm.X_MAX)
+    inverse = mx.full(safe.shape, quant_gemm.X_MAX, dtype=mx.float32) / safe
+    xq = mx.clip(mx.round(blocks * inverse[..., None]), -quant_gemm.X_MAX, quant_gemm.X_MAX)
+    xq = mx.where(zero[..., None], 0.0, xq)
+    m, k = _significand16(mx.minimum(d, quant_gemm.F16_MAX).astype(mx.float16))
+    s = mx.clip(d * xq.sum(axis=-1), -quant_gemm.F16_MAX, quant_gemm.F16_MAX)
+    sm, se = _significand16(s.astype(mx.float16))
+    return xq, m, k, sm, se
+
+
+def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
+    """x [M, K] @ w^T by quant_gemm.linear's steps 1-4, bitwise: the sub-block dots as float32
+    matmuls (exact: < 2^19), every block term on the output's grid in int64, and step 4's two
+    roundings without float64 (grid.float32_of_int)."""
+    kind = quant_gemm.KINDS[w.kind]
+    n, kdim = w.shape
+    if x.ndim != 2 or x.shape[1] != kdim:
+        raise ValueError(f"x {tuple(x.shape)} against weights {w.shape}")
+    if x.shape[0] > quant_gemm.ROW_CHUNK:  # rows are independent: chunks bound the scratch
+        step = quant_gemm.ROW_CHUNK
+        return mx.concatenate([quant_linear(x[i:i + step], w) for i in range(0, x.shape[0], step)])
+    rows, nb, per = x.shape[0], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
+    xq, xm, k, sm, se = quantize_activations(x)                           # xq [M, B, 32]
+    xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)          # [S, M, sub]
+    a = mx.matmul(xs, w.codes).astype(mx.int64)                           # [S, M, N], exact
+    scaled = (a * w.scale[:, None, :]).reshape(nb, per, rows, n).sum(axis=1)  # [B, M, N]
+    ints = [scaled * xm.T[..., None]]
+    exps = [w.scale_exp[:, None, :] + k.T[..., None]]
+    if kind.has_min:
+        ints.append(w.min[:, None, :] * sm.T[..., None])
+        exps.append(w.min_exp[:, None, :] + se.T[..., None])
+    ints, exps = mx.concatenate(ints), mx.concatenate(exps)              # [T, M, N]
+    top = w.top[None, :] + k.max(axis=1)[:, None]                         # [M, N]
+    g = top + kind.term_bits - 62 + math.ceil(math.log2(ints.shape[0]))
+    total = grid.shift(ints, exps - g[None]).sum(axis=0)                  # exact int64
+    return grid.float32_of_int(total, g).astype(x.dtype)
