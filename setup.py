@@ -78,12 +78,16 @@ setup(
         "numpy",
         "xgrammar",  # structured output (pulls transformers for its tokenizer table)
         "cryptography",  # the Responses API's encrypted reasoning (AES-GCM)
+        "mlx; platform_system == 'Darwin' and platform_machine == 'arm64'",  # --backend mlx (auto there)
     ],
     extras_require={
+        "mlx": ["mlx[cpu]; platform_system == 'Linux'", "mlx; platform_system == 'Darwin'"],  # --backend mlx
         # triton: kernels are tested on the CPU with TRITON_INTERPRET=1 (Linux wheels only).
         "test": ["pytest", "hypothesis", "transformers", "accelerate", "openai", "anthropic", "prometheus_client",
                  "jsonschema",
-                 "triton; platform_system == 'Linux'"],
+                 "triton; platform_system == 'Linux'",
+                 # the mlx backend's tests: MLX's CPU device on Linux (Metal on a Mac)
+                 "mlx[cpu]; platform_system == 'Linux'", "mlx; platform_system == 'Darwin'"],
     },
     entry_points={"console_scripts": ["tensorfold=tensorfold.__main__:main"]},
     # model cards live beside the package in a checkout; an installed wheel finds them here

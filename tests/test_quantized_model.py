@@ -34,7 +34,7 @@ from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.models.hf_dir import load_hf_dir  # noqa: E402
 from tensorfold.models.loader import build_model, load_checkpoint, quantize_checkpoint  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
-from test_cuda_backend import Recorder, run as run_together, small_vocab_llama  # noqa: E402,F401 (fixture)
+from test_cuda_backend import Recorder, run as run_together  # noqa: E402
 from test_models import _cache, _rows  # noqa: E402
 from test_native_backend import greedy_run  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)

@@ -1,0 +1,349 @@
+"""The mlx backend (tensorfold/mlx, backends/mlx_backend.py) on MLX's CPU device.
+
+- Its exact steps against the torch references, bitwise where the module docstrings say so (the
+  grid integers, K/V on their grids, the quantized GEMM of every block type, exp, SwiGLU, rope)
+  and within float32 rounding where it finishes in float32 instead of float64 (RMSNorm's root,
+  attention's division); a row's result alone == among other rows, bitwise.
+- The model against transformers (tiny llama and qwen3): prefill logits, batched paged decode,
+  greedy tokens; a Q4_K_M GGUF served as stored.
+- Exactness within the backend, through the engine and over HTTP with the openai client:
+  concurrent == solo, chunked == whole, drafted == serial, cached prefix == fresh, preempted ==
+  uninterrupted; greedy, sampled and grammar-masked rows.
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+
+from tensorfold.api.replies import token_sha  # noqa: E402
+from tensorfold.backends import select_backend  # noqa: E402
+from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
+from tensorfold.engine.step_plan import ScheduledRequest, StepPlan  # noqa: E402
+from tensorfold.exact import float32 as exact32, grid as tgrid  # noqa: E402
+from tensorfold.kernels import paged_attention as pa, quant_gemm, reference  # noqa: E402
+from tensorfold.mlx import grid, ops  # noqa: E402
+from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
+from tensorfold.models.loader import load_checkpoint  # noqa: E402
+from tensorfold.models.quantize import quantize  # noqa: E402
+from tensorfold.sampling.params import SamplingParams  # noqa: E402
+
+SMALL = dict(kv_cache_gib=0.004, context=256)
+
+
+def mxa(t: torch.Tensor) -> mx.array:
+    return ops.from_torch(t)
+
+
+def back(a: mx.array) -> torch.Tensor:
+    return ops.to_torch(a)
+
+
+def spread(*shape, seed=0) -> torch.Tensor:
+    """Random floats over many binades (the grid's rounding and shifts all get exercised)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
+    return torch.randn(*shape, generator=g) * scale
+
+
+# ---- the grid, bitwise -----------------------------------------------------------------------
+
+def test_fixed_point_grid_is_the_references():
+    x = spread(9, 64)
+    x[0] = 0.0                                     # an all-zero vector
+    x[1, :5] = torch.tensor([1e-40, -3e-39, 2.0 ** -149, 0.0, 1.0])  # subnormals beside a normal
+    ints, e = tgrid.to_fixed(x, 22)
+    got_ints, got_e = grid.to_fixed(mxa(x), 22)
+    assert torch.equal(back(got_ints), ints.long()) and torch.equal(back(got_e), e)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = x.to(dtype)
+        for bits in (20, 22):
+            assert torch.equal(back(grid.on_grid(mxa(y), bits).astype(ops.DTYPES[dtype])), tgrid.on_grid(y, bits))
+    lifted = torch.tensor([[1.0 - 2.0 ** -24, 0.25]])  # rounds up to 2^0: the reference's second pass
+    assert torch.equal(back(grid.on_grid(mxa(lifted), 20)), tgrid.on_grid(lifted, 20))
+
+
+def test_float32_of_int_rounds_twice_as_float64_then_float32():
+    g = torch.Generator().manual_seed(1)
+    t = torch.randint(-(1 << 61), 1 << 61, (4000,), generator=g) >> torch.randint(0, 62, (4000,), generator=g)
+    t[:4] = torch.tensor([0, 1, -1, (1 << 61) + (1 << 8) + 1])  # a tie broken by the first rounding
+    e = torch.randint(-220, 100, (4000,), generator=g)          # subnormal, normal and overflowing results
+    want = (t.double() * tgrid.pow2(e)).float()
+    assert torch.equal(back(grid.float32_of_int(mxa(t), mxa(e))), want)
+
+
+def test_int_matmul_is_exact_past_the_limb_chunk():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(-(1 << 24), (1 << 24) + 1, (2, 3, 2100), generator=g)
+    b = torch.randint(-(1 << 20), (1 << 20) + 1, (2, 2100, 5), generator=g)
+    assert torch.equal(back(grid.int_matmul(mxa(a), mxa(b), 24, 20)), a @ b)
+
+
+def test_elementwise_steps_are_the_references():
+    x = -torch.rand(20000) * 100
+    x[:3] = torch.tensor([0.0, -87.0, -float("inf")])
+    assert torch.equal(back(grid.exp_neg(mxa(x))), exact32.exp_neg(x.clone()))
+    gate, up = spread(300, seed=3), torch.randn(300)
+    for dtype in (torch.float32, torch.bfloat16):
+        gd, ud = gate.to(dtype), up.to(dtype)
+        assert torch.equal(back(ops.silu_and_mul(mxa(gd), mxa(ud))), reference.silu_and_mul(gd, ud))
+        assert torch.equal(back(ops.sigmoid_and_mul(mxa(gd), mxa(ud))), reference.sigmoid_and_mul(gd, ud))
+    q = torch.randn(7, 4, 32)
+    cos, sin = torch.randn(7, 32), torch.randn(7, 32)
+    assert torch.equal(back(ops.apply_rope(mxa(q), mxa(cos), mxa(sin))), reference.apply_rope(q, cos, sin))
+
+
+# ---- the quantized GEMM, bitwise, every block type ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_q4_k_m_gguf(tmp_path_factory, smollm2_tokenizer):
+    from tools.tiny_checkpoint import K_QUANT_SIZES, make_tiny_checkpoint, write_tiny_gguf
+    hf_dir = make_tiny_checkpoint(str(tmp_path_factory.mktemp("mlx_tiny_k")), "llama", tokenizer=smollm2_tokenizer,
+                                  **K_QUANT_SIZES)
+    return write_tiny_gguf(hf_dir, "q4_k_m", str(tmp_path_factory.mktemp("mlx_k_gguf") / "tiny-q4_k_m.gguf"))
+
+
+def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf):
+    g = torch.Generator().manual_seed(4)
+    weights = [quantize(torch.randn(40, 96, generator=g), kind) for kind in ("q8_0", "q4_0")]
+    stored = load_checkpoint(tiny_q4_k_m_gguf, keep_quantized=True).tensors
+    weights += [t.load() if hasattr(t, "load") else t for t in stored.values()]
+    kinds = set()
+    for w in weights:
+        if not isinstance(w, quant_gemm.QuantWeight):
+            continue
+        kinds.add(w.kind)
+        x = spread(11, w.shape[1], seed=len(kinds))
+        x[3] = 0.0                                    # a zero row: zero blocks
+        want = quant_gemm.linear(x, w)
+        got = ops.quant_linear(mxa(x), ops.QuantParts(w))
+        assert torch.equal(back(got), want), w.kind
+    assert kinds >= {"q8_0", "q4_0", "q4_k", "q6_k"}, kinds
+
+
+# ---- RMSNorm and attention: exact sums, float32 finishes ---------------------------------------
+
+def test_rms_norm_within_float32_rounding_of_the_reference_and_row_invariant():
+    x, w = spread(16, 256, seed=5), torch.randn(256)
+    want, got = reference.rms_norm(x, w, 1e-6), back(ops.rms_norm(mxa(x), mxa(w), 1e-6))
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=0)
+    for i in (0, 7, 15):
+        assert torch.equal(back(ops.rms_norm(mxa(x[i:i + 1]), mxa(w), 1e-6))[0], got[i])
+
+
+def _cache_of(k: torch.Tensor, v: torch.Tensor, dtype=torch.float32):
+    """An MLX LayerCache holding k, v [L, KVH, D] at slots 0..L-1 (written on their grids) and the
+    reference's paged form of the same values."""
+    cache = ops.LayerCache(k.shape[0], k.shape[1], k.shape[2], ops.DTYPES[dtype])
+    ops.write_kv(cache, mxa(k), mxa(v), mx.arange(k.shape[0]))
+    kc = torch.zeros(k.shape[0], 1, *k.shape[1:], dtype=dtype)
+    vc = torch.zeros_like(kc)
+    pa.write_kv_ref(kc, vc, k, v, torch.arange(k.shape[0]))
+    return cache, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_is_the_references(dtype):
+    k, v = spread(40, 2, 32, seed=6), spread(40, 2, 32, seed=7)
+    cache, kc, vc = _cache_of(k, v, dtype)
+    assert torch.equal(back(cache.k), kc[:, 0]) and torch.equal(back(cache.v), vc[:, 0])
+
+
+@pytest.mark.parametrize("head_dim", [32, 48])  # scale 2^-2.5 and 1/sqrt(48): not a power of two
+def test_attention_close_to_the_reference_and_a_row_alone_equals_its_chunk(head_dim):
+    keys, heads, kv_heads = 70, 4, 2
+    g = torch.Generator().manual_seed(head_dim)
+    k, v = torch.randn(keys, kv_heads, head_dim, generator=g), torch.randn(keys, kv_heads, head_dim, generator=g)
+    q = torch.randn(20, heads, head_dim, generator=g) * 3
+    positions = np.arange(50, 70)
+    cache, kc, vc = _cache_of(k, v)
+    slots = mx.arange(keys)
+    scale = head_dim ** -0.5
+    got = back(ops.attention(mxa(q), cache, positions, slots, scale, None))
+    want = pa.paged_attention_ref(q, kc, vc, torch.from_numpy(positions), torch.arange(keys), scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for r in (0, 9, 19):  # one row alone, over the keys it sees
+        alone = ops.attention(mxa(q[r:r + 1]), cache, positions[r:r + 1], slots[:positions[r] + 1], scale, None)
+        assert torch.equal(back(alone)[0], got[r])
+    windowed = back(ops.attention(mxa(q), cache, positions, slots, scale, 16))
+    want = pa.paged_attention_ref(q, kc, vc, torch.from_numpy(positions), torch.arange(keys), scale, window=16)
+    torch.testing.assert_close(windowed, want, rtol=1e-5, atol=1e-6)
+
+
+# ---- the model against transformers ------------------------------------------------------------
+
+def forward_rows(engine: Engine, pieces, tables) -> np.ndarray:
+    """One forward of the engine's MLX model; pieces: (seq, token ids, start, all rows?) as in
+    tests/test_models.py. Returns the logits rows (every row of an `all rows` piece, else its last)."""
+    runner = engine.runner
+    plan = StepPlan([ScheduledRequest(f"s{s}", ids, start, tables[s], [None] * (len(ids) if every else 1))
+                     for s, ids, start, every in pieces])
+    logits = runner.model.forward(runner._batch(plan), runner.caches)
+    return np.array(logits)
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_qwen3"])
+def checkpoint_dir(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_prefill_and_batched_decode_logits_match_transformers(checkpoint_dir):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
+    engine = Engine(checkpoint_dir, EngineConfig(backend="mlx", probe=False, **SMALL))
+    torch.manual_seed(1)
+    ids = torch.randint(0, engine.vocab_size, (75,)).tolist()
+    got = forward_rows(engine, [(0, ids, 0, True)], [[0, 1, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(got), hf(torch.tensor([ids])).logits[0], atol=1e-4, rtol=0)
+    seqs = [torch.randint(0, engine.vocab_size, (n + 4,)).tolist() for n in (40, 7)]
+    tables = [[9, 4, 30], [5, 17]]
+    forward_rows(engine, [(0, seqs[0][:40], 0, False), (1, seqs[1][:7], 0, False)], tables)
+    for step in range(4):
+        got = forward_rows(engine, [(1, seqs[1][7 + step:8 + step], 7 + step, True),
+                                    (0, seqs[0][40 + step:41 + step], 40 + step, True)], tables)
+        for row, (s, n) in enumerate(((1, 8 + step), (0, 41 + step))):
+            with torch.no_grad():
+                want = hf(torch.tensor([seqs[s][:n]])).logits[0, -1]
+            torch.testing.assert_close(torch.from_numpy(got[row]), want, atol=1e-4, rtol=0)
+
+
+def test_greedy_32_tokens_equal_transformers(checkpoint_dir):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
+    engine = Engine(checkpoint_dir, EngineConfig(backend="mlx", drafting=False, **SMALL))
+    assert engine.exact, engine.probe_failures
+    assert engine.info.backend == "mlx" and engine.info.ops == "mlx"
+    ids = engine.tokenizer.encode("Once upon a time, in a land far away, there lived")
+    got = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert got.token_ids == expected[0, len(ids):].tolist()
+
+
+def test_q4_k_m_gguf_served_as_stored_agrees_with_the_cpu_backend(tiny_q4_k_m_gguf):
+    """GGUF blocks served as stored (Q4_K beside Q6_K parts, a quantized tied head): the same
+    weight formats as the cpu backend, its GEMMs bitwise, so greedy tokens agree (the norms and
+    attention finish in float32 here, float64 there: logits within rounding)."""
+    mlx_engine = Engine(tiny_q4_k_m_gguf, EngineConfig(backend="mlx", drafting=False, **SMALL))
+    cpu_engine = Engine(tiny_q4_k_m_gguf, EngineConfig(drafting=False, **SMALL))
+    assert mlx_engine.info.weights == cpu_engine.info.weights == {"q4_k": 8, "q6_k": 5}
+    assert mlx_engine.exact, mlx_engine.probe_failures
+    ids = mlx_engine.tokenizer.encode("The tide came in over the harbor wall")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert mlx_engine.generate(ids, params).token_ids == cpu_engine.generate(ids, params).token_ids
+
+
+def test_unserved_layer_kinds_are_a_startup_error(tmp_path, smollm2_tokenizer):
+    from tools.tiny_checkpoint import make_tiny_checkpoint
+    path = make_tiny_checkpoint(str(tmp_path / "q35"), "qwen3_5", tokenizer=smollm2_tokenizer)
+    with pytest.raises(CheckpointError, match="mlx backend .* use --backend cpu"):
+        Engine(path, EngineConfig(backend="mlx", **SMALL))
+
+
+def test_backend_choice():
+    assert select_backend("mlx") == "mlx"
+    assert select_backend("auto") in ("cpu", "cuda")  # not Apple silicon here
+
+
+# ---- exactness within the backend --------------------------------------------------------------
+
+class Recorder:
+    """Each draw's logits row by (request seed, position), as the runner produced it."""
+
+    def __init__(self, engine: Engine):
+        self.draws, self.round_sizes = {}, []
+        runner = engine.runner
+        forward, execute, last = runner.model.forward, runner.execute, {}
+
+        def record_forward(batch, caches):
+            last["logits"] = out = forward(batch, caches)
+            return out
+
+        def record_execute(plan):
+            drawn = execute(plan)
+            self.round_sizes.append(len(plan.requests))
+            rows = [row for req in plan.requests for row in req.rows]
+            for row, logits in zip(rows, np.array(last["logits"])):
+                self.draws[row.seed, row.position] = logits
+            return drawn
+        runner.model.forward, runner.execute = record_forward, record_execute
+
+
+def run(engine: Engine, prompts, params, constraints=None) -> list:
+    constraints = constraints or [None] * len(prompts)
+    ids = [engine.add_request(p, sp, constraint=c) for p, sp, c in zip(prompts, params, constraints)]
+    reqs = [engine.requests[i] for i in ids]
+    while engine.has_work():
+        engine.step()
+    return reqs
+
+
+def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_llama):
+    from test_cuda_backend import EvenTokens
+    rng = random.Random(5)
+    loop = [rng.randrange(2, 500) for _ in range(5)]
+    prompts = [loop * 4, rng.sample(range(2, 512), 96), loop * 2 + [7, 9], loop * 3]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=40, seed=3, max_tokens=8, ignore_eos=True)]
+    masks = [None, None, None, EvenTokens(512)]
+    solo = Engine(small_vocab_llama, EngineConfig(backend="mlx", drafting=False, max_num_seqs=1, **SMALL))
+    assert solo.exact, solo.probe_failures
+    want = Recorder(solo)
+    expected = [run(solo, [p], [sp], [c])[0].output_ids for p, sp, c in zip(prompts, params, masks)]
+    assert all(t % 2 == 0 for t in expected[3]), "mask not applied"
+
+    batched = Engine(small_vocab_llama, EngineConfig(backend="mlx", drafting=True, max_num_seqs=4,
+                                                     max_tokens_per_step=16, probe=False, **SMALL))
+    got = Recorder(batched)
+    reqs = run(batched, prompts, params, masks)
+    assert [r.output_ids for r in reqs] == expected
+    assert max(got.round_sizes) > 1, "the requests never shared a round"
+    drafted, accepted = sum(r.stats.drafted for r in reqs), sum(r.stats.accepted for r in reqs)
+    assert 0 < accepted < drafted, f"drafts must be both accepted and rejected ({accepted}/{drafted})"
+    assert want.draws.keys() <= got.draws.keys()
+    for key, logits in want.draws.items():
+        assert np.array_equal(got.draws[key], logits), f"logits of the draw at {key} differ"
+
+
+def test_over_http_concurrent_cached_drafted_preempted_equal_solo(tiny_llama):
+    """The openai client on a real socket: replies (token_sha, text) equal their solo runs when
+    sent together with drafts, when their system prompt is cached (cached_tokens > 0), and when
+    a KV pool too small for all of them preempts and replays some."""
+    from test_exactness import at_once, complete, serving, user
+
+    system = {"role": "system", "content": "You keep the harbor's logbooks and answer from them. " * 6}
+    bodies = [dict(messages=[system, user(f"Question {i}: which ship came in?")], max_tokens=24,
+                   temperature=0.8, seed=i, ignore_eos=True) for i in range(4)]
+    bodies.append(dict(messages=[user("Count: 1 2 3 4 5 6 7 8 9 10")], max_tokens=32, temperature=0.0))
+
+    def engine(**config):
+        return Engine(tiny_llama, EngineConfig(backend="mlx", probe=False, **{**SMALL, **config}))
+
+    with serving(engine(max_num_seqs=1, drafting=False)) as s:
+        solo = [complete(s.client, dict(b, draft=False)) for b in bodies]
+    with serving(engine(max_num_seqs=4, max_tokens_per_step=32)) as s:
+        first = complete(s.client, bodies[0])
+        assert (first.sha, first.text) == (solo[0].sha, solo[0].text)
+        s.pause()
+        calls = at_once([lambda b=b: complete(s.client, b) for b in bodies[1:]])
+        s.wait_queued(len(bodies) - 1)
+        s.resume()
+        got = [c.result() for c in calls]
+        assert [(g.sha, g.text) for g in got] == [(r.sha, r.text) for r in solo[1:]]
+        assert all(g.cached > 0 for g in got[:3]), "the shared system prompt was not served from the cache"
+        assert sum(g.drafted for g in got) > 0
+    # One window of blocks (context 192, the pool's floor) for four ~100-token requests: some are
+    # preempted and replayed.
+    with serving(engine(max_num_seqs=4, max_tokens_per_step=64, kv_cache_gib=1e-6, context=192)) as s:
+        assert s.engine.pool.num_blocks == 6
+        s.pause()
+        calls = at_once([lambda b=b: complete(s.client, b) for b in bodies[:4]])
+        s.wait_queued(4)
+        s.resume()
+        got = [c.result() for c in calls]
+        assert [(g.sha, g.text) for g in got] == [(r.sha, r.text) for r in solo[:4]]
+        assert s.engine.scheduler.num_preemptions > 0
