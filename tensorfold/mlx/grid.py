@@ -18,13 +18,23 @@ int_matmul is the one place a matmul runs: its operands are split into signed 8-
 each limb product summed over at most 1,024 terms stays below 2^24, so a float32 matmul returns
 it exactly whatever kernel, tiling or row count MLX picks; the limbs' partial sums are added as
 int64. No float64 anywhere, so the same code runs on Metal.
+
+The integer-only steps (significand, shift_round, shift, float32_of_int) run fused: mx.compile,
+shapeless, so one kernel per step whatever the shapes (on the CPU device MLX builds it once with
+the host compiler and keeps it on disk). They hold no float arithmetic (only conversions and bit
+views), so fusing cannot contract or reorder anything a bit depends on; the float32 steps are
+never compiled.
 """
+import functools
+
 import mlx.core as mx
 
 from tensorfold.exact.float32 import EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E
 
 LIMB = 8                 # bits per limb of int_matmul
 LIMB_TERMS = 1 << 10     # terms per exact float32 limb sum: 2^7 * 2^7 * 2^10 = 2^24
+
+integer_only = functools.partial(mx.compile, shapeless=True)
 
 
 def exponent(a: mx.array) -> mx.array:
@@ -34,7 +44,12 @@ def exponent(a: mx.array) -> mx.array:
 
 def significand(x: mx.array) -> tuple[mx.array, mx.array]:
     """float32 x (finite) as (m, ex) int64 with x == m 2^ex exactly, |m| < 2^24."""
-    bits = x.astype(mx.float32).view(mx.int32).astype(mx.int64)
+    return _significand_of_bits(x.astype(mx.float32).view(mx.int32))
+
+
+@integer_only
+def _significand_of_bits(bits: mx.array) -> tuple[mx.array, mx.array]:
+    bits = bits.astype(mx.int64)
     biased = (bits >> 23) & 0xFF
     frac = bits & 0x7FFFFF
     m = mx.where(biased > 0, frac | 0x800000, frac)
@@ -42,6 +57,7 @@ def significand(x: mx.array) -> tuple[mx.array, mx.array]:
     return m, mx.where(biased > 0, biased - 150, -149)
 
 
+@integer_only
 def shift_round(ints: mx.array, down: mx.array) -> mx.array:
     """int64 ints / 2^down, rounded half to even, for down >= 0 (a shift of 62 or more gives 0
     for every |ints| < 2^61)."""
@@ -53,6 +69,7 @@ def shift_round(ints: mx.array, down: mx.array) -> mx.array:
     return floor + up.astype(mx.int64)
 
 
+@integer_only
 def shift(ints: mx.array, by: mx.array) -> mx.array:
     """ints 2^by for an int64 `by` of either sign: a left shift, or shift_round."""
     return mx.where(by >= 0, ints << mx.maximum(by, 0), shift_round(ints, mx.maximum(-by, 0)))
@@ -127,6 +144,11 @@ def float32_of_int(total: mx.array, g: mx.array) -> mx.array:
     """float32(float64(total) 2^g) for int64 |total| < 2^62 and int g, without float64: total
     rounded to 53 significant bits (half to even), then to float32's 24 (or to its subnormal
     quantum 2^-149), as the two conversions round. The quantized GEMM's step 4, bitwise."""
+    return _float32_bits_of_int(total, g).view(mx.float32)
+
+
+@integer_only
+def _float32_bits_of_int(total: mx.array, g: mx.array) -> mx.array:
     sign = total < 0
     a = mx.abs(total)
     top = _bit_length(a)                                           # a < 2^top
@@ -147,16 +169,18 @@ def float32_of_int(total: mx.array, g: mx.array) -> mx.array:
     bits = mx.where(normal, (biased << 23) | (m & 0x7FFFFF), m)   # subnormal: e == -149
     bits = mx.where(normal & (biased >= 255), 0x7F800000, bits)   # overflow: inf
     bits = mx.where(a == 0, 0, bits) | mx.where(sign, 1 << 31, 0)
-    return bits.astype(mx.uint32).view(mx.float32)
+    return bits.astype(mx.uint32)
 
 
 def _bit_length(a: mx.array) -> mx.array:
-    """The bit length of non-negative int64 a (0 for 0): 1 + floor(log2 a), from the float32
-    conversion's exponent, corrected where that conversion rounded up to a power of two."""
-    e = exponent(a.astype(mx.float32)).astype(mx.int64)
-    e = mx.where(e >= 0, e, 0)
-    e = mx.where((a >> mx.minimum(e, 62)) == 0, e - 1, e)         # rounded up past a
-    return mx.where(a > 0, e + 1, 0)
+    """The bit length of non-negative int64 a (0 for 0), by halving shifts: integer steps only."""
+    n = mx.zeros_like(a)
+    for step in (32, 16, 8, 4, 2, 1):
+        high = a >> step
+        wide = high != 0
+        a = mx.where(wide, high, a)
+        n = n + mx.where(wide, step, 0)
+    return n + (a != 0).astype(mx.int64)
 
 
 def exp_neg(x: mx.array) -> mx.array:
