@@ -22,6 +22,7 @@ from kernel_inputs import DEVICE, NAN, gpu  # first: sets TRITON_INTERPRET witho
 import pytest  # noqa: E402
 
 from tensorfold.exact import grid  # noqa: E402
+from tensorfold.exact.float32 import f32  # noqa: E402
 from tensorfold.kernels import reference  # noqa: E402
 from tensorfold.kernels import rms_norm_triton as norm  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
@@ -37,11 +38,13 @@ def poisoned(like: torch.Tensor) -> torch.Tensor:
 
 
 def norm_rows(draw, num_rows, n, dtype):
-    """Random rows (scale 3), and rows 1-4 at the edges: tiny (1e-30), huge (1e25: its squares
-    overflow float32), all zero, a single nonzero element."""
+    """Random rows (scale 3), and rows 1-4 at the edges: tiny (1e-30: the mean of squares
+    underflows float32), huge (1e15: squares of 1e31, summed below float32's top; the rule's
+    float32 finish overflows where the sum of squares passes 3.4e38, |x| ~ 2^57 at 8,192
+    columns), all zero, a single nonzero element."""
     x = draw.randn(num_rows, n, scale=3.0)
     x[1] *= 1e-30
-    x[2] *= 1e25
+    x[2] *= 1e15
     x[3] = 0.0
     x[4] = 0.0
     x[4, n // 3] = -2.5
@@ -141,7 +144,7 @@ def test_widest_rows_sum_exactly(draw):
     w = draw.randn(8192)
     want = reference.rms_norm(x, w, EPS)
     assert_bitwise(draw, "kernel vs reference at 8,192", norm.rms_norm(x, w, EPS), want)
-    assert ulp_distance(want, textbook(x, w)) <= 2, f"{draw}"
+    assert ulp_distance(want, textbook(x, w)) <= 3, f"{draw}"
 
 
 def test_rows_wider_than_8192_are_refused():
@@ -181,21 +184,22 @@ def test_every_launch_is_exact(monkeypatch):
     for _, args, kwargs in launches:
         assert kwargs["enable_fp_fusion"] is False
     for _, args, _ in launches[:3]:
-        assert type(args[7]) is float and args[7] == EPS
+        assert type(args[7]) is float and args[7] == f32(EPS)  # eps as the float32 the steps add
 
 
 # ---- the reference: precise, and the checks have teeth ----
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_is_within_2_ulp_of_float64(draw, dtype):
-    """fp32: within 2 ulp of the float64 textbook norm rounded once (at most 1 in practice); bf16:
-    within 1 ulp (a rounding edge). The sum is exact up to half a grid step per square, 2^-39 of
-    the largest square, so var is within 2^-26 of the exact mean: below float32's ulp."""
+    """fp32: within 3 ulp of the float64 textbook norm rounded once; bf16: within 1 ulp (a
+    rounding edge). The sum is exact up to half a grid step per square, 2^-39 of the largest
+    square, so var is within 2^-26 of the exact mean; then float32 steps (var, its root and
+    reciprocal, x inv, times w) round about five times, each half an ulp."""
     for n in WIDTHS + [4096, 8192]:
         x = torch.cat([norm_rows(draw, 16, n, dtype), adversarial_rows(n, dtype)])
         w = draw.randn(n, dtype=dtype)
         got = reference.rms_norm(x, w, EPS)
-        limit = 2 if dtype == torch.float32 else 1
+        limit = 3 if dtype == torch.float32 else 1
         assert ulp_distance(got, textbook(x, w)) <= limit, f"{draw}: width {n}"
 
 
@@ -211,7 +215,7 @@ def test_precision_check_can_fail():
     inv = 1.0 / torch.sqrt(var + EPS)
     rounded_first = (x.double() * inv[:, None]).float() * w
     assert ulp_distance(rounded_first, textbook(x, w)) > 100
-    assert ulp_distance(reference.rms_norm(x, w, EPS), textbook(x, w)) <= 2
+    assert ulp_distance(reference.rms_norm(x, w, EPS), textbook(x, w)) <= 3
 
 
 def test_bitwise_check_can_fail(draw):

@@ -2,12 +2,13 @@
 //
 // The cache holds every K vector on its 22-bit fixed-point grid and every V vector on a 20-bit
 // one (write_kv). A lane (one query row, one head) then computes:
-//   1. q on its grid; each score q.k an exact float64 dot product, times scale, rounded to float32;
+//   1. q on its grid; each score q.k an exact float64 dot product, rounded to float32, times scale;
 //   2. m = the largest score it sees; p = exp_neg(score - m) in float32;
 //   3. w_j = round(p_j 2^(e_j - E + W_BITS)) with e_j the exponent of v_j and E the largest e_j seen:
 //      sum_j w_j v_j is a sum of integers on one grid, exact in float64 per SPLIT_SIZE keys and in
 //      int64 across them; the denominator sum_j round(p_j 2^L_BITS) is exact too;
-//   4. out = num / den * 2^(E - V_BITS - W_BITS + 1 + L_BITS), rounded to float32, then to q's dtype.
+//   4. out = float(num 2^(E - V_BITS - W_BITS + 1)) / (float(den) 2^-L_BITS), a float32 division,
+//      then q's dtype (no float64 after the sums: the mlx backend computes the same bits).
 // The cache's dtype C may differ from the activations' T (a bfloat16 cache under float32
 // activations): write_kv rounds k, v to C (nearest even, as torch's .to) before the grid, and
 // attention widens the cache's values exactly, so the arithmetic is the same for every pair.
@@ -286,7 +287,7 @@ inline std::pair<int64_t, int64_t> seen_run(const ItemState& s, int64_t lane, in
 // only dots read), -inf for the others; the split's largest score and V exponent (`ve`: the V
 // exponents of the lane's KV head from key c0) take them in.
 inline void record_scores(ItemState& s, int64_t lane, int64_t split, int64_t c0, int64_t n, int64_t j0, int64_t j1,
-                          const double* dots, double scale64, const int* ve) {
+                          const double* dots, float scale32, const int* ve) {
   float* sc = s.scores.data() + lane * s.keys + (c0 - s.first);
   if (j0 >= j1) {
     std::fill_n(sc, n, -INFINITY);
@@ -295,7 +296,7 @@ inline void record_scores(ItemState& s, int64_t lane, int64_t split, int64_t c0,
   std::fill(sc, sc + j0, -INFINITY);
   std::fill(sc + j1, sc + n, -INFINITY);
   float& m = s.m[split * s.lanes + lane];
-  m = scale_scores(dots + j0, scale64, sc + j0, j1 - j0, m);
+  m = scale_scores(dots + j0, scale32, sc + j0, j1 - j0, m);
   int top = s.top[split * s.lanes + lane];
   for (int64_t j = j0; j < j1; ++j) top = std::max(top, ve[j]);
   s.top[split * s.lanes + lane] = top;
@@ -304,7 +305,7 @@ inline void record_scores(ItemState& s, int64_t lane, int64_t split, int64_t c0,
 // Keys [k0, k1) of split `split`: exact scores (step 1) and the split's maxima. Reads K, and V for
 // its exponents unless the cache has their record.
 template <typename T>
-void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, double scale64,
+void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, float scale32,
                Scratch& t) {
   const int64_t d = c.head_dim, per_row = s.lanes / (s.r1 - s.r0), group = per_row / s.heads();
   t.rows.resize(s.heads() * KEY_CHUNK * d);
@@ -324,7 +325,7 @@ void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t 
       double dots[KEY_CHUNK];
       for (int64_t g = j0 / 8 * 8; g < j1; g += 8)
         dots8(s.q.data() + lane * d, kf + (hh * KEY_CHUNK + g) * d, dots + g, d);
-      record_scores(s, lane, split, c0, n, j0, j1, dots, scale64, s.v_exp.data() + hh * s.keys + (c0 - s.first));
+      record_scores(s, lane, split, c0, n, j0, j1, dots, scale32, s.v_exp.data() + hh * s.keys + (c0 - s.first));
     }
   }
 }
@@ -463,7 +464,7 @@ const T* zero_row() {  // stands in for the keys past a chunk's last in a group 
 // a time: their V exponents and, head by head, their dots with the head's lanes (q in the
 // widening order for T, widening_order), then each lane's scores of the chunk.
 template <typename T>
-void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, double scale64,
+void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t split, float scale32,
                    Scratch& t) {
   const int64_t d = c.head_dim, group = s.lanes / (s.r1 - s.r0) / s.heads(), per_head = s.lanes / s.heads();
   const int64_t run = s.heads() * d * static_cast<int64_t>(sizeof(T));
@@ -513,7 +514,7 @@ void scores_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int6
     for (int64_t i = 0; i < s.lanes; ++i) {  // i: the lane's place in t.lanes (by KV head)
       const int64_t lane = t.lanes[i], hh = i / per_head;
       const auto [j0, j1] = seen_run(s, lane, c0, n);
-      record_scores(s, lane, split, c0, n, j0, j1, t.dots.data() + i * KEY_CHUNK, scale64,
+      record_scores(s, lane, split, c0, n, j0, j1, t.dots.data() + i * KEY_CHUNK, scale32,
                     s.v_exp.data() + hh * s.keys + (c0 - s.first));
     }
   }
@@ -559,7 +560,8 @@ void sums_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_
   flush_partial(t, num);
 }
 
-// Step 4: the splits' exact sums added, one division, one scaling, two roundings.
+// Step 4: the splits' exact sums added; num to float64 (exact scaling) then float32, den to float32
+// (exact scaling), one float32 division.
 template <typename T>
 void finish(const ItemState& s, T* out, int64_t d, int64_t group, int64_t heads) {
   const int64_t per_row = s.heads() * group;
@@ -572,25 +574,25 @@ void finish(const ItemState& s, T* out, int64_t d, int64_t group, int64_t heads)
       top = std::max(top, s.top[sp * s.lanes + lane]);
     }
     if (den == 0.0) den = 1.0;
-    const double out_scale = pow2(top - V_BITS - W_BITS + 1 + L_BITS);
+    const float total = static_cast<float>(den) * pow2f(-L_BITS);  // the sum of p: exact scaling
+    const double num_scale = pow2(top - V_BITS - W_BITS + 1);
     int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-    const __m512d den_v = _mm512_set1_pd(den), scale_v = _mm512_set1_pd(out_scale);
-    for (; i + 8 <= d; i += 8) {  // the same roundings eight at a time: to float64, /, *, to float32
+    const __m512d scale_v = _mm512_set1_pd(num_scale);
+    const __m256 total_v = _mm256_set1_ps(total);
+    for (; i + 8 <= d; i += 8) {  // the same roundings eight at a time: to float64, *, to float32, /
       __m512i num = _mm512_setzero_si512();
       for (int64_t sp = 0; sp < s.splits; ++sp)
         num = _mm512_add_epi64(num, _mm512_loadu_si512(s.num.data() + (sp * s.lanes + lane) * d + i));
-      const __m512d ratio = _mm512_div_pd(_mm512_cvtepi64_pd(num), den_v);
       alignas(32) float y[8];
-      _mm256_store_ps(y, _mm512_cvtpd_ps(_mm512_mul_pd(ratio, scale_v)));
+      _mm256_store_ps(y, _mm256_div_ps(_mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtepi64_pd(num), scale_v)), total_v));
       for (int j = 0; j < 8; ++j) o[i + j] = from_f32<T>(y[j]);
     }
 #endif
     for (; i < d; ++i) {
       int64_t num = 0;
       for (int64_t sp = 0; sp < s.splits; ++sp) num += s.num[(sp * s.lanes + lane) * d + i];
-      const double ratio = static_cast<double>(num) / den;
-      o[i] = from_f32<T>(static_cast<float>(ratio * out_scale));
+      o[i] = from_f32<T>(static_cast<float>(static_cast<double>(num) * num_scale) / total);
     }
   }
 }
@@ -647,7 +649,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
         whole_items.push_back(std::move(it));
       }
   }
-  const double scale64 = scale;
+  const float scale32 = scale;
   ItemState* split_items = split_pool.data();
   const int64_t num_whole = static_cast<int64_t>(whole_items.size());
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (split item, split)
@@ -680,7 +682,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
         ItemState& s = split_items[tasks[i].first];
         int64_t k0, k1;
         split_range(s, tasks[i].second, &k0, &k1);
-        scores_direct<C>(s, cache, k0, k1, tasks[i].second, scale64, t);
+        scores_direct<C>(s, cache, k0, k1, tasks[i].second, scale32, t);
         runner[i] = me;
       }
       // Pass 2: each run's exact sums, on the thread that read its K and V in pass 1, last run
@@ -705,7 +707,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
       s.h1 = whole_items[i].h1;
       s.table = whole_items[i].table;
       prepare(s, q, d, positions, group, heads, window, 0);
-      scores_of<C>(s, cache, s.first, s.last + 1, 0, scale64, t);
+      scores_of<C>(s, cache, s.first, s.last + 1, 0, scale32, t);
       sums_of<C>(s, cache, s.first, s.last + 1, 0, t);
       finish(s, out, d, group, heads);
     }

@@ -3,7 +3,7 @@
 // The reference's steps, each one IEEE operation in its order (-ffp-contract=off, no fast-math):
 //   phase A, per row (rows over the threads): the causal conv tap by tap (acc = x_0 w_0, then
 //     acc + x_j w_j), SiLU (silu32), the l2 norms of q and k (reference._normalized: an exact
-//     integer sum of squares on the row's grid, float64 sqrt and division), q / f32(sqrt(key_dim)),
+//     integer sum of squares on the row's grid, float32 sqrt and division), q / f32(sqrt(key_dim)),
 //     q and k on their 22-bit grids; the gates: softplus in float64 with exp64 / log64,
 //     g = -rate * softplus, decay = exp_neg(g), beta = sigmoid32(b);
 //   phase B, per (sequence, value head, 16 columns of the state) (items over the threads), row
@@ -147,11 +147,11 @@ inline float max_magnitude(const float* x, int64_t n) {
   return f32_from_bits(top);
 }
 
-// reference._normalized of one float32 row up to the weight: 1 / sqrt(ss 2^(2 (e - 19)) / divisor
-// + eps) in float64 (ss: the exact sum of the squares on the row's grid), returned for x64 * inv.
+// reference._normalized of one float32 row up to the weight: 1 / sqrt(float(ss) 2^(2 (e - 19)) /
+// divisor + eps) in float32 (ss: the exact sum of the squares on the row's grid), for x * inv.
 // The squares are integers and every partial sum is below 2^53: any order (here Native::L
 // partial sums) gives the same ss.
-inline double inverse_norm(const float* x, int64_t n, double divisor, double eps) {
+inline float inverse_norm(const float* x, int64_t n, float divisor, float eps) {
   const int e = exponent(max_magnitude(x, n));
   const double grid = pow2(2 * (NORM_BITS - 1 - e));
   double ss = 0.0;
@@ -174,15 +174,15 @@ inline double inverse_norm(const float* x, int64_t n, double divisor, double eps
     sq = sq * grid;
     ss += round_even(sq);
   }
-  double var = ss * pow2(2 * (e - NORM_BITS + 1));
+  float var = scale32(static_cast<float>(ss), 2 * (e - NORM_BITS + 1));
   var = var / divisor;
-  return 1.0 / std::sqrt(var + eps);
+  return 1.0f / std::sqrt(var + eps);
 }
 
 // l2_norm in place (divisor 1), then, for q, the division by f32(sqrt(key_dim)).
 inline void l2_norm_inplace(float* x, int64_t n, float divide_by) {
-  const double inv = inverse_norm(x, n, 1.0, L2_EPS);
-  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<double>(x[i]) * inv);
+  const float inv = inverse_norm(x, n, 1.0f, static_cast<float>(L2_EPS));
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv;
   if (divide_by != 0.0f)
     for (int64_t i = 0; i < n; ++i) x[i] = x[i] / divide_by;
 }
@@ -733,11 +733,11 @@ void gated_norm_impl(const T* x, const G* gate, int64_t gate_stride, const Wt* w
       const G* gr = gate + r * gate_stride;
       for (int64_t i = 0; i < width; ++i) xf[i] = to_f32(xr[i]);
       for (int64_t i = 0; i < width; ++i) g[i] = to_f32(gr[i]);
-      const double inv = inverse_norm(xf.data(), width, static_cast<double>(width), eps);
+      const float inv = inverse_norm(xf.data(), width, static_cast<float>(width), static_cast<float>(eps));
       silu_inplace(g.data(), tmp.data(), t.data(), width);
       T* o = out + r * width;
       for (int64_t i = 0; i < width; ++i) {
-        float y = static_cast<float>(static_cast<double>(xf[i]) * inv);
+        float y = xf[i] * inv;
         y = y * to_f32(weight[i]);
         o[i] = from_f32<T>(y * g[i]);
       }

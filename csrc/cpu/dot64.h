@@ -123,16 +123,16 @@ inline void dots8(const double* q, const double* k, double* dots, int64_t d) {
   }
 }
 
-// out[j] = float(dots[j] * scale), j < n (two roundings, as the reference: the product, then to
-// float32); returns the largest of m and the out[j] (a NaN score is passed over, as std::max does).
-inline float scale_scores(const double* dots, double scale, float* out, int64_t n, float m) {
+// out[j] = float(dots[j]) * scale, j < n (two roundings, as the reference: the exact dot to
+// float32, then the float32 product); returns the largest of m and the out[j] (a NaN score is passed over, as std::max does).
+inline float scale_scores(const double* dots, float scale, float* out, int64_t n, float m) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   if (n >= 8) {
-    const __m512d sv = _mm512_set1_pd(scale);
+    const __m256 sv = _mm256_set1_ps(scale);
     __m256 mv = _mm256_set1_ps(m);
     for (; j + 8 <= n; j += 8) {
-      const __m256 x = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_loadu_pd(dots + j), sv));
+      const __m256 x = _mm256_mul_ps(_mm512_cvtpd_ps(_mm512_loadu_pd(dots + j)), sv);
       _mm256_storeu_ps(out + j, x);
       mv = _mm256_max_ps(x, mv);  // x > m ? x : m: a NaN x keeps m
     }
@@ -144,7 +144,7 @@ inline float scale_scores(const double* dots, double scale, float* out, int64_t 
   if (n >= 4) {
     f32x4 mv = {m, m, m, m};
     for (; j + 4 <= n; j += 4) {
-      const f32x4 x = __builtin_convertvector(f64x4_load(dots + j) * scale, f32x4);
+      const f32x4 x = __builtin_convertvector(f64x4_load(dots + j), f32x4) * scale;
       std::memcpy(out + j, &x, sizeof x);
       mv = x > mv ? x : mv;  // a NaN x keeps m, as above
     }
@@ -152,7 +152,7 @@ inline float scale_scores(const double* dots, double scale, float* out, int64_t 
   }
 #endif
   for (; j < n; ++j) {
-    out[j] = static_cast<float>(dots[j] * scale);
+    out[j] = static_cast<float>(dots[j]) * scale;
     m = std::max(m, out[j]);
   }
   return m;

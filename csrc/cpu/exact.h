@@ -3,6 +3,7 @@
 // into an add nor reorder a sum, so every line below rounds exactly where the torch one does.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,15 @@ inline float f32_from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return
 inline double pow2(int e) {
   uint64_t bits = static_cast<uint64_t>(static_cast<int64_t>(e) + 1023) << 52;
   double d; std::memcpy(&d, &bits, 8); return d;
+}
+
+// 2^e as a float for integer e in [-126, 127], from its bits (exact.grid.pow2_32).
+inline float pow2f(int e) { return f32_from_bits(static_cast<uint32_t>(e + 127) << 23); }
+
+// float x times 2^e: two multiplies by float powers of two, the first exact (exact.grid.scale32).
+inline float scale32(float x, int e) {
+  const int first = std::min(std::max(e, -126), 127);
+  return x * pow2f(first) * pow2f(std::min(std::max(e - first, -126), 127));
 }
 
 // floor(log2(amax)) of a non-negative float from its bits; 0 and subnormals give -127 (exact.exponent).

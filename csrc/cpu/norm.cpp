@@ -19,7 +19,7 @@ constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // below this a call runs on one
 constexpr int64_t SILU_BLOCK = 256;             // elements of a row per exp_neg batch
 constexpr int64_t MAX_HEAD_DIM = 256;           // rope's head vectors (the bindings refuse wider)
 
-// reference.rms_norm of one row: squares on the row's grid, an exact sum, float64 sqrt/div.
+// reference.rms_norm of one row: squares on the row's grid, an exact sum, float32 sqrt/div.
 // Sixteen elements at a time where AVX-512 is compiled in, the same roundings lane by lane
 // (the sum is of integers below 2^53 in total, so its order is free); a scalar tail.
 template <typename T>
@@ -47,21 +47,17 @@ void norm_row(const T* x, const T* weight, T* out, int64_t n, double eps) {
     sq = sq * grid;
     ss += round_even(sq);
   }
-  double var = ss * pow2(2 * (e - NORM_BITS + 1));
-  var = var / static_cast<double>(n);
-  const double inv = 1.0 / std::sqrt(var + eps);
+  float var = scale32(static_cast<float>(ss), 2 * (e - NORM_BITS + 1));
+  var = var / static_cast<float>(n);
+  const float inv = 1.0f / std::sqrt(var + static_cast<float>(eps));
   i = 0;
 #if defined(__AVX512F__)
-  const __m512d inv_v = _mm512_set1_pd(inv);
-  for (; i + 16 <= n; i += 16) {
-    __m512d lo, hi;
-    widen16(load16(x + i), lo, hi);
-    const __m512 y = narrow16(_mm512_mul_pd(lo, inv_v), _mm512_mul_pd(hi, inv_v));
-    store16(out + i, _mm512_mul_ps(y, load16(weight + i)));
-  }
+  const __m512 inv_v = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16)
+    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), inv_v), load16(weight + i)));
 #endif
   for (; i < n; ++i) {
-    float y = static_cast<float>(static_cast<double>(to_f32(x[i])) * inv);
+    float y = to_f32(x[i]) * inv;
     y = y * to_f32(weight[i]);
     out[i] = from_f32<T>(y);
   }

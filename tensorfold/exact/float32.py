@@ -23,6 +23,19 @@ EXP_POLY = tuple(f32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073
                                   4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of float32 x (what sqrtss, Triton's sqrt_rn and
+    MLX's sqrt give). torch's own float32 sqrt is not always correctly rounded on the CPU (off by
+    an ulp on about one input in a few hundred here), so: the float64 root rounded to float32,
+    then moved by an ulp where x lies past the midpoint to a neighbour. The midpoints have 25
+    significant bits, so their squares are exact in float64 and the comparison decides."""
+    s = torch.sqrt(x.double()).float()
+    up, down = torch.nextafter(s, torch.full_like(s, float("inf"))), torch.nextafter(s, torch.zeros_like(s))
+    x64, s64 = x.double(), s.double()
+    above, below = (s64 + up.double()) * 0.5, (s64 + down.double()) * 0.5  # exact midpoints
+    return torch.where(x64 > above * above, up, torch.where(x64 < below * below, down, s))
+
+
 def exp_neg(x: torch.Tensor) -> torch.Tensor:
     """exp(x) for float32 x <= 0 (-inf gives 0), about 1 ulp, in plain IEEE float32 steps."""
     x = x.clamp_min(EXP_MIN)  # NaN stays NaN

@@ -20,6 +20,19 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
+def pow2_32(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float32 for integer e in [-126, 127], built from its bits (exact)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def scale32(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """float32 x times 2^e for integer e: two multiplies by float32 powers of two, the first
+    (2^clamp(e, -126, 127)) exact, so one rounding at most (a subnormal result; an overflow gives
+    inf). The exact sums' float32 finishes scale by it (RMSNorm's mean of squares)."""
+    first = e.clamp(-126, 127)
+    return x * pow2_32(first) * pow2_32((e - first).clamp(-126, 127))
+
+
 def round_even(x: torch.Tensor) -> torch.Tensor:
     """float64 x rounded to an integer, ties to even, for |x| < 2^51."""
     out = x + ROUND_MAGIC

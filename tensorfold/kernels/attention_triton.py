@@ -16,8 +16,9 @@ Three launches:
    exponent (the launcher takes the max over splits: exact);
 2. `attention_sums_kernel`: per split, the integer weighted sum (float64 tl.dot of integers:
    exact while a split holds <= 512 keys) and the integer denominator;
-3. `attention_finish_kernel`: per row and head, the splits added as int64, one float64
-   division, the power-of-two scale, the roundings to float32 and to the output dtype.
+3. `attention_finish_kernel`: per row and head, the splits added as int64, num scaled by a power
+   of two and rounded to float32 (through float64), den to float32, one float32 division
+   (div.rn.f32), the rounding to the output dtype.
 Kernels are launched with FMA contraction off (exact_triton.LAUNCH_EXACT). The price of
 exactness on a GPU: K is read twice (stats, then sums), V twice for its exponents, and the dots
 run in float64 (tensor cores do float64 on sm80+ at a fraction of their bf16 rate); nothing here
@@ -119,7 +120,7 @@ def _kv_step(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi
                                 key_ok, HEAD_DIM, HALF)
     dots = tl.dot(q_even, tl.trans(k_even.to(tl.float64)))  # exact: integers on one grid, < 2^53
     dots += tl.dot(q_odd, tl.trans(k_odd.to(tl.float64)))
-    scores = (dots * tl.cast(scale, tl.float32).to(tl.float64)).to(tl.float32)  # scale: a float32 arg
+    scores = dots.to(tl.float32) * tl.cast(scale, tl.float32)  # the exact dot rounded once, times f32 scale
     seen = keys[None, :] <= pos[:, None]
     if HAS_WINDOW:
         seen &= keys[None, :] > pos[:, None] - window
@@ -199,7 +200,8 @@ def attention_sums_kernel(
 def attention_finish_kernel(
         num_ptr, den_ptr, top_ptr, out_ptr, row_base, max_splits, stride_or, stride_oh,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """out = (sum of the splits' integer sums) / (sum of their denominators), scaled and rounded."""
+    """out = float32(sum of the splits' integer sums, scaled) / (float32(sum of their
+    denominators) 2^-L_BITS): the reference's step 4."""
     local = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     lane = local * tl.num_programs(1) + head
@@ -211,9 +213,10 @@ def attention_finish_kernel(
         num += tl.load(num_ptr + (lane * max_splits + s) * HEAD_DIM + dims, mask=dim_ok, other=0.0).to(tl.int64)
         den += tl.load(den_ptr + lane * max_splits + s)
     den = tl.where(den == 0.0, 1.0, den)
-    ratio = num.to(tl.float64) / den  # IEEE in float64 (exact_triton.py)
     top = tl.load(top_ptr + lane)
-    out = (ratio * ex.pow2(top - V_BITS - W_BITS + 1 + L_BITS)).to(tl.float32)
+    weighted = (num.to(tl.float64) * ex.pow2(top - V_BITS - W_BITS + 1)).to(tl.float32)
+    total = den.to(tl.float32) * (2.0 ** -L_BITS)  # exact: a power of two
+    out = tl.math.div_rn(weighted, tl.broadcast_to(total, weighted.shape))  # IEEE float32 division
     tl.store(out_ptr + (row_base + local) * stride_or + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 

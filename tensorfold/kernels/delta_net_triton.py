@@ -83,14 +83,14 @@ def _softplus(y, THRESHOLD: tl.constexpr):
 @triton.jit
 def _l2_norm(x, eps, NORM_BITS: tl.constexpr):
     """reference.l2_norm of one float32 vector (reference._normalized with divisor 1): the squares
-    on the vector's grid summed as integers (exact), then 1 / sqrt(var + eps) in float64."""
+    on the vector's grid summed as integers (exact), then 1 / sqrt(var + eps) in float32 steps."""
     e = ex.exponent(tl.max(tl.abs(x), 0))
     x64 = x.to(tl.float64)
     sq = ex.round_even((x64 * x64) * ex.pow2((-e + (NORM_BITS - 1)) * 2))  # integers <= 2^40
     ss = tl.sum(sq, 0)  # <= 2^53: exact in any order
-    var = ss * ex.pow2((e - NORM_BITS + 1) * 2)  # the reference's `/ 1` is exact: left out
-    inv = 1.0 / tl.sqrt(var + eps)
-    return (x64 * inv).to(tl.float32)
+    var = ex.scale32(ss.to(tl.float32), (e - NORM_BITS + 1) * 2)
+    inv = ex.inverse_sqrt32(var, eps, 1)
+    return x * inv
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def conv_kernel(x_ptr, conv_ptr, weight_ptr, mixed_ptr, state_in_ptr, state_out_
 
 @triton.jit
 def recurrence_kernel(mixed_ptr, a_ptr, b_ptr, ssm_ptr, out_ptr, state_in_ptr, state_out_ptr, row_starts_ptr,
-                      rate_ptr, dt_bias_ptr, stride_a, stride_b, channels, q_scale, eps: tl.float64,
+                      rate_ptr, dt_bias_ptr, stride_a, stride_b, channels, q_scale, eps: tl.float32,
                       HEADS: tl.constexpr, GROUP: tl.constexpr, KEY_WIDTH: tl.constexpr,
                       DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
                       STATE_BITS: tl.constexpr, NORM_BITS: tl.constexpr, THRESHOLD: tl.constexpr):
@@ -194,7 +194,7 @@ def recurrence_kernel(mixed_ptr, a_ptr, b_ptr, ssm_ptr, out_ptr, state_in_ptr, s
 
 
 @triton.jit
-def gated_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, num_rows, stride_x, stride_g, eps: tl.float64,
+def gated_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, num_rows, stride_x, stride_g, eps: tl.float32,
                           N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, NORM_BITS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -205,10 +205,10 @@ def gated_rms_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, num_rows, stride
     x64 = x.to(tl.float64)
     sq = ex.round_even((x64 * x64) * ex.pow2((-e + (NORM_BITS - 1)) * 2)[:, None])
     ss = tl.sum(sq, 1)  # exact
-    var = ss * ex.pow2((e - NORM_BITS + 1) * 2) / N
-    inv = 1.0 / tl.sqrt(var + eps)
+    var = ex.scale32(ss.to(tl.float32), (e - NORM_BITS + 1) * 2)
+    inv = ex.inverse_sqrt32(var, eps, N)
     w = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    normed = (x64 * inv[:, None]).to(tl.float32) * w[None, :]
+    normed = (x * inv[:, None]) * w[None, :]
     g = tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     y = normed * _silu(g)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
@@ -269,7 +269,7 @@ def delta_net(qkv, a, b, state, batch, params, *, out: torch.Tensor | None = Non
     recurrence_kernel[(num_seqs, heads, triton.cdiv(dv, block_v))](
         mixed, a, b, ssm, out, state_in, state_out, row_starts,
         p.rate.float().contiguous(), p.dt_bias.float().contiguous(), a.stride(0), b.stride(0), channels,
-        ref32.f32(dk ** 0.5), float(ref.NORM_EPS),
+        ref32.f32(dk ** 0.5), ref32.f32(ref.NORM_EPS),
         HEADS=heads, GROUP=group, KEY_WIDTH=p.num_key_heads * dk, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), BLOCK_V=block_v, STATE_BITS=ref.STATE_BITS, NORM_BITS=NORM_BITS,
         THRESHOLD=float(ref.SOFTPLUS_THRESHOLD), **LAUNCH_EXACT)
@@ -293,6 +293,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         return out
     x, gate = _rows_unit_stride(x), _rows_unit_stride(gate)
     gated_rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
-        x, gate, weight.contiguous(), out, num_rows, x.stride(0), gate.stride(0), float(eps),
+        x, gate, weight.contiguous(), out, num_rows, x.stride(0), gate.stride(0), ref32.f32(eps),
         N=n, BLOCK=triton.next_power_of_2(n), ROWS=rows_per_program, NORM_BITS=NORM_BITS, **LAUNCH_EXACT)
     return out

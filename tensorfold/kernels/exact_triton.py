@@ -42,6 +42,29 @@ def pow2(e):
 
 
 @triton.jit
+def pow2_32(e):
+    """2^e as float32 for int32 e in [-126, 127] (exact; exact.grid.pow2_32)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale32(x, e):
+    """float32 x times 2^e (int32 e): two multiplies by powers of two, the first exact
+    (exact.grid.scale32)."""
+    first = tl.minimum(tl.maximum(e, -126), 127)
+    return x * pow2_32(first) * pow2_32(tl.minimum(tl.maximum(e - first, -126), 127))
+
+
+@triton.jit
+def inverse_sqrt32(var, eps, DIVISOR: tl.constexpr):
+    """1 / sqrt(var / DIVISOR + eps) in float32 steps, each correctly rounded (div.rn.f32,
+    sqrt.rn.f32: Triton's plain `/` and sqrt on float32 are approximate on a GPU)."""
+    var = tl.math.div_rn(var, tl.full(var.shape, DIVISOR, tl.float32))
+    root = tl.math.sqrt_rn(var + eps)
+    return tl.math.div_rn(tl.full(root.shape, 1.0, tl.float32), root)
+
+
+@triton.jit
 def round_even(x):
     """float64 x rounded to an integer, ties to even, for |x| < 2^51."""
     return (x + ROUND_MAGIC) - ROUND_MAGIC

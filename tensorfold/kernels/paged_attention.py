@@ -9,9 +9,9 @@ The arithmetic (tensorfold/exact has the rule; attention_triton.py does the same
    its largest element) and each v vector likewise (V_BITS), in the cache's own dtype, which may
    differ from the activations' (EngineConfig.kv_dtype): k, v are rounded to it first, and the
    grid of those values fits it. Attention widens the cached values exactly, whatever q's dtype.
-1. q is put on its grid per call; the score q.k is then an exact float64 dot product (every
-   product is a multiple of one power of two and the total stays below 2^53), times `scale`,
-   rounded once to float32.
+1. q is put on its grid per call; the score q.k is then an exact dot product (every product is
+   a multiple of one power of two and the total stays below 2^53: exact in float64, or as an
+   int64 on MLX), rounded once to float32, times float32(scale) in float32.
 2. m = the row's largest visible score (exact); p = exp_neg(score - m), 0 for keys the row does
    not see (past its position, or before its sliding window).
 3. With e_j the exponent of v_j and E the largest e_j the row sees, the weight of key j is
@@ -19,8 +19,10 @@ The arithmetic (tensorfold/exact has the rule; attention_triton.py does the same
    integer vector: every term of sum_j w_j v_j is on one integer grid. Each chunk of SPLIT_SIZE
    keys sums exactly in float64 (W_BITS + V_BITS + log2(SPLIT_SIZE) <= 53), chunks add as int64;
    the denominator sum_j round(p_j * 2^L_BITS) is exact too.
-4. out = num / den (float64, one rounding), times a power of two, rounded to float32 and then to
-   q's dtype.
+4. out = float32(num 2^(E - V_BITS - W_BITS + 1)) / (float32(den) 2^-L_BITS), a float32
+   division (num is made float64 first, then float32: two roundings, as the int64 num allows),
+   then q's dtype. No step after the sums needs float64, so the mlx backend (no float64 on
+   Metal) computes the same bits.
 Every sum is exact, so a row's result is the same alone or among any rows, sequences, tiles or
 KV splits, on any device: the reference and the Triton kernel agree bitwise by construction.
 """
@@ -120,7 +122,7 @@ def _attend(q: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_ca
     scores = torch.empty((num_seqs, num_kv_heads, group * rows, keys), dtype=torch.float32, device=q.device)
     for start in range(0, keys, chunk):
         part = torch.matmul(q_grid, k_grid[..., start:start + chunk])  # exact dot products
-        scores[..., start:start + chunk] = part.mul_(f32(scale))  # the kernel takes scale as float32
+        scores[..., start:start + chunk] = part.float().mul_(f32(scale))  # float32 times float32(scale)
     scores.masked_fill_(~seen, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max.masked_fill_(torch.isinf(row_max), 0.0)  # a lane that sees nothing
@@ -140,8 +142,9 @@ def _attend(q: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_ca
         den += round_even(p * float(2 ** L_BITS)).sum(dim=-1)  # exact
         w = round_even(p.mul_(key_scale[..., start:end]).mul_(lane_scale))  # integers <= 2^W_BITS
         num += torch.matmul(w, v_int[..., start:end, :]).to(torch.int64)  # exact in float64
-    ratio = num.double() / den.masked_fill_(den == 0, 1.0).unsqueeze(-1)
-    out = (ratio * pow2(top - V_BITS - W_BITS + 1 + L_BITS)).float()
+    weighted = (num.double() * pow2(top - V_BITS - W_BITS + 1)).float()
+    total = den.masked_fill_(den == 0, 1.0).float().mul_(f32(2.0 ** -L_BITS))  # sum of p, exact scaling
+    out = weighted / total.unsqueeze(-1)
 
     out = out.view(num_seqs, num_kv_heads, group, rows, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, rows, num_heads, head_dim).to(q.dtype)

@@ -150,24 +150,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, each row (last dim) alone; the Triton kernel's bits.
 
     The rule: the one reduction is an exact integer sum, so its order cannot matter, and every
-    other step is a single correctly rounded IEEE operation, done in this order here and in
-    rms_norm_triton.py (launched without FMA contraction):
-      1. x64 = float64(float32(x)); e = exponent(max|x|) of the row (floor(log2), from the
-         float32 bits). Each square, exact in float64 (a float32 has 24 significant bits), is put
-         on the row's grid and rounded once: sq = round_even(x64 * x64 * 2^(2 * (NORM_BITS - 1 -
-         e))). Since |x| < 2^(e + 1), sq <= 2^40, so a row of at most MAX_NORM_WIDTH = 2^13
-         squares sums to at most 2^53;
-      2. ss = sum(sq) in float64: every partial sum is an integer <= 2^53, so exact in any order,
-         tiling or reduction tree; var = ss * 2^(2 * (e - NORM_BITS + 1)) / N (the power of two
-         is exact, the division rounds once);
-      3. inv = 1 / sqrt(var + eps), in float64 (IEEE sqrt and division; eps as a float64);
-      4. out = ((x64 * inv) rounded to float32 * float32(weight)) rounded to x's dtype.
+    other step is a single correctly rounded float32 IEEE operation, done in this order here, in
+    the C++ and Triton kernels (launched without FMA contraction) and in the mlx backend (which
+    has no float64: the sum is an int64 sum there):
+      1. e = exponent(max|x|) of the row (floor(log2), from the float32 bits). Each square,
+         exact in float64 (a float32 has 24 significant bits), is put on the row's grid and
+         rounded once: sq = round_even(x^2 2^(2 (NORM_BITS - 1 - e))). Since |x| < 2^(e + 1),
+         sq <= 2^40, so a row of at most MAX_NORM_WIDTH = 2^13 squares sums to at most 2^53;
+      2. ss = sum(sq): every partial sum is an integer <= 2^53, exact in any order, tiling or
+         reduction tree (float64 here, int64 on MLX);
+      3. var = float32(ss) 2^(2 (e - NORM_BITS + 1)) (exact.grid.scale32) / float32(N);
+         inv = 1 / sqrt(var + float32(eps)): float32 steps;
+      4. out = float32(x) inv, times float32(weight), rounded to x's dtype.
     Wider rows are refused (ValueError). Precision: a square is off by at most half a grid step,
-    at most 2^-39 of the row's largest square, so var is within N * 2^-39 <= 2^-26 (relative) of
-    the exact mean of squares, and the result is within 2 ulp (float32) or 1 ulp (bf16) of a
-    float64 textbook RMSNorm. (Rounding x itself to NORM_BITS bits and squaring that would be as
-    exact but far less precise: an error of 2 * x * dx per element, hundreds of float32 ulps on
-    an adversarial row and several on plain random ones.)
+    at most 2^-39 of the row's largest square; the float32 steps add about 2 ulp, so the result
+    is within ~3 float32 ulp (1 bf16 ulp) of a float64 textbook RMSNorm. A mean of squares
+    beyond float32's range (|x| ~ 2^64) overflows to inf and gives zeros. (Rounding x itself to
+    NORM_BITS bits and squaring that would be as exact but far less precise: an error of
+    2 x dx per element, hundreds of float32 ulps on an adversarial row.)
     """
     out = _normalized(x, eps, x.shape[-1])
     out *= weight.float()
@@ -182,15 +182,16 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _normalized(x: torch.Tensor, eps: float, divisor: int) -> torch.Tensor:
-    """Steps 1-4 of rms_norm up to the weight: float32(x64 / sqrt(ss * 2^(...) / divisor + eps))."""
+    """Steps 1-4 of rms_norm up to the weight: float32(x) / sqrt(float32(ss) 2^(...) / divisor + eps)
+    in float32 steps."""
     n = x.shape[-1]
     if n > MAX_NORM_WIDTH:
         raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide (an exact float64 sum), got {n}")
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    # One float64 buffer for the squares and then for x * inv: each in-place step is the same
-    # single rounding as its plain form. Fresh row-sized float64 temporaries cost more than the
-    # arithmetic: glibc gave them back to the OS on every call (2-3 ms at 512 x 576, not 0.4).
+    # The squares in one float64 buffer, each in-place step the same single rounding as its plain
+    # form. Fresh row-sized float64 temporaries cost more than the arithmetic: glibc gave them
+    # back to the OS on every call (2-3 ms at 512 x 576, not 0.4).
     x32 = x.float() if x.dtype == torch.float64 else x  # float32 values (fp32/bf16/fp16 as they are)
     amax = torch.maximum(x32.amax(dim=-1, keepdim=True), x32.amin(dim=-1, keepdim=True).neg_())
     e = grid.exponent(amax)  # [..., 1] int32
@@ -200,10 +201,10 @@ def _normalized(x: torch.Tensor, eps: float, divisor: int) -> torch.Tensor:
     buf += grid.ROUND_MAGIC  # grid.round_even, in place: sq, integers <= 2^40
     buf -= grid.ROUND_MAGIC
     ss = buf.sum(dim=-1, keepdim=True)  # exact: every partial sum is an integer <= 2^53
-    var = ss * grid.pow2(2 * (e - NORM_BITS + 1)) / divisor
-    inv = 1.0 / torch.sqrt(var + eps)
-    buf.copy_(x32)  # x64
-    return buf.mul_(inv).float()
+    var = grid.scale32(ss.float(), 2 * (e - NORM_BITS + 1)) / float(divisor)
+    root = float32.sqrt_rn(var + float32.f32(eps))
+    inv = torch.ones_like(root) / root  # IEEE float32 division
+    return x32.float() * inv
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):

@@ -7,7 +7,7 @@ below spell out the fused forms as the unfused calls a model makes.
   reference.rms_norm's rule (its docstring): the squares are rounded onto a fixed-point grid set
   by the row's largest exponent and summed as integers in float64 (exact: at most 2^53 for rows
   of at most MAX_NORM_WIDTH = 8,192; wider rows are refused), then var, 1 / sqrt(var + eps) and
-  the scaling are single IEEE operations in the reference's order, rounded to x's dtype.
+  the scaling are single float32 IEEE operations in the reference's order, rounded to x's dtype.
 - `add_rms_norm(x, residual, weight, eps)`: h = residual + x rounded to the model dtype (the same
   bits as torch's add), then rms_norm(h); returns (normed, h).
 - `apply_rope(x, cos, sin)`: the half-split rotation from gathered tables, elementwise.
@@ -18,17 +18,17 @@ below spell out the fused forms as the unfused calls a model makes.
 Contract with the reference: bitwise, all four. The only reduction is an exact integer sum, so
 neither Triton's reduction tree nor the load layout (alignment, vector width) nor the rows
 beside a row can change its bits; everything else is elementwise IEEE arithmetic written in the
-reference's order: float64 sqrt and division correctly rounded (div.rn.f64 and
-sqrt.rn.f64 on the GPU, numpy's in the interpreter), eps passed as a
-float64 (a plain float argument would be float32), and every launch with FMA contraction off
+reference's order: float32 sqrt and division correctly rounded (tl.math.sqrt_rn and div_rn:
+sqrt.rn.f32 and div.rn.f32 on the GPU, numpy's in the interpreter; Triton's plain float32 `/`
+is approximate there), eps passed as a float32, and every launch with FMA contraction off
 (exact_triton.LAUNCH_EXACT), so `x * cos + r * sin` and the grid rounding (x + M) - M stay
-separately rounded, as in torch. In the PTX for sm_90 (triton 3.9, compiled without a GPU): one
-sqrt.rn.f64, two div.rn.f64, no fma; with fusion on, eight fma.rn.f64 would appear.
+separately rounded, as in torch.
 """
 import torch
 import triton
 import triton.language as tl
 
+from tensorfold.exact.float32 import f32
 from tensorfold.kernels import exact_triton as ex
 from tensorfold.kernels import reference
 from tensorfold.kernels.exact_triton import LAUNCH_EXACT
@@ -54,7 +54,7 @@ def _rope_halves(x1, x2, cos_ptr, sin_ptr, token, HALF: tl.constexpr, HALF_PAD: 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, h_ptr, weight_ptr, out_ptr, cos_ptr, sin_ptr,
-                    eps: tl.float64, rows_per_token,
+                    eps: tl.float32, rows_per_token,
                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                     HAS_ROPE: tl.constexpr, NORM_BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -71,10 +71,10 @@ def rms_norm_kernel(x_ptr, residual_ptr, h_ptr, weight_ptr, out_ptr, cos_ptr, si
     x64 = x.to(tl.float64)
     sq = ex.round_even((x64 * x64) * ex.pow2(2 * (NORM_BITS - 1 - e)))  # integers <= 2^40
     ss = tl.sum(sq, 0)  # <= 2^53: exact in any order
-    var = ss * ex.pow2(2 * (e - NORM_BITS + 1)) / N  # float64 `/` and sqrt: IEEE (exact_triton.py)
-    inv = 1.0 / tl.sqrt(var + eps)
+    var = ex.scale32(ss.to(tl.float32), 2 * (e - NORM_BITS + 1))
+    inv = ex.inverse_sqrt32(var, eps, N)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = ((x64 * inv).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    y = ((x * inv) * w).to(out_ptr.dtype.element_ty)
     if HAS_ROPE:  # the row is one head of one token
         half: tl.constexpr = N // 2
         halves = tl.reshape(y.to(tl.float32), [2, BLOCK // 2])
@@ -117,7 +117,7 @@ def _launch_norm(x, weight, eps, residual=None, cos=None, sin=None, out=None):
     rms_norm_kernel[(num_rows,)](
         x, residual.contiguous() if residual is not None else x, h, weight.contiguous(), out,
         cos.contiguous() if cos is not None else weight, sin.contiguous() if sin is not None else weight,
-        float(eps), rows_per_token, N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        f32(eps), rows_per_token, N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
         HAS_ROPE=cos is not None, NORM_BITS=reference.NORM_BITS,
         **LAUNCH_EXACT)
     return out, h

@@ -1,18 +1,15 @@
 """The mlx backend's op set, in MLX arrays: every sum an exact int64 sum, the rest float32 steps.
 
-Each op says where its bits are the torch reference's (kernels/reference.py, paged_attention.py,
-quant_gemm.py) and where this backend finishes in float32 what the references finish in
-float64 (then the result is within a float32 ulp or two of the reference, and the same for a row
-alone or among any others, since the sums are exact and the finishes elementwise).
+The torch references (kernels/reference.py, paged_attention.py, quant_gemm.py) carry their exact
+sums in float64 and finish in float32; here the same integers are int64 and the finishes the
+same float32 operations in the same order, so every op below but the dense GEMM gives the
+references' bits (and the C++ and Triton kernels' bits: a quantized checkpoint's logits are
+equal across backends):
 
     silu_and_mul, sigmoid_and_mul, apply_rope     the reference's float32 steps: bitwise
     write_kv                                      K/V on their grids: bitwise
-    rms_norm                                      the exact sum of squares bitwise; then
-                                                  var, 1/sqrt and x * inv in float32 (own)
-    attention                                     exact scores, weights and sums bitwise; the
-                                                  score times scale and num / den in float32
-                                                  (own; bitwise where scale is a power of two
-                                                  up to the last division)
+    rms_norm                                      the exact sum as int64, float32 finish: bitwise
+    attention                                     exact int64 sums, float32 finish: bitwise
     QuantLinear                                   the exact quantized GEMM: bitwise
     DenseLinear                                   MLX's matmul over rows padded to 8: row-
                                                   invariant where MLX keeps one kernel per
@@ -76,12 +73,10 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 # ---- RMSNorm ----
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim.
-
-    1. The squares on the row's grid, sq = round_even(x^2 2^(2 (NORM_BITS - 1 - e))), as int64
-       from each float32's significand (the reference's integers), summed exactly: ss.
-    2. var = float32(ss) 2^(2 (e - NORM_BITS + 1)) / N; inv = 1 / sqrt(var + eps); out =
-       float32(x inv) float32(weight): float32 steps where the reference takes float64 ones."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, kernels/reference.rms_norm's steps:
+    the squares on the row's grid as int64 (from each float32's significand), their exact sum ss,
+    then var = float32(ss) 2^(2 (e - NORM_BITS + 1)) / N, inv = 1 / sqrt(var + eps), x inv
+    weight, each one float32 operation."""
     n = x.shape[-1]
     if n > MAX_NORM_WIDTH:
         raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide, got {n}")
@@ -91,7 +86,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     sq = grid.shift(m * m, 2 * ex + 2 * (NORM_BITS - 1) - 2 * e)
     ss = sq.sum(axis=-1, keepdims=True)                                  # exact: <= 2^53
     var = grid.scale(ss.astype(mx.float32), 2 * (e - NORM_BITS + 1)) / n
-    inv = 1.0 / mx.sqrt(var + eps)
+    inv = 1.0 / mx.sqrt(var + _f32(eps))
     return ((x32 * inv) * weight.astype(mx.float32)).astype(x.dtype)
 
 
@@ -122,14 +117,13 @@ def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: 
     """One sequence's query rows q [R, H, D] at `positions` (host ints, ascending) over its keys
     0..positions[-1] (key_slots: their cache slots) -> [R, H, D] in q's dtype.
 
-    1. q and k as grid integers (22 bits, the reference's); each score T 2^(qe + ke - 42) is an
-       exact int64 dot product T (grid.int_matmul), made float32 once (float32_of_int) and
-       multiplied by float32(scale).
+    1. q and k as grid integers (22 bits); each score T 2^(qe + ke - 42) is an exact int64 dot
+       product T (grid.int_matmul), made float32 once (float32_of_int), times float32(scale).
     2. p = exp_neg(score - row max), 0 for keys a row does not see (the reference's).
     3. den = sum round(p 2^L_BITS) and num = sum w_j v_j with w_j = round(p 2^(e_j - E + W_BITS)):
        the reference's integers, summed exactly in int64.
-    4. out = float32(num 2^(E - V_BITS - W_BITS + 1 + L_BITS)) / float32(den), then q's dtype (the
-       reference divides in float64)."""
+    4. out = float32(num 2^(E - V_BITS - W_BITS + 1)) / (float32(den) 2^-L_BITS), then q's dtype.
+    Every step is the reference's (kernels/paged_attention.py): the same bits."""
     rows, heads, dim = q.shape
     keys = int(positions[-1]) + 1
     k, v = cache.k[key_slots], cache.v[key_slots]                         # [L, KVH, D]
@@ -160,7 +154,8 @@ def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: 
     top = mx.where(top == -1024, 0, top)                                  # [KVH, M, 1]
     w = grid.shift(pm, pe + v_exp + W_BITS - top)                         # <= 2^W_BITS
     num = grid.int_matmul(w, v_int, W_BITS, V_BITS)                       # [KVH, M, D]
-    out = grid.float32_of_int(num, top - V_BITS - W_BITS + 1 + L_BITS) / mx.maximum(den, 1).astype(mx.float32)[..., None]
+    total = mx.maximum(den, 1).astype(mx.float32) * _f32(2.0 ** -L_BITS)     # sum of p: exact scaling
+    out = grid.float32_of_int(num, top - V_BITS - W_BITS + 1) / total[..., None]
     out = out.reshape(kv_heads, group, rows, dim).transpose(2, 0, 1, 3).reshape(rows, heads, dim)
     return out.astype(q.dtype)
 
