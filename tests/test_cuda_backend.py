@@ -31,9 +31,8 @@ import pytest  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import backend_ops, cpu_ops, native_problem, select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
-from tensorfold.sampling import bitmask as bits  # noqa: E402
-from tensorfold.sampling.constraint import RowConstraint  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
+from engine_cases import EvenTokens, mixed_batch, run  # noqa: E402,F401 (run: test_quantized_model)
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
@@ -91,16 +90,6 @@ class Recorder:
                 self.draws[row.seed, row.position] = logits
             return drawn
         engine.backend.model.forward, engine.runner.execute = record_forward, record_execute
-
-
-def run(engine: Engine, prompts, params, constraints=None) -> list:
-    """Submit all at once, step to the end; the finished requests (output_ids, stats)."""
-    constraints = constraints or [None] * len(prompts)
-    ids = [engine.add_request(p, sp, constraint=c) for p, sp, c in zip(prompts, params, constraints)]
-    reqs = [engine.requests[i] for i in ids]
-    while engine.has_work():
-        engine.step()
-    return reqs
 
 
 # ---- backend choice ----
@@ -227,29 +216,8 @@ def test_a_grammar_on_the_cuda_op_set_alone_batched_and_drafted(small_vocab_llam
     assert [r.output_ids for r in reqs] == [r.output_ids for r in expected]
 
 
-class EvenTokens(RowConstraint):
-    """Only even token ids are allowed (the mask reaches the Triton sampler as a bitmask)."""
-
-    def __init__(self, vocab):
-        even = torch.zeros(1, vocab, dtype=torch.bool)
-        even[0, 0::2] = True
-        self.row = bits.pack(even)[0]
-
-    def fill_mask(self, reply_ids, bitmask, row):
-        bitmask[row, :len(self.row)] &= self.row
-
-
 def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_llama):
-    rng = random.Random(5)
-    loop = [rng.randrange(2, 500) for _ in range(5)]
-    # The 2nd prompt holds 96 distinct tokens: its random reply keeps finding its last token
-    # there, so prompt lookup drafts (and mostly misses); the 3rd loops greedily (drafts hit).
-    prompts = [loop * 4, rng.sample(range(2, 512), 96), loop * 2 + [7, 9], loop * 3]
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0.7, top_k=40, seed=3, max_tokens=8, ignore_eos=True)]
-    masks = [None, None, None, EvenTokens(512)]
+    prompts, params, masks = mixed_batch()
 
     # Solo, serial, whole prompts; this engine also runs the startup probes on the cuda op set.
     solo = cuda_engine(small_vocab_llama, drafting=False, max_num_seqs=1, probe=True)

@@ -1,9 +1,10 @@
 """The mlx backend (tensorfold/mlx, backends/mlx_backend.py) on MLX's CPU device.
 
-- Its exact steps against the torch references, bitwise where the module docstrings say so (the
-  grid integers, K/V on their grids, the quantized GEMM of every block type, exp, SwiGLU, rope)
-  and within float32 rounding where it finishes in float32 instead of float64 (RMSNorm's root,
-  attention's division); a row's result alone == among other rows, bitwise.
+- Its exact steps against the torch references, bitwise (the grid integers, K/V on their grids,
+  the quantized GEMM of every block type, RMSNorm, attention, exp, SwiGLU, rope); a row's result
+  alone == among other rows.
+- Across backends: a quantized checkpoint's logits are the cpu backend's, bit for bit, so the
+  same token_sha.
 - The model against transformers (tiny llama and qwen3): prefill logits, batched paged decode,
   greedy tokens; a Q4_K_M GGUF served as stored.
 - Exactness within the backend, through the engine and over HTTP with the openai client:
@@ -18,6 +19,7 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
+from engine_cases import mixed_batch, run  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -123,14 +125,25 @@ def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf)
     assert kinds >= {"q8_0", "q4_0", "q4_k", "q6_k"}, kinds
 
 
-# ---- RMSNorm and attention: exact sums, float32 finishes ---------------------------------------
+# ---- RMSNorm and attention: exact int64 sums, the references' float32 finishes -----------------
 
-def test_rms_norm_within_float32_rounding_of_the_reference_and_row_invariant():
-    x, w = spread(16, 256, seed=5), torch.randn(256)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_reference_and_row_invariant(dtype):
+    x, w = spread(16, 256, seed=5).to(dtype), torch.randn(256).to(dtype)
+    x[3] = 0.0
     want, got = reference.rms_norm(x, w, 1e-6), back(ops.rms_norm(mxa(x), mxa(w), 1e-6))
-    torch.testing.assert_close(got, want, rtol=4e-7, atol=0)
+    assert torch.equal(got, want)
     for i in (0, 7, 15):
         assert torch.equal(back(ops.rms_norm(mxa(x[i:i + 1]), mxa(w), 1e-6))[0], got[i])
+
+
+def test_float32_sqrt_is_correctly_rounded_on_both_sides():
+    """The norm's root: MLX's float32 sqrt and the reference's sqrt_rn (torch's own float32
+    sqrt is not correctly rounded) equal numpy's IEEE square root."""
+    x = torch.cat([torch.rand(200000) * 100, torch.rand(1000) * 1e-38, torch.tensor([0.0, 4.0, 3.0e38])])
+    want = np.sqrt(x.numpy())
+    assert np.array_equal(np.array(mx.sqrt(mxa(x))), want)
+    assert np.array_equal(exact32.sqrt_rn(x).numpy(), want)
 
 
 def _cache_of(k: torch.Tensor, v: torch.Tensor, dtype=torch.float32):
@@ -152,24 +165,25 @@ def test_kv_write_is_the_references(dtype):
 
 
 @pytest.mark.parametrize("head_dim", [32, 48])  # scale 2^-2.5 and 1/sqrt(48): not a power of two
-def test_attention_close_to_the_reference_and_a_row_alone_equals_its_chunk(head_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_the_reference_and_a_row_alone_equals_its_chunk(head_dim, dtype):
     keys, heads, kv_heads = 70, 4, 2
     g = torch.Generator().manual_seed(head_dim)
     k, v = torch.randn(keys, kv_heads, head_dim, generator=g), torch.randn(keys, kv_heads, head_dim, generator=g)
-    q = torch.randn(20, heads, head_dim, generator=g) * 3
+    q = (torch.randn(20, heads, head_dim, generator=g) * 3).to(dtype)
     positions = np.arange(50, 70)
-    cache, kc, vc = _cache_of(k, v)
+    cache, kc, vc = _cache_of(k, v, dtype)
     slots = mx.arange(keys)
     scale = head_dim ** -0.5
     got = back(ops.attention(mxa(q), cache, positions, slots, scale, None))
     want = pa.paged_attention_ref(q, kc, vc, torch.from_numpy(positions), torch.arange(keys), scale)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got, want)
     for r in (0, 9, 19):  # one row alone, over the keys it sees
         alone = ops.attention(mxa(q[r:r + 1]), cache, positions[r:r + 1], slots[:positions[r] + 1], scale, None)
         assert torch.equal(back(alone)[0], got[r])
     windowed = back(ops.attention(mxa(q), cache, positions, slots, scale, 16))
     want = pa.paged_attention_ref(q, kc, vc, torch.from_numpy(positions), torch.arange(keys), scale, window=16)
-    torch.testing.assert_close(windowed, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(windowed, want)
 
 
 # ---- the model against transformers ------------------------------------------------------------
@@ -222,17 +236,43 @@ def test_greedy_32_tokens_equal_transformers(checkpoint_dir):
     assert got.token_ids == expected[0, len(ids):].tolist()
 
 
-def test_q4_k_m_gguf_served_as_stored_agrees_with_the_cpu_backend(tiny_q4_k_m_gguf):
+def test_q4_k_m_gguf_served_as_stored_gives_the_cpu_backends_logits(tiny_q4_k_m_gguf):
     """GGUF blocks served as stored (Q4_K beside Q6_K parts, a quantized tied head): the same
-    weight formats as the cpu backend, its GEMMs bitwise, so greedy tokens agree (the norms and
-    attention finish in float32 here, float64 there: logits within rounding)."""
+    weight formats as the cpu backend and, every op following the same references, its logits
+    bit for bit: a prefill and decode rows."""
     mlx_engine = Engine(tiny_q4_k_m_gguf, EngineConfig(backend="mlx", drafting=False, **SMALL))
     cpu_engine = Engine(tiny_q4_k_m_gguf, EngineConfig(drafting=False, **SMALL))
     assert mlx_engine.info.weights == cpu_engine.info.weights == {"q4_k": 8, "q6_k": 5}
     assert mlx_engine.exact, mlx_engine.probe_failures
+    want, got = Recorder(cpu_engine), Recorder(mlx_engine)
     ids = mlx_engine.tokenizer.encode("The tide came in over the harbor wall")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert mlx_engine.generate(ids, params).token_ids == cpu_engine.generate(ids, params).token_ids
+    assert len(want.draws) == 16 and want.draws.keys() == got.draws.keys()
+    for key, logits in want.draws.items():
+        assert np.array_equal(got.draws[key], logits), f"draw {key}"
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+def test_quantized_checkpoints_give_the_cpu_backends_token_sha(request, arch):
+    """--quantize q8_0 on both backends: every draw's logits row bitwise equal (batched,
+    chunked, drafted, greedy and sampled), so the same token_sha."""
+    path = request.getfixturevalue(arch)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(49152) for _ in range(21)], [rng.randrange(49152) for _ in range(9)] * 2]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
+    config = dict(quantize="q8_0", max_tokens_per_step=16, **SMALL)
+    shas, recorders = [], []
+    for backend in ("cpu", "mlx"):
+        engine = Engine(path, EngineConfig(backend=backend, **config))
+        recorders.append(Recorder(engine))
+        shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
+    assert shas[0] == shas[1]
+    want, got = recorders
+    assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
+    for key, logits in want.draws.items():
+        assert np.array_equal(got.draws[key], logits), f"draw {key}"
 
 
 def test_unserved_layer_kinds_are_a_startup_error(tmp_path, smollm2_tokenizer):
@@ -240,6 +280,15 @@ def test_unserved_layer_kinds_are_a_startup_error(tmp_path, smollm2_tokenizer):
     path = make_tiny_checkpoint(str(tmp_path / "q35"), "qwen3_5", tokenizer=smollm2_tokenizer)
     with pytest.raises(CheckpointError, match="mlx backend .* use --backend cpu"):
         Engine(path, EngineConfig(backend="mlx", **SMALL))
+
+
+def test_the_devices_float32_check_passes_here_and_can_fail(monkeypatch):
+    """The startup check behind the cross-backend claim: MLX's float32 division and sqrt are
+    correctly rounded on this device; a sqrt that is not (exp(log(x) / 2)) is caught."""
+    from tensorfold.backends import mlx_backend
+    assert mlx_backend.ieee_problem() is None
+    monkeypatch.setattr(mlx_backend.mx, "sqrt", lambda x: mx.exp(mx.log(x) * 0.5))
+    assert mlx_backend.ieee_problem() == "float32 sqrt not correctly rounded"
 
 
 def test_backend_choice():
@@ -250,7 +299,8 @@ def test_backend_choice():
 # ---- exactness within the backend --------------------------------------------------------------
 
 class Recorder:
-    """Each draw's logits row by (request seed, position), as the runner produced it."""
+    """Each draw's logits row by (request seed, position), as the runner produced it (either
+    backend: the model's forward returns an mx.array or a torch tensor)."""
 
     def __init__(self, engine: Engine):
         self.draws, self.round_sizes = {}, []
@@ -265,31 +315,16 @@ class Recorder:
             drawn = execute(plan)
             self.round_sizes.append(len(plan.requests))
             rows = [row for req in plan.requests for row in req.rows]
-            for row, logits in zip(rows, np.array(last["logits"])):
+            logits_rows = last["logits"]
+            logits_rows = logits_rows.numpy() if isinstance(logits_rows, torch.Tensor) else np.array(logits_rows)
+            for row, logits in zip(rows, logits_rows):
                 self.draws[row.seed, row.position] = logits
             return drawn
         runner.model.forward, runner.execute = record_forward, record_execute
 
 
-def run(engine: Engine, prompts, params, constraints=None) -> list:
-    constraints = constraints or [None] * len(prompts)
-    ids = [engine.add_request(p, sp, constraint=c) for p, sp, c in zip(prompts, params, constraints)]
-    reqs = [engine.requests[i] for i in ids]
-    while engine.has_work():
-        engine.step()
-    return reqs
-
-
 def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_llama):
-    from test_cuda_backend import EvenTokens
-    rng = random.Random(5)
-    loop = [rng.randrange(2, 500) for _ in range(5)]
-    prompts = [loop * 4, rng.sample(range(2, 512), 96), loop * 2 + [7, 9], loop * 3]
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0.7, top_k=40, seed=3, max_tokens=8, ignore_eos=True)]
-    masks = [None, None, None, EvenTokens(512)]
+    prompts, params, masks = mixed_batch()
     solo = Engine(small_vocab_llama, EngineConfig(backend="mlx", drafting=False, max_num_seqs=1, **SMALL))
     assert solo.exact, solo.probe_failures
     want = Recorder(solo)

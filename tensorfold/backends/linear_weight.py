@@ -50,6 +50,16 @@ def fuse_parts(parts: list) -> list:
     return [torch.cat(parts)]
 
 
+def count_formats(weights) -> dict[str, int]:
+    """How many GEMM matrices use each weight format (float32, bfloat16, q4_1, ...) among
+    `weights` (LinearWeights); a weight of parts in several formats counts each part."""
+    formats: dict[str, int] = {}
+    for weight in weights:
+        for fmt in weight.formats:
+            formats[fmt] = formats.get(fmt, 0) + 1
+    return formats
+
+
 class LinearWeight:
     """Base of every op set's weight type; subclasses define pack() and multiply()."""
     quantized = staticmethod(quantized)

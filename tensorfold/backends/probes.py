@@ -7,6 +7,9 @@ then inside larger batches at several places; any bit that moves is a failure, a
 then refuses exact mode loudly (logged and reported by /health) instead of serving replies that
 could differ between solo and batched runs.
 """
+import logging
+from dataclasses import replace
+
 import torch
 
 from tensorfold.backends import keeps_v_exponents
@@ -17,6 +20,18 @@ from tensorfold.models.moe import MoE
 from tensorfold.models.spec import AttentionSpec
 
 BATCH_SIZES = (2, 3, 7, 8, 13, 64)
+log = logging.getLogger("tensorfold.engine")
+
+
+def narrowed(config, failures: list[str]):
+    """The config to serve with after the probes: as it is when they passed; else, without a
+    batch-invariant forward (batching, chunking and drafting could change a reply), one request
+    at a time, whole prompts, no drafts, said loudly in the log."""
+    if not failures:
+        return config
+    log.error("EXACT MODE REFUSED: batch-invariance probes failed on this machine: %s. "
+              "Serving one request at a time without drafts.", "; ".join(failures))
+    return replace(config, max_num_seqs=1, drafting=False, max_tokens_per_step=1 << 30)
 
 
 def _rows_invariant(fn, make_rows, name: str, failures: list[str]) -> None:

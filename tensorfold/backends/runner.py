@@ -12,6 +12,15 @@ from tensorfold.models.cache import ModelCache
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 
 
+def per_request(plan: StepPlan, drawn: list[int]) -> list[list[int]]:
+    """The round's drawn tokens (every drawing row, in plan order) cut per scheduled request."""
+    out, i = [], 0
+    for req in plan.requests:
+        out.append(drawn[i:i + len(req.rows)])
+        i += len(req.rows)
+    return out
+
+
 class ModelRunner:
     def __init__(self, model, cache: ModelCache):
         self.model = model
@@ -22,12 +31,7 @@ class ModelRunner:
         batch = self._batch(plan)
         logits = self.model.forward(batch, self.cache)  # [num_draw_rows, vocab]
         rows = [row for req in plan.requests for row in req.rows]
-        drawn = self.model.ops.sample(logits, rows, bitmask=plan.bitmask) if rows else []
-        out, i = [], 0
-        for req in plan.requests:
-            out.append(drawn[i:i + len(req.rows)])
-            i += len(req.rows)
-        return out
+        return per_request(plan, self.model.ops.sample(logits, rows, bitmask=plan.bitmask) if rows else [])
 
     def _batch(self, plan: StepPlan) -> ForwardBatch:
         block_size, device = self.cache.block_size, self.model.device

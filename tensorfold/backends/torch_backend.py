@@ -13,12 +13,12 @@ the same four methods.
 """
 import ctypes
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from tensorfold.backends import keeps_v_exponents
-from tensorfold.backends.probes import probe_ops
+from tensorfold.backends.probes import narrowed, probe_ops
 from tensorfold.backends.runner import ModelRunner
 from tensorfold.models.cache import ModelCache
 from tensorfold.models.loader import build_model, load_checkpoint, quantize_checkpoint
@@ -87,13 +87,7 @@ class TorchBackend:
         log.info("GEMM weights: %s", ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items())))
         self.kv_dtype = kv_cache_dtype(config, quantized=any(f not in ("float32", "bfloat16") for f in formats))
         failures = self.probes() if config.probe else []
-        if failures:
-            # Without a batch-invariant forward, batching, chunking and drafting could change a
-            # reply: serve one request at a time, whole prompts, no drafts.
-            log.error("EXACT MODE REFUSED: batch-invariance probes failed on this machine: %s. "
-                      "Serving one request at a time without drafts.", "; ".join(failures))
-            config = replace(config, max_num_seqs=1, drafting=False, max_tokens_per_step=1 << 30)
-        self.config = config
+        self.config = config = narrowed(config, failures)
         a = model.args
         return Loaded(checkpoint, tokenizer, config, failures, a.vocab_size, a.max_position, a.num_layers)
 

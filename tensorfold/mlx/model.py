@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 
+from tensorfold.backends.linear_weight import count_formats
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
@@ -180,11 +181,7 @@ class MLXModel:
         return named
 
     def weight_formats(self) -> dict[str, int]:
-        formats: dict[str, int] = {}
-        for weight in self.gemms().values():
-            for fmt in weight.formats:
-                formats[fmt] = formats.get(fmt, 0) + 1
-        return formats
+        return count_formats(self.gemms().values())
 
 
 def _mx(t: torch.Tensor | None) -> mx.array | None:

@@ -9,6 +9,7 @@ native kernels and the cuda kernels. A backend that runs a whole layer natively 
 """
 import torch
 
+from tensorfold.backends.linear_weight import count_formats
 from tensorfold.models.blocks import BLOCKS, DecoderLayer
 from tensorfold.models.cache import ModelCache
 from tensorfold.models.checkpoint import CheckpointError
@@ -68,11 +69,7 @@ class Model:
     def weight_formats(self) -> dict[str, int]:
         """How many GEMM matrices use each weight format (float32, bfloat16, q4_1, ...); a weight
         of parts in several formats counts each part."""
-        formats: dict[str, int] = {}
-        for weight in self.gemms().values():
-            for fmt in weight.formats:
-                formats[fmt] = formats.get(fmt, 0) + 1
-        return formats
+        return count_formats(self.gemms().values())
 
 
 def _embedding_and_head(w: WeightReader, embed, args: ModelArgs):

@@ -1,0 +1,115 @@
+"""The mlx backend beside the cpu backend on one model, in one run: load time, prefill and
+one-stream greedy decode speed, whether the two give the same token_sha, and where an mlx decode
+round goes (each op timed alone, evaluated as it returns).
+
+    python tools/bench_mlx.py                      # the default model (SmolLM2-135M Q4_1 GGUF)
+    python tools/bench_mlx.py --model F.gguf --tokens 16 --prompt-tokens 128
+
+On Linux the mlx backend runs on MLX's CPU device (`pip install -e ".[mlx]"`); on a Mac, Metal.
+Decode tokens/s is (new tokens - 1) over the time from the first new token to the last; each
+figure is the best of --repeats runs. The same prompt ids, greedy, end tokens ignored.
+"""
+import argparse
+import collections
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tools.bench_core import fmt, machine_line, print_table  # noqa: E402
+
+
+def measure(backend: str, model: str | None, prompt_tokens: int, tokens: int, repeats: int) -> dict:
+    from tensorfold.api.replies import token_sha
+    from tensorfold.engine.engine import Engine, EngineConfig
+    from tensorfold.sampling.params import SamplingParams
+
+    started = time.perf_counter()
+    engine = Engine(model, EngineConfig(backend=backend, context=max(1024, prompt_tokens + tokens + 8),
+                                        kv_cache_gib=0.1, drafting=False, max_tokens_per_step=1 << 20))
+    load_s = time.perf_counter() - started
+    words = "the harbor keeps a log of every ship that comes in with the tide ".split()
+    ids = engine.tokenizer.encode(" ".join(words[i % len(words)] for i in range(prompt_tokens)))[:prompt_tokens]
+    prefill, decode, sha = 0.0, 0.0, None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        prefill = max(prefill, len(ids) / (time.perf_counter() - t0))
+        stamps = []
+        req = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+            stamps.append(time.perf_counter())
+        out = engine.requests[req].output_ids
+        decode = max(decode, (len(out) - 1) / (stamps[-1] - stamps[0]))
+        sha = token_sha(out)
+    return dict(load_s=load_s, prefill=prefill, decode=decode, sha=sha, exact=engine.exact,
+                weights=engine.info.weights, engine=engine, ids=ids)
+
+
+def round_profile(engine, ids: list[int]) -> dict[str, float]:
+    """ms per decode round in each op of the mlx model (each call evaluated as it returns)."""
+    import mlx.core as mx
+
+    from tensorfold.mlx import model as mlx_model
+    from tensorfold.mlx import ops
+    from tensorfold.sampling.params import SamplingParams
+
+    spent: dict[str, float] = collections.Counter()
+    originals = {}
+    for name in ("quant_linear", "dense_linear", "attention", "rms_norm", "silu_and_mul", "apply_rope", "write_kv"):
+        originals[name] = fn = getattr(ops, name)
+
+        def timed(*args, _fn=fn, _name=name, **kwargs):
+            t0 = time.perf_counter()
+            out = _fn(*args, **kwargs)
+            mx.eval(out) if out is not None else None
+            spent[_name] += time.perf_counter() - t0
+            return out
+        setattr(ops, name, timed)
+        setattr(mlx_model.ops, name, timed)
+    try:
+        rounds = 8
+        t0 = time.perf_counter()
+        engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        spent.clear()
+        t0 = time.perf_counter()
+        engine.generate(ids[:8], SamplingParams(temperature=0.0, max_tokens=rounds + 1, ignore_eos=True))
+        total = time.perf_counter() - t0
+    finally:
+        for name, fn in originals.items():
+            setattr(ops, name, fn)
+    out = {name: 1000 * s / rounds for name, s in sorted(spent.items(), key=lambda kv: -kv[1])}
+    out["round (all)"] = 1000 * total / rounds
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: the default model)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--no-profile", action="store_true")
+    args = p.parse_args(argv)
+    print(machine_line())
+    results = {b: measure(b, args.model, args.prompt_tokens, args.tokens, args.repeats) for b in ("cpu", "mlx")}
+    cpu, mlx = results["cpu"], results["mlx"]
+    rows = [[b, r["exact"], fmt(r["load_s"]), fmt(r["prefill"], 1), fmt(r["decode"], 2), r["sha"]]
+            for b, r in results.items()]
+    print_table(["backend", "exact", "load s", f"prefill {args.prompt_tokens} tok/s", "decode tok/s",
+                 f"token_sha of {args.tokens}"], rows,
+                title=f"weights {mlx['weights']}; same token_sha: {cpu['sha'] == mlx['sha']}; "
+                      f"mlx / cpu decode {mlx['decode'] / cpu['decode']:.3f}x")
+    if not args.no_profile:
+        profile = round_profile(mlx["engine"], mlx["ids"])
+        print_table(["op", "ms per decode round"], [[k, fmt(v, 1)] for k, v in profile.items()],
+                    title="where an mlx decode round goes (8-token prompt)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
