@@ -39,11 +39,12 @@ def measure(backend: str, model: str | None, prompt_tokens: int, tokens: int, re
         engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         prefill = max(prefill, len(ids) / (time.perf_counter() - t0))
         stamps = []
-        req = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        req = engine.requests[engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                                      ignore_eos=True))]
         while engine.has_work():
             engine.step()
             stamps.append(time.perf_counter())
-        out = engine.requests[req].output_ids
+        out = req.output_ids
         decode = max(decode, (len(out) - 1) / (stamps[-1] - stamps[0]))
         sha = token_sha(out)
     return dict(load_s=load_s, prefill=prefill, decode=decode, sha=sha, exact=engine.exact,
