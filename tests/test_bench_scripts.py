@@ -6,7 +6,8 @@ each exact CPU op (compiled and as its reference) next to its stock counterpart 
 run; bench_native.py decodes a few tokens next to llama.cpp (when installed); bench_quant.py runs
 its four sections (speed, memory, agreement, K-quants) at tiny sizes; bench_grammar.py runs each
 grammar constrained and free; bench_attention.py times the decode attention over a few hundred
-keys; bench_gemm.py the default model's layer GEMMs at two row counts.
+keys; bench_gemm.py the default model's layer GEMMs at two row counts; bench_mlx.py both backends
+on a tiny quantized llama.
 """
 import os
 import re
@@ -103,6 +104,15 @@ def test_bench_gemm_runs():
         pytest.skip(f"the C++ kernels are not built: {native_problem()}")
     out = run_tool("tools/bench_gemm.py", "--dtypes", "bfloat16", "--rows", "1,3", "--repeats", "1")
     assert re.search(r"\| bfloat16 \| 120 bfloat16 \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\d \|", out), out
+
+
+def test_bench_mlx_runs(tiny_llama):
+    """Both backends on a tiny llama quantized at load: the same token_sha, and the mlx round's
+    profile."""
+    out = run_tool("tools/bench_mlx.py", "--model", tiny_llama, "--quantize", "q8_0", "--tokens", "4",
+                   "--prompt-tokens", "8", "--repeats", "1")
+    assert "same token_sha: True" in out, out
+    assert re.search(r"\| quant_linear +\| \d+\.\d +\|", out), out
 
 
 def test_bench_hybrid_runs(tmp_path):

@@ -4,6 +4,7 @@ round goes (each op timed alone, evaluated as it returns).
 
     python tools/bench_mlx.py                      # the default model (SmolLM2-135M Q4_1 GGUF)
     python tools/bench_mlx.py --model F.gguf --tokens 16 --prompt-tokens 128
+    python tools/bench_mlx.py --model HF_DIR --quantize q8_0
 
 On Linux the mlx backend runs on MLX's CPU device (`pip install -e ".[mlx]"`); on a Mac, Metal.
 Decode tokens/s is (new tokens - 1) over the time from the first new token to the last; each
@@ -22,14 +23,16 @@ if ROOT not in sys.path:
 from tools.bench_core import fmt, machine_line, print_table  # noqa: E402
 
 
-def measure(backend: str, model: str | None, prompt_tokens: int, tokens: int, repeats: int) -> dict:
+def measure(backend: str, model: str | None, prompt_tokens: int, tokens: int, repeats: int,
+            quantize: str | None = None) -> dict:
     from tensorfold.api.replies import token_sha
     from tensorfold.engine.engine import Engine, EngineConfig
     from tensorfold.sampling.params import SamplingParams
 
     started = time.perf_counter()
     engine = Engine(model, EngineConfig(backend=backend, context=max(1024, prompt_tokens + tokens + 8),
-                                        kv_cache_gib=0.1, drafting=False, max_tokens_per_step=1 << 20))
+                                        kv_cache_gib=0.1, drafting=False, max_tokens_per_step=1 << 20,
+                                        quantize=quantize))
     load_s = time.perf_counter() - started
     words = "the harbor keeps a log of every ship that comes in with the tide ".split()
     ids = engine.tokenizer.encode(" ".join(words[i % len(words)] for i in range(prompt_tokens)))[:prompt_tokens]
@@ -94,10 +97,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--quantize", default=None, help="q8_0 / q4_0: a HF checkpoint's GEMMs quantized at load")
     p.add_argument("--no-profile", action="store_true")
     args = p.parse_args(argv)
     print(machine_line())
-    results = {b: measure(b, args.model, args.prompt_tokens, args.tokens, args.repeats) for b in ("cpu", "mlx")}
+    results = {b: measure(b, args.model, args.prompt_tokens, args.tokens, args.repeats, args.quantize)
+               for b in ("cpu", "mlx")}
     cpu, mlx = results["cpu"], results["mlx"]
     rows = [[b, r["exact"], fmt(r["load_s"]), fmt(r["prefill"], 1), fmt(r["decode"], 2), r["sha"]]
             for b, r in results.items()]
