@@ -262,6 +262,13 @@ def quantize_activations(x: mx.array):
     return xq, m, k, sm, se
 
 
+@grid.integer_only
+def _terms(a, s, m, e_w, e_x, g):
+    """Block terms a s m (a: integer-valued, s, m int64) on the output's grid 2^g: shifted by
+    e_w + e_x - g, rounded half to even (quant_gemm's step 3), as int64."""
+    return grid.shift(a.astype(mx.int64) * s * m, e_w + e_x - g)
+
+
 def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
     """x [M, K] @ w^T by quant_gemm.linear's steps 1-4, bitwise: the sub-block dots as float32
     matmuls (exact: < 2^19), every block term on the output's grid in int64, and step 4's two
@@ -276,15 +283,14 @@ def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
     rows, nb, per = x.shape[0], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
     xq, xm, k, sm, se = quantize_activations(x)                           # xq [M, B, 32]
     xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)          # [S, M, sub]
-    a = mx.matmul(xs, w.codes).astype(mx.int64)                           # [S, M, N], exact
-    scaled = (a * w.scale[:, None, :]).reshape(nb, per, rows, n).sum(axis=1)  # [B, M, N]
-    ints = [scaled * xm.T[..., None]]
-    exps = [w.scale_exp[:, None, :] + k.T[..., None]]
-    if kind.has_min:
-        ints.append(w.min[:, None, :] * sm.T[..., None])
-        exps.append(w.min_exp[:, None, :] + se.T[..., None])
-    ints, exps = mx.concatenate(ints), mx.concatenate(exps)              # [T, M, N]
+    a = mx.matmul(xs, w.codes)                                            # [S, M, N], exact integers
+    if per > 1:  # q6_k: two sub-blocks of 16 per block of 32
+        a = (a.astype(mx.int64) * w.scale[:, None, :]).reshape(nb, per, rows, n).sum(axis=1)  # [B, M, N]
     top = w.top[None, :] + k.max(axis=1)[:, None]                         # [M, N]
-    g = top + kind.term_bits - 62 + math.ceil(math.log2(ints.shape[0]))
-    total = grid.shift(ints, exps - g[None]).sum(axis=0)                  # exact int64
+    g = top + kind.term_bits - 62 + math.ceil(math.log2(nb * (2 if kind.has_min else 1)))
+    scale = w.scale[:, None, :] if per == 1 else 1
+    total = _terms(a, scale, xm.T[..., None], w.scale_exp[:, None, :], k.T[..., None], g[None]).sum(axis=0)
+    if kind.has_min:
+        total = total + _terms(w.min[:, None, :], sm.T[..., None], 1, w.min_exp[:, None, :], se.T[..., None],
+                               g[None]).sum(axis=0)                       # int64: exact in any order
     return grid.float32_of_int(total, g).astype(x.dtype)
