@@ -32,7 +32,7 @@ from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import backend_ops, cpu_ops, native_problem, select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
-from engine_cases import EvenTokens, mixed_batch, run  # noqa: E402,F401 (run: test_quantized_model)
+from engine_cases import mixed_batch, run  # noqa: E402,F401 (run: test_quantized_model)
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
