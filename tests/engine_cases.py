@@ -32,6 +32,26 @@ class EvenTokens(RowConstraint):
         bitmask[row, :len(self.row)] &= self.row
 
 
+def check_solo_vs_batched(solo, batched, recorder, same) -> None:
+    """mixed_batch() run one request at a time on `solo` (no drafts) and all together on `batched`
+    (drafts, chunks): the same replies, rounds really shared, drafts both accepted and rejected,
+    and every solo draw's logits row `same` as the batched one (recorder: the backend's test
+    Recorder, draws by (seed, position))."""
+    prompts, params, masks = mixed_batch()
+    want = recorder(solo)
+    expected = [run(solo, [p], [sp], [c])[0].output_ids for p, sp, c in zip(prompts, params, masks)]
+    assert all(t % 2 == 0 for t in expected[3]), "mask not applied"
+    got = recorder(batched)
+    reqs = run(batched, prompts, params, masks)
+    assert [r.output_ids for r in reqs] == expected
+    assert max(got.round_sizes) > 1, "the requests never shared a round"
+    drafted, accepted = sum(r.stats.drafted for r in reqs), sum(r.stats.accepted for r in reqs)
+    assert 0 < accepted < drafted, f"drafts must be both accepted and rejected ({accepted}/{drafted})"
+    assert want.draws.keys() <= got.draws.keys()
+    for key, logits in want.draws.items():
+        assert same(got.draws[key], logits), f"logits of the draw at {key} differ"
+
+
 def mixed_batch(vocab: int = 512):
     """(prompts, params, constraints) for a 512-token vocabulary: sampled with top-p, min-p and
     top-k, greedy, and a masked row. The 2nd prompt holds 96 distinct tokens: its random reply

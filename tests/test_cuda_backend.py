@@ -32,7 +32,7 @@ from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import backend_ops, cpu_ops, native_problem, select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
-from engine_cases import mixed_batch, run  # noqa: E402,F401 (run: test_quantized_model)
+from engine_cases import check_solo_vs_batched, run  # noqa: E402,F401 (run: test_quantized_model)
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
@@ -217,22 +217,8 @@ def test_a_grammar_on_the_cuda_op_set_alone_batched_and_drafted(small_vocab_llam
 
 
 def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_llama):
-    prompts, params, masks = mixed_batch()
-
     # Solo, serial, whole prompts; this engine also runs the startup probes on the cuda op set.
     solo = cuda_engine(small_vocab_llama, drafting=False, max_num_seqs=1, probe=True)
     assert solo.exact, solo.probe_failures
-    want = Recorder(solo)
-    expected = [run(solo, [p], [sp], [c])[0].output_ids for p, sp, c in zip(prompts, params, masks)]
-    assert all(t % 2 == 0 for t in expected[3]), "mask not applied"
-
     batched = cuda_engine(small_vocab_llama, drafting=True, max_num_seqs=4, max_tokens_per_step=16)
-    got = Recorder(batched)
-    reqs = run(batched, prompts, params, masks)
-    assert [r.output_ids for r in reqs] == expected
-    assert max(got.round_sizes) > 1, "the requests never shared a round"
-    drafted, accepted = sum(r.stats.drafted for r in reqs), sum(r.stats.accepted for r in reqs)
-    assert 0 < accepted < drafted, f"drafts must be both accepted and rejected ({accepted}/{drafted})"
-    assert want.draws.keys() <= got.draws.keys()
-    for key, logits in want.draws.items():
-        assert torch.equal(got.draws[key], logits), f"logits of the draw at {key} differ"
+    check_solo_vs_batched(solo, batched, Recorder, torch.equal)

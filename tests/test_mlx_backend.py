@@ -19,7 +19,7 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_cases import mixed_batch, run  # noqa: E402
+from engine_cases import check_solo_vs_batched, run  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -324,24 +324,11 @@ class Recorder:
 
 
 def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_llama):
-    prompts, params, masks = mixed_batch()
     solo = Engine(small_vocab_llama, EngineConfig(backend="mlx", drafting=False, max_num_seqs=1, **SMALL))
     assert solo.exact, solo.probe_failures
-    want = Recorder(solo)
-    expected = [run(solo, [p], [sp], [c])[0].output_ids for p, sp, c in zip(prompts, params, masks)]
-    assert all(t % 2 == 0 for t in expected[3]), "mask not applied"
-
     batched = Engine(small_vocab_llama, EngineConfig(backend="mlx", drafting=True, max_num_seqs=4,
                                                      max_tokens_per_step=16, probe=False, **SMALL))
-    got = Recorder(batched)
-    reqs = run(batched, prompts, params, masks)
-    assert [r.output_ids for r in reqs] == expected
-    assert max(got.round_sizes) > 1, "the requests never shared a round"
-    drafted, accepted = sum(r.stats.drafted for r in reqs), sum(r.stats.accepted for r in reqs)
-    assert 0 < accepted < drafted, f"drafts must be both accepted and rejected ({accepted}/{drafted})"
-    assert want.draws.keys() <= got.draws.keys()
-    for key, logits in want.draws.items():
-        assert np.array_equal(got.draws[key], logits), f"logits of the draw at {key} differ"
+    check_solo_vs_batched(solo, batched, Recorder, np.array_equal)
 
 
 def test_over_http_concurrent_cached_drafted_preempted_equal_solo(tiny_llama):

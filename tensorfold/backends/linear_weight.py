@@ -50,6 +50,14 @@ def fuse_parts(parts: list) -> list:
     return [torch.cat(parts)]
 
 
+def named_gemms(layers, lm_head) -> dict:
+    """Every LinearWeight of a model by name (layers.{i}.qkv, ..., lm_head), from each layer's
+    gemms()."""
+    named = {f"layers.{i}.{name}": weight for i, layer in enumerate(layers) for name, weight in layer.gemms().items()}
+    named["lm_head"] = lm_head
+    return named
+
+
 def count_formats(weights) -> dict[str, int]:
     """How many GEMM matrices use each weight format (float32, bfloat16, q4_1, ...) among
     `weights` (LinearWeights); a weight of parts in several formats counts each part."""

@@ -7,21 +7,21 @@ rows come back from MLX (unified memory on Apple silicon: no copy across a bus),
 token is the one the cpu backend draws from the same logits, grammar masks and all.
 """
 import logging
+import os
 import mlx.core as mx
 import numpy as np
 import torch
 
 from tensorfold.backends.probes import narrowed
 from tensorfold.backends.runner import per_request
-from tensorfold.backends.torch_backend import DTYPES, Allocation, Loaded, kv_cache_dtype
+from tensorfold.backends.torch_backend import DTYPES, Allocation, Loaded, kv_cache_dtype, read_checkpoint
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.mlx import ops
 from tensorfold.mlx.model import MLXBatch, MLXModel, SequenceSpan
 from tensorfold.models.config import ModelArgs
-from tensorfold.models.loader import load_checkpoint, quantize_checkpoint, served_tensors
+from tensorfold.models.loader import served_tensors
 from tensorfold.models.progress import LoadProgress
 from tensorfold.models.registry import model_family
-from tensorfold.models.tokenizer import Tokenizer
 from tensorfold.sampling.sampler import sample
 
 log = logging.getLogger("tensorfold.engine")
@@ -40,12 +40,8 @@ class MLXBackend:
         self.block_size = config.block_size
 
     def load(self, model_path: str | None, config) -> Loaded:
-        kv_cache_dtype(config, quantized=False)  # a bad value fails before the load
-        checkpoint = load_checkpoint(model_path, keep_quantized=config.dtype == "auto")
-        if config.quantize:
-            quantize_checkpoint(checkpoint, config.quantize)
-        tokenizer = Tokenizer.from_checkpoint(checkpoint)
-        args = ModelArgs.from_hf(checkpoint.config)
+        checkpoint, tokenizer = read_checkpoint(model_path, config)
+        args = ModelArgs.from_hf(checkpoint.config, os.path.join(checkpoint.path, "config.json"))
         family = model_family(checkpoint.architecture, checkpoint.path)
         tensors = LoadProgress(served_tensors(checkpoint.tensors, family))
         self.model = model = MLXModel(args, family.layer_specs(args), tensors, DTYPES[config.dtype],

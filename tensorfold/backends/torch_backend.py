@@ -42,6 +42,17 @@ def kv_cache_dtype(config, quantized: bool) -> torch.dtype:
     return DTYPES[config.kv_dtype]
 
 
+def read_checkpoint(model_path: str | None, config):
+    """The checkpoint as config asks (GGUF blocks kept under dtype auto, --quantize applied) and
+    its tokenizer; a bad --kv-dtype fails first, before anything is read. Every backend's load
+    starts here."""
+    kv_cache_dtype(config, quantized=False)
+    checkpoint = load_checkpoint(model_path, keep_quantized=config.dtype == "auto")
+    if config.quantize:
+        quantize_checkpoint(checkpoint, config.quantize)
+    return checkpoint, Tokenizer.from_checkpoint(checkpoint)
+
+
 @dataclass
 class Loaded:
     """What load() gives the engine: plain data and the objects it passes on untouched."""
@@ -75,11 +86,7 @@ class TorchBackend:
         self.config = None
 
     def load(self, model_path: str | None, config) -> Loaded:
-        kv_cache_dtype(config, quantized=False)  # a bad value fails before the load
-        checkpoint = load_checkpoint(model_path, keep_quantized=config.dtype == "auto")
-        if config.quantize:
-            quantize_checkpoint(checkpoint, config.quantize)
-        tokenizer = Tokenizer.from_checkpoint(checkpoint)
+        checkpoint, tokenizer = read_checkpoint(model_path, config)
         self.model = model = build_model(checkpoint, DTYPES[config.dtype], self.ops, self.device)
         checkpoint.tensors = {}  # the model holds its own (converted) copies
         _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)

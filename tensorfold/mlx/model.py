@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from tensorfold.backends.linear_weight import count_formats
+from tensorfold.backends.linear_weight import count_formats, named_gemms
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
@@ -175,10 +175,7 @@ class MLXModel:
         return self.lm_head(out).astype(mx.float32)
 
     def gemms(self) -> dict:
-        named = {f"layers.{i}.{name}": weight for i, layer in enumerate(self.layers)
-                 for name, weight in layer.gemms().items()}
-        named["lm_head"] = self.lm_head
-        return named
+        return named_gemms(self.layers, self.lm_head)
 
     def weight_formats(self) -> dict[str, int]:
         return count_formats(self.gemms().values())

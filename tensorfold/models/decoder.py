@@ -9,7 +9,7 @@ native kernels and the cuda kernels. A backend that runs a whole layer natively 
 """
 import torch
 
-from tensorfold.backends.linear_weight import count_formats
+from tensorfold.backends.linear_weight import count_formats, named_gemms
 from tensorfold.models.blocks import BLOCKS, DecoderLayer
 from tensorfold.models.cache import ModelCache
 from tensorfold.models.checkpoint import CheckpointError
@@ -61,10 +61,7 @@ class Model:
 
     def gemms(self) -> dict:
         """Every LinearWeight by name (layers.{i}.qkv, ..., lm_head)."""
-        named = {f"layers.{i}.{name}": weight for i, layer in enumerate(self.layers)
-                 for name, weight in layer.gemms().items()}
-        named["lm_head"] = self.lm_head
-        return named
+        return named_gemms(self.layers, self.lm_head)
 
     def weight_formats(self) -> dict[str, int]:
         """How many GEMM matrices use each weight format (float32, bfloat16, q4_1, ...); a weight
