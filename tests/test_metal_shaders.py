@@ -292,3 +292,202 @@ def test_quant_gemm_extremes(shaders):
         y = run_quant(shaders, huge, big)
         assert y.isfinite().all()
         same_bits(y, qg.linear(huge, big), f"{kind} huge")
+
+
+# ---- paged attention ----
+
+def paged_cache(gen: torch.Generator, lengths: list[int], kv_heads: int, dim: int, dtype, block_size: int = 4,
+                scale: float = 1.0):
+    """K/V of sequences of `lengths` written by write_kv_ref into shuffled blocks of a paged cache;
+    returns (k_cache, v_cache, tables). Some vectors tiny (subnormal range), one all zero."""
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at:at + n].clone())
+        at += n
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))  # unwritten slots: never read
+    for n, table in zip(lengths, tables):
+        k = torch.randn(n, kv_heads, dim, generator=gen) * scale * 2.0 ** torch.randint(-4, 5, (n, kv_heads, 1),
+                                                                                       generator=gen)
+        v = torch.randn(n, kv_heads, dim, generator=gen) * 2.0 ** torch.randint(-6, 7, (n, kv_heads, 1), generator=gen)
+        if n > 2:
+            k[1] *= 2.0 ** -130
+            v[2] = 0.0
+        slots = table[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+        pa.write_kv_ref(k_cache, v_cache, k.to(dtype), v.to(dtype), slots)
+    return k_cache, v_cache, tables
+
+
+def run_attention(shaders, q, k_cache, v_cache, positions, row_seq, tables, scale, window):
+    table = pa.pad_block_tables(tables).to(torch.int32)
+    num_keys = int(positions.max()) + 1
+    out = metal.paged_attention(shaders, ARRAYS, q.float(), k_cache, v_cache, positions.to(torch.int32),
+                                row_seq.to(torch.int32), table, scale, window, num_keys)
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_prefill(shaders, dtype, window):
+    """Prefill rows of one sequence (a whole prompt, and a chunk after a cached prefix) equal
+    paged_attention_ref bitwise: GQA (6 heads on 2), shuffled blocks, tiny and zero vectors."""
+    gen = torch.Generator().manual_seed(20)
+    heads, kv_heads, dim = 6, 2, 16
+    k_cache, v_cache, tables = paged_cache(gen, [23], kv_heads, dim, dtype)
+    scale = dim ** -0.5
+    for positions in (torch.arange(23), torch.arange(17, 23), torch.tensor([0])):
+        q = (torch.randn(len(positions), heads, dim, generator=gen) * 4).to(dtype)
+        got = run_attention(shaders, q, k_cache, v_cache, positions, torch.zeros(len(positions)), tables, scale, window)
+        want = pa.paged_attention_ref(q, k_cache, v_cache, positions, tables[0], scale, window)
+        same_bits(got, want, f"prefill {dtype} window={window} rows={len(positions)}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_decode(shaders, dtype):
+    """One decode row per sequence over sequences of several lengths (1 to 41 keys, head_dim 64)
+    equals paged_decode_attention_ref bitwise; a changed v in one sequence changes only its row."""
+    gen = torch.Generator().manual_seed(21)
+    heads, kv_heads, dim = 8, 2, 64
+    lengths = [1, 5, 17, 41]
+    k_cache, v_cache, tables = paged_cache(gen, lengths, kv_heads, dim, dtype, scale=8.0)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
+    positions = torch.tensor(lengths) - 1
+    rows = torch.arange(len(lengths))
+    got = run_attention(shaders, q, k_cache, v_cache, positions, rows, tables, 0.125, None)
+    want = pa.paged_decode_attention_ref(q, k_cache, v_cache, positions, tables, 0.125)
+    same_bits(got, want, f"decode {dtype}")
+    block = int(tables[2][1])
+    v_cache[block, 0] = v_cache[block, 0] * 2  # a key of sequence 2
+    moved = run_attention(shaders, q, k_cache, v_cache, positions, rows, tables, 0.125, None)
+    assert not torch.equal(moved[2], got[2]), "sequence 2's keys must count"
+    same_bits(moved[[0, 1, 3]], got[[0, 1, 3]], "other sequences untouched")
+
+
+def test_paged_attention_kernels_alone(shaders):
+    """attention_scores alone: q.k (exact) times scale, -inf past each row, and the v exponents,
+    as the reference computes them."""
+    gen = torch.Generator().manual_seed(22)
+    k_cache, v_cache, tables = paged_cache(gen, [9], 1, 8, torch.float32)
+    q = torch.randn(3, 2, 8, generator=gen)
+    positions = torch.tensor([2, 5, 8], dtype=torch.int32)
+    table = tables[0].to(torch.int32).view(1, -1)
+    dims = [3, 2, 1, 8, 4, table.shape[1], 9, 0]
+    scores, v_exp = shaders.run("attention_scores", [q, positions, torch.zeros(3, dtype=torch.int32), table, k_cache,
+                                                     v_cache], dims + [0.25],
+                                [((3, 2, 9), torch.float32), ((3, 2, 9), torch.int32)], (9, 2, 3), {"KV": torch.float32})
+    keys = pa._gather(k_cache, table.long())[0, 0, :9]              # [9, 8] float64, on grid
+    q_int, q_exp = pa.to_fixed(q, pa.QK_BITS)
+    q_grid = q_int * pow2(q_exp - pa.QK_BITS + 1).unsqueeze(-1)     # the reference's q grid
+    want = (q_grid @ keys.T).float() * ref32.f32(0.25)              # exact dots, one rounding
+    want = want.masked_fill(torch.arange(9).view(1, 1, 9) > positions.view(3, 1, 1), -math.inf)
+    same_bits(scores, want, "scores")
+    same_bits(v_exp[0, 0, :3], pa.v_exponents(pa._gather(v_cache, table.long())[0, 0, :3]), "v exponents")
+
+
+# ---- the keyed sampler and grammar-masked verification ----
+
+VOCAB = 5000  # two chunks of metal_kernels.SAMPLER_CHUNK
+
+
+def sampler_rows(seed: int) -> list[RowSampling]:
+    """Greedy, free (temperature, min_p) and ordered (top-k, top-p, both, with min_p) rows."""
+    settings = [(0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 0, 1.0, 0.05), (0.8, 40, 1.0, 0.0),
+                (1.0, 0, 0.9, 0.0), (0.9, 200, 0.95, 0.02), (1.0, 0, 0.0, 0.0), (2.0, 3000, 0.999, 0.0),
+                (0.0, 0, 1.0, 0.0)]
+    return [RowSampling(t, k, p, mp, seed + i, 7 + i) for i, (t, k, p, mp) in enumerate(settings)]
+
+
+def sampler_logits(gen: torch.Generator, num_rows: int) -> torch.Tensor:
+    """Logits with -inf tokens, a flat row (its nucleus runs past small heads) and tied maxima in
+    both chunks (greedy: the lower id)."""
+    x = torch.randn(num_rows, VOCAB, generator=gen) * 3
+    x[torch.rand(num_rows, VOCAB, generator=gen) < 0.02] = -math.inf
+    if num_rows > 8:
+        x[7] = torch.randn(VOCAB, generator=gen) * 0.01
+        x[8, 4500] = x[8, 120] = x[8].max() + 1.0
+    return x
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_keyed_sampler(shaders, masked):
+    """Tokens equal sampler.sample's, with heads of 16 candidates (so rows must grow them to 128
+    and the whole row, as the reference does) and of 1,024; with and without a grammar bitmask."""
+    gen = torch.Generator().manual_seed(30 + masked)
+    rows = sampler_rows(100)
+    logits = sampler_logits(gen, len(rows))
+    bitmask = None
+    if masked:
+        allowed = torch.rand(len(rows), VOCAB, generator=gen) < 0.6
+        allowed[8, [120, 4500]] = True
+        bitmask = bits.pack(allowed)
+    for num_candidates in (16, sampler.NUM_CANDIDATES):
+        got = metal.sample_rows(shaders, ARRAYS, logits, rows, bitmask, num_candidates)
+        assert got == sampler.sample(logits, rows, num_candidates, bitmask=bitmask), f"{num_candidates} candidates"
+    assert got[8] == 120 or masked, "greedy ties go to the lower id"
+    moved = [RowSampling(r.temperature, r.top_k, r.top_p, r.min_p, r.seed + 1000, r.position) for r in rows]
+    assert metal.sample_rows(shaders, ARRAYS, logits, moved, bitmask) != got, "the seed must count"
+
+
+def test_sampler_token_arithmetic(shaders):
+    """sampler_tokens alone: every token's key (q = floor(exp64(z - m) 2^32) and id) and noisy
+    score z + gumbel are the reference's float64 bits (sampler._keys, _scores)."""
+    gen = torch.Generator().manual_seed(32)
+    rows = sampler_rows(200)[1:6]
+    logits = sampler_logits(gen, len(rows))
+    num_chunks = 2
+    dims = [len(rows), VOCAB, 0, num_chunks]
+    mask = torch.zeros(1, dtype=torch.int32)
+    chunk_max, = shaders.run("sampler_chunk_max", [logits, mask], dims, [((len(rows), num_chunks), torch.float32)],
+                             (num_chunks, len(rows), 1), {"HAS_MASK": False})
+    temps = torch.tensor([metal._f64_word(r.temperature) for r in rows], dtype=torch.uint64)
+    keys_in = torch.tensor([metal.keyed.row_key(r.seed, r.position) for r in rows], dtype=torch.uint64)
+    mode = torch.ones(len(rows), dtype=torch.int32)
+    keys, scores = shaders.run("sampler_tokens", [logits, mask, chunk_max, temps, keys_in, mode], dims,
+                               [((len(rows), VOCAB), torch.int64), ((len(rows), VOCAB), torch.uint64)],
+                               (VOCAB, len(rows), 1), {"HAS_MASK": False})
+    z = sampler._scaled(logits, rows)
+    ids = torch.arange(VOCAB).view(1, -1)
+    _, want_keys = sampler._keys(z, z.amax(dim=1, keepdim=True), ids)
+    same_bits(keys, want_keys, "keys")
+    want_scores = sampler._scores(z, rows, ids)
+    drawable = want_keys >= 0
+    same_bits(scores.view(torch.float64)[drawable], want_scores[drawable], "scores")
+
+
+def test_sampler_errors(shaders):
+    """A row with nothing drawable and a logit / temperature that overflows are refused, as the
+    reference refuses them."""
+    rows = sampler_rows(0)[:2]
+    logits = torch.randn(2, 64)
+    logits[1] = -math.inf
+    with pytest.raises(ValueError, match="no drawable"):
+        metal.sample_rows(shaders, ARRAYS, logits, rows)
+    logits[1, 3] = 3e38
+    tiny = [rows[0], RowSampling(1e-300, 0, 1.0, 0.0, 1, 1)]
+    with pytest.raises(ValueError, match="temperature"):
+        metal.sample_rows(shaders, ARRAYS, logits, tiny)
+
+
+def test_grammar_masked_verification(shaders):
+    """Draws and accepted lengths equal verify_ref's on grammar-masked rows (paths accepted whole,
+    cut at a wrong draft, and ending at a bonus row without a draft); the masked logits equal
+    apply_token_bitmask_ref's."""
+    gen = torch.Generator().manual_seed(33)
+    rows = sampler_rows(300)[:8]
+    logits = sampler_logits(gen, len(rows))
+    allowed = torch.rand(len(rows), VOCAB, generator=gen) < 0.7
+    bitmask = bits.pack(allowed)
+    same_bits(metal.masked_logits(shaders, ARRAYS, logits, bitmask),
+              verify_triton.apply_token_bitmask_ref(logits, bitmask), "masked logits")
+    draws = sampler.sample(logits, rows, bitmask=bitmask)
+    drafts = list(draws)
+    drafts[2] = -1                          # path 0 (rows 0-2): accepted whole, row 2 the bonus
+    drafts[4] = (draws[4] + 1) % VOCAB      # path 1 (rows 3-5): cut at its second row
+    drafts[7] = -1                          # path 2 (rows 6-7)
+    path_starts = [0, 3, 6, 8]
+    got = metal.verify_rows(shaders, ARRAYS, logits, bitmask, drafts, path_starts, rows)
+    want = verify_triton.verify_ref(logits, bitmask, drafts, path_starts, rows)
+    assert got == (list(want[0]), want[1]) and got[1] == [2, 1, 1]
