@@ -37,13 +37,13 @@ for (int d = 0; d < head_dim; ++d) {
   v_max = va > v_max ? va : v_max;
 }
 int qe = exponent_of(q_max), ke = exponent_of(k_max);
-long dot = 0;
+long dot_sum = 0;
 for (int d = 0; d < head_dim; ++d) {
   long qi = to_grid(q[q_first + d], qe, TF_QK_BITS);
   long ki = to_grid(float(k_cache[kv_first + d]), ke, TF_QK_BITS);
-  dot += qi * ki;  // |qi ki| <= 2^44, head_dim <= 256: < 2^52
+  dot_sum += qi * ki;  // |qi ki| <= 2^44, head_dim <= 256: < 2^52
 }
-float score = float32_of_int(dot, qe + ke - 2 * (TF_QK_BITS - 1));
+float score = float32_of_int(dot_sum, qe + ke - 2 * (TF_QK_BITS - 1));
 score = score * scale;
 scores[out_at] = score;
 v_exp[out_at] = exponent_of(v_max);

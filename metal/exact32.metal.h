@@ -65,8 +65,8 @@ inline ulong round_shift(ulong a, int drop, bool sticky) {
   if (drop >= 64) return 0;
   ulong floor_part = a >> drop;
   ulong rem = a & ((ulong(1) << drop) - 1);
-  ulong half = ulong(1) << (drop - 1);
-  bool up = rem > half || (rem == half && (sticky || (floor_part & 1)));
+  ulong halfway = ulong(1) << (drop - 1);  // (not `half`: a Metal type)
+  bool up = rem > halfway || (rem == halfway && (sticky || (floor_part & 1)));
   return floor_part + (up ? 1 : 0);
 }
 
@@ -77,8 +77,8 @@ inline long shift_round(long v, int down) {
   if (down > 62) down = 62;
   long floor_part = v >> down;  // arithmetic: the floor
   long rem = long(ulong(v) - (ulong(floor_part) << down));
-  long half = long(1) << (down - 1);
-  bool up = rem > half || (rem == half && (floor_part & 1));
+  long halfway = long(1) << (down - 1);
+  bool up = rem > halfway || (rem == halfway && (floor_part & 1));
   return floor_part + (up ? 1 : 0);
 }
 
@@ -100,13 +100,13 @@ inline float round_to_float32(uint sign, ulong m, int e, bool sticky) {
   int top = bit_length64(m);
   int drop = (top - 1 + e < -126) ? -149 - e : top - 24;  // bits below float32's last place
   ulong kept = drop >= 0 ? round_shift(m, drop, sticky) : m << (-drop);
-  int exp = drop + e;  // value = kept 2^exp, kept <= 2^24
-  if (kept >> 24) {    // rounding carried into a new bit
+  int kept_exp = drop + e;  // value = kept 2^kept_exp, kept <= 2^24
+  if (kept >> 24) {         // rounding carried into a new bit
     kept >>= 1;
-    exp += 1;
+    kept_exp += 1;
   }
-  if (kept < 0x800000) return as_type<float>(sign | uint(kept));  // subnormal (or 0): exp == -149
-  int biased = exp + 23 + 127;
+  if (kept < 0x800000) return as_type<float>(sign | uint(kept));  // subnormal (or 0): kept_exp == -149
+  int biased = kept_exp + 23 + 127;
   if (biased >= 255) return as_type<float>(sign | 0x7F800000u);
   return as_type<float>(sign | (uint(biased) << 23) | (uint(kept) & 0x7FFFFFu));
 }

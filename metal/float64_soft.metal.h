@@ -48,13 +48,13 @@ inline ulong f64_round(ulong sign, ulong m, int e, bool sticky) {
   int top = bit_length64(m);
   int drop = (top - 1 + e < -1022) ? -1074 - e : top - 53;
   ulong kept = drop >= 0 ? round_shift(m, drop, sticky) : m << (-drop);
-  int exp = drop + e;
+  int kept_exp = drop + e;
   if (kept >> 53) {
     kept >>= 1;
-    exp += 1;
+    kept_exp += 1;
   }
-  if (kept < (ulong(1) << 52)) return sign | kept;  // subnormal: exp == -1074
-  int biased = exp + 52 + 1023;
+  if (kept < (ulong(1) << 52)) return sign | kept;  // subnormal: kept_exp == -1074
+  int biased = kept_exp + 52 + 1023;
   if (biased >= 2047) return sign | TF_F64_INF;
   return sign | (ulong(biased) << 52) | (kept & TF_F64_FRAC);
 }

@@ -27,10 +27,10 @@ long total = 0;
 for (int b = 0; b < num_blocks; ++b) {
   long scaled = 0;
   for (int h = 0; h < per; ++h) {
-    int dot = 0;
+    int dot_sum = 0;
     ulong at = ulong(b) * TF_QBLOCK + ulong(h) * SUB;
-    for (int i = 0; i < SUB; ++i) dot += int(codes[w_first + at + i]) * int(xq[x_first + at + i]);
-    scaled += long(scale[w_blocks * per + ulong(b) * per + h]) * long(dot);
+    for (int i = 0; i < SUB; ++i) dot_sum += int(codes[w_first + at + i]) * int(xq[x_first + at + i]);
+    scaled += long(scale[w_blocks * per + ulong(b) * per + h]) * long(dot_sum);
   }
   long term = scaled * long(m[x_blocks + b]);
   total += shift_by(term, scale_exp[w_blocks + b] + k[x_blocks + b] - g);

@@ -20,7 +20,7 @@ Outputs start as 0xFF bytes, so an element a kernel leaves unwritten shows.
 """
 import ctypes
 import math
-import struct
+import platform
 
 import numpy as np
 import pytest
@@ -491,3 +491,17 @@ def test_grammar_masked_verification(shaders):
     got = metal.verify_rows(shaders, ARRAYS, logits, bitmask, drafts, path_starts, rows)
     want = verify_triton.verify_ref(logits, bitmask, drafts, path_starts, rows)
     assert got == (list(want[0]), want[1]) and got[1] == [2, 1, 1]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="contracts with x86's -mfma")
+def test_contraction_would_change_bits():
+    """Why the shaders forbid contraction (metal/exact32.metal.h; -ffp-contract=off here): the same
+    exp_neg compiled with a * b + c fused into FMAs gives other bits than the reference, and this
+    comparison sees it."""
+    text = (metal_kernels.SHADER_DIR / "metal_compat.h").read_text() + metal_kernels.header_source() + PROBES
+    fused = tuple(f for f in metal_cpu.FLAGS if f != "-ffp-contract=off") + ("-ffp-contract=fast", "-mfma")
+    lib = metal_cpu.compile_library(text, fused)
+    x = -torch.rand(200_000, generator=torch.Generator().manual_seed(6)) * 80
+    out = torch.empty_like(x)
+    call(lib, "p_exp_neg", x, out)
+    assert not torch.equal(out, ref32.exp_neg(x)), "fused multiply-adds round once where the reference rounds twice"

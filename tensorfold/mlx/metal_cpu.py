@@ -105,12 +105,12 @@ def build() -> "CpuShaders":
     return CpuShaders(compile_library(source()))
 
 
-def compile_library(text: str) -> ctypes.CDLL:
-    """g++ FLAGS on one C++ translation unit, cached by the hash of text, compiler and flags."""
+def compile_library(text: str, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+    """g++ `flags` on one C++ translation unit, cached by the hash of text, compiler and flags."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) to build the Metal shaders for the CPU")
-    key = hashlib.sha256((text + cxx + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256((text + cxx + " ".join(flags)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tensorfold" / "metal_cpu"
     lib = cache / f"shaders_{key}.so"
     if not lib.exists():
@@ -119,7 +119,7 @@ def compile_library(text: str) -> ctypes.CDLL:
             src = Path(tmp) / "shaders.cpp"
             src.write_text(text)
             out = Path(tmp) / lib.name
-            done = subprocess.run([cxx, *FLAGS, "-o", str(out), str(src)], capture_output=True, text=True)
+            done = subprocess.run([cxx, *flags, "-o", str(out), str(src)], capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"compiling the Metal shaders for the CPU failed:\n{done.stderr[-4000:]}")
             os.replace(out, lib)  # atomic: a concurrent build finds a whole file or none
