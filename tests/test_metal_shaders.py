@@ -377,7 +377,8 @@ def test_paged_attention_kernels_alone(shaders):
     dims = [3, 2, 1, 8, 4, table.shape[1], 9, 0]
     scores, v_exp = shaders.run("attention_scores", [q, positions, torch.zeros(3, dtype=torch.int32), table, k_cache,
                                                      v_cache], dims + [0.25],
-                                [((3, 2, 9), torch.float32), ((3, 2, 9), torch.int32)], (9, 2, 3), {"KV": torch.float32})
+                                [((3, 2, 9), torch.float32), ((3, 2, 9), torch.int32)], (9, 2, 3),
+                                {"KV": torch.float32})
     keys = pa._gather(k_cache, table.long())[0, 0, :9]              # [9, 8] float64, on grid
     q_int, q_exp = pa.to_fixed(q, pa.QK_BITS)
     q_grid = q_int * pow2(q_exp - pa.QK_BITS + 1).unsqueeze(-1)     # the reference's q grid
@@ -505,3 +506,11 @@ def test_contraction_would_change_bits():
     out = torch.empty_like(x)
     call(lib, "p_exp_neg", x, out)
     assert not torch.equal(out, ref32.exp_neg(x)), "fused multiply-adds round once where the reference rounds twice"
+
+
+@pytest.mark.skipif(platform.system() == "Darwin", reason="off macOS only")
+def test_metal_entry_points_are_macos_only():
+    """Off macOS the Metal entry points say so instead of running anything."""
+    assert metal.available() is False
+    with pytest.raises(RuntimeError, match="Metal is not available"):
+        metal.sample(None, [])

@@ -48,7 +48,7 @@ class Arrays(Protocol):
 
     def tolist(self, a) -> list: ...
 
-    def head(self, keys, scores, size: int): ...          # each row's `size` largest keys, descending, with their scores
+    def head(self, keys, scores, size: int): ...          # per row the `size` largest keys (descending), their scores
 
 
 # ---- the launch sequences (any runner) ----
@@ -134,8 +134,8 @@ def sample_rows(run: Runner, arrays: Arrays, logits, rows: list[RowSampling], bi
         size = min(size, vocab)
         head_keys, head_scores = arrays.head(keys, scores, size)
         token, decided = run.run("sampler_draw", [mode, *folds, head_keys, head_scores, top_k, top_p40, min_q],
-                                 [num_rows, num_chunks, size], [((num_rows,), i64), ((num_rows,), arrays.dtype("int32"))],
-                                 (num_rows, 1, 1))
+                                 [num_rows, num_chunks, size],
+                                 [((num_rows,), i64), ((num_rows,), arrays.dtype("int32"))], (num_rows, 1, 1))
         for i, (t, d) in enumerate(zip(arrays.tolist(token), arrays.tolist(decided))):
             if tokens[i] is None and d:
                 tokens[i] = t
@@ -271,17 +271,27 @@ def quant_linear(x, w):
     return quant_matmul(run, arrays, x.astype(mx.float32), w.source, fields).astype(x.dtype)
 
 
+def _mx_bitmask(bitmask):
+    """A bitmask as an MLX int32 array (the engine builds torch ones), or None."""
+    if bitmask is None or not hasattr(bitmask, "numpy"):
+        return bitmask
+    from tensorfold.mlx.ops import from_torch
+    return from_torch(bitmask.contiguous())
+
+
 def sample(logits, rows: list[RowSampling], bitmask=None) -> list[int]:
     """sampler.sample on Metal: logits [R, vocab] (any float dtype; widened exactly)."""
     run, arrays = _metal()
-    return sample_rows(run, arrays, logits.astype(arrays.mx.float32), rows, bitmask)
+    return sample_rows(run, arrays, logits.astype(arrays.mx.float32), rows, _mx_bitmask(bitmask))
 
 
 def verify(logits, bitmask, drafts: list[int], path_starts: list[int], rows: list[RowSampling]):
+    """verify_ref on Metal: (draws, num_accepted) as lists."""
     run, arrays = _metal()
-    return verify_rows(run, arrays, logits.astype(arrays.mx.float32), bitmask, drafts, path_starts, rows)
+    return verify_rows(run, arrays, logits.astype(arrays.mx.float32), _mx_bitmask(bitmask), drafts, path_starts, rows)
 
 
 def apply_token_bitmask(logits, bitmask):
+    """apply_token_bitmask_ref on Metal: a masked float32 copy of logits."""
     run, arrays = _metal()
-    return masked_logits(run, arrays, logits.astype(arrays.mx.float32), bitmask)
+    return masked_logits(run, arrays, logits.astype(arrays.mx.float32), _mx_bitmask(bitmask))
