@@ -24,7 +24,7 @@ from tools.bench_core import fmt, machine_line, print_table  # noqa: E402
 
 
 def measure(backend: str, model: str | None, prompt_tokens: int, tokens: int, repeats: int,
-            quantize: str | None = None) -> dict:
+            quantize: str | None = None, dtype: str = "auto") -> dict:
     from tensorfold.api.replies import token_sha
     from tensorfold.engine.engine import Engine, EngineConfig
     from tensorfold.sampling.params import SamplingParams
@@ -32,7 +32,7 @@ def measure(backend: str, model: str | None, prompt_tokens: int, tokens: int, re
     started = time.perf_counter()
     engine = Engine(model, EngineConfig(backend=backend, context=max(1024, prompt_tokens + tokens + 8),
                                         kv_cache_gib=0.1, drafting=False, max_tokens_per_step=1 << 20,
-                                        quantize=quantize))
+                                        quantize=quantize, dtype=dtype))
     load_s = time.perf_counter() - started
     words = "the harbor keeps a log of every ship that comes in with the tide ".split()
     ids = engine.tokenizer.encode(" ".join(words[i % len(words)] for i in range(prompt_tokens)))[:prompt_tokens]

@@ -105,8 +105,7 @@ class MLXRunner:
             input_ids += req.token_ids
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            keys = np.arange(int(pos[-1]) + 1)
-            sequences.append(SequenceSpan(start, start + num, pos, mx.array(table[keys // bs] * bs + keys % bs)))
+            sequences.append(SequenceSpan(start, start + num, pos, ops.key_slots(table, int(pos[-1]), bs)))
             logits_rows += range(start + num - len(req.rows), start + num)
         return MLXBatch(mx.array(np.asarray(input_ids, dtype=np.int32)), np.concatenate(positions),
                         mx.array(np.concatenate(slots)), sequences, mx.array(np.asarray(logits_rows, dtype=np.int32)))

@@ -22,12 +22,15 @@ int64. No float64 anywhere, so the same code runs on Metal.
 The integer-only steps (significand, shift_round, shift, float32_of_int) run fused: mx.compile,
 shapeless, so one kernel per step whatever the shapes (on the CPU device MLX builds it once with
 the host compiler and keeps it on disk). They hold no float arithmetic (only conversions and bit
-views), so fusing cannot contract or reorder anything a bit depends on; the float32 steps are
-never compiled.
+views), so fusing cannot contract or reorder anything a bit depends on. Whole ops that mix float32
+steps in (attention, the norm, the quantized GEMM) are `fused`: compiled per shape where
+`fusion_exact` proves on the device that compiled float kernels keep op-by-op bits, else run op
+by op.
 """
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from tensorfold.exact.float32 import EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E
 
@@ -35,6 +38,48 @@ LIMB = 8                 # bits per limb of int_matmul
 LIMB_TERMS = 1 << 10     # terms per exact float32 limb sum: 2^7 * 2^7 * 2^10 = 2^24
 
 integer_only = functools.partial(mx.compile, shapeless=True)
+
+
+class fused:
+    """fn compiled by mx.compile for each set of input shapes it meets (its elementwise chains
+    become one kernel, its Python overhead goes), or fn itself where `fusion_exact` finds that
+    this device's compiled float kernels do not give op-by-op bits. MLX's compiled CPU kernels
+    write each op as its own statement, built without FMA flags: fusing neither contracts nor
+    reorders, and the check proves it on the device at hand. Arguments are arrays only. At
+    most MAX_SHAPES traces are kept; past that the cache starts over (a long-running server
+    meets many key counts)."""
+
+    MAX_SHAPES = 256
+
+    def __init__(self, fn):
+        functools.update_wrapper(self, fn)
+        self.fn, self.compiled, self.shapes = fn, None, set()
+
+    def __call__(self, *args):
+        if not fusion_exact():
+            return self.fn(*args)
+        key = tuple((a.shape, a.dtype) for a in args)
+        if self.compiled is None or (key not in self.shapes and len(self.shapes) >= self.MAX_SHAPES):
+            self.compiled, self.shapes = mx.compile(self.fn), set()
+        self.shapes.add(key)
+        return self.compiled(*args)
+
+
+_FUSION_EXACT: dict[str, bool] = {}
+
+
+def fusion_exact() -> bool:
+    """Whether compiled float32 kernels on the default device give the op-by-op bits: a * b + c
+    (contraction into an FMA would move about half of them), exp_neg's polynomial and a
+    division (fast math's reciprocal would move some), on 65,536 random values each."""
+    device = str(mx.default_device())
+    if device not in _FUSION_EXACT:
+        key = mx.random.key(5)
+        a, b, c = (mx.random.normal((1 << 16,), key=k) * 100 for k in mx.random.split(key, 3))
+        cases = [(lambda a, b, c: a * b + c, (a, b, c)), (lambda a, b, c: a / b, (a, b, c)),
+                 (lambda a, b, c: exp_neg(-mx.abs(a)) * b - c, (a, b, c))]
+        _FUSION_EXACT[device] = all(mx.array_equal(mx.compile(fn)(*args), fn(*args)).item() for fn, args in cases)
+    return _FUSION_EXACT[device]
 
 
 def exponent(a: mx.array) -> mx.array:
@@ -109,14 +154,15 @@ def on_grid(x: mx.array, bits: int) -> mx.array:
     return scale(ints.astype(mx.float32), e - bits + 1)
 
 
-def _limbs(ints: mx.array, count: int) -> list[mx.array]:
-    """int64 ints as `count` signed limbs l_i in [-128, 128), ints = sum l_i 2^(8 i), as float32."""
+def _limb_stack(ints: mx.array, count: int, axis: int) -> mx.array:
+    """int64 ints as `count` signed limbs l_i in [-128, 128), ints = sum l_i 2^(8 i), stacked as
+    float32 on a new axis after `axis` (limb i at index i)."""
     out = []
     for _ in range(count):
         low = ((ints + 128) & 255) - 128
         out.append(low.astype(mx.float32))
         ints = (ints - low) >> LIMB
-    return out
+    return mx.stack(out, axis=axis % ints.ndim + 1)
 
 
 def limb_count(bits: int) -> int:
@@ -126,18 +172,35 @@ def limb_count(bits: int) -> int:
 
 def int_matmul(a: mx.array, b: mx.array, a_bits: int, b_bits: int) -> mx.array:
     """Exact a @ b for int64 a [..., M, K], b [..., K, N] with |a| <= 2^a_bits, |b| <= 2^b_bits
-    (the caller keeps the total below 2^63). Limb products are < 2^14, summed over at most
-    LIMB_TERMS of K per matmul: each float32 matmul is exact, in whatever order MLX adds."""
-    la, lb = _limbs(a, limb_count(a_bits)), _limbs(b, limb_count(b_bits))
-    k = a.shape[-1]
-    total = None
-    for start in range(0, k, LIMB_TERMS):
-        cut = slice(start, min(k, start + LIMB_TERMS))
-        for i, ai in enumerate(la):
-            for j, bj in enumerate(lb):
-                part = mx.matmul(ai[..., cut], bj[..., cut, :]).astype(mx.int64) << (LIMB * (i + j))
-                total = part if total is None else total + part
-    return total
+    (the caller keeps the total below 2^63), in one float32 matmul: a's limbs stacked as rows
+    [M x ca], b's as columns [N x cb], K cut into chunks of LIMB_TERMS on a batch axis. Every
+    entry of that matmul is a sum of at most LIMB_TERMS limb products below 2^14: below 2^24,
+    so exact in whatever order MLX adds. The entries are then weighted by 2^(8 (i + j)) and
+    summed as int64 (exact in any order)."""
+    ca, cb = limb_count(a_bits), limb_count(b_bits)
+    *batch, m, k = a.shape
+    n = b.shape[-1]
+    chunks = -(-k // LIMB_TERMS)
+    if chunks > 1:  # K as [chunks, LIMB_TERMS] on a new batch axis (zero padding adds nothing)
+        pad = chunks * LIMB_TERMS - k
+        if pad:
+            a = mx.concatenate([a, mx.zeros((*batch, m, pad), dtype=a.dtype)], axis=-1)
+            b = mx.concatenate([b, mx.zeros((*batch, pad, n), dtype=b.dtype)], axis=-2)
+        a = a.reshape(*batch, m, chunks, LIMB_TERMS).swapaxes(-3, -2)          # [..., C, M, T]
+        b = b.reshape(*batch, chunks, LIMB_TERMS, n)                            # [..., C, T, N]
+    la = _limb_stack(a, ca, -2).reshape(*a.shape[:-2], m * ca, a.shape[-1])   # rows (m, i)
+    lb = _limb_stack(b, cb, -1).reshape(*b.shape[:-1], n * cb)                # columns (n, j)
+    parts = mx.matmul(la, lb).reshape(*la.shape[:-2], m, ca, n, cb).astype(mx.int64)
+    weights = _limb_weights(ca, cb)
+    total = (parts * weights).sum(axis=(-3, -1))
+    return total.sum(axis=-3) if chunks > 1 else total
+
+
+@functools.cache
+def _limb_weights(ca: int, cb: int) -> mx.array:
+    """2^(8 (i + j)) as int64 [ca, 1, cb]: limb i of a times limb j of b."""
+    i, j = np.arange(ca)[:, None, None], np.arange(cb)[None, None, :]
+    return mx.array(np.left_shift(1, LIMB * (i + j), dtype=np.int64))  # data, not a graph: any thread may use it
 
 
 def float32_of_int(total: mx.array, g: mx.array) -> mx.array:

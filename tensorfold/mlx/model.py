@@ -34,7 +34,7 @@ class SequenceSpan:
     start: int                 # first row of the sequence in the batch
     end: int
     positions: np.ndarray      # its rows' positions (ascending)
-    key_slots: mx.array        # cache slots of its positions 0 .. positions[-1]
+    key_slots: mx.array        # cache slots of its positions 0 .. positions[-1] (ops.key_slots: padded)
 
 
 @dataclass

@@ -11,10 +11,11 @@ equal across backends):
     rms_norm                                      the exact sum as int64, float32 finish: bitwise
     attention                                     exact int64 sums, float32 finish: bitwise
     QuantLinear                                   the exact quantized GEMM: bitwise
-    DenseLinear                                   MLX's matmul over rows padded to 8: row-
-                                                  invariant where MLX keeps one kernel per
+    DenseLinear                                   MLX's matmul (rows padded to 8 on the GPU):
+                                                  row-invariant where MLX keeps one kernel per
                                                   shape (the startup probes check it)
 """
+import functools
 import math
 
 import mlx.core as mx
@@ -49,6 +50,7 @@ def to_torch(a: mx.array) -> torch.Tensor:
 
 # ---- elementwise: the references' float32 steps ----
 
+@grid.fused
 def silu_and_mul(gate: mx.array, up: mx.array) -> mx.array:
     g = gate.astype(mx.float32)
     t = grid.exp_neg(-mx.abs(g))
@@ -56,12 +58,14 @@ def silu_and_mul(gate: mx.array, up: mx.array) -> mx.array:
     return (silu * up.astype(mx.float32)).astype(gate.dtype)
 
 
+@grid.fused
 def sigmoid_and_mul(gate: mx.array, up: mx.array) -> mx.array:
     g = gate.astype(mx.float32)
     t = grid.exp_neg(-mx.abs(g))
     return (mx.where(g >= 0, 1.0, t) / (1.0 + t) * up.astype(mx.float32)).astype(gate.dtype)
 
 
+@grid.fused
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """x [rows, heads, head_dim], cos/sin [rows, head_dim] (float32): rotate_half rope."""
     x32 = x.astype(mx.float32)
@@ -77,16 +81,21 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     the squares on the row's grid as int64 (from each float32's significand), their exact sum ss,
     then var = float32(ss) 2^(2 (e - NORM_BITS + 1)) / N, inv = 1 / sqrt(var + eps), x inv
     weight, each one float32 operation."""
+    if x.shape[-1] > MAX_NORM_WIDTH:
+        raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide, got {x.shape[-1]}")
+    return _rms_norm(x, weight, mx.array(_f32(eps)))
+
+
+@grid.fused
+def _rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
     n = x.shape[-1]
-    if n > MAX_NORM_WIDTH:
-        raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide, got {n}")
     x32 = x.astype(mx.float32)
     e = grid.exponent(mx.abs(x32).max(axis=-1, keepdims=True)).astype(mx.int64)
     m, ex = grid.significand(x32)
     sq = grid.shift(m * m, 2 * ex + 2 * (NORM_BITS - 1) - 2 * e)
     ss = sq.sum(axis=-1, keepdims=True)                                  # exact: <= 2^53
     var = grid.scale(ss.astype(mx.float32), 2 * (e - NORM_BITS + 1)) / n
-    inv = 1.0 / mx.sqrt(var + _f32(eps))
+    inv = 1.0 / mx.sqrt(var + eps)
     return ((x32 * inv) * weight.astype(mx.float32)).astype(x.dtype)
 
 
@@ -96,8 +105,14 @@ def write_kv(cache: "LayerCache", k: mx.array, v: mx.array, slots: mx.array) -> 
     """k, v [rows, kv_heads, head_dim] into the layer's flat slots, each vector rounded to the
     cache's dtype and then to its grid (the reference's values, bitwise)."""
     dtype = cache.k.dtype
-    cache.k[slots] = grid.on_grid(k.astype(dtype), QK_BITS).astype(dtype)
-    cache.v[slots] = grid.on_grid(v.astype(dtype), V_BITS).astype(dtype)
+    k, v = _kv_on_grid(k.astype(dtype), v.astype(dtype))
+    cache.k[slots] = k.astype(dtype)
+    cache.v[slots] = v.astype(dtype)
+
+
+@grid.fused
+def _kv_on_grid(k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+    return grid.on_grid(k, QK_BITS), grid.on_grid(v, V_BITS)
 
 
 class LayerCache:
@@ -112,12 +127,33 @@ class LayerCache:
         return self.k.nbytes + self.v.nbytes
 
 
+KEY_BUCKET = 64        # a sequence's key slots come padded to a multiple: one trace per 64 key counts
+NO_WINDOW = 1 << 30    # the window of full attention (every key a row has passed is seen)
+
+
+def key_slots(table: np.ndarray, last_position: int, block_size: int) -> mx.array:
+    """The cache slots of positions 0..last_position of a sequence with block table `table`,
+    padded with slot 0 to a multiple of KEY_BUCKET (past every row's position: never seen)."""
+    keys = np.arange(last_position + 1)
+    slots = table[keys // block_size] * block_size + keys % block_size
+    return mx.array(np.pad(slots, (0, -len(slots) % KEY_BUCKET)))
+
+
 def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: mx.array, scale: float,
               window: int | None) -> mx.array:
-    """One sequence's query rows q [R, H, D] at `positions` (host ints, ascending) over its keys
-    0..positions[-1] (key_slots: their cache slots) -> [R, H, D] in q's dtype.
+    """One sequence's query rows q [R, H, D] at `positions` (host ints, ascending) over its keys:
+    key_slots, the cache slots of positions 0.. (at least positions[-1] + 1 of them; slots past a
+    row's position are not seen, so padding is free) -> [R, H, D] in q's dtype. _attend has the
+    steps."""
+    group = q.shape[1] // cache.k.shape[1]
+    lane_pos = mx.array(np.tile(np.asarray(positions, dtype=np.int32), group))   # lane m = g R + r
+    return _attend(q, cache.k, cache.v, key_slots, lane_pos, mx.array(_f32(scale)),
+                   mx.array(NO_WINDOW if window is None else window, dtype=mx.int32))
 
-    1. q and k as grid integers (22 bits); each score T 2^(qe + ke - 42) is an exact int64 dot
+
+@grid.fused
+def _attend(q, k_cache, v_cache, key_slots, lane_pos, scale, window):
+    """1. q and k as grid integers (22 bits); each score T 2^(qe + ke - 42) is an exact int64 dot
        product T (grid.int_matmul), made float32 once (float32_of_int), times float32(scale).
     2. p = exp_neg(score - row max), 0 for keys a row does not see (the reference's).
     3. den = sum round(p 2^L_BITS) and num = sum w_j v_j with w_j = round(p 2^(e_j - E + W_BITS)):
@@ -125,8 +161,7 @@ def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: 
     4. out = float32(num 2^(E - V_BITS - W_BITS + 1)) / (float32(den) 2^-L_BITS), then q's dtype.
     Every step is the reference's (kernels/paged_attention.py): the same bits."""
     rows, heads, dim = q.shape
-    keys = int(positions[-1]) + 1
-    k, v = cache.k[key_slots], cache.v[key_slots]                         # [L, KVH, D]
+    k, v = k_cache[key_slots], v_cache[key_slots]                         # [L, KVH, D]
     kv_heads = k.shape[1]
     group = heads // kv_heads
     lanes = q.reshape(rows, kv_heads, group, dim).transpose(1, 2, 0, 3).reshape(kv_heads, group * rows, dim)
@@ -134,13 +169,11 @@ def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: 
     k_int, k_exp = grid.to_fixed(k.transpose(1, 0, 2), QK_BITS)           # [KVH, L, D], [KVH, L]
     dots = grid.int_matmul(q_int, k_int.transpose(0, 2, 1), QK_BITS, QK_BITS)  # [KVH, M, L]
     g = q_exp[..., None].astype(mx.int64) + k_exp[:, None, :].astype(mx.int64) - 2 * (QK_BITS - 1)
-    scores = grid.float32_of_int(dots, g) * _f32(scale)
+    scores = grid.float32_of_int(dots, g) * scale
 
-    lane_pos = mx.array(np.tile(positions, group))[None, :, None]       # lane m = g * R + r
-    key_pos = mx.arange(keys)[None, None, :]
-    seen = key_pos <= lane_pos
-    if window is not None:
-        seen = seen & (key_pos > lane_pos - window)
+    key_pos = mx.arange(key_slots.shape[0])[None, None, :]
+    lane_pos = lane_pos[None, :, None]
+    seen = (key_pos <= lane_pos) & (key_pos > lane_pos - window)
     scores = mx.where(seen, scores, -mx.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = mx.where(mx.isinf(row_max), 0.0, row_max)
@@ -199,10 +232,12 @@ class MLXLinear(LinearWeight):
 
 
 def dense_linear(x: mx.array, weight: mx.array) -> mx.array:
-    """x [M, K] @ weight^T with M padded to a multiple of ROW_PAD (so a row meets one matmul
-    shape per padded size; the probes check that MLX keeps its rows apart)."""
+    """x [M, K] @ weight^T. On the GPU, M padded to a multiple of ROW_PAD, so a row meets one
+    matmul kernel per padded size (Metal's GEMV and GEMM tile differently); on the CPU device,
+    whose matmul costs rows times the one-row cost (no blocking to win), rows as they come. The
+    startup probes check on the loaded shapes that MLX keeps a row's bits whatever the batch."""
     rows = x.shape[0]
-    pad = -rows % ROW_PAD
+    pad = -rows % ROW_PAD if mx.default_device().type == mx.DeviceType.gpu else 0
     if pad:
         x = mx.concatenate([x, mx.zeros((pad, x.shape[1]), dtype=x.dtype)])
     return mx.matmul(x, weight.astype(x.dtype).T)[:rows]
@@ -224,6 +259,8 @@ class QuantParts:
         self.min = None if weight.min is None else from_torch(weight.min.T.contiguous()).astype(mx.int64)
         self.min_exp = None if weight.min_exp is None else from_torch(weight.min_exp.T.contiguous()).astype(mx.int64)
         self.top = from_torch(weight.top()).astype(mx.int64)                     # [N]
+        self.arrays = (self.codes, self.scale, self.scale_exp, self.top) + (
+            () if self.min is None else (self.min, self.min_exp))
 
     @classmethod
     def of(cls, weight: quant_gemm.QuantWeight) -> "QuantParts":
@@ -272,25 +309,39 @@ def _terms(a, s, m, e_w, e_x, g):
 def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
     """x [M, K] @ w^T by quant_gemm.linear's steps 1-4, bitwise: the sub-block dots as float32
     matmuls (exact: < 2^19), every block term on the output's grid in int64, and step 4's two
-    roundings without float64 (grid.float32_of_int)."""
-    kind = quant_gemm.KINDS[w.kind]
+    roundings without float64 (grid.float32_of_int). Rows go ROW_CHUNK at a time (they are
+    independent; chunks bound the scratch and meet one trace)."""
     n, kdim = w.shape
     if x.ndim != 2 or x.shape[1] != kdim:
         raise ValueError(f"x {tuple(x.shape)} against weights {w.shape}")
-    if x.shape[0] > quant_gemm.ROW_CHUNK:  # rows are independent: chunks bound the scratch
-        step = quant_gemm.ROW_CHUNK
-        return mx.concatenate([quant_linear(x[i:i + step], w) for i in range(0, x.shape[0], step)])
-    rows, nb, per = x.shape[0], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
-    xq, xm, k, sm, se = quantize_activations(x)                           # xq [M, B, 32]
-    xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)          # [S, M, sub]
-    a = mx.matmul(xs, w.codes)                                            # [S, M, N], exact integers
-    if per > 1:  # q6_k: two sub-blocks of 16 per block of 32
-        a = (a.astype(mx.int64) * w.scale[:, None, :]).reshape(nb, per, rows, n).sum(axis=1)  # [B, M, N]
-    top = w.top[None, :] + k.max(axis=1)[:, None]                         # [M, N]
-    g = top + kind.term_bits - 62 + math.ceil(math.log2(nb * (2 if kind.has_min else 1)))
-    scale = w.scale[:, None, :] if per == 1 else 1
-    total = _terms(a, scale, xm.T[..., None], w.scale_exp[:, None, :], k.T[..., None], g[None]).sum(axis=0)
-    if kind.has_min:
-        total = total + _terms(w.min[:, None, :], sm.T[..., None], 1, w.min_exp[:, None, :], se.T[..., None],
-                               g[None]).sum(axis=0)                       # int64: exact in any order
-    return grid.float32_of_int(total, g).astype(x.dtype)
+    rows = _quant_rows(w.kind)
+    step = quant_gemm.ROW_CHUNK
+    if x.shape[0] > step:
+        return mx.concatenate([rows(x[i:i + step], *w.arrays) for i in range(0, x.shape[0], step)])
+    return rows(x, *w.arrays)
+
+
+@functools.cache
+def _quant_rows(kind_name: str):
+    kind = quant_gemm.KINDS[kind_name]
+
+    @grid.fused
+    def rows_times_weights(x, codes, scale, scale_exp, top, *minimum):
+        rows, kdim = x.shape
+        n, nb, per = codes.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
+        xq, xm, k, sm, se = quantize_activations(x)                       # xq [M, B, 32]
+        xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)      # [S, M, sub]
+        a = mx.matmul(xs, codes)                                          # [S, M, N], exact integers
+        if per > 1:  # q6_k: two sub-blocks of 16 per block of 32
+            a = (a.astype(mx.int64) * scale[:, None, :]).reshape(nb, per, rows, n).sum(axis=1)  # [B, M, N]
+        g = top[None, :] + k.max(axis=1)[:, None]                         # [M, N]
+        g = g + kind.term_bits - 62 + math.ceil(math.log2(nb * (2 if kind.has_min else 1)))
+        s = scale[:, None, :] if per == 1 else 1
+        total = _terms(a, s, xm.T[..., None], scale_exp[:, None, :], k.T[..., None], g[None]).sum(axis=0)
+        if kind.has_min:
+            low, low_exp = minimum
+            total = total + _terms(low[:, None, :], sm.T[..., None], 1, low_exp[:, None, :], se.T[..., None],
+                                   g[None]).sum(axis=0)                   # int64: exact in any order
+        return grid.float32_of_int(total, g).astype(x.dtype)
+
+    return rows_times_weights
