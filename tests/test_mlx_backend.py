@@ -291,6 +291,68 @@ def test_the_devices_float32_check_passes_here_and_can_fail(monkeypatch):
     assert mlx_backend.ieee_problem() == "float32 sqrt not correctly rounded"
 
 
+def test_fused_ops_run_compiled_only_where_compiled_floats_keep_their_bits(monkeypatch):
+    """grid.fused compiles an op per shape where fusion_exact holds (it does here: MLX's CPU
+    kernels are built without FMA); a device whose compiled a * b + c rounds once (an FMA) fails
+    the check, and the op then runs op by op, with the same bits as before."""
+    assert grid.fusion_exact()
+    x = mxa(spread(5, 64, seed=3))
+    w = mxa(spread(64, seed=4))
+    fused = np.array(ops.rms_norm(x, w, 1e-6))
+    monkeypatch.setattr(grid, "_FUSION_EXACT", {})
+    real_compile = mx.compile
+
+    def contracting(fn):  # a compiled a * b + c that rounds once, as an FMA would
+        def run(*args):
+            if fn.__code__.co_code == (lambda a, b, c: a * b + c).__code__.co_code:
+                a, b, c = (np.array(t, dtype=np.float64) for t in args)
+                return mx.array((a * b + c).astype(np.float32))
+            return real_compile(fn)(*args)
+        return run
+    monkeypatch.setattr(grid.mx, "compile", contracting)
+    assert not grid.fusion_exact()
+    calls = []
+    monkeypatch.setattr(ops._rms_norm, "fn", lambda *a: calls.append(1) or ops._rms_norm.__wrapped__(*a))
+    assert np.array_equal(np.array(ops.rms_norm(x, w, 1e-6)), fused) and calls
+
+
+def test_metal_shaders_serve_only_where_they_give_the_ops_bits(monkeypatch, tiny_llama):
+    """On a Mac the backend checks metal/'s attention and quantized GEMM against the MLX ops at
+    load and uses them only if every bit agrees. Here (no Metal) with stand-ins: kernels that
+    agree are taken (ops dispatch to them), a kernel one ulp off is refused."""
+    from tensorfold.mlx import metal
+    plain = {"attention": ops.attention, "quant_linear": ops.quant_linear}
+    calls = []
+
+    def as_ops(name, nudge=False):
+        def kernel(*args):
+            saved, ops.SHADERS = ops.SHADERS, None
+            try:
+                out = plain[name](*args)
+            finally:
+                ops.SHADERS = saved
+            calls.append(name)
+            if nudge:  # one ulp on the first element
+                flat = np.array(out.astype(mx.float32)).reshape(-1)
+                flat[0] = np.nextafter(flat[0], np.float32(np.inf))
+                out = mx.array(flat.reshape(out.shape)).astype(out.dtype)
+            return out
+        return kernel
+
+    monkeypatch.setattr(ops, "SHADERS", None)
+    monkeypatch.setattr(metal, "available", lambda: True)
+    for nudged, used in ((True, False), (False, True)):
+        monkeypatch.setattr(metal, "attention", as_ops("attention", nudge=nudged))
+        monkeypatch.setattr(metal, "quant_linear", as_ops("quant_linear"))
+        ops.use_shaders(None)
+        engine = Engine(tiny_llama, EngineConfig(backend="mlx", quantize="q8_0", **SMALL))
+        assert (ops.SHADERS is metal) == used
+        assert {"attention", "quant_linear"} <= set(calls)
+        calls.clear()
+        run(engine, [[5, 6, 7, 8]], [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)])
+        assert bool(calls) == used
+
+
 def test_backend_choice():
     assert select_backend("mlx") == "mlx"
     assert select_backend("auto") in ("cpu", "cuda")  # not Apple silicon here

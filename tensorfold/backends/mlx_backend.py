@@ -16,7 +16,7 @@ from tensorfold.backends.probes import narrowed
 from tensorfold.backends.runner import per_request
 from tensorfold.backends.torch_backend import DTYPES, Allocation, Loaded, kv_cache_dtype, read_checkpoint
 from tensorfold.engine.step_plan import StepPlan
-from tensorfold.mlx import ops
+from tensorfold.mlx import metal, ops
 from tensorfold.mlx.model import MLXBatch, MLXModel, SequenceSpan
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.loader import served_tensors
@@ -55,6 +55,12 @@ class MLXBackend:
         if config.probe and (problem := ieee_problem()):
             log.warning("mlx on %s: %s; replies stay exact within this backend, but a quantized model's "
                         "logits will not be the cpu and cuda backends' bits", mx.default_device(), problem)
+        if metal.available():
+            if problem := shader_problem(model):
+                log.warning("metal/ shaders not used: %s; the MLX ops run instead", problem)
+            else:
+                ops.use_shaders(metal)
+                log.info("metal/ shaders: attention and the quantized GEMM give the MLX ops' bits here")
         self.config = config = narrowed(config, failures)
         return Loaded(checkpoint, tokenizer, config, failures, args.vocab_size, args.max_position, args.num_layers)
 
@@ -121,6 +127,27 @@ def ieee_problem() -> str | None:
     checks = {"division": (mx.array(a) / mx.array(b), a / b), "sqrt": (mx.sqrt(mx.array(b)), np.sqrt(b))}
     wrong = [name for name, (got, want) in checks.items() if not np.array_equal(np.array(got), want)]
     return f"float32 {' and '.join(wrong)} not correctly rounded" if wrong else None
+
+
+def shader_problem(model: MLXModel) -> str | None:
+    """Whether metal/'s attention and quantized GEMM give the MLX ops' bits on this device, on
+    random rows over a random cache and on the model's first quantized weight; None when they do
+    (the Metal compiler's math mode, contraction and subnormals are what this catches)."""
+    rng = np.random.default_rng(99)
+    spec = model.layers[0].mixer.spec
+    cache = ops.LayerCache(256, spec.num_kv_heads, spec.head_dim, ops.DTYPES[torch.bfloat16])
+    kv = [mx.array(rng.standard_normal((70, spec.num_kv_heads, spec.head_dim)).astype(np.float32)) for _ in range(2)]
+    ops.write_kv(cache, *kv, mx.arange(70))
+    q = mx.array(rng.standard_normal((3, spec.num_heads, spec.head_dim)).astype(np.float32))
+    positions = np.arange(67, 70)
+    slots = ops.key_slots(np.arange(8), 69, 32)
+    checks = {"attention": lambda kernels: kernels.attention(q, cache, positions, slots, spec.scale, spec.window)}
+    quantized = [w.parts[0] for w in model.gemms().values() if isinstance(w.parts[0], ops.QuantParts)]
+    if quantized:
+        x = mx.array(rng.standard_normal((3, quantized[0].shape[1])).astype(np.float32))
+        checks["quantized GEMM"] = lambda kernels: kernels.quant_linear(x, quantized[0])
+    wrong = [name for name, run in checks.items() if not np.array_equal(np.array(run(metal)), np.array(run(ops)))]
+    return f"{' and '.join(wrong)} differ from the MLX ops" if wrong else None
 
 
 def probe_rows(model: MLXModel) -> list[str]:

@@ -225,7 +225,9 @@ class MLXArrays:
 
 
 @functools.cache
+@functools.cache
 def _metal():
+    """The Metal runner (every kernel built once) and the MLX adapter."""
     if not available():
         raise RuntimeError("Metal is not available here (macOS with MLX's Metal device only)")
     return MetalRunner(), MLXArrays()
@@ -234,8 +236,8 @@ def _metal():
 def attention(q, cache, positions, key_slots, scale: float, window: int | None):
     """ops.attention on Metal: one sequence's rows over its key slots (a block table of
     block_size 1)."""
-    mx = _metal()[1].mx
     run, arrays = _metal()
+    mx = arrays.mx
     rows, heads, dim = q.shape
     slots, kv_heads = cache.k.shape[0], cache.k.shape[1]
     k = cache.k.reshape(slots, 1, kv_heads, dim)

@@ -30,6 +30,15 @@ from tensorfold.mlx import grid
 
 DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
 
+# metal/'s shaders (tensorfold.mlx.metal) where the backend found on this Mac that they give these
+# ops' bits (MLXBackend.load, shader_problem); None: the MLX ops below.
+SHADERS = None
+
+
+def use_shaders(module) -> None:
+    global SHADERS
+    SHADERS = module
+
 
 def from_torch(t: torch.Tensor, dtype=None) -> mx.array:
     """A CPU torch tensor as an MLX array (bfloat16 through float32: exact), in `dtype` if given."""
@@ -145,6 +154,8 @@ def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: 
     key_slots, the cache slots of positions 0.. (at least positions[-1] + 1 of them; slots past a
     row's position are not seen, so padding is free) -> [R, H, D] in q's dtype. _attend has the
     steps."""
+    if SHADERS is not None:
+        return SHADERS.attention(q, cache, positions, key_slots, scale, window)
     group = q.shape[1] // cache.k.shape[1]
     lane_pos = mx.array(np.tile(np.asarray(positions, dtype=np.int32), group))   # lane m = g R + r
     return _attend(q, cache.k, cache.v, key_slots, lane_pos, mx.array(_f32(scale)),
@@ -314,6 +325,8 @@ def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
     n, kdim = w.shape
     if x.ndim != 2 or x.shape[1] != kdim:
         raise ValueError(f"x {tuple(x.shape)} against weights {w.shape}")
+    if SHADERS is not None:
+        return SHADERS.quant_linear(x, w)
     rows = _quant_rows(w.kind)
     step = quant_gemm.ROW_CHUNK
     if x.shape[0] > step:
