@@ -5,6 +5,12 @@ round goes (each op timed alone, evaluated as it returns).
     python tools/bench_mlx.py                      # the default model (SmolLM2-135M Q4_1 GGUF)
     python tools/bench_mlx.py --model F.gguf --tokens 16 --prompt-tokens 128
     python tools/bench_mlx.py --model HF_DIR --quantize q8_0
+    python tools/bench_mlx.py --peer --prompt-tokens 512   # + mlx_lm on the same weights
+
+--peer adds mlx_lm (pip install mlx-lm; a benchmark peer only) on the same weights: the GGUF's
+own blocks as MLX affine groups of 32 (tools/peer_mlx_lm.load_blocks: value for value), and a
+bfloat16 copy of the file on both sides. On Apple silicon this is the table that matters (the
+mlx backend on Metal against mlx_lm on Metal); run it there as is.
 
 On Linux the mlx backend runs on MLX's CPU device (`pip install -e ".[mlx]"`); on a Mac, Metal.
 Decode tokens/s is (new tokens - 1) over the time from the first new token to the last; each
@@ -91,6 +97,40 @@ def round_profile(engine, ids: list[int]) -> dict[str, float]:
     return out
 
 
+def peer_rows(args, mlx: dict) -> None:
+    """mlx_lm beside the mlx backend on the same weights, the same prompt ids and machine: the
+    file's own blocks (as MLX affine groups, value for value), then a bfloat16 copy of the file
+    on both sides."""
+    from tools import peer_mlx_lm
+    from tensorfold.models.gguf_file import default_model_path
+
+    if not peer_mlx_lm.available():
+        print(peer_mlx_lm.SKIP_MESSAGE)
+        return
+    gguf = args.model or default_model_path()
+    if not gguf.endswith(".gguf"):
+        print("--peer compares on a GGUF's blocks: pass a .gguf --model")
+        return
+    dense = peer_mlx_lm.dense_copy(gguf, os.path.join(os.path.expanduser("~/.cache/tensorfold-bench"),
+                                                      os.path.basename(gguf).removesuffix(".gguf") + "-bf16"))
+    ids, n = mlx["ids"], args.tokens
+
+    def peer(model) -> dict:
+        prefill = max(len(ids) / peer_mlx_lm.prefill_seconds(model, ids) for _ in range(args.repeats))
+        return dict(prefill=prefill, decode=max(peer_mlx_lm.decode_tps(model, ids, n) for _ in range(args.repeats)))
+
+    ours_dense = measure("mlx", dense, args.prompt_tokens, n, args.repeats, dtype="bfloat16")
+    rows = [("the file's blocks", mlx, peer(peer_mlx_lm.load_blocks(dense, gguf))),
+            ("bfloat16 copy", ours_dense, peer(peer_mlx_lm.load(dense)))]
+    print_table(["weights (same on both)", "tensorfold mlx prefill", "mlx_lm prefill", "tensorfold mlx decode",
+                 "mlx_lm decode", "decode ratio", "prefill ratio"],
+                [[name, fmt(ours["prefill"], 1), fmt(theirs["prefill"], 1), fmt(ours["decode"], 2),
+                  fmt(theirs["decode"], 2), fmt(ours["decode"] / theirs["decode"], 2),
+                  fmt(ours["prefill"] / theirs["prefill"], 2)] for name, ours, theirs in rows],
+                title=f"mlx_lm {peer_mlx_lm.version()}, tok/s, prefill of {len(ids)} tokens, "
+                      f"decode of {n}, same prompt ids")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the default model)")
@@ -99,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quantize", default=None, help="q8_0 / q4_0: a HF checkpoint's GEMMs quantized at load")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--peer", action="store_true",
+                   help="add mlx_lm on the same GGUF blocks and, both sides, on a bfloat16 copy of the file")
     args = p.parse_args(argv)
     print(machine_line())
     results = {b: measure(b, args.model, args.prompt_tokens, args.tokens, args.repeats, args.quantize)
@@ -110,6 +152,8 @@ def main(argv=None) -> int:
                  f"token_sha of {args.tokens}"], rows,
                 title=f"weights {mlx['weights']}; same token_sha: {cpu['sha'] == mlx['sha']}; "
                       f"mlx / cpu decode {mlx['decode'] / cpu['decode']:.3f}x")
+    if args.peer:
+        peer_rows(args, mlx)
     if not args.no_profile:
         profile = round_profile(mlx["engine"], mlx["ids"])
         print_table(["op", "ms per decode round"], [[k, fmt(v, 1)] for k, v in profile.items()],
