@@ -431,3 +431,38 @@ def test_over_http_concurrent_cached_drafted_preempted_equal_solo(tiny_llama):
         got = [c.result() for c in calls]
         assert [(g.sha, g.text) for g in got] == [(r.sha, r.text) for r in solo[:4]]
         assert s.engine.scheduler.num_preemptions > 0
+
+
+def test_the_spec_mlx_behaviours_over_http(tiny_llama):
+    """The API's MLX rules on --backend mlx: /v1/models lists the aliases and each is accepted;
+    completions take token ids (flat or nested), refuse out-of-vocabulary ids with a 400 naming
+    the index (streamed or not), and handle a body with messages as chat; a reply limit past the
+    window is a 400 with the counts before any token; --parallel's default shares rounds."""
+    import re
+
+    from serving import check_error, post, serving
+    from tensorfold.server import ServeSettings
+
+    settings = ServeSettings(model=tiny_llama, port=0, served_model_name="tiny", aliases=("mac-alias",),
+                             engine=EngineConfig(backend="mlx", probe=False, kv_cache_gib=0.004, context=128))
+    with serving(settings) as s:
+        assert s.engine.info.backend == "mlx" and s.engine.config.max_num_seqs > 1
+        assert {m.id for m in s.client.models.list().data} == {"tiny", "mac-alias"}
+        vocab = s.engine.tokenizer.vocab_size
+        reply = s.client.completions.create(model="mac-alias", prompt=[1, 2, vocab - 1], max_tokens=2)
+        assert reply.usage.prompt_tokens == 3
+        nested = post(s, "/v1/completions", {"prompt": [[5, 6, 7, 8]], "max_tokens": 2})
+        assert nested.json()["usage"]["prompt_tokens"] == 4
+        for stream in (False, True):
+            check_error(post(s, "/v1/completions", {"prompt": [5, vocab, 7], "max_tokens": 2, "stream": stream}),
+                        400, "prompt[1]")
+        chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "seed": 9}
+        as_chat = post(s, "/v1/chat/completions", chat).json()
+        via_completions = post(s, "/v1/completions", chat).json()
+        assert via_completions["object"] == "chat.completion"
+        assert via_completions["tensorfold"]["token_sha"] == as_chat["tensorfold"]["token_sha"]
+        for stream in (False, True):
+            r = post(s, "/v1/completions", {"prompt": list(range(100, 140)), "max_tokens": 100, "stream": stream})
+            err = check_error(r, 400, "max_tokens")
+            assert err["code"] == "context_length_exceeded"
+            assert all(re.search(rf"\b{n}\b", err["message"]) for n in ("128", "140", "40", "100")), err["message"]
