@@ -2,7 +2,8 @@
 
     python tools/tiny_checkpoint.py OUT_DIR [--arch ARCH] [--plain] [--seed N|separated]
                                     [--gguf q8_0|q4_0|q4_k_m]
-    ARCH: llama, qwen3, or the Qwen hybrids qwen3_5, qwen3_5_moe, qwen3_next (HYBRID_ARCHS)
+    ARCH: llama, qwen3, the Qwen hybrids qwen3_5, qwen3_5_moe, qwen3_next (HYBRID_ARCHS), or
+          gemma4, gemma4_text (GEMMA4_ARCHS: every option of the real checkpoints, GEMMA4_OPTIONS)
 
 The tokenizer is SmolLM2's, converted by transformers from the default model's GGUF, so prompts
 and chat templates behave like the real model while the weights stay a few MB. Each family gets
@@ -110,7 +111,29 @@ HYBRID_GGUF_SIZES = dict(linear_key_head_dim=32, linear_value_head_dim=32)
 HYBRID_K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64, linear_key_head_dim=32,
                             linear_value_head_dim=32, linear_num_key_heads=8, linear_num_value_heads=8,
                             moe_intermediate_size=256, shared_expert_intermediate_size=256)
-ARCHS = ("llama", "qwen3") + HYBRID_ARCHS
+GEMMA4_ARCHS = ("gemma4", "gemma4_text")
+ARCHS = ("llama", "qwen3") + HYBRID_ARCHS + GEMMA4_ARCHS
+# Gemma 4's text model with every option its real checkpoints turn on, at tiny sizes: sliding layers
+# (window 16, shorter than the tests' prompts) and global ones with a head twice as wide, one KV head
+# and proportional rope; per-layer inputs; final logit soft-capping. gemma4 (E2B-like, laid out as
+# the Hub's Gemma4ForConditionalGeneration: text under model.language_model., config.json with
+# global_head_dim / num_global_key_value_heads) adds the last two layers sharing K/V with a
+# double-wide MLP and global layers whose values are their keys (attention_k_eq_v); gemma4_text
+# (Gemma4ForCausalLM, config.json as transformers writes it: per_layer_config) keeps v_proj
+# everywhere, shares no K/V, and has no per-layer inputs.
+GEMMA4_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                   sliding_window=16, final_logit_softcapping=30.0,
+                   layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+                   + ["full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": 1000000.0}})
+GEMMA4_OPTIONS = {
+    "gemma4": dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                   use_double_wide_mlp=True, hidden_size_per_layer_input=8),
+    "gemma4_text": dict(global_head_dim=32, attention_k_eq_v=False, hidden_size_per_layer_input=0),
+}
 # The hybrids' text model: layers 0-2 linear attention (Gated DeltaNet), layer 3 gated full attention.
 # Grouped value heads as the real ones (16 key heads, 32 or 48 value heads): 4 key, 8 value heads here.
 HYBRID_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -196,6 +219,31 @@ def init_hybrid_weights(model, std: float = 0.2) -> None:
                 param.copy_(std * torch.randn_like(param))
 
 
+def _gemma4_config(arch: str, params: dict, overrides: dict):
+    from transformers import Gemma4Config, Gemma4TextConfig
+
+    text = dict(GEMMA4_TINY, **GEMMA4_OPTIONS[arch], **params)
+    text.update(vocab_size_per_layer_input=text["vocab_size"], **overrides)
+    if arch == "gemma4_text":
+        return Gemma4TextConfig(**text)
+    return Gemma4Config(text_config=text, vision_config=None, audio_config=None,
+                        tie_word_embeddings=text["tie_word_embeddings"])
+
+
+def init_gemma4_weights(model, std: float = 0.2) -> None:
+    """Random values where transformers' init leaves constants: every RMSNorm weight (the output
+    is x_hat * w) 1 + N(0, std), each layer's scalar U(0.5, 1.5)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + std * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(0.5 + torch.rand_like(buffer))
+
+
 def build_tiny_model(arch: str = "llama", seed: int = 0, tokenizer=None, **overrides):
     """The tiny random model make_tiny_checkpoint saves (in eval mode), for `tokenizer`'s vocabulary."""
     import torch
@@ -220,12 +268,18 @@ def build_tiny_model(arch: str = "llama", seed: int = 0, tokenizer=None, **overr
         config = _hybrid_config(arch, params, overrides)
         cls = {"qwen3_5": Qwen3_5ForConditionalGeneration, "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
                "qwen3_next": Qwen3NextForCausalLM}[arch]
+    elif arch in GEMMA4_ARCHS:
+        from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+        config = _gemma4_config(arch, params, overrides)
+        cls = Gemma4ForConditionalGeneration if arch == "gemma4" else Gemma4ForCausalLM
     else:
         raise ValueError(f"unknown arch {arch}")
     torch.manual_seed(seed)
     model = cls(config).eval()
     if arch in HYBRID_ARCHS:
         init_hybrid_weights(model)
+    if arch in GEMMA4_ARCHS:
+        init_gemma4_weights(model)
     return model
 
 
@@ -267,8 +321,27 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
     model.save_pretrained(out_dir, safe_serialization=True, save_original_format=arch != "qwen3_5_moe")
     if arch in HYBRID_ARCHS:
         _hub_config(arch, out_dir)
+    if arch == "gemma4":
+        _gemma4_hub_config(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def _gemma4_hub_config(out_dir: str) -> None:
+    """config.json's text_config in the Hub's spelling: the global layers' head size and KV heads
+    as global_head_dim and num_global_key_value_heads, not transformers' per_layer_config."""
+    import json
+
+    path = os.path.join(out_dir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    text = config["text_config"]
+    shapes = {tuple(sorted(layer.items())) for layer in text.pop("per_layer_config").values()}
+    (shape,) = shapes  # every global layer alike
+    text.update(global_head_dim=dict(shape)["head_dim"], num_global_key_value_heads=dict(shape)["num_key_value_heads"])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def hybrid_margins(model, prompt_ids, new_tokens: int = 32) -> dict:

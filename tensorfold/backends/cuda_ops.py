@@ -27,8 +27,9 @@ What runs where, and why:
   as closely as two float GEMMs do; quantized ones agree bitwise. On CPU tensors (the tests, in
   the interpreter) dense linear is the cpu backend's GEMM, so the op sets are compared on equal
   GEMMs there.
-- silu_and_mul, sigmoid_and_mul, pad_rows, rope_table: the torch reference ops on CUDA tensors,
-  shared by both op sets rather than mirrored (elementwise: invariant on a GPU as they are).
+- silu_and_mul, sigmoid_and_mul, gelu_tanh_and_mul, softcap, pad_rows, rope_table: the torch
+  reference ops on CUDA tensors, shared by both op sets rather than mirrored (elementwise:
+  invariant on a GPU as they are).
 """
 import functools
 
@@ -46,7 +47,8 @@ from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.kernels.quant_gemm_triton import PackedQuantWeight, pack_quant_weight, quant_linear
 from tensorfold.kernels.reference import linear_padded
-from tensorfold.kernels.reference import pad_rows, rope_table, sigmoid_and_mul, silu_and_mul  # noqa: F401
+from tensorfold.kernels.reference import (gelu_tanh_and_mul, pad_rows, rope_table, sigmoid_and_mul,  # noqa: F401
+                                          silu_and_mul, softcap)
 from tensorfold.kernels.rms_norm_triton import add_rms_norm, apply_rope, rms_norm, rms_norm_rope  # noqa: F401
 from tensorfold.kernels.sampling_triton import sample  # noqa: F401
 from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa: F401

@@ -15,8 +15,9 @@ from tensorfold import _cpu
 from tensorfold.backends.huge_pages import arena
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.paged_attention import pad_block_tables
-from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
-from tensorfold.models.blocks import MLP, Attention
+# elementwise, on torch ops that round each step (invariant as they are): Gemma's GeGLU and soft cap
+from tensorfold.kernels.reference import gelu_tanh_and_mul, pad_rows, rope_table, softcap  # noqa: F401
+from tensorfold.models.blocks import MLP, Attention, DecoderLayer
 from tensorfold.models.linear_attention import GatedDeltaNet
 from tensorfold.models.moe import MoE
 from tensorfold.sampling import sampler
@@ -127,6 +128,8 @@ def fuse(layer):
     attention, _cpu.DeltaNetLayer for Gated DeltaNet, each with a SwiGLU MLP or the MoE block
     fuse_moe built) is built once here, its weights checked once; the callable has
     DecoderLayer.forward's signature."""
+    if type(layer) is not DecoderLayer:  # a family's own layer (Gemma 4's) runs its composition
+        return None
     mixer, ffn = layer.mixer, layer.ffn
     ffn_args = _ffn_args(ffn)
     if ffn_args is None:
@@ -154,7 +157,7 @@ def fuse(layer):
 def _ffn_args(ffn) -> dict | None:
     """The native layers' feed-forward arguments: a SwiGLU MLP's packed gate_up and down, or the
     MoE block fuse_moe built; None where neither applies."""
-    if type(ffn) is MLP and _single_parts((ffn.gate_up, ffn.down)):
+    if type(ffn) is MLP and ffn.spec.activation == "silu" and _single_parts((ffn.gate_up, ffn.down)):
         return dict(gate_up=ffn.gate_up.single.data, down=ffn.down.single.data,
                     intermediate=ffn.spec.intermediate_size)
     if type(ffn) is MoE and ffn._fused is not None:

@@ -74,6 +74,9 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
                     failures)
     width = gemms["down"].shape[1] if "down" in gemms else hidden
     _rows_invariant(lambda x: ops.silu_and_mul(x, x), lambda m: randn(m, width), "silu_and_mul", failures)
+    if any(getattr(spec.ffn, "activation", None) == "gelu_tanh" for spec in model.specs):  # Gemma's GeGLU
+        _rows_invariant(lambda x: ops.gelu_tanh_and_mul(x, x), lambda m: randn(m, width), "gelu_tanh_and_mul",
+                        failures)
     attention = next((spec.mixer for spec in model.specs if isinstance(spec.mixer, AttentionSpec)), None)
     if attention is not None:
         _probe_attention(attention, device, ops, randn, kv_dtype or dtype, failures)

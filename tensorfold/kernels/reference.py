@@ -21,6 +21,9 @@ from tensorfold.exact import float32, grid
 ROW_PAD = 8
 NORM_BITS = 20                 # each square kept to 2 * NORM_BITS bits below the row's largest one
 MAX_NORM_WIDTH = 1 << 13       # 2^13 squares of at most 2^40 sum to at most 2^53: exact in float64
+TANH_SMALL = float32.f32(0.625)  # tanh32: the polynomial below, exp_neg above
+TANH_POLY = tuple(float32.f32(c) for c in (-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2,
+                                           1.33314422036e-1, -3.33332819422e-1))
 
 
 def pad_rows(x: torch.Tensor, multiple: int = ROW_PAD) -> torch.Tensor:
@@ -242,6 +245,46 @@ def sigmoid32(x: torch.Tensor) -> torch.Tensor:
     1 / (1 + t) for x >= 0 and t / (1 + t) below."""
     t = float32.exp_neg(-x.abs())
     return torch.where(x >= 0, 1.0, t) / (1.0 + t)
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up with GELU's tanh form (transformers' gelu_pytorch_tanh, Gemma's MLP) in
+    float32, rounded once to gate's dtype, with the project's exp (gelu_tanh32)."""
+    return (gelu_tanh32(gate.float()) * up.float()).to(gate.dtype)
+
+
+def gelu_tanh32(x: torch.Tensor) -> torch.Tensor:
+    """0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), of float32 x in float32 steps. As
+    0.5 (1 + tanh(u)) = sigmoid(2u), it is x * sigmoid32(2u): no libm tanh, and no cancellation in
+    1 + tanh(u) where u is very negative."""
+    u = x * x
+    u *= float32.f32(0.044715)
+    u *= x
+    u += x
+    u *= float32.f32(2 * 0.7978845608028654)  # 2 sqrt(2/pi)
+    return x * sigmoid32(u)
+
+
+def tanh32(x: torch.Tensor) -> torch.Tensor:
+    """tanh of float32 x in float32 steps, no libm (Cephes tanhf's two ranges): below |x| = 0.625
+    the odd polynomial x + x z P(z), z = x^2; above, with t = exp_neg(-2|x|), (1 - t) / (1 + t)
+    with the sign put back (1 - t is exact there, t < 0.29). About 2 ulp."""
+    z = x * x
+    p = z * TANH_POLY[0]
+    for c in TANH_POLY[1:]:
+        p += c
+        p *= z
+    small = x + x * p
+    t = float32.exp_neg(x.abs() * -2.0)
+    large = torch.copysign((1.0 - t) / (1.0 + t), x)
+    return torch.where(x.abs() < TANH_SMALL, small, large)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma's final logit soft-capping), float32, elementwise: a row's
+    bits are its own whatever shares the call."""
+    c = float32.f32(cap)
+    return tanh32(logits.float() / c) * c
 
 
 def rope_table(inv_freq: list[float], scale: float, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:

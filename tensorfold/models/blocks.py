@@ -7,7 +7,7 @@ whole layer in a fused form of its own (ops.fuse), which tests hold bitwise equa
 
     Attention  GQA over paged K/V, rope (whole or partial), optional QK-norm, window and
                output gate                                               cache: PagedKV
-    MLP        SwiGLU                                                   cache: none
+    MLP        SwiGLU, or GeGLU (GELU's tanh form)                      cache: none
     DecoderLayer  norm -> mixer -> add & norm -> ffn -> add & next norm
 
 `gemms()` names each block's LinearWeights: the probes and the weight-format report read it.
@@ -20,7 +20,7 @@ from tensorfold.models.cache import LayerKV, PagedKV
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.forward_batch import ForwardBatch
 from tensorfold.models.rope import RopeTables
-from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
+from tensorfold.models.spec import ACTIVATIONS, AttentionSpec, LayerSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
 
 
@@ -87,6 +87,10 @@ class MLP:
         mlp = w.under("mlp.")
         self.gate_up = mlp.linear("gate_proj.weight", "up_proj.weight")
         self.down = mlp.linear("down_proj.weight")
+        if spec.activation not in ACTIVATIONS:
+            raise CheckpointError(f"{mlp.prefix}: activation {spec.activation!r} is not served "
+                                  f"(served: {', '.join(ACTIVATIONS)})")
+        self.act_and_mul = w.ops.gelu_tanh_and_mul if spec.activation == "gelu_tanh" else w.ops.silu_and_mul
         self.cache_spec = None
 
     def gemms(self) -> dict:
@@ -94,7 +98,7 @@ class MLP:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.spec.intermediate_size, dim=-1)  # [num_rows, intermediate] each
-        return self.down(self.ops.silu_and_mul(gate, up))
+        return self.down(self.act_and_mul(gate, up))
 
 
 BLOCKS = {AttentionSpec: Attention, MLPSpec: MLP}  # spec type -> block class

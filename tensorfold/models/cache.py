@@ -7,13 +7,15 @@ in blocks and counts, whatever the kinds; the backend sizes the blocks from the 
 layers' bytes per block within --kv-cache-gib. Kinds:
 
     PagedKV         attention: K and V of each position (optionally within a window)
+    SharedKV        attention that reads an earlier layer's K/V and keeps none of its own (Gemma 4's
+                    KV-shared layers): no bytes, the earlier layer's part handed to it
     RecurrentState  linear attention: per block, the state after the block's last position
                     (a fixed-size state, not a per-position one: see RecurrentState)
 
 A latent cache (MLA) and Mamba's state go beside them.
 
 ModelCache is the allocated whole: one object per layer (a LayerKV for attention, a LayerState
-for linear attention), handed to that layer's forward.
+for linear attention; a KV-shared layer gets its source's LayerKV), handed to that layer's forward.
 """
 from dataclasses import dataclass
 
@@ -58,6 +60,20 @@ class PagedKV:
         record = torch.zeros(shape[:3], dtype=torch.int16, device=device) if v_exponents else None
         return LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                        record)
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """An attention layer that reads the K/V layer `source` (an earlier one, with the same window)
+    wrote in the same forward, and writes none: it costs no bytes, and ModelCache hands it the
+    source's LayerKV. Every count, rollback and snapshot is the source's, so the engine's rules
+    for paged K/V hold for it unchanged."""
+    source: int
+
+    recurrent = False
+
+    def bytes_per_block(self, dtype: torch.dtype, block_size: int, v_exponents: bool = False) -> int:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -112,7 +128,14 @@ class ModelCache:
                  device: torch.device | str = "cpu", v_exponents: bool = False):
         self.specs = list(specs)
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.layers = [spec.allocate(num_blocks, block_size, dtype, device, v_exponents) for spec in specs]
+        self.layers = []
+        for i, spec in enumerate(self.specs):
+            if isinstance(spec, SharedKV):
+                if not 0 <= spec.source < i or isinstance(self.specs[spec.source], SharedKV):
+                    raise ValueError(f"layer {i} shares the K/V of layer {spec.source}, which keeps none before it")
+                self.layers.append(self.layers[spec.source])
+            else:
+                self.layers.append(spec.allocate(num_blocks, block_size, dtype, device, v_exponents))
 
     def layer(self, i: int):
         """Layer i's part of the cache (built once: a decode round asks for every layer's)."""
@@ -120,7 +143,7 @@ class ModelCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in {id(layer): layer for layer in self.layers}.values())  # shared once
 
     @staticmethod
     def bytes_per_block(specs: list, dtype: torch.dtype, block_size: int, v_exponents: bool = False) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 from tensorfold.models.checkpoint import CheckpointError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class RopeConfig:
     beta_fast: float = 32.0             # yarn
     beta_slow: float = 1.0              # yarn
     attention_factor: float | None = None  # yarn: scales cos/sin
+    partial_rotary_factor: float = 1.0  # proportional (Gemma 4's global layers): the share of a head's
+                                        # frequencies that turn; the others are 0 (those dims keep still)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,12 @@ def _rope_config(config: dict, path: str) -> RopeConfig:
     params = dict(config.get("rope_parameters") or {})
     scaling = dict(config.get("rope_scaling") or {})
     params.update(scaling)
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    return rope_config(params, config.get("rope_theta", 10000.0), path)
+
+
+def rope_config(params: dict, default_theta: float, path: str = "config.json") -> RopeConfig:
+    """One rope's parameters (a rope_parameters dict; Gemma 4 has one per layer type)."""
+    theta = params.get("rope_theta", default_theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
@@ -101,6 +108,7 @@ def _rope_config(config: dict, path: str) -> RopeConfig:
         beta_fast=float(params.get("beta_fast", 32.0)),
         beta_slow=float(params.get("beta_slow", 1.0)),
         attention_factor=params.get("attention_factor"),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
     )
 
 
@@ -122,6 +130,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[list[float], float]:
     base = [1.0 / (rope.theta ** (2 * i / head_dim)) for i in range(head_dim // 2)]
     if rope.rope_type == "default":
         return base, 1.0
+    if rope.rope_type == "proportional":
+        # the first partial_rotary_factor of the head_dim // 2 frequencies turn, at the whole head's
+        # spacing (theta^(-2i / head_dim)); the rest are 0, so their dims pass through rope unchanged
+        turning = int(rope.partial_rotary_factor * head_dim // 2)
+        return [f / rope.factor if i < turning else 0.0 for i, f in enumerate(base)], 1.0
     if rope.rope_type == "linear":
         return [f / rope.factor for f in base], 1.0
     if rope.rope_type == "llama3":

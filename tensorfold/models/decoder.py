@@ -21,7 +21,9 @@ from tensorfold.models.weights import WeightReader
 
 
 class Model:
-    """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows."""
+    """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows. A family
+    with model-level parts of its own subclasses it (Family.model), `layer` its layer class."""
+    layer = DecoderLayer
 
     def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype, ops,
                  device: torch.device | str = "cpu", blocks: dict = BLOCKS, norm_offset: float = 0.0):
@@ -33,7 +35,7 @@ class Model:
             raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, "
                                   f"config says ({args.vocab_size}, {args.hidden_size})")
         self.rope_tables = RopeTables(device)
-        self.layers = [DecoderLayer(spec, w.under(f"model.layers.{i}."), self.rope_tables, blocks)
+        self.layers = [self.layer(spec, w.under(f"model.layers.{i}."), self.rope_tables, blocks)
                        for i, spec in enumerate(self.specs)]
         self.norm = w.norm("model.norm.weight")
         self.embed, self.lm_head = _embedding_and_head(w, embed, args)

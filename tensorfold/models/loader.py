@@ -72,7 +72,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     family = model_family(ckpt.architecture, ckpt.path)
     tensors = LoadProgress(served_tensors(ckpt.tensors, family))
-    model = Model(args, family.layer_specs(args), tensors, dtype, ops, device, family.blocks, family.norm_offset)
+    model = (family.model or Model)(args, family.layer_specs(args), tensors, dtype, ops, device, family.blocks,
+                                    family.norm_offset)
     tensors.finish()
     return model
 

@@ -1,5 +1,5 @@
 """Architecture name (config.json "architectures"[0]) -> model family. A literal dict, nothing more."""
-from tensorfold.models import llama, qwen3, qwen3_5
+from tensorfold.models import gemma4, llama, qwen3, qwen3_5
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.spec import Family
 
@@ -11,6 +11,8 @@ ARCHITECTURES = {
     "Qwen3_5MoeForConditionalGeneration": qwen3_5.FAMILY,  # Qwen3.6
     "Qwen3_5MoeForCausalLM": qwen3_5.FAMILY,
     "Qwen3NextForCausalLM": qwen3_5.FAMILY,               # Flash Next
+    "Gemma4ForConditionalGeneration": gemma4.FAMILY,      # Gemma 4 (its text model)
+    "Gemma4ForCausalLM": gemma4.FAMILY,                   # gemma4_text
 }
 
 

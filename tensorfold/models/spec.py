@@ -37,10 +37,14 @@ class AttentionSpec:
         return self.rotary_dim or self.head_dim
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # MLPSpec.activation: SwiGLU, GeGLU with GELU's tanh form
+
+
 @dataclass(frozen=True)
 class MLPSpec:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """A gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU's tanh form (Gemma)."""
     intermediate_size: int
+    activation: str = "silu"
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,15 @@ class Family:
     tensor_name: a checkpoint tensor's name as the decoder reads it (model.layers.N...), or None
     for tensors the family does not serve (a vision tower, MTP heads: skipped and logged).
     norm_offset: RMSNorm weights are stored as offsets from this (Qwen3.5: 1, the norm is
-    x * (1 + w)); added once at load."""
+    x * (1 + w)); added once at load.
+    model: the decoder class, for a family with model-level parts of its own (Gemma 4's scaled
+    embedding, per-layer inputs and soft-capped logits); None: models/decoder.Model."""
     name: str
     layer_specs: Callable[[ModelArgs], list[LayerSpec]]
     blocks: dict              # spec type -> block class (models/blocks.BLOCKS, plus its own)
     tensor_name: Callable[[str], str | None] = keep_name
     norm_offset: float = 0.0
+    model: type | None = None
 
 
 def dense_attention_layers(args: ModelArgs, qk_norm: bool = False) -> list[LayerSpec]:
