@@ -76,10 +76,15 @@ def test_float32_of_int_rounds_twice_as_float64_then_float32():
     assert torch.equal(back(grid.float32_of_int(mxa(t), mxa(e))), want)
 
 
-def test_int_matmul_is_exact_past_the_limb_chunk():
+@pytest.mark.parametrize("products", [0, 1 << 18], ids=["limb-matmul", "int64-products"])
+def test_int_matmul_is_exact_past_the_limb_chunk(monkeypatch, products):
+    """Both forms (limbs in float32 matmuls, K cut into chunks of 1,024; int64 products summed)
+    give the exact product, at the operands' full widths."""
+    monkeypatch.setattr(grid, "PRODUCT_ELEMENTS", products)
     g = torch.Generator().manual_seed(2)
     a = torch.randint(-(1 << 24), (1 << 24) + 1, (2, 3, 2100), generator=g)
     b = torch.randint(-(1 << 20), (1 << 20) + 1, (2, 2100, 5), generator=g)
+    a[0, 0], b[0, :, 0] = 1 << 24, -(1 << 20)
     assert torch.equal(back(grid.int_matmul(mxa(a), mxa(b), 24, 20)), a @ b)
 
 

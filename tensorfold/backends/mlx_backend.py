@@ -69,12 +69,12 @@ class MLXBackend:
         and at least one full window."""
         config, shapes = self.config, self.model.cache_shapes()
         itemsize = torch.finfo(self.kv_dtype).bits // 8
-        per_block = sum(2 * heads * dim * itemsize for heads, dim in shapes) * config.block_size
+        per_block = sum(2 * heads * (dim * itemsize + 4) for heads, dim in shapes) * config.block_size  # + exponents
         num_blocks = max(int(config.kv_cache_gib * 2**30) // per_block, -(-context_length // config.block_size))
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
         dtype = ops.DTYPES[self.kv_dtype]
         self.caches = [ops.LayerCache(num_blocks * config.block_size, heads, dim, dtype) for heads, dim in shapes]
-        mx.eval(*[t for c in self.caches for t in (c.k, c.v)])
+        mx.eval(*[a for c in self.caches for a in c.arrays])
         nbytes = sum(c.nbytes for c in self.caches)
         return Allocation(num_blocks, cached, nbytes, f"{len(shapes)} x PagedKV")
 
@@ -97,7 +97,7 @@ class MLXRunner:
     def execute(self, plan: StepPlan) -> list[list[int]]:
         batch = self._batch(plan)
         logits = self.model.forward(batch, self.caches)
-        mx.eval(logits, *[t for c in self.caches for t in (c.k, c.v)])
+        mx.eval(logits, *[a for c in self.caches for a in c.arrays])
         rows = [row for req in plan.requests for row in req.rows]
         return per_request(plan, sample(ops.to_torch(logits), rows, bitmask=plan.bitmask) if rows else [])
 

@@ -28,6 +28,7 @@ steps in (attention, the norm, the quantized GEMM) are `fused`: compiled per sha
 by op.
 """
 import functools
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +37,7 @@ from tensorfold.exact.float32 import EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E
 
 LIMB = 8                 # bits per limb of int_matmul
 LIMB_TERMS = 1 << 10     # terms per exact float32 limb sum: 2^7 * 2^7 * 2^10 = 2^24
+PRODUCT_ELEMENTS = 1 << 18  # int_matmul's int64-product form up to this many products (2 MiB)
 
 integer_only = functools.partial(mx.compile, shapeless=True)
 
@@ -129,6 +131,20 @@ def to_fixed(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     return shift(m, ex + (bits - 1) - e[..., None].astype(mx.int64)), e
 
 
+def vector_exponent(x: mx.array) -> mx.array:
+    """exponent(max |x|) along the last dim (int32): the largest of the elements' biased
+    exponents, read from their bits."""
+    return exponent(mx.abs(x.astype(mx.float32)).max(axis=-1))
+
+
+def fixed_of_stored(x: mx.array, e: mx.array, bits: int) -> mx.array:
+    """to_fixed(x, bits)'s integers for vectors x already on their grid, given e =
+    vector_exponent(x) (int, one less dim): x 2^(bits - 1 - e), an exact scaling of an integer
+    value."""
+    shift = bits - 1 - e[..., None].astype(mx.int32)
+    return scale(x.astype(mx.float32), shift).astype(mx.int64)
+
+
 def scale(x: mx.array, e: mx.array) -> mx.array:
     """float32 x 2^e for int e: two float32 multiplies by powers of two, the first exact, so at
     most one rounding (where the result is subnormal)."""
@@ -172,14 +188,18 @@ def limb_count(bits: int) -> int:
 
 def int_matmul(a: mx.array, b: mx.array, a_bits: int, b_bits: int) -> mx.array:
     """Exact a @ b for int64 a [..., M, K], b [..., K, N] with |a| <= 2^a_bits, |b| <= 2^b_bits
-    (the caller keeps the total below 2^63), in one float32 matmul: a's limbs stacked as rows
+    (the caller keeps the total below 2^63). Up to PRODUCT_ELEMENTS products (a decode row's
+    attention), int64 multiplies and an int64 sum: a few kernels, where a matmul of a few rows
+    costs more to launch than to run. Past that, in one float32 matmul: a's limbs stacked as rows
     [M x ca], b's as columns [N x cb], K cut into chunks of LIMB_TERMS on a batch axis. Every
     entry of that matmul is a sum of at most LIMB_TERMS limb products below 2^14: below 2^24,
     so exact in whatever order MLX adds. The entries are then weighted by 2^(8 (i + j)) and
     summed as int64 (exact in any order)."""
-    ca, cb = limb_count(a_bits), limb_count(b_bits)
     *batch, m, k = a.shape
     n = b.shape[-1]
+    if math.prod(batch) * m * k * n <= PRODUCT_ELEMENTS:  # small (decode): int64 products, summed
+        return (a[..., :, :, None] * b[..., None, :, :]).sum(axis=-2)
+    ca, cb = limb_count(a_bits), limb_count(b_bits)
     chunks = -(-k // LIMB_TERMS)
     if chunks > 1:  # K as [chunks, LIMB_TERMS] on a new batch axis (zero padding adds nothing)
         pad = chunks * LIMB_TERMS - k

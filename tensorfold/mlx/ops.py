@@ -112,28 +112,41 @@ def _rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
 
 def write_kv(cache: "LayerCache", k: mx.array, v: mx.array, slots: mx.array) -> None:
     """k, v [rows, kv_heads, head_dim] into the layer's flat slots, each vector rounded to the
-    cache's dtype and then to its grid (the reference's values, bitwise)."""
+    cache's dtype and then to its grid (the reference's values, bitwise), with each stored
+    vector's exponent beside it."""
     dtype = cache.k.dtype
-    k, v = _kv_on_grid(k.astype(dtype), v.astype(dtype))
-    cache.k[slots] = k.astype(dtype)
-    cache.v[slots] = v.astype(dtype)
+    k, v, k_exp, v_exp = _kv_on_grid(k.astype(dtype), v.astype(dtype))
+    cache.k[slots], cache.v[slots] = k, v
+    cache.k_exp[slots], cache.v_exp[slots] = k_exp, v_exp
 
 
 @grid.fused
-def _kv_on_grid(k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-    return grid.on_grid(k, QK_BITS), grid.on_grid(v, V_BITS)
+def _kv_on_grid(k: mx.array, v: mx.array):
+    """k, v on their grids in their dtype (exact: the grid fits it), and the exponent of each
+    stored vector's largest element (what to_fixed of the stored vector starts from)."""
+    k, v = grid.on_grid(k, QK_BITS).astype(k.dtype), grid.on_grid(v, V_BITS).astype(v.dtype)
+    return k, v, grid.vector_exponent(k), grid.vector_exponent(v)
 
 
 class LayerCache:
-    """One attention layer's K and V, [num_blocks * block_size, kv_heads, head_dim] each."""
+    """One attention layer's K and V, [num_blocks * block_size, kv_heads, head_dim] each, on
+    their grids, and each vector's exponent [num_slots, kv_heads] (int32): with it a stored
+    vector's grid integers are one exact scaling away (grid.fixed_of_stored), not a max and a
+    rounding per key per round."""
 
     def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype):
         self.k = mx.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype)
         self.v = mx.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype)
+        self.k_exp = mx.zeros((num_slots, num_kv_heads), dtype=mx.int32)
+        self.v_exp = mx.zeros((num_slots, num_kv_heads), dtype=mx.int32)
+
+    @property
+    def arrays(self) -> tuple[mx.array, ...]:
+        return self.k, self.v, self.k_exp, self.v_exp
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(a.nbytes for a in self.arrays)
 
 
 KEY_BUCKET = 64        # a sequence's key slots come padded to a multiple: one trace per 64 key counts
@@ -158,12 +171,12 @@ def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: 
         return SHADERS.attention(q, cache, positions, key_slots, scale, window)
     group = q.shape[1] // cache.k.shape[1]
     lane_pos = mx.array(np.tile(np.asarray(positions, dtype=np.int32), group))   # lane m = g R + r
-    return _attend(q, cache.k, cache.v, key_slots, lane_pos, mx.array(_f32(scale)),
+    return _attend(q, *cache.arrays, key_slots, lane_pos, mx.array(_f32(scale)),
                    mx.array(NO_WINDOW if window is None else window, dtype=mx.int32))
 
 
 @grid.fused
-def _attend(q, k_cache, v_cache, key_slots, lane_pos, scale, window):
+def _attend(q, k_cache, v_cache, k_exp, v_exp, key_slots, lane_pos, scale, window):
     """1. q and k as grid integers (22 bits); each score T 2^(qe + ke - 42) is an exact int64 dot
        product T (grid.int_matmul), made float32 once (float32_of_int), times float32(scale).
     2. p = exp_neg(score - row max), 0 for keys a row does not see (the reference's).
@@ -177,7 +190,8 @@ def _attend(q, k_cache, v_cache, key_slots, lane_pos, scale, window):
     group = heads // kv_heads
     lanes = q.reshape(rows, kv_heads, group, dim).transpose(1, 2, 0, 3).reshape(kv_heads, group * rows, dim)
     q_int, q_exp = grid.to_fixed(lanes, QK_BITS)                          # [KVH, M, D], [KVH, M]
-    k_int, k_exp = grid.to_fixed(k.transpose(1, 0, 2), QK_BITS)           # [KVH, L, D], [KVH, L]
+    k_exp, v_exp = k_exp[key_slots].T, v_exp[key_slots].T                 # [KVH, L]
+    k_int = grid.fixed_of_stored(k.transpose(1, 0, 2), k_exp, QK_BITS)    # [KVH, L, D]
     dots = grid.int_matmul(q_int, k_int.transpose(0, 2, 1), QK_BITS, QK_BITS)  # [KVH, M, L]
     g = q_exp[..., None].astype(mx.int64) + k_exp[:, None, :].astype(mx.int64) - 2 * (QK_BITS - 1)
     scores = grid.float32_of_int(dots, g) * scale
@@ -192,7 +206,7 @@ def _attend(q, k_cache, v_cache, key_slots, lane_pos, scale, window):
     pm, pe = grid.significand(p)
 
     den = grid.shift(pm, pe + L_BITS).sum(axis=-1)                        # [KVH, M]
-    v_int, v_exp = grid.to_fixed(v.transpose(1, 0, 2), V_BITS)            # [KVH, L, D], [KVH, L]
+    v_int = grid.fixed_of_stored(v.transpose(1, 0, 2), v_exp, V_BITS)     # [KVH, L, D]
     v_exp = v_exp[:, None, :].astype(mx.int64)                            # [KVH, 1, L]
     top = mx.where(seen, v_exp, -1024).max(axis=-1, keepdims=True)
     top = mx.where(top == -1024, 0, top)                                  # [KVH, M, 1]
