@@ -150,7 +150,8 @@ def _layer_shapes(hf: dict, types: list[str], args: ModelArgs) -> list[tuple[int
         if unknown or not 0 <= i < len(types):
             raise CheckpointError(f"config.json: per_layer_config[{key}] sets {unknown or 'a layer past the last'}; "
                                   f"served: {', '.join(LAYER_OVERRIDES)} of layers 0-{len(types) - 1}")
-        shapes[i] = (int(layer.get("head_dim", args.head_dim)), int(layer.get("num_key_value_heads", args.num_kv_heads)))
+        shapes[i] = (int(layer.get("head_dim", args.head_dim)),
+                     int(layer.get("num_key_value_heads", args.num_kv_heads)))
     return shapes
 
 
