@@ -16,8 +16,9 @@ from tensorfold.backends.probes import narrowed
 from tensorfold.backends.runner import per_request
 from tensorfold.backends.torch_backend import DTYPES, Allocation, Loaded, kv_cache_dtype, read_checkpoint
 from tensorfold.engine.step_plan import StepPlan
-from tensorfold.mlx import metal, ops
-from tensorfold.mlx.model import MLXBatch, MLXModel, SequenceSpan
+from tensorfold.mlx import delta_net, metal, ops
+from tensorfold.mlx.model import Attention, MLXBatch, MLXModel, SequenceSpan, state_slots
+from tensorfold.models.cache import ModelCache
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.loader import served_tensors
 from tensorfold.models.progress import LoadProgress
@@ -65,18 +66,28 @@ class MLXBackend:
         return Loaded(checkpoint, tokenizer, config, failures, args.vocab_size, args.max_position, args.num_layers)
 
     def allocate(self, context_length: int) -> Allocation:
-        """Every attention layer's K/V (PagedKV: blocks of block_size tokens) within --kv-cache-gib,
-        and at least one full window."""
-        config, shapes = self.config, self.model.cache_shapes()
+        """Every layer's cache within --kv-cache-gib, and at least one full window: attention's
+        K/V (PagedKV: blocks of block_size tokens, each vector's exponent beside it) and Gated
+        DeltaNet's state per block (RecurrentState: float32, the torch backends' layout, so the
+        engine resumes such a model at block boundaries)."""
+        config, specs = self.config, self.model.cache_specs()
         itemsize = torch.finfo(self.kv_dtype).bits // 8
-        per_block = sum(2 * heads * (dim * itemsize + 4) for heads, dim in shapes) * config.block_size  # + exponents
+        per_block = sum(spec.bytes_per_block(torch.float32, config.block_size) if spec.recurrent
+                        else 2 * spec.num_kv_heads * (spec.head_dim * itemsize + 4) * config.block_size  # + exponents
+                        for spec in specs)
         num_blocks = max(int(config.kv_cache_gib * 2**30) // per_block, -(-context_length // config.block_size))
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
         dtype = ops.DTYPES[self.kv_dtype]
-        self.caches = [ops.LayerCache(num_blocks * config.block_size, heads, dim, dtype) for heads, dim in shapes]
+        self.caches = [delta_net.LayerState(spec, num_blocks) if spec.recurrent
+                       else ops.LayerCache(num_blocks * config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+                       for spec in specs]
         mx.eval(*[a for c in self.caches for a in c.arrays])
         nbytes = sum(c.nbytes for c in self.caches)
-        return Allocation(num_blocks, cached, nbytes, f"{len(shapes)} x PagedKV")
+        kinds: dict[str, int] = {}
+        for spec in specs:
+            kinds[type(spec).__name__] = kinds.get(type(spec).__name__, 0) + 1
+        return Allocation(num_blocks, cached, nbytes, ", ".join(f"{n} x {name}" for name, n in kinds.items()),
+                          ModelCache.recurrent(specs))
 
     def runner(self) -> "MLXRunner":
         return MLXRunner(self.model, self.caches, self.config.block_size)
@@ -103,18 +114,21 @@ class MLXRunner:
 
     def _batch(self, plan: StepPlan) -> MLXBatch:
         bs = self.block_size
-        input_ids, positions, slots, sequences, logits_rows = [], [], [], [], []
+        input_ids, positions, slots, sequences, logits_rows, tables = [], [], [], [], [], []
         for req in plan.requests:
             start, num = len(input_ids), len(req.token_ids)
             pos = np.arange(req.start_position, req.start_position + num)
             table = np.asarray(req.block_ids, dtype=np.int64)
             input_ids += req.token_ids
             positions.append(pos)
+            tables.append(table)
             slots.append(table[pos // bs] * bs + pos % bs)
             sequences.append(SequenceSpan(start, start + num, pos, ops.key_slots(table, int(pos[-1]), bs)))
             logits_rows += range(start + num - len(req.rows), start + num)
+        state_in, state_out = state_slots(tables, positions, bs)
         return MLXBatch(mx.array(np.asarray(input_ids, dtype=np.int32)), np.concatenate(positions),
-                        mx.array(np.concatenate(slots)), sequences, mx.array(np.asarray(logits_rows, dtype=np.int32)))
+                        mx.array(np.concatenate(slots)), sequences, mx.array(np.asarray(logits_rows, dtype=np.int32)),
+                        state_in, state_out)
 
 
 def ieee_problem() -> str | None:
@@ -134,7 +148,7 @@ def shader_problem(model: MLXModel) -> str | None:
     random rows over a random cache and on the model's first quantized weight; None when they do
     (the Metal compiler's math mode, contraction and subnormals are what this catches)."""
     rng = np.random.default_rng(99)
-    spec = model.layers[0].mixer.spec
+    spec = next(layer.mixer.spec for layer in model.layers if isinstance(layer.mixer, Attention))
     cache = ops.LayerCache(256, spec.num_kv_heads, spec.head_dim, ops.DTYPES[torch.bfloat16])
     kv = [mx.array(rng.standard_normal((70, spec.num_kv_heads, spec.head_dim)).astype(np.float32)) for _ in range(2)]
     ops.write_kv(cache, *kv, mx.arange(70))

@@ -11,5 +11,7 @@ docs/kernels.md ("The mlx backend").
     grid.py   the fixed-point grid in integers: exponents, rounding shifts, exact int matmul,
               float32(float64(T) 2^g) without float64, exp_neg
     ops.py    the op set: norms, rope, SwiGLU, the K/V cache write, paged attention, the GEMMs
-    model.py  the decoder (llama, qwen3) on those ops over a paged cache
+    delta_net.py  Gated DeltaNet: the gates (exp64/log64 in float64 on MLX's CPU stream), the conv,
+              the grid dot products, the delta rule, the state per block
+    model.py  the decoder (llama, qwen3, qwen3_5) on those ops over a paged cache and recurrent states
 """

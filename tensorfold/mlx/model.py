@@ -1,9 +1,10 @@
-"""The decoder on MLX arrays: the families whose layers are attention + dense SwiGLU (llama, qwen3).
+"""The decoder on MLX arrays: attention (plain or gated: llama, qwen3, the Qwen hybrids' full
+layers) or Gated DeltaNet mixers, with dense SwiGLU feed-forwards.
 
 Built from the same layer specs (models/spec.py) and checkpoint readers (HF directories, GGUF
 blocks served as stored) as the torch model, with this backend's ops (tensorfold/mlx/ops.py)
-and weights (ops.MLXLinear). Layer kinds this backend does not run yet (Gated DeltaNet, MoE,
-gated attention) are a startup error that names them.
+and weights (ops.MLXLinear). Layer kinds this backend does not run yet (MoE) are a startup
+error that names them.
 
 A forward reads an MLXBatch (the round's rows, flattened; one entry per sequence) and the
 layers' caches, and returns the logits rows as an mx.array; the runner evaluates them together
@@ -18,10 +19,12 @@ import torch
 from tensorfold.backends.linear_weight import count_formats, named_gemms
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
+from tensorfold.models.linear_attention import DeltaNetParams, LinearAttentionSpec, _input_matrices, _rate
+from tensorfold.models.cache import PagedKV, RecurrentState
 from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
 from tensorfold.kernels.reference import rope_table
-from tensorfold.mlx import ops
+from tensorfold.mlx import delta_net, ops
 
 
 class _WeightOps:
@@ -44,6 +47,24 @@ class MLXBatch:
     slots: mx.array            # [rows] flat cache slot each row's K/V goes to
     sequences: list[SequenceSpan]
     logits_rows: mx.array      # rows whose logits are returned
+    state_in: np.ndarray       # [num_seqs] block holding each sequence's starting state (-1: zero)
+    state_out: np.ndarray      # [rows] block a row's recurrent state is written to (-1: none)
+
+
+def state_slots(tables: list[np.ndarray], positions: list[np.ndarray], block_size: int):
+    """ForwardBatch.state_slots on the host: (state_in [num_seqs], state_out [rows]) for
+    sequences with block tables `tables` running rows at `positions`: a sequence starts from the
+    block holding the state after the position before its first row (-1 at position 0); a row's
+    state goes to its block where it ends a block or is the sequence's last row."""
+    state_in, state_out = [], []
+    for table, pos in zip(tables, positions):
+        first = int(pos[0])
+        state_in.append(int(table[(first - 1) // block_size]) if first > 0 else -1)
+        writes = pos % block_size == block_size - 1
+        writes[-1] = True
+        state_out.append(np.where(writes, table[pos // block_size], -1))
+    return (np.asarray(state_in, dtype=np.int64),
+            np.concatenate(state_out) if state_out else np.zeros(0, dtype=np.int64))
 
 
 class RopeRows:
@@ -61,9 +82,6 @@ class RopeRows:
 
 class Attention:
     def __init__(self, spec: AttentionSpec, w: WeightReader, eps: float):
-        if spec.output_gate:
-            raise CheckpointError("the mlx backend does not run gated attention yet (Qwen3.5/Next layers); "
-                                  "use --backend cpu")
         self.spec, self.eps = spec, eps
         attn = w.under("self_attn.")
         self.qkv = attn.linear("q_proj.weight", "k_proj.weight", "v_proj.weight",
@@ -74,12 +92,16 @@ class Attention:
             raise CheckpointError(f"{attn.prefix}: the config asks for QK-norm, the checkpoint lacks "
                                   "q_norm / k_norm weights")
         self.rope = RopeRows(spec)
+        self.cache_spec = PagedKV(spec.num_kv_heads, spec.head_dim, spec.window)
 
     def __call__(self, x: mx.array, batch: MLXBatch, cache: ops.LayerCache, rope_rows) -> mx.array:
         s, rows = self.spec, x.shape[0]
-        qkv = self.qkv(x)
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q = qkv[:, :q_size].reshape(rows, s.num_heads, s.head_dim)
+        qkv = self.qkv(x)  # [rows, (heads (x2 with the gate) + 2 kv_heads) * head_dim]
+        q_size, kv_size = s.num_heads * s.head_dim * (2 if s.output_gate else 1), s.num_kv_heads * s.head_dim
+        q = qkv[:, :q_size].reshape(rows, s.num_heads, -1)
+        gate = None
+        if s.output_gate:  # [q, gate] per head (Qwen3.5/Next)
+            q, gate = q[..., :s.head_dim], q[..., s.head_dim:].reshape(rows, q_size // 2)
         k = qkv[:, q_size:q_size + kv_size].reshape(rows, s.num_kv_heads, s.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(rows, s.num_kv_heads, s.head_dim)
         cos, sin = rope_rows(self.rope)
@@ -88,7 +110,10 @@ class Attention:
         out = [ops.attention(q[seq.start:seq.end], cache, seq.positions, seq.key_slots, s.scale, s.window)
                for seq in batch.sequences]
         out = out[0] if len(out) == 1 else mx.concatenate(out)
-        return self.o(out.reshape(rows, -1))
+        out = out.reshape(rows, -1)
+        if gate is not None:
+            out = ops.sigmoid_and_mul(gate, out)
+        return self.o(out)
 
     def _position(self, x, norm, cos, sin):
         if norm is not None:
@@ -111,21 +136,59 @@ class MLP:
         return self.down(ops.silu_and_mul(gate_up[:, :self.size], gate_up[:, self.size:]))
 
 
+class GatedDeltaNet:
+    """models/linear_attention.GatedDeltaNet on MLX arrays: the same weights (both spellings of
+    the input projection), mlx/delta_net.py's mixing over the layer's LayerState, the gated norm."""
+
+    def __init__(self, spec: LinearAttentionSpec, w: WeightReader, eps: float):
+        self.spec, self.eps = spec, eps
+        la = w.under("linear_attn.")
+        self.in_proj = ops.MLXLinear.of(*_input_matrices(spec, la))
+        self.out_proj = la.linear("out_proj.weight")
+        conv = la.float32("conv1d.weight")
+        if tuple(conv.shape) != (spec.conv_dim, 1, spec.conv_kernel):
+            raise CheckpointError(f"{la.prefix}conv1d.weight has shape {tuple(conv.shape)}, the config says "
+                                  f"({spec.conv_dim}, 1, {spec.conv_kernel})")
+        self.params = DeltaNetParams(spec.num_key_heads, spec.num_heads, spec.key_dim, spec.value_dim,
+                                     _mx(conv.reshape(spec.conv_dim, spec.conv_kernel)), _mx(_rate(la)),
+                                     _mx(la.float32("dt_bias")))
+        self.norm = _mx(la.dense("norm.weight"))  # the gated norm's weight: a plain multiplier
+        self.cache_spec = RecurrentState(spec.conv_dim, spec.conv_kernel, spec.num_heads, spec.key_dim,
+                                         spec.value_dim)
+
+    def __call__(self, x: mx.array, batch: MLXBatch, state: delta_net.LayerState, rope_rows) -> mx.array:
+        s, rows = self.spec, x.shape[0]
+        width = s.num_heads * s.value_dim
+        proj = self.in_proj(x)  # [rows, conv_dim + width + 2 heads]: qkv, z, b, a
+        qkv, z = proj[:, :s.conv_dim], proj[:, s.conv_dim:s.conv_dim + width]
+        b, a = proj[:, s.conv_dim + width:s.conv_dim + width + s.num_heads], proj[:, s.conv_dim + width + s.num_heads:]
+        core = delta_net.delta_net(qkv, a, b, state, batch, self.params)  # [rows, heads, value_dim]
+        normed = ops.gated_rms_norm(core.reshape(-1, s.value_dim), z.reshape(-1, s.value_dim), self.norm, self.eps)
+        return self.out_proj(normed.reshape(rows, width))
+
+
+MIXERS = {AttentionSpec: Attention, LinearAttentionSpec: GatedDeltaNet}  # spec type -> MLX block
+FFNS = {MLPSpec: MLP}
+
+
 class DecoderLayer:
     def __init__(self, spec: LayerSpec, w: WeightReader):
-        if type(spec.mixer) is not AttentionSpec or type(spec.ffn) is not MLPSpec:
-            raise CheckpointError(f"the mlx backend runs attention + dense MLP layers (llama, qwen3); this "
-                                  f"checkpoint has {type(spec.mixer).__name__} + {type(spec.ffn).__name__} layers: "
-                                  "use --backend cpu")
+        if type(spec.mixer) not in MIXERS or type(spec.ffn) not in FFNS:
+            raise CheckpointError(f"the mlx backend runs attention, gated attention and Gated DeltaNet mixers with "
+                                  f"dense MLPs; this checkpoint has {type(spec.mixer).__name__} + "
+                                  f"{type(spec.ffn).__name__} layers: use --backend cpu")
         self.eps = spec.norm_eps
         self.input_norm = _mx(w.norm("input_layernorm.weight"))
         self.post_mixer_norm = _mx(w.norm("post_attention_layernorm.weight"))
-        self.mixer = Attention(spec.mixer, w, spec.norm_eps)
-        self.ffn = MLP(spec.ffn, w)
+        self.mixer = MIXERS[type(spec.mixer)](spec.mixer, w, spec.norm_eps)
+        self.ffn = FFNS[type(spec.ffn)](spec.ffn, w)
         self.spec = spec
 
     def gemms(self) -> dict:
-        return {"qkv": self.mixer.qkv, "o_proj": self.mixer.o, "gate_up": self.ffn.gate_up, "down": self.ffn.down}
+        mixer = self.mixer
+        names = ({"in_proj": mixer.in_proj, "out_proj": mixer.out_proj} if isinstance(mixer, GatedDeltaNet)
+                 else {"qkv": mixer.qkv, "o_proj": mixer.o})
+        return {**names, "gate_up": self.ffn.gate_up, "down": self.ffn.down}
 
 
 class MLXModel:
@@ -152,9 +215,9 @@ class MLXModel:
         else:
             raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
 
-    def cache_shapes(self) -> list[tuple[int, int]]:
-        """Each layer's (kv_heads, head_dim)."""
-        return [(layer.mixer.spec.num_kv_heads, layer.mixer.spec.head_dim) for layer in self.layers]
+    def cache_specs(self) -> list:
+        """Each layer's cache kind (models/cache.PagedKV or RecurrentState)."""
+        return [layer.mixer.cache_spec for layer in self.layers]
 
     def forward(self, batch: MLXBatch, caches: list[ops.LayerCache]) -> mx.array:
         rope_cache: dict[int, tuple] = {}

@@ -7,8 +7,9 @@ references' bits (and the C++ and Triton kernels' bits: a quantized checkpoint's
 equal across backends):
 
     silu_and_mul, sigmoid_and_mul, apply_rope     the reference's float32 steps: bitwise
+    (silu32, sigmoid32 their activations)
     write_kv                                      K/V on their grids: bitwise
-    rms_norm                                      the exact sum as int64, float32 finish: bitwise
+    rms_norm, l2_norm, gated_rms_norm             the exact sum as int64, float32 finish: bitwise
     attention                                     exact int64 sums, float32 finish: bitwise
     QuantLinear                                   the exact quantized GEMM: bitwise
     DenseLinear                                   MLX's matmul (rows padded to 8 on the GPU):
@@ -59,19 +60,26 @@ def to_torch(a: mx.array) -> torch.Tensor:
 
 # ---- elementwise: the references' float32 steps ----
 
+def silu32(g: mx.array) -> mx.array:
+    """silu of float32 g: reference.silu32's steps (t = exp_neg(-|g|); g / (1 + t), or g t / (1 + t))."""
+    t = grid.exp_neg(-mx.abs(g))
+    return mx.where(g >= 0, g, g * t) / (1.0 + t)
+
+
+def sigmoid32(x: mx.array) -> mx.array:
+    """sigmoid of float32 x: reference.sigmoid32's steps (1 / (1 + t), or t / (1 + t))."""
+    t = grid.exp_neg(-mx.abs(x))
+    return mx.where(x >= 0, 1.0, t) / (1.0 + t)
+
+
 @grid.fused
 def silu_and_mul(gate: mx.array, up: mx.array) -> mx.array:
-    g = gate.astype(mx.float32)
-    t = grid.exp_neg(-mx.abs(g))
-    silu = mx.where(g >= 0, g, g * t) / (1.0 + t)
-    return (silu * up.astype(mx.float32)).astype(gate.dtype)
+    return (silu32(gate.astype(mx.float32)) * up.astype(mx.float32)).astype(gate.dtype)
 
 
 @grid.fused
 def sigmoid_and_mul(gate: mx.array, up: mx.array) -> mx.array:
-    g = gate.astype(mx.float32)
-    t = grid.exp_neg(-mx.abs(g))
-    return (mx.where(g >= 0, 1.0, t) / (1.0 + t) * up.astype(mx.float32)).astype(gate.dtype)
+    return (sigmoid32(gate.astype(mx.float32)) * up.astype(mx.float32)).astype(gate.dtype)
 
 
 @grid.fused
@@ -97,15 +105,46 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 @grid.fused
 def _rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
-    n = x.shape[-1]
-    x32 = x.astype(mx.float32)
+    return (_normalized(x.astype(mx.float32), eps, x.shape[-1]) * weight.astype(mx.float32)).astype(x.dtype)
+
+
+def l2_norm(x: mx.array, eps: float) -> mx.array:
+    """x / sqrt(sum(x^2) + eps) over the last dim as float32: reference.l2_norm's steps (rms_norm's,
+    the sum not divided, no weight), bitwise."""
+    if x.shape[-1] > MAX_NORM_WIDTH:
+        raise ValueError(f"l2_norm rows are at most {MAX_NORM_WIDTH} wide, got {x.shape[-1]}")
+    return _l2_norm(x, mx.array(_f32(eps)))
+
+
+@grid.fused
+def _l2_norm(x: mx.array, eps: mx.array) -> mx.array:
+    return _normalized(x.astype(mx.float32), eps, 1)
+
+
+def gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """rms_norm(x) * weight * silu(gate), rows alone (Gated DeltaNet's output norm):
+    kernels/delta_net.gated_rms_norm's steps, bitwise."""
+    if x.shape[-1] > MAX_NORM_WIDTH:
+        raise ValueError(f"rms_norm rows are at most {MAX_NORM_WIDTH} wide, got {x.shape[-1]}")
+    return _gated_rms_norm(x, gate, weight, mx.array(_f32(eps)))
+
+
+@grid.fused
+def _gated_rms_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
+    normed = _normalized(x.astype(mx.float32), eps, x.shape[-1]) * weight.astype(mx.float32)
+    return (normed * silu32(gate.astype(mx.float32))).astype(x.dtype)
+
+
+def _normalized(x32: mx.array, eps: mx.array, divisor: int) -> mx.array:
+    """float32 x32 / sqrt(float32(ss) 2^(2 (e - NORM_BITS + 1)) / divisor + eps), ss the exact
+    int64 sum of the squares on the row's grid (reference._normalized's steps)."""
     e = grid.exponent(mx.abs(x32).max(axis=-1, keepdims=True)).astype(mx.int64)
     m, ex = grid.significand(x32)
     sq = grid.shift(m * m, 2 * ex + 2 * (NORM_BITS - 1) - 2 * e)
     ss = sq.sum(axis=-1, keepdims=True)                                  # exact: <= 2^53
-    var = grid.scale(ss.astype(mx.float32), 2 * (e - NORM_BITS + 1)) / n
+    var = grid.scale(ss.astype(mx.float32), 2 * (e - NORM_BITS + 1)) / divisor
     inv = 1.0 / mx.sqrt(var + eps)
-    return ((x32 * inv) * weight.astype(mx.float32)).astype(x.dtype)
+    return x32 * inv
 
 
 # ---- the K/V cache and attention ----
