@@ -12,7 +12,8 @@ llama keeps SmolLM2's template, to which its model card adds tools; qwen3 gets a
 template (tools/templates/qwen3.jinja) and the tokens <think>, </think>, <tool_call> and
 </tool_call> as single special tokens, as Qwen3's vocabulary has them. The hybrids are one family,
 qwen3_5 (FAMILIES): the same tokens, and tools/templates/qwen3_5.jinja where that file exists,
-else qwen3.jinja.
+else qwen3.jinja. gemma4 and gemma4_text get Gemma 4's control tokens (GEMMA4_FAMILY_TOKENS),
+tools/templates/gemma4.jinja, and <turn|> as their end token.
 
 The hybrids (linear attention, i.e. Gated DeltaNet, in three layers of four, gated full attention
 in the fourth) are laid out as their real Hub checkpoints are:
@@ -84,8 +85,14 @@ def _smollm2_tokenizer_folder() -> str:
 
 
 QWEN3_FAMILY_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
-FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5"}
-FAMILY_TOKENS = {"qwen3": QWEN3_FAMILY_TOKENS, "qwen3_5": QWEN3_FAMILY_TOKENS}
+# Gemma 4's control tokens, each one token as in its vocabulary: turns, the thought channel (and
+# <|think|>, which turns thinking on), tool declarations, calls and responses, the string quote.
+GEMMA4_FAMILY_TOKENS = ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>",
+                        "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
+FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5",
+            "gemma4": "gemma4", "gemma4_text": "gemma4"}
+FAMILY_TOKENS = {"qwen3": QWEN3_FAMILY_TOKENS, "qwen3_5": QWEN3_FAMILY_TOKENS, "gemma4": GEMMA4_FAMILY_TOKENS}
+FAMILY_EOS = {"gemma4": "<turn|>"}  # a family whose turns end with a token of its own
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)  # K-quant rows: multiples of 256
 GGUF_MIXES = {  # mix -> (type of a matrix, types of matrices by llama.cpp name part)
@@ -174,6 +181,8 @@ def family_tokenizer(arch: str, tokenizer=None, family: bool = False):
             path = os.path.join(TEMPLATES, "qwen3.jinja")
         with open(path, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()
+        if name in FAMILY_EOS:
+            tokenizer.eos_token = FAMILY_EOS[name]
     return tokenizer
 
 

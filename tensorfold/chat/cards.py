@@ -2,7 +2,8 @@
 
 A card says, for one family: the architectures it covers and the strings its chat template
 contains (how a checkpoint is matched to it), a template that replaces the checkpoint's (if any,
-in model_cards/templates/), its think markers, its tool-call format and markers, the names its
+in model_cards/templates/), its think markers (and the label a block opens with: Gemma 4's thought
+channel), its tool-call format and markers, the names its
 template gives reasoning efforts, and its end tokens. The server reads the card; it never
 guesses any of this from template text.
 
@@ -16,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-TOOL_FORMATS = ("hermes_json", "qwen_xml")
+TOOL_FORMATS = ("hermes_json", "qwen_xml", "gemma4")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -31,6 +32,11 @@ class Markers:
 
 
 @dataclass(frozen=True)
+class ThinkMarkers(Markers):
+    label: str = ""  # the text the model writes right after the opener, not reasoning (Gemma 4: "thought\n")
+
+
+@dataclass(frozen=True)
 class ToolCallMarkers(Markers):
     name_prefix: str  # the template's text between the opener and a tool's name
 
@@ -41,7 +47,7 @@ class ModelCard:
     architectures: tuple[str, ...]
     template_markers: tuple[str, ...] = ()
     template: str | None = None         # the replacing template's source, read from its file
-    think: Markers | None = None
+    think: ThinkMarkers | None = None
     tool_format: str | None = None      # one of TOOL_FORMATS, or None: tools are refused
     tool_call: ToolCallMarkers | None = None
     efforts: dict = field(default_factory=dict)  # request effort -> the name the template hears
@@ -97,7 +103,7 @@ def _read_card(folder: str, file: str) -> ModelCard:
             architectures=tuple(raw["architectures"]),
             template_markers=tuple(raw.get("template_markers") or ()),
             template=_read_template(folder, raw.get("template")),
-            think=Markers(**raw["think"]) if raw.get("think") else None,
+            think=ThinkMarkers(**raw["think"]) if raw.get("think") else None,
             tool_format=raw.get("tool_format"),
             tool_call=ToolCallMarkers(**raw["tool_call"]) if raw.get("tool_call") else None,
             efforts=dict(raw.get("efforts") or {}),

@@ -8,7 +8,8 @@ chunking (text that could still turn out to be a marker is held back until it ca
 Rules (the model card gives the markers and the call format):
 - A think block (the reply starts inside one when the prompt opened it, or opens one with its
   first non-blank text) is reasoning up to the close marker; the answer's leading blanks after
-  it are dropped.
+  it are dropped. A card's think label (Gemma 4's "thought\n" after <|channel>) right after the
+  opener names the block and is not reasoning.
 - In the answer, a call block (opener ... closer, or opener ... end of reply) that parses in the
   card's format and names an offered tool is a tool call; anything else, a malformed block or one
   naming a tool not offered included, stays content with its text. Blank text between calls is
@@ -21,6 +22,8 @@ Rules (the model card gives the markers and the call format):
 import json
 import re
 from dataclasses import dataclass, field
+
+from tensorfold.chat.gemma4_values import read_call
 
 THINK, ANSWER, CALL = "think", "answer", "call"
 
@@ -63,6 +66,7 @@ class ReplyParser:
         self.call_id_prefix = call_id_prefix
         self.mode = THINK if thinking and self.think else ANSWER
         self.after_think = self.mode == THINK  # a think block was entered: none opens later
+        self.label_pending = False   # the reply just opened a think block: its label may follow
         self.call_in_think = False   # the call block being read was written inside a think block
         self.at_answer_start = True  # only blanks so far in the answer (or before a think block)
         self.held_blank = ""         # blanks in the answer not sent yet (dropped if a call follows)
@@ -108,6 +112,13 @@ class ReplyParser:
         return out
 
     def _think(self, out: ReplyDelta, final: bool) -> None:
+        if self.label_pending:
+            label = self.think.label
+            if label.startswith(self.buf) and len(self.buf) < len(label) and not final:
+                return  # may still become the label
+            if self.buf.startswith(label):
+                self.buf = self.buf[len(label):]
+            self.label_pending = False
         close = self.buf.find(self.think.close)
         opener = self.call_markers.open if self.call_markers else None
         call_at = self.buf.find(opener) if opener else -1
@@ -147,6 +158,7 @@ class ReplyParser:
                     self.buf = stripped[len(opener):]
                     self.mode = THINK
                     self.after_think = True
+                    self.label_pending = bool(self.think.label)
                     self.at_answer_start = False
                     return
                 if opener.startswith(stripped) and not final:
@@ -210,6 +222,11 @@ class ReplyParser:
             return self._hermes(body)
         if self.call_format == "qwen_xml":
             return self._qwen_xml(body)
+        if self.call_format == "gemma4":
+            call = read_call(body)
+            if call is None or call[0] not in self.tools:
+                return None
+            return call[0], json.dumps(call[1], ensure_ascii=False)
         return None
 
     def _hermes(self, body: str) -> tuple[str, str] | None:

@@ -40,7 +40,8 @@ class ServedModel:
         if think is None:
             return False
         at = prompt.rfind(think.open)
-        return at >= 0 and not prompt[at + len(think.open):].strip()
+        rest = prompt[at + len(think.open):].strip()
+        return at >= 0 and (not rest or rest == think.label.strip())
 
     def reasoning_tokens(self, output_ids: list[int]) -> int:
         """The reply tokens through the think block's close marker (all of them if it never
