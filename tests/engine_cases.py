@@ -34,7 +34,8 @@ class EvenTokens(RowConstraint):
 
 def check_solo_vs_batched(solo, batched, recorder, same) -> None:
     """mixed_batch() run one request at a time on `solo` (no drafts) and all together on `batched`
-    (drafts, chunks): the same replies, rounds really shared, drafts both accepted and rejected,
+    (drafts verified whole, draft_budget=False, so the verify path runs whatever the rows cost;
+    chunks): the same replies, rounds really shared, drafts both accepted and rejected,
     and every solo draw's logits row `same` as the batched one (recorder: the backend's test
     Recorder, draws by (seed, position))."""
     prompts, params, masks = mixed_batch()

@@ -220,5 +220,5 @@ def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_llama)
     # Solo, serial, whole prompts; this engine also runs the startup probes on the cuda op set.
     solo = cuda_engine(small_vocab_llama, drafting=False, max_num_seqs=1, probe=True)
     assert solo.exact, solo.probe_failures
-    batched = cuda_engine(small_vocab_llama, drafting=True, max_num_seqs=4, max_tokens_per_step=16)
+    batched = cuda_engine(small_vocab_llama, drafting=True, draft_budget=False, max_num_seqs=4, max_tokens_per_step=16)
     check_solo_vs_batched(solo, batched, Recorder, torch.equal)

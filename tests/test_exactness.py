@@ -115,7 +115,10 @@ NUM_REPEAT = 64   # covers the passage (45 tokens), its EOS and what follows und
 
 @pytest.fixture(scope="module")
 def smol():
-    return Engine(None, EngineConfig(probe=False, context=1024, kv_cache_gib=0.1))
+    # Proposals run whole (no draft budget): the round structure is then a function of the text
+    # alone, so the tests below can aim a reply limit, a stop string or an end token at a
+    # chosen point inside an accepted run. (The budget only chooses how many drafts run.)
+    return Engine(None, EngineConfig(probe=False, context=1024, kv_cache_gib=0.1, draft_budget=False))
 
 
 def first_eos(engine, tokens):

@@ -19,6 +19,9 @@ class EngineConfig:
     block_size: int = 32             # also the attention split: blocks align to absolute positions
     drafting: bool = True
     max_draft: int = 7
+    draft_budget: bool = True        # each round's draft depth from measured row cost and
+                                     # acceptance (engine/draft_budget.py); False: every proposal
+                                     # runs at full depth (max_draft)
     default_max_tokens: int = 4096
     num_threads: int | None = None
     probe: bool = True               # check batch invariance on the model's shapes at startup

@@ -1,16 +1,15 @@
 """Prompt-lookup drafting: propose the tokens that followed the latest earlier occurrence of the
 sequence's last n-gram (n from max_ngram down to 1), taken from the prompt and the reply so far.
 
-Depth adapts per request: it grows after a fully accepted run and shrinks after a rejection, so
-a reply that drafts badly soon costs almost nothing. Drafting never changes the reply, only how
-many rounds it takes: the engine accepts a draft only where it equals the keyed draw.
+How many of a proposal's tokens run is the draft budget's choice (engine/draft_budget.py).
+Drafting never changes the reply, only how many rounds it takes: the engine accepts a draft only
+where it equals the keyed draw.
 """
 from dataclasses import dataclass, field
 
 
 @dataclass
 class DraftState:
-    depth: int = 4
     # n-gram -> start of its latest occurrence that has a following token; covers every n-gram
     # ending before position num_indexed. Grows with the sequence: O(new tokens) per round.
     latest: dict[tuple[int, ...], int] = field(default_factory=dict)
@@ -18,23 +17,21 @@ class DraftState:
 
 
 class PromptLookupDrafter:
-    def __init__(self, max_depth: int = 7, max_ngram: int = 3, min_ngram: int = 1):
-        # 7 drafts + 1 real row = 8 rows, what one row costs on the padded GEMM path.
-        self.max_depth = max_depth
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
     def propose(self, tokens: list[int], state: DraftState, limit: int) -> list[int]:
-        """The continuation of the latest earlier occurrence of the longest matching tail n-gram."""
+        """Up to `limit` tokens: the continuation of the latest earlier occurrence of the longest
+        matching tail n-gram."""
         self._index(tokens, state)
-        depth = min(state.depth, limit)
-        if depth <= 0:
+        if limit <= 0:
             return []
         n_tokens = len(tokens)
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
             start = state.latest.get(tuple(tokens[n_tokens - n:]))
             if start is not None:
-                return tokens[start + n:start + n + depth]
+                return tokens[start + n:start + n + limit]
         return []
 
     def _index(self, tokens: list[int], state: DraftState) -> None:
@@ -44,11 +41,3 @@ class PromptLookupDrafter:
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 state.latest[tuple(tokens[end - n:end])] = end - n
         state.num_indexed = max(state.num_indexed, len(tokens))
-
-    def update(self, state: DraftState, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted == 0:
-            return
-        if num_accepted == num_drafted:
-            state.depth = min(self.max_depth, state.depth + 2)
-        else:
-            state.depth = max(1, num_accepted + 1) if num_accepted else max(1, state.depth // 2)

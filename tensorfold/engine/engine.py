@@ -15,6 +15,7 @@ from tensorfold.backends import open_backend
 from tensorfold.engine.block_pool import BlockPool
 from tensorfold.engine.cache_book import CacheBook
 from tensorfold.engine.config import EngineConfig  # noqa: F401 (importers take it from here)
+from tensorfold.engine.draft_budget import Acceptance, DraftBudget
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
 from tensorfold.engine.info import EngineInfo
 from tensorfold.engine.reply_text import ReplyText
@@ -72,10 +73,12 @@ class Engine:
         self.runner = backend.runner()
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,
                                                    config.decode_share), self.pool, self.book)
-        self.drafter = PromptLookupDrafter(max_depth=config.max_draft)
+        self.drafter = PromptLookupDrafter()
+        self.budget = DraftBudget(config.max_draft)
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, ReplyText] = {}
         self._drafts: dict[str, DraftState] = {}
+        self._acceptance: dict[str, Acceptance] = {}
         self._ids = itertools.count()
         self.info = EngineInfo.of(loaded, memory, backend.describe(), config, self.context_length,
                                   time.perf_counter() - started)
@@ -110,6 +113,7 @@ class Engine:
         self.requests[req_id] = req
         self._texts[req_id] = ReplyText(self.tokenizer.detokenizer(prompt_ids), params.stop)
         self._drafts[req_id] = DraftState()
+        self._acceptance[req_id] = Acceptance()
         return req_id
 
     def abort(self, req_id: str) -> None:
@@ -147,6 +151,8 @@ class Engine:
         drawn = self.runner.execute(plan)
         elapsed = time.perf_counter() - started
         self.scheduler.round_done(plan, elapsed)
+        if not any(s.rows_prefill for s in plan.requests):
+            self.budget.cost.observe(len(plan.requests), plan.num_tokens, elapsed)
         outputs = []
         for scheduled, draws in zip(plan.requests, drawn):
             req = self.requests[scheduled.req_id]
@@ -162,19 +168,32 @@ class Engine:
         return outputs
 
     def _propose_drafts(self) -> None:
+        """Each decoding request's drafts: the drafter's proposal, cut to what its constraint
+        allows and to the depth the draft budget finds worth the round's extra rows."""
+        decoding = []
         for req in self.scheduler.running:
             req.draft_ids = []
-            decoding = req.num_computed_tokens == req.num_tokens - 1
-            if not (self.config.drafting and req.params.draft and req.output_ids and decoding):
+            if req.num_computed_tokens == req.num_tokens - 1:
+                decoding.append(req)
+        rows = len(decoding)  # one row each, before drafts
+        for req in decoding:
+            if not (self.config.drafting and req.params.draft and req.output_ids):
                 continue
             # Leave room for the correction/bonus draw inside max_tokens.
-            limit = req.max_tokens - len(req.output_ids) - 1
+            limit = min(self.config.max_draft, req.max_tokens - len(req.output_ids) - 1)
             tokens = req.prompt_ids + req.output_ids
             drafts = self.drafter.propose(tokens, self._drafts[req.req_id], limit)
             if drafts and req.constraint is not None:  # drafts the constraint rejects never run
                 drafts = drafts[:self._guarded(req, req.constraint.num_valid_drafts, req.output_ids, drafts,
                                                self.vocab_size)]
+            if self.config.draft_budget:
+                acceptance = self._acceptance[req.req_id]
+                depth = self.budget.depth(acceptance, len(decoding), rows, len(drafts))
+                if depth == 0:
+                    acceptance.watch(drafts)
+                drafts = drafts[:depth]
             req.draft_ids = drafts
+            rows += len(drafts)
 
     def _attach_masks(self, plan) -> None:
         """The round's allowed-token bitmask (sampling/bitmask.py): each drawing row of a
@@ -234,7 +253,9 @@ class Engine:
         self.book.rollback(req, len(drafts) - accepted)  # the rejected drafts' positions
         req.stats.drafted += len(drafts)
         req.stats.accepted += accepted
-        self.drafter.update(self._drafts[req.req_id], len(drafts), accepted)
+        acceptance = self._acceptance[req.req_id]
+        acceptance.record(len(drafts), accepted)
+        acceptance.appended(live[:accepted + 1])
         if req.stats.first_token_s is None:
             req.stats.first_token_s = time.perf_counter()
         return self._append(req, live[:accepted + 1])
@@ -279,6 +300,7 @@ class Engine:
         self.scheduler.finish(req)
         self._texts.pop(req.req_id, None)
         self._drafts.pop(req.req_id, None)
+        self._acceptance.pop(req.req_id, None)
         self.requests.pop(req.req_id, None)
 
     # -- convenience ------------------------------------------------------------------------
