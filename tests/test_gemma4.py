@@ -15,17 +15,13 @@ each with a seed whose greedy tokens no float rounding can flip:
 """
 import json
 import os
-import threading
 
 import pytest
 import torch
 
-from test_exactness import (LOAD, Background, assert_equal_solo, at_once, complete, run, serving, stream,
-                            tiny_engine, user)
-from test_hybrids import KnowingDrafter
+import family_cases as cases
 from test_models import _rows
 from tensorfold.backends import backend_ops, cpu_ops
-from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.kernels.reference import gelu_tanh_and_mul, softcap, tanh32
 from tensorfold.models.cache import SharedKV
 from tensorfold.models.checkpoint import CheckpointError
@@ -33,11 +29,10 @@ from tensorfold.models.config import ModelArgs
 from tensorfold.models.gemma4 import layer_specs
 from tensorfold.models.hf_dir import load_hf_dir
 from tensorfold.models.loader import build_model
-from tensorfold.sampling.params import SamplingParams
-from tools.tiny_checkpoint import GEMMA4_ARCHS, SEED_PROMPT, make_tiny_checkpoint, well_separated_seed
+from tools.tiny_checkpoint import GEMMA4_ARCHS, make_tiny_checkpoint, well_separated_seed
 
 ATOL = 1e-3  # logits up to ~10; this forward is within ~3e-4 of transformers in float64
-BLOCK = 32
+BLOCK = cases.BLOCK
 
 
 @pytest.fixture(scope="module", params=GEMMA4_ARCHS)
@@ -55,25 +50,13 @@ def full_gemma(tmp_path_factory, smollm2_tokenizer):
                                 tokenizer=smollm2_tokenizer)
 
 
-def _hf(path, dtype):
-    import transformers
-    with open(os.path.join(path, "config.json")) as f:
-        cls = getattr(transformers, json.load(f)["architectures"][0])
-    return cls.from_pretrained(path, dtype=dtype).eval()
-
-
-def _hf_logits(hf_model, ids):
-    with torch.no_grad():
-        return hf_model(input_ids=torch.tensor([ids])).logits[0].float()
-
-
 def _model(path, ops="cpu"):
     return build_model(load_hf_dir(path), torch.float32, cpu_ops if ops == "torch" else backend_ops(ops))
 
 
 @pytest.fixture(scope="module")
 def hf_model64(gemma):
-    return _hf(gemma, torch.float64)
+    return cases.hf_model(gemma, torch.float64)
 
 
 def test_the_tiny_checkpoints_turn_their_options_on(gemma):
@@ -93,53 +76,22 @@ def test_the_tiny_checkpoints_turn_their_options_on(gemma):
 
 
 def test_prefill_logits_match_transformers(gemma, hf_model64):
-    model = _model(gemma)
-    torch.manual_seed(1)
-    ids = torch.randint(0, model.args.vocab_size, (75,)).tolist()
-    got = model.forward(_rows([[4, 0, 7]], [(0, ids, 0, True)]), model.allocate_cache(8, BLOCK, torch.float32))
-    torch.testing.assert_close(got, _hf_logits(hf_model64, ids), atol=ATOL, rtol=0)
+    cases.check_prefill_logits(_model(gemma), hf_model64, ATOL)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_prefill_logits_match_transformers_other_seeds(seed, tmp_path, smollm2_tokenizer):
     path = make_tiny_checkpoint(str(tmp_path), "gemma4", seed=seed, tokenizer=smollm2_tokenizer)
-    model = _model(path)
-    torch.manual_seed(seed)
-    ids = torch.randint(0, model.args.vocab_size, (50,)).tolist()
-    got = model.forward(_rows([[2, 5]], [(0, ids, 0, True)]), model.allocate_cache(8, BLOCK, torch.float32))
-    torch.testing.assert_close(got, _hf_logits(_hf(path, torch.float64), ids), atol=ATOL, rtol=0)
+    cases.check_prefill_logits(_model(path), cases.hf_model(path, torch.float64), ATOL, seed=seed, length=50)
 
 
 def test_batched_paged_decode_matches_transformers(gemma, hf_model64):
-    """Three sequences with scattered block tables: prompt chunks that stop mid-block, decode rows
-    beside prefill chunks, then decode rows of all three in one forward, past the window."""
-    model = _model(gemma)
-    cache = model.allocate_cache(64, BLOCK, torch.float32)
-    torch.manual_seed(2)
-    seqs = [torch.randint(0, model.args.vocab_size, (n + 4,)).tolist() for n in (40, 7, 66)]
-    tables = [[9, 2, 30], [5, 17, 1], [40, 3, 22, 8]]
-    model.forward(_rows(tables, [(0, seqs[0][:40], 0, False), (1, seqs[1][:7], 0, False),
-                                 (2, seqs[2][:33], 0, False)]), cache)
-    model.forward(_rows(tables, [(0, seqs[0][40:41], 40, False), (2, seqs[2][33:66], 33, False),
-                                 (1, seqs[1][7:8], 7, False)]), cache)
-    offsets = [41, 8, 66]
-    for step in range(3):
-        order = (2, 0, 1)
-        pieces = [(s, seqs[s][offsets[s] + step:offsets[s] + step + 1], offsets[s] + step, True) for s in order]
-        got = model.forward(_rows(tables, pieces), cache)
-        for row, s in enumerate(order):
-            expected = _hf_logits(hf_model64, seqs[s][:offsets[s] + step + 1])[-1]
-            torch.testing.assert_close(got[row], expected, atol=ATOL, rtol=0)
+    """Past the window: the sliding layers' rows see only its last 16 keys."""
+    cases.check_batched_paged_decode(_model(gemma), hf_model64, ATOL, steps=3)
 
 
 def test_greedy_32_tokens_equal_transformers(gemma):
-    engine = Engine(gemma, EngineConfig(drafting=False, context=1024, kv_cache_gib=0.05))
-    assert engine.exact, engine.probe_failures
-    ids = engine.tokenizer.encode(SEED_PROMPT, add_special_tokens=False)
-    got = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    expected = _hf(gemma, torch.float32).generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                                                  do_sample=False)[0, len(ids):].tolist()
-    assert got.token_ids == expected
+    cases.check_greedy_32_tokens(gemma, cases.hf_model(gemma, torch.float32))
 
 
 # ---- chunked prefill == token by token, bitwise ------------------------------------------------
@@ -147,33 +99,8 @@ def test_greedy_32_tokens_equal_transformers(gemma):
 PROMPT_LEN = 100  # past the window (16), over four blocks
 
 
-def _prefill_in_chunks(model, ids, chunk, other):
-    """ids prefilled in chunks of `chunk` (a second sequence decoding beside each chunk); returns
-    the last row's logits and a copy of the K/V this sequence wrote in every layer's cache."""
-    cache = model.allocate_cache(20, BLOCK, torch.float32)
-    tables = [list(range(0, 10)), list(range(10, 20))]
-    model.forward(_rows(tables, [(1, other[:5], 0, False)]), cache)
-    logits, start, other_at = None, 0, 5
-    while start < len(ids):
-        piece = ids[start:start + chunk]
-        out = model.forward(_rows(tables, [(1, other[other_at:other_at + 1], other_at, False),
-                                           (0, piece, start, False)]), cache)
-        logits, start, other_at = out[-1], start + len(piece), other_at + 1
-    last = (len(ids) - 1) // BLOCK
-    parts = [t[:last + 1].clone() for layer in cache.layers for t in (layer.k, layer.v)]
-    return logits, parts
-
-
 def test_chunked_prefill_is_bitwise_token_by_token(gemma):
-    model = _model(gemma)
-    torch.manual_seed(3)
-    ids = torch.randint(0, model.args.vocab_size, (PROMPT_LEN,)).tolist()
-    other = torch.randint(0, model.args.vocab_size, (PROMPT_LEN,)).tolist()
-    want_logits, want = _prefill_in_chunks(model, ids, 1, other)
-    for chunk in (3, 16, 64):
-        logits, got = _prefill_in_chunks(model, ids, chunk, other)
-        assert torch.equal(logits, want_logits), f"chunk {chunk}: last logits differ"
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"chunk {chunk}: cache differs"
+    cases.check_chunked_prefill(_model(gemma), PROMPT_LEN, chunks=(3, 16, 64))
 
 
 def test_the_op_sets_agree(gemma):
@@ -195,78 +122,25 @@ def test_the_op_sets_agree(gemma):
 # ---- over HTTP ---------------------------------------------------------------------------------
 
 def test_drafted_equals_serial(full_gemma):
-    """Drafts accepted and rejected (mid-block and across block ends) leave the reply unchanged."""
-    engine = tiny_engine(full_gemma, context=1024)
-    ids = engine.tokenizer.encode(SEED_PROMPT, add_special_tokens=False)
-    for params in (dict(temperature=0.0), dict(temperature=1.1, seed=4, top_p=0.9)):
-        serial = run(engine, ids, max_tokens=50, ignore_eos=True, draft=False, **params)
-        engine.drafter = KnowingDrafter(len(ids), serial.tokens)
-        drafted = run(engine, ids, max_tokens=50, ignore_eos=True, **params)
-        assert drafted.tokens == serial.tokens and drafted.text == serial.text
-        assert 0 < drafted.accepted < drafted.drafted
+    cases.check_drafted_equals_serial(full_gemma, [dict(temperature=0.0), dict(temperature=1.1, seed=4, top_p=0.9)],
+                                      max_tokens=50)
 
 
 @pytest.fixture(scope="module")
 def solo(full_gemma):
-    done = {}
-    with serving(tiny_engine(full_gemma, max_num_seqs=1, drafting=False)) as s:
-        def reference(body):
-            key = json.dumps(body, sort_keys=True)
-            if key not in done:
-                done[key] = complete(s.client, dict(body, draft=False))
-            return done[key]
-        yield reference
+    yield from cases.solo_replies(full_gemma)
 
 
 def test_concurrent_replies_equal_their_solo_runs(full_gemma, solo):
-    bodies = LOAD[:6]
-    refs = [solo(b) for b in bodies]
-    with serving(tiny_engine(full_gemma, max_num_seqs=4, max_tokens_per_step=64)) as s:
-        s.pause()
-        calls = at_once([lambda b=b: complete(s.client, b) for b in bodies])
-        s.wait_queued(len(bodies))
-        s.resume()
-        for call, ref in zip(calls, refs):
-            assert_equal_solo(call.result(), ref)
-        assert max(len(plan) for plan in s.plans) == 4
-
-
-SYSTEM = "You keep the harbor's logbook: ships, tides, weather and cargo, day by day. " * 6
+    cases.check_concurrent_equals_solo(full_gemma, solo)
 
 
 def test_cached_prefix_reply_equals_the_fresh_one(full_gemma, solo):
-    a = dict(messages=[{"role": "system", "content": SYSTEM}, user("Which ship came first?")], max_tokens=16,
-             temperature=0.7, seed=5)
-    b = dict(messages=[{"role": "system", "content": SYSTEM}, user("What was the weather?")], max_tokens=40,
-             temperature=1.0, seed=6, ignore_eos=True)
-    with serving(tiny_engine(full_gemma)) as s:
-        fresh = complete(s.client, b)
-        assert fresh.cached == 0
-        other = complete(s.client, a)
-        assert other.cached >= 2 * BLOCK  # past the window: the sliding and shared layers read cached K/V
-        again = stream(s.client, b)
-        assert again.cached >= other.cached
-        assert_equal_solo(again, fresh)
-        assert_equal_solo(fresh, solo(b))
+    cases.check_cached_equals_fresh(full_gemma, solo, whole_blocks=False)  # the sliding and shared layers too
 
 
 def test_preempted_reply_equals_its_uninterrupted_run(full_gemma, solo):
-    bg = dict(messages=[user("Write a long background report.")], max_tokens=120, temperature=0.8, seed=21,
-              ignore_eos=True, priority="background")
-    fg = dict(messages=[user("Quick question?")], max_tokens=8, temperature=0.0)
-    bg_ref = solo({k: v for k, v in bg.items() if k != "priority"})
-    engine = tiny_engine(full_gemma, max_num_seqs=1)
-    with serving(engine) as s:
-        decoding = threading.Event()
-        bg_call = Background(lambda: stream(s.client, bg, on_text=lambda p: len(p) >= 8 and decoding.set()))
-        assert decoding.wait(60)
-        s.pause()
-        fg_call = Background(lambda: complete(s.client, fg))
-        s.wait_queued(2)
-        s.resume()
-        assert_equal_solo(fg_call.result(), solo(fg))
-        assert_equal_solo(bg_call.result(), bg_ref)
-        assert engine.scheduler.num_preemptions >= 1
+    cases.check_preempted_equals_uninterrupted(full_gemma, solo)
 
 
 # ---- ops, options, tensors ---------------------------------------------------------------------

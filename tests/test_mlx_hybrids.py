@@ -180,14 +180,15 @@ def small_vocab_qwen3_5(tmp_path_factory, small_vocab_llama):
 
 
 def test_greedy_32_tokens_equal_transformers(qwen3_5):
-    from test_hybrids import _hf
+    from family_cases import hf_model
     engine = Engine(qwen3_5, EngineConfig(backend="mlx", drafting=False, **SMALL))
     assert engine.exact, engine.probe_failures
     assert engine.info.backend == "mlx"
     ids = engine.tokenizer.encode(SEED_PROMPT, add_special_tokens=False)
     got = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    expected = _hf(qwen3_5, torch.float32).generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                                                   do_sample=False)[0, len(ids):].tolist()
+    hf = hf_model(qwen3_5, torch.float32, experts_implementation="eager")
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                           do_sample=False)[0, len(ids):].tolist()
     assert got.token_ids == expected
 
 
@@ -244,7 +245,7 @@ def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_qwen3_
     config = dict(backend="mlx", kv_cache_gib=0.01, context=256)
     solo = Engine(small_vocab_qwen3_5, EngineConfig(drafting=False, max_num_seqs=1, **config))
     assert solo.exact, solo.probe_failures
-    batched = Engine(small_vocab_qwen3_5, EngineConfig(drafting=True, max_num_seqs=4, max_tokens_per_step=16,
+    batched = Engine(small_vocab_qwen3_5, EngineConfig(drafting=True, draft_budget=False, max_num_seqs=4, max_tokens_per_step=16,
                                                        probe=False, **config))
     check_solo_vs_batched(solo, batched, Recorder, np.array_equal)
 
