@@ -13,5 +13,6 @@ docs/kernels.md ("The mlx backend").
     ops.py    the op set: norms, rope, SwiGLU, the K/V cache write, paged attention, the GEMMs
     delta_net.py  Gated DeltaNet: the gates (exp64/log64 in float64 on MLX's CPU stream), the conv,
               the grid dot products, the delta rule, the state per block
-    model.py  the decoder (llama, qwen3, qwen3_5) on those ops over a paged cache and recurrent states
+    moe.py    the mixture-of-experts feed-forward: routing, experts, the fixed-order sum
+    model.py  the decoder (llama, qwen3, the Qwen hybrids) on those ops over a paged cache and recurrent states
 """

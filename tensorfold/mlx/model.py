@@ -1,10 +1,10 @@
 """The decoder on MLX arrays: attention (plain or gated: llama, qwen3, the Qwen hybrids' full
-layers) or Gated DeltaNet mixers, with dense SwiGLU feed-forwards.
+layers) or Gated DeltaNet mixers, with dense SwiGLU or mixture-of-experts feed-forwards.
 
 Built from the same layer specs (models/spec.py) and checkpoint readers (HF directories, GGUF
 blocks served as stored) as the torch model, with this backend's ops (tensorfold/mlx/ops.py)
-and weights (ops.MLXLinear). Layer kinds this backend does not run yet (MoE) are a startup
-error that names them.
+and weights (ops.MLXLinear). Layer kinds this backend does not run (another family's) are a
+startup error that names them.
 
 A forward reads an MLXBatch (the round's rows, flattened; one entry per sequence) and the
 layers' caches, and returns the logits rows as an mx.array; the runner evaluates them together
@@ -21,10 +21,11 @@ from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.linear_attention import DeltaNetParams, LinearAttentionSpec, _input_matrices, _rate
 from tensorfold.models.cache import PagedKV, RecurrentState
+from tensorfold.models.moe import MoESpec
 from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
 from tensorfold.kernels.reference import rope_table
-from tensorfold.mlx import delta_net, ops
+from tensorfold.mlx import delta_net, moe, ops
 
 
 class _WeightOps:
@@ -135,6 +136,9 @@ class MLP:
         gate_up = self.gate_up(x)
         return self.down(ops.silu_and_mul(gate_up[:, :self.size], gate_up[:, self.size:]))
 
+    def gemms(self) -> dict:
+        return {"gate_up": self.gate_up, "down": self.down}
+
 
 class GatedDeltaNet:
     """models/linear_attention.GatedDeltaNet on MLX arrays: the same weights (both spellings of
@@ -168,14 +172,14 @@ class GatedDeltaNet:
 
 
 MIXERS = {AttentionSpec: Attention, LinearAttentionSpec: GatedDeltaNet}  # spec type -> MLX block
-FFNS = {MLPSpec: MLP}
+FFNS = {MLPSpec: MLP, MoESpec: moe.MoE}
 
 
 class DecoderLayer:
     def __init__(self, spec: LayerSpec, w: WeightReader):
         if type(spec.mixer) not in MIXERS or type(spec.ffn) not in FFNS:
             raise CheckpointError(f"the mlx backend runs attention, gated attention and Gated DeltaNet mixers with "
-                                  f"dense MLPs; this checkpoint has {type(spec.mixer).__name__} + "
+                                  f"dense MLPs or MoE feed-forwards; this checkpoint has {type(spec.mixer).__name__} + "
                                   f"{type(spec.ffn).__name__} layers: use --backend cpu")
         self.eps = spec.norm_eps
         self.input_norm = _mx(w.norm("input_layernorm.weight"))
@@ -188,7 +192,7 @@ class DecoderLayer:
         mixer = self.mixer
         names = ({"in_proj": mixer.in_proj, "out_proj": mixer.out_proj} if isinstance(mixer, GatedDeltaNet)
                  else {"qkv": mixer.qkv, "o_proj": mixer.o})
-        return {**names, "gate_up": self.ffn.gate_up, "down": self.ffn.down}
+        return {**names, **self.ffn.gemms()}
 
 
 class MLXModel:
