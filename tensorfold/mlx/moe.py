@@ -42,7 +42,8 @@ def route(logits: mx.array, top_k: int, normalize: bool) -> tuple[np.ndarray, mx
     """(experts [rows, k] int64 on the host, weights [rows, k] float32) from router logits
     [rows, E] float32: kernels/moe.route's choice and float32 steps, bitwise."""
     host = np.array(logits)
-    index = np.argsort(-host, axis=-1, kind="stable")[:, :top_k]  # descending, ties: lower index first
+    # descending as torch's stable sort: NaN first, ties to the lower index (lexsort is stable)
+    index = np.lexsort((-host, ~np.isnan(host)), axis=-1)[:, :top_k]
     ordered = mx.take_along_axis(logits, mx.array(index), axis=1)
     first = ordered[:, :1]
     top = grid.exp_neg(ordered - first)                              # [rows, k], the first is 1
@@ -51,9 +52,11 @@ def route(logits: mx.array, top_k: int, normalize: bool) -> tuple[np.ndarray, mx
         for j in range(1, top_k):                                    # rank order
             total = total + top[:, j]
     else:
-        m, ex = grid.significand(grid.exp_neg(logits - first))       # every expert's, each <= 1
+        every = grid.exp_neg(logits - first)                         # [rows, E], each <= 1 (or NaN)
+        m, ex = grid.significand(every)
         ints = grid.shift(m, ex + (SUM_BITS - 1))                     # round_even(p 2^39): exact sum
         total = grid.float32_of_int(ints.sum(axis=-1), mx.array(1 - SUM_BITS, dtype=mx.int64))
+        total = mx.where(mx.isnan(every).any(axis=-1), mx.nan, total)  # a NaN's bits are no integer
     return index.astype(np.int64), top / total[:, None]
 
 
