@@ -108,7 +108,9 @@ def rope_config(params: dict, default_theta: float, path: str = "config.json") -
         beta_fast=float(params.get("beta_fast", 32.0)),
         beta_slow=float(params.get("beta_slow", 1.0)),
         attention_factor=params.get("attention_factor"),
-        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+        # proportional only: for the other types a partial rope is the spec's rotary_dim (Qwen's
+        # rope_parameters carry the factor too; a GGUF states the rotary dims instead)
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0,
     )
 
 
