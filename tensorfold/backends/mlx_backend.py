@@ -14,7 +14,8 @@ import torch
 
 from tensorfold.backends.probes import narrowed
 from tensorfold.backends.runner import per_request
-from tensorfold.backends.torch_backend import DTYPES, Allocation, Loaded, kv_cache_dtype, read_checkpoint
+from tensorfold.backends.base import Allocation, Loaded
+from tensorfold.backends.torch_backend import DTYPES, kv_cache_dtype, read_checkpoint
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.mlx import delta_net, metal, ops
 from tensorfold.mlx.model import Attention, MLXBatch, MLXModel, SequenceSpan, state_slots

@@ -1,23 +1,11 @@
-"""The torch backends (cpu, cuda): a model on an op set and a device, its cache, its runner.
-
-The engine asks a backend for four things and sees plain Python data back:
-
-    load(model_path, config)   the checkpoint onto the device, in the op set's weight types,
-                               checked by the batch-invariance probes -> Loaded
-    allocate(context_length)   every layer's cache kind within --kv-cache-gib -> Allocation
-    runner()                   executes a StepPlan, returns token ids as Python ints
-    describe()                 plain strings for /health and the startup log
-
-torch dtypes, devices and tensors stay below this line; an MLX backend is another class with
-the same four methods.
-"""
+"""The torch backends (cpu, cuda): a model on an op set and a device, its cache, its runner;
+the four calls of backends/base.py (load, allocate, runner, describe), torch below them."""
 import ctypes
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from tensorfold.backends import keeps_v_exponents
+from tensorfold.backends.base import Allocation, Loaded
 from tensorfold.backends.probes import narrowed, probe_ops
 from tensorfold.backends.runner import ModelRunner
 from tensorfold.models.cache import ModelCache
@@ -51,28 +39,6 @@ def read_checkpoint(model_path: str | None, config):
     if config.quantize:
         quantize_checkpoint(checkpoint, config.quantize)
     return checkpoint, Tokenizer.from_checkpoint(checkpoint)
-
-
-@dataclass
-class Loaded:
-    """What load() gives the engine: plain data and the objects it passes on untouched."""
-    checkpoint: object            # its metadata (path, architecture, template, configs); tensors dropped
-    tokenizer: Tokenizer
-    config: object                # the EngineConfig to serve with (narrowed if the probes failed)
-    probe_failures: list[str]
-    vocab_size: int
-    max_position: int
-    num_layers: int
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """The cache's size in plain numbers: blocks of config.block_size tokens."""
-    num_blocks: int
-    max_cached_blocks: int | None  # --prompt-cache-gib's cap on cached free blocks
-    nbytes: int
-    kinds: str                    # the cache kinds in words
-    resume_at_blocks: bool = False  # a kind keeps state per block (RecurrentState): resume at boundaries
 
 
 class TorchBackend:
