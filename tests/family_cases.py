@@ -61,9 +61,11 @@ def check_batched_paged_decode(model, hf64, atol: float, steps: int) -> None:
             torch.testing.assert_close(got[row], expected, atol=atol, rtol=0)
 
 
-def check_greedy_32_tokens(path: str, hf32) -> None:
-    engine = Engine(path, EngineConfig(drafting=False, context=1024, kv_cache_gib=0.05))
+def check_greedy_32_tokens(path: str, hf32, backend: str = "cpu", **config) -> None:
+    config = {"context": 1024, "kv_cache_gib": 0.05, **config}
+    engine = Engine(path, EngineConfig(backend=backend, drafting=False, **config))
     assert engine.exact, engine.probe_failures  # the startup probes pass on the family's shapes
+    assert engine.info.backend == backend
     ids = engine.tokenizer.encode(SEED_PROMPT, add_special_tokens=False)
     got = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     expected = hf32.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,

@@ -258,19 +258,18 @@ def test_q4_k_m_gguf_served_as_stored_gives_the_cpu_backends_logits(tiny_q4_k_m_
         assert np.array_equal(got.draws[key], logits), f"draw {key}"
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
-def test_quantized_checkpoints_give_the_cpu_backends_token_sha(request, arch):
-    """--quantize q8_0 on both backends: every draw's logits row bitwise equal (batched,
-    chunked, drafted, greedy and sampled), so the same token_sha."""
-    path = request.getfixturevalue(arch)
+def check_quantized_cpu_equals_mlx(path: str, first_prompt: int, **config) -> None:
+    """--quantize q8_0 on both backends: every draw's logits row bitwise equal (batched, chunked,
+    drafted, greedy and sampled), so the same token_sha. config: the window and cache (SMALL)."""
+    config = config or SMALL
     rng = random.Random(1)
-    prompts = [[rng.randrange(49152) for _ in range(21)], [rng.randrange(49152) for _ in range(9)] * 2]
+    prompts = [[rng.randrange(49152) for _ in range(first_prompt)], [rng.randrange(49152) for _ in range(9)] * 2]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
-    config = dict(quantize="q8_0", max_tokens_per_step=16, **SMALL)
     shas, recorders = [], []
     for backend in ("cpu", "mlx"):
-        engine = Engine(path, EngineConfig(backend=backend, **config))
+        engine = Engine(path, EngineConfig(backend=backend, quantize="q8_0", max_tokens_per_step=16, **config))
+        assert engine.exact, engine.probe_failures
         recorders.append(Recorder(engine))
         shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
     assert shas[0] == shas[1]
@@ -278,6 +277,11 @@ def test_quantized_checkpoints_give_the_cpu_backends_token_sha(request, arch):
     assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
     for key, logits in want.draws.items():
         assert np.array_equal(got.draws[key], logits), f"draw {key}"
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+def test_quantized_checkpoints_give_the_cpu_backends_token_sha(request, arch):
+    check_quantized_cpu_equals_mlx(request.getfixturevalue(arch), first_prompt=21)
 
 
 def test_unserved_layer_kinds_are_a_startup_error(tmp_path, smollm2_tokenizer):

@@ -154,11 +154,11 @@ def test_a_layers_mixing_over_a_batch_is_the_references():
 # ---- the tiny qwen3_5 checkpoint on --backend mlx -------------------------------------------------
 
 from engine_cases import check_solo_vs_batched, run  # noqa: E402
-from test_mlx_backend import Recorder, forward_rows  # noqa: E402
+from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, forward_rows  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
-from tools.tiny_checkpoint import SEED_PROMPT, make_tiny_checkpoint, well_separated_seed  # noqa: E402
+from tools.tiny_checkpoint import make_tiny_checkpoint, well_separated_seed  # noqa: E402
 
 SMALL = dict(kv_cache_gib=0.01, context=512)
 
@@ -180,36 +180,14 @@ def small_vocab_qwen3_5(tmp_path_factory, small_vocab_llama):
 
 
 def test_greedy_32_tokens_equal_transformers(qwen3_5):
-    from family_cases import hf_model
-    engine = Engine(qwen3_5, EngineConfig(backend="mlx", drafting=False, **SMALL))
-    assert engine.exact, engine.probe_failures
-    assert engine.info.backend == "mlx"
-    ids = engine.tokenizer.encode(SEED_PROMPT, add_special_tokens=False)
-    got = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    hf = hf_model(qwen3_5, torch.float32, experts_implementation="eager")
-    expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                           do_sample=False)[0, len(ids):].tolist()
-    assert got.token_ids == expected
+    from family_cases import check_greedy_32_tokens, hf_model
+    check_greedy_32_tokens(qwen3_5, hf_model(qwen3_5, torch.float32, experts_implementation="eager"), "mlx", **SMALL)
 
 
 def test_quantized_qwen3_5_gives_the_cpu_backends_logits_and_token_sha(qwen3_5):
     """--quantize q8_0 on both backends: every draw's logits row bitwise equal (batched, chunked,
     drafted, greedy and sampled; gated attention and Gated DeltaNet layers), so the same token_sha."""
-    rng = random.Random(1)
-    prompts = [[rng.randrange(49152) for _ in range(37)], [rng.randrange(49152) for _ in range(9)] * 2]
-    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
-    shas, recorders = [], []
-    for backend in ("cpu", "mlx"):
-        engine = Engine(qwen3_5, EngineConfig(backend=backend, quantize="q8_0", max_tokens_per_step=16, **SMALL))
-        assert engine.exact, engine.probe_failures
-        recorders.append(Recorder(engine))
-        shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
-    assert shas[0] == shas[1]
-    want, got = recorders
-    assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
-    for key, logits in want.draws.items():
-        assert np.array_equal(got.draws[key], logits), f"draw {key}"
+    check_quantized_cpu_equals_mlx(qwen3_5, first_prompt=37, **SMALL)
 
 
 def test_chunked_prefill_is_bitwise_token_by_token(qwen3_5):

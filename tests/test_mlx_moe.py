@@ -10,7 +10,6 @@ torch reference (models/moe.MoE.compose, kernels/moe.py), bitwise:
 - the tiny qwen3_5_moe and qwen3_next checkpoints: greedy 32 tokens == transformers; with
   --quantize q8_0 every draw's logits and the token_sha equal the cpu backend's.
 """
-import random
 import types
 
 import numpy as np
@@ -115,12 +114,8 @@ def test_moe_block_is_the_references(dtype, fmt, shared):
 
 # ---- the tiny MoE checkpoints on --backend mlx ----------------------------------------------------
 
-from engine_cases import run  # noqa: E402
-from test_mlx_backend import Recorder  # noqa: E402
-from tensorfold.api.replies import token_sha  # noqa: E402
-from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
-from tensorfold.sampling.params import SamplingParams  # noqa: E402
-from tools.tiny_checkpoint import SEED_PROMPT, make_tiny_checkpoint, well_separated_seed  # noqa: E402
+from test_mlx_backend import check_quantized_cpu_equals_mlx  # noqa: E402
+from tools.tiny_checkpoint import make_tiny_checkpoint, well_separated_seed  # noqa: E402
 
 SMALL = dict(kv_cache_gib=0.01, context=512)
 
@@ -134,34 +129,13 @@ def moe_hybrid(request, tmp_path_factory, smollm2_tokenizer):
 
 
 def test_greedy_32_tokens_equal_transformers(moe_hybrid):
-    from family_cases import hf_model
-    engine = Engine(moe_hybrid, EngineConfig(backend="mlx", drafting=False, **SMALL))
-    assert engine.exact, engine.probe_failures
-    assert engine.info.backend == "mlx"
-    ids = engine.tokenizer.encode(SEED_PROMPT, add_special_tokens=False)
-    got = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    from family_cases import check_greedy_32_tokens, hf_model
     hf = hf_model(moe_hybrid, torch.float32, experts_implementation="eager")
-    expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                           do_sample=False)[0, len(ids):].tolist()
-    assert got.token_ids == expected
+    check_greedy_32_tokens(moe_hybrid, hf, "mlx", **SMALL)
 
 
 def test_quantized_moe_gives_the_cpu_backends_logits_and_token_sha(moe_hybrid):
     """--quantize q8_0 on both backends: every draw's logits row bitwise equal (batched, chunked,
     drafted, greedy and sampled; MoE layers beside gated attention and Gated DeltaNet), so the
     same token_sha."""
-    rng = random.Random(1)
-    prompts = [[rng.randrange(49152) for _ in range(37)], [rng.randrange(49152) for _ in range(9)] * 2]
-    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
-    shas, recorders = [], []
-    for backend in ("cpu", "mlx"):
-        engine = Engine(moe_hybrid, EngineConfig(backend=backend, quantize="q8_0", max_tokens_per_step=16, **SMALL))
-        assert engine.exact, engine.probe_failures
-        recorders.append(Recorder(engine))
-        shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
-    assert shas[0] == shas[1]
-    want, got = recorders
-    assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
-    for key, logits in want.draws.items():
-        assert np.array_equal(got.draws[key], logits), f"draw {key}"
+    check_quantized_cpu_equals_mlx(moe_hybrid, first_prompt=37, **SMALL)

@@ -86,12 +86,9 @@ def _object(text: str, i: int) -> tuple[dict, int]:
         if not text.startswith(":", i):
             raise _NotGemma(f"no ':' at {i}")
         result[key], i = _value(text, i + 1)
-        i = _skip(text, i)
-        if text.startswith("}", i):
-            return result, i + 1
-        if not text.startswith(",", i):
-            raise _NotGemma(f"no ',' or '}}' at {i}")
-        i += 1
+        closed, i = _after_item(text, i, "}")
+        if closed:
+            return result, i
 
 
 def _array(text: str, i: int) -> tuple[list, int]:
@@ -102,9 +99,17 @@ def _array(text: str, i: int) -> tuple[list, int]:
     while True:
         value, i = _value(text, i)
         result.append(value)
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return result, i + 1
-        if not text.startswith(",", i):
-            raise _NotGemma(f"no ',' or ']' at {i}")
-        i += 1
+        closed, i = _after_item(text, i, "]")
+        if closed:
+            return result, i
+
+
+def _after_item(text: str, i: int, close: str) -> tuple[bool, int]:
+    """Past an object's or array's item: (True, after `close`) at its end, (False, after the ',')
+    before the next item."""
+    i = _skip(text, i)
+    if text.startswith(close, i):
+        return True, i + 1
+    if not text.startswith(",", i):
+        raise _NotGemma(f"no ',' or '{close}' at {i}")
+    return False, i + 1

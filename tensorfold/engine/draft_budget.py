@@ -37,18 +37,25 @@ class RowCost:
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         self._rounds.setdefault((sequences, rows), deque(maxlen=COST_WINDOW)).append(seconds)
 
-    def seconds(self, sequences: int, rows: int) -> float | None:
+    def curve(self, sequences: int):
         """t(rows) for rounds of `sequences` sequences, or None while fewer than two row counts
-        of them are known."""
+        of them are known: linear between the known counts, the last two counts' slope past them."""
         known = sorted((r, min(times)) for (n, r), times in self._rounds.items()
                        if n == sequences and len(times) >= MIN_ROUNDS)
         if len(known) < 2:
             return None
-        for left, right in zip(known, known[1:]):  # the segment reaching `rows`, else the last
-            if rows <= right[0]:
-                break
-        (r0, t0), (r1, t1) = left, right
-        return max(t0 + (t1 - t0) / (r1 - r0) * (rows - r0), 0.0)
+
+        def seconds(rows: int) -> float:
+            for left, right in zip(known, known[1:]):  # the segment reaching `rows`, else the last
+                if rows <= right[0]:
+                    break
+            (r0, t0), (r1, t1) = left, right
+            return max(t0 + (t1 - t0) / (r1 - r0) * (rows - r0), 0.0)
+        return seconds
+
+    def seconds(self, sequences: int, rows: int) -> float | None:
+        curve = self.curve(sequences)
+        return None if curve is None else curve(rows)
 
 
 @dataclass
@@ -100,15 +107,16 @@ class DraftBudget:
         """Drafts to run, out of `available` proposed, for a request in a round of `sequences`
         decoding sequences that holds `rows` rows without its drafts."""
         top = min(self.max_depth, available)
-        serial = self.cost.seconds(sequences, rows)
-        if top <= 0 or serial is None:
+        curve = self.cost.curve(sequences) if top > 0 else None
+        if curve is None:
             return top
+        serial = curve(rows)
         p, expected, term = acceptance.p, 1.0, 1.0
         best_depth, best = 0, 1.0 + MARGIN
         for d in range(1, top + 1):
             term *= p
             expected += term
-            seconds = self.cost.seconds(sequences, rows + d)
+            seconds = curve(rows + d)
             ratio = expected * serial / seconds if seconds > 0 else float("inf")
             if ratio > best:
                 best_depth, best = d, ratio

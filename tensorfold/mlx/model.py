@@ -10,6 +10,7 @@ A forward reads an MLXBatch (the round's rows, flattened; one entry per sequence
 layers' caches, and returns the logits rows as an mx.array; the runner evaluates them together
 with the caches it wrote, so no round leaves a graph behind.
 """
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -19,7 +20,7 @@ import torch
 from tensorfold.backends.linear_weight import count_formats, named_gemms
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
-from tensorfold.models.linear_attention import DeltaNetParams, LinearAttentionSpec, _input_matrices, _rate
+from tensorfold.models.linear_attention import LinearAttentionSpec, input_matrices, read_params
 from tensorfold.models.cache import PagedKV, RecurrentState
 from tensorfold.models.moe import MoESpec
 from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
@@ -147,15 +148,11 @@ class GatedDeltaNet:
     def __init__(self, spec: LinearAttentionSpec, w: WeightReader, eps: float):
         self.spec, self.eps = spec, eps
         la = w.under("linear_attn.")
-        self.in_proj = ops.MLXLinear.of(*_input_matrices(spec, la))
+        self.in_proj = ops.MLXLinear.of(*input_matrices(spec, la))
         self.out_proj = la.linear("out_proj.weight")
-        conv = la.float32("conv1d.weight")
-        if tuple(conv.shape) != (spec.conv_dim, 1, spec.conv_kernel):
-            raise CheckpointError(f"{la.prefix}conv1d.weight has shape {tuple(conv.shape)}, the config says "
-                                  f"({spec.conv_dim}, 1, {spec.conv_kernel})")
-        self.params = DeltaNetParams(spec.num_key_heads, spec.num_heads, spec.key_dim, spec.value_dim,
-                                     _mx(conv.reshape(spec.conv_dim, spec.conv_kernel)), _mx(_rate(la)),
-                                     _mx(la.float32("dt_bias")))
+        params = read_params(spec, la)
+        self.params = dataclasses.replace(params, conv_weight=_mx(params.conv_weight), rate=_mx(params.rate),
+                                          dt_bias=_mx(params.dt_bias))
         self.norm = _mx(la.dense("norm.weight"))  # the gated norm's weight: a plain multiplier
         self.cache_spec = RecurrentState(spec.conv_dim, spec.conv_kernel, spec.num_heads, spec.key_dim,
                                          spec.value_dim)

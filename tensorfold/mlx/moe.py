@@ -21,7 +21,7 @@ import numpy as np
 
 from tensorfold.kernels.moe import SUM_BITS
 from tensorfold.mlx import grid, ops
-from tensorfold.models.moe import MoESpec
+from tensorfold.models.moe import MoESpec, block_gemms
 from tensorfold.models.weights import WeightReader
 
 
@@ -74,13 +74,7 @@ class MoE:
             self.shared_gate = mlp.linear("shared_expert_gate.weight")
 
     def gemms(self) -> dict:
-        named = {"router": self.router}
-        for e, expert in enumerate(self.experts):
-            named[f"experts.{e}.gate_up"], named[f"experts.{e}.down"] = expert.gate_up, expert.down
-        if self.shared is not None:
-            named.update({"shared.gate_up": self.shared.gate_up, "shared.down": self.shared.down,
-                          "shared_gate": self.shared_gate})
-        return named
+        return block_gemms(self)
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.shape[0] == 0:

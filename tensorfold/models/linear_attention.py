@@ -57,15 +57,9 @@ class GatedDeltaNet:
     def __init__(self, spec: LinearAttentionSpec, w: WeightReader, ctx):
         self.spec, self.ops, self.eps = spec, w.ops, ctx.norm_eps
         la = w.under("linear_attn.")
-        self.in_proj = w.ops.Linear.of(*_input_matrices(spec, la))
+        self.in_proj = w.ops.Linear.of(*input_matrices(spec, la))
         self.out_proj = la.linear("out_proj.weight")
-        conv = la.float32("conv1d.weight")
-        if tuple(conv.shape) != (spec.conv_dim, 1, spec.conv_kernel):
-            raise CheckpointError(f"{la.prefix}conv1d.weight has shape {tuple(conv.shape)}, the config says "
-                                  f"({spec.conv_dim}, 1, {spec.conv_kernel})")
-        self.params = DeltaNetParams(spec.num_key_heads, spec.num_heads, spec.key_dim, spec.value_dim,
-                                     conv.reshape(spec.conv_dim, spec.conv_kernel).contiguous(),
-                                     _rate(la), la.float32("dt_bias"))
+        self.params = read_params(spec, la)
         self.norm = la.dense("norm.weight")  # the gated norm's weight: a plain multiplier
         self.cache_spec = RecurrentState(spec.conv_dim, spec.conv_kernel, spec.num_heads, spec.key_dim,
                                          spec.value_dim)
@@ -82,13 +76,25 @@ class GatedDeltaNet:
         return self.out_proj(normed.reshape(num_rows, width))
 
 
+def read_params(spec: LinearAttentionSpec, la: WeightReader) -> DeltaNetParams:
+    """The layer's conv taps (checked against the config), decay rate and dt_bias, as torch
+    tensors (every backend reads them here; the mlx one converts them)."""
+    conv = la.float32("conv1d.weight")
+    if tuple(conv.shape) != (spec.conv_dim, 1, spec.conv_kernel):
+        raise CheckpointError(f"{la.prefix}conv1d.weight has shape {tuple(conv.shape)}, the config says "
+                              f"({spec.conv_dim}, 1, {spec.conv_kernel})")
+    return DeltaNetParams(spec.num_key_heads, spec.num_heads, spec.key_dim, spec.value_dim,
+                          conv.reshape(spec.conv_dim, spec.conv_kernel).contiguous(), _rate(la),
+                          la.float32("dt_bias"))
+
+
 def _rate(la: WeightReader) -> torch.Tensor:
     """exp(A_log), or -A where the checkpoint holds A = -exp(A_log) as llama.cpp's GGUFs store it
     (ssm_a, models/gguf_file.py): the file's own values, not a log and exp back."""
     return -la.float32("A") if la.has("A") else decay_rate(la.float32("A_log"))
 
 
-def _input_matrices(spec: LinearAttentionSpec, la: WeightReader) -> list:
+def input_matrices(spec: LinearAttentionSpec, la: WeightReader) -> list:
     """[qkv, z, b, a] as checkpoint matrices, in the plain order (a Qwen3-Next GGUF's come plain)."""
     if not spec.grouped or la.has("in_proj_qkv.weight"):
         return [la.matrix(n) for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",

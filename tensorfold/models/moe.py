@@ -63,13 +63,7 @@ class MoE:
 
 
     def gemms(self) -> dict:
-        named = {"router": self.router}
-        for e, expert in enumerate(self.experts):
-            named[f"experts.{e}.gate_up"], named[f"experts.{e}.down"] = expert.gate_up, expert.down
-        if self.shared is not None:
-            named.update({"shared.gate_up": self.shared.gate_up, "shared.down": self.shared.down,
-                          "shared_gate": self.shared_gate})
-        return named
+        return block_gemms(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
@@ -97,3 +91,15 @@ def _experts(spec: MoESpec, mlp: WeightReader) -> list[Expert]:
         experts.append(Expert(one.linear("gate_proj.weight", "up_proj.weight"), one.linear("down_proj.weight"),
                               spec.intermediate_size, mlp.ops))
     return experts
+
+
+def block_gemms(block) -> dict:
+    """A MoE block's GEMMs by name (router, each expert's gate_up and down, the shared expert and
+    its gate): any backend's block with those attributes."""
+    named = {"router": block.router}
+    for e, expert in enumerate(block.experts):
+        named[f"experts.{e}.gate_up"], named[f"experts.{e}.down"] = expert.gate_up, expert.down
+    if block.shared is not None:
+        named.update({"shared.gate_up": block.shared.gate_up, "shared.down": block.shared.down,
+                      "shared_gate": block.shared_gate})
+    return named
