@@ -3,7 +3,8 @@
     python tools/tiny_checkpoint.py OUT_DIR [--arch ARCH] [--plain] [--seed N|separated]
                                     [--gguf q8_0|q4_0|q4_k_m]
     ARCH: llama, qwen3, the Qwen hybrids qwen3_5, qwen3_5_moe, qwen3_next (HYBRID_ARCHS), or
-          gemma4, gemma4_text (GEMMA4_ARCHS: every option of the real checkpoints, GEMMA4_OPTIONS)
+          gemma4, gemma4_text (GEMMA4_ARCHS: every option of the real checkpoints, GEMMA4_OPTIONS),
+          nemotron_h (NEMOTRON_H_TINY: every layer kind, the Hub's layout)
 
 The tokenizer is SmolLM2's, converted by transformers from the default model's GGUF, so prompts
 and chat templates behave like the real model while the weights stay a few MB. Each family gets
@@ -119,7 +120,18 @@ HYBRID_K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64,
                             linear_value_head_dim=32, linear_num_key_heads=8, linear_num_value_heads=8,
                             moe_intermediate_size=256, shared_expert_intermediate_size=256)
 GEMMA4_ARCHS = ("gemma4", "gemma4_text")
-ARCHS = ("llama", "qwen3") + HYBRID_ARCHS + GEMMA4_ARCHS
+ARCHS = ("llama", "qwen3") + HYBRID_ARCHS + GEMMA4_ARCHS + ("nemotron_h",)
+# Nemotron-H with every layer kind (M Mamba2, * attention without rope, - relu^2 MLP, E MoE) and every
+# option the real checkpoints turn on: grouped B/C (2 groups of 4 heads), a conv bias, sigmoid routing
+# with a correction bias over 2 expert groups of which 1 is chosen, a scaling factor, a shared expert,
+# and latent projections around the experts (Nemotron 3 Super's). Saved in the Hub's layout
+# (backbone., experts one by one, config.json with hybrid_override_pattern and num_hidden_layers).
+NEMOTRON_H_TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=1024, layer_norm_epsilon=1e-5,
+                       hybrid_override_pattern="M*EM-E", mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+                       ssm_state_size=16, conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+                       routed_scaling_factor=2.5, moe_latent_size=32, norm_topk_prob=True)
 # Gemma 4's text model with every option its real checkpoints turn on, at tiny sizes: sliding layers
 # (window 16, shorter than the tests' prompts) and global ones with a head twice as wide, one KV head
 # and proportional rope; per-layer inputs; final logit soft-capping. gemma4 (E2B-like, laid out as
@@ -281,6 +293,12 @@ def build_tiny_model(arch: str = "llama", seed: int = 0, tokenizer=None, **overr
         from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
         config = _gemma4_config(arch, params, overrides)
         cls = Gemma4ForConditionalGeneration if arch == "gemma4" else Gemma4ForCausalLM
+    elif arch == "nemotron_h":
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+        params = dict(NEMOTRON_H_TINY, **params)
+        params.update(tie_word_embeddings=False)
+        params.update(overrides)
+        config, cls = NemotronHConfig(**params), NemotronHForCausalLM
     else:
         raise ValueError(f"unknown arch {arch}")
     torch.manual_seed(seed)
@@ -289,7 +307,28 @@ def build_tiny_model(arch: str = "llama", seed: int = 0, tokenizer=None, **overr
         init_hybrid_weights(model)
     if arch in GEMMA4_ARCHS:
         init_gemma4_weights(model)
+    if arch == "nemotron_h":
+        init_nemotron_h_weights(model)
     return model
+
+
+def init_nemotron_h_weights(model, std: float = 0.2) -> None:
+    """Random values where transformers' init leaves constants: every norm weight (the layers', the
+    final one and the Mamba2 gated norms'; all x_hat * w) and D 1 + N(0, std), dt_bias -1 + N(0, 0.5)
+    (so softplus(dt + dt_bias) spreads over 0.1..1), the routers' correction bias N(0, 0.1). A_log
+    keeps log(1..heads), the matrices and conv N(0, initializer_range) or transformers' own init."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight") or leaf == "D":
+                param.copy_(1 + std * torch.randn_like(param))
+            elif leaf == "dt_bias":
+                param.copy_(-1 + 0.5 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
 
 
 def _hub_config(arch: str, out_dir: str) -> None:
@@ -332,8 +371,29 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
         _hub_config(arch, out_dir)
     if arch == "gemma4":
         _gemma4_hub_config(out_dir)
+    if arch == "nemotron_h":
+        _nemotron_h_hub_config(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def _nemotron_h_hub_config(out_dir: str) -> None:
+    """config.json in the Hub's spelling: the layer pattern as hybrid_override_pattern with
+    num_hidden_layers, not transformers' layers_block_type; time_step_limit as [lo, Infinity]."""
+    import json
+
+    path = os.path.join(out_dir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    letters = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    kinds = config.pop("layers_block_type")
+    config.update(hybrid_override_pattern="".join(letters[k] for k in kinds), num_hidden_layers=len(kinds),
+                  time_step_limit=[float(v) if not isinstance(v, dict) else float(v["__float__"])
+                                   for v in config["time_step_limit"]])
+    config.pop("mtp_layers_block_type", None)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def _gemma4_hub_config(out_dir: str) -> None:
@@ -368,10 +428,24 @@ def hybrid_margins(model, prompt_ids, new_tokens: int = 32) -> dict:
         scale = values.abs().amax(dim=-1).clamp(min=1.0)
         return ((top[..., k - 1] - top[..., k]) / scale).min().item()
 
-    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    def sigmoid_gap(m, logits):  # Nemotron-H's router: the gaps its group and expert choices rank by
+        choice = logits.float().sigmoid() + m.e_score_correction_bias
+        rows = choice.view(-1, m.num_group, m.num_experts // m.num_group)
+        gaps = [gap(choice, m.top_k)]
+        if m.num_group > 1:
+            groups = rows.topk(2, dim=-1).values.sum(-1)
+            gaps.append(gap(groups, m.topk_group))
+            kept = groups.topk(m.topk_group, dim=-1).indices
+            allowed = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, kept, True)
+            masked = choice.masked_fill(~allowed.repeat_interleave(m.num_experts // m.num_group, 1), float(choice.min()) - 1)
+            gaps[0] = gap(masked, m.top_k)
+        return min(gaps)
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
     route_gaps = []
-    hooks = [r.register_forward_hook(lambda m, args, out: route_gaps.append(gap(out[0], m.top_k)))
-             for r in routers]
+    hooks = [r.register_forward_hook(lambda m, args, out: route_gaps.append(
+        sigmoid_gap(m, out[0]) if hasattr(m, "e_score_correction_bias") else gap(out[0], m.top_k)))
+        for r in routers]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -8,7 +8,8 @@ torch operations: nothing here calls tensorfold._cpu); its tokens come back as P
 """
 import functools
 
-from tensorfold.kernels.moe import route  # noqa: F401
+from tensorfold.kernels.mamba2 import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
+from tensorfold.kernels.moe import route, route_sigmoid  # noqa: F401
 from tensorfold.kernels.paged_attention import attention_by_sequence
 from tensorfold.kernels.paged_attention import paged_attention_ref as paged_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import paged_decode_attention_ref as paged_decode_attention  # noqa: F401
@@ -18,8 +19,8 @@ from tensorfold.kernels.delta_net import delta_net, gated_rms_norm  # noqa: F401
 from tensorfold.kernels import quant_gemm, reference
 from tensorfold.kernels.reference import linear_padded
 from tensorfold.kernels.reference import (add_rms_norm, apply_rope, gelu_tanh_and_mul, pad_rows,  # noqa: F401
-                                          rms_norm, rms_norm_rope, rope_table, sigmoid_and_mul, silu_and_mul,
-                                          softcap)
+                                          relu_squared, rms_norm, rms_norm_rope, rope_table, sigmoid_and_mul,
+                                          silu_and_mul, softcap)
 from tensorfold.sampling.sampler import sample  # noqa: F401
 
 NAME = "torch"

@@ -27,7 +27,8 @@ What runs where, and why:
   as closely as two float GEMMs do; quantized ones agree bitwise. On CPU tensors (the tests, in
   the interpreter) dense linear is the cpu backend's GEMM, so the op sets are compared on equal
   GEMMs there.
-- silu_and_mul, sigmoid_and_mul, gelu_tanh_and_mul, softcap, pad_rows, rope_table: the torch
+- silu_and_mul, sigmoid_and_mul, gelu_tanh_and_mul, relu_squared, softcap, pad_rows, rope_table,
+  and Nemotron-H's Mamba2 scan (mamba2, mamba2_gated_norm) and routing (route_sigmoid): the torch
   reference ops on CUDA tensors, shared by both op sets rather than mirrored (elementwise:
   invariant on a GPU as they are).
 """
@@ -37,7 +38,8 @@ import torch
 
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
-from tensorfold.kernels.moe import group_by_expert
+from tensorfold.kernels.mamba2 import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
+from tensorfold.kernels.moe import group_by_expert, route_sigmoid  # noqa: F401
 from tensorfold.kernels.moe_triton import combine, route
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen, tile_plan  # noqa: F401
 from tensorfold.kernels.dense_gemm_triton import dense_linear
@@ -47,8 +49,8 @@ from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.kernels.quant_gemm_triton import PackedQuantWeight, pack_quant_weight, quant_linear
 from tensorfold.kernels.reference import linear_padded
-from tensorfold.kernels.reference import (gelu_tanh_and_mul, pad_rows, rope_table, sigmoid_and_mul,  # noqa: F401
-                                          silu_and_mul, softcap)
+from tensorfold.kernels.reference import (gelu_tanh_and_mul, pad_rows, relu_squared, rope_table,  # noqa: F401
+                                          sigmoid_and_mul, silu_and_mul, softcap)
 from tensorfold.kernels.rms_norm_triton import add_rms_norm, apply_rope, rms_norm, rms_norm_rope  # noqa: F401
 from tensorfold.kernels.sampling_triton import sample  # noqa: F401
 from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa: F401

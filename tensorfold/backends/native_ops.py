@@ -15,8 +15,12 @@ from tensorfold import _cpu
 from tensorfold.backends.huge_pages import arena
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.paged_attention import pad_block_tables
-# elementwise, on torch ops that round each step (invariant as they are): Gemma's GeGLU and soft cap
-from tensorfold.kernels.reference import gelu_tanh_and_mul, pad_rows, rope_table, softcap  # noqa: F401
+# elementwise, on torch ops that round each step (invariant as they are): Gemma's GeGLU and soft cap,
+# Nemotron-H's relu^2
+from tensorfold.kernels.reference import gelu_tanh_and_mul, pad_rows, relu_squared, rope_table, softcap  # noqa: F401
+# Nemotron-H's Mamba2 scan and its routing: the torch references (no C++ form yet)
+from tensorfold.kernels.mamba2 import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
+from tensorfold.kernels.moe import route_sigmoid  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
 from tensorfold.models.linear_attention import GatedDeltaNet
 from tensorfold.models.moe import MoE

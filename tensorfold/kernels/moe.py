@@ -1,5 +1,5 @@
 """The MoE's own steps, the torch references (models/moe.py): the router's choice and weights
-(`route`), the pairs grouped by expert (`group_by_expert`) and the sum of a token's expert
+(`route`; `route_sigmoid`, Nemotron-H's sigmoid routing with a bias and groups), the pairs grouped by expert (`group_by_expert`) and the sum of a token's expert
 outputs (`combine`).
 
 Batch invariant by construction: each row's choice and weights come from that row alone; the
@@ -53,3 +53,31 @@ def combine(y: torch.Tensor, y_rows: torch.Tensor, experts: torch.Tensor, weight
     if shared is not None:
         out += sigmoid32(shared_gate.float()) * shared.float()
     return out.to(y.dtype)
+
+
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  normalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing with a correction bias and group-limited choice (Nemotron-H, DeepSeek-V3's
+    noaux_tc): (experts [rows, k] int64, weights [rows, k] float32) from router logits [rows, E]
+    float32 and bias [E]. scores = sigmoid(logits) (sigmoid32); the choice ranks scores + bias;
+    with n_group > 1 only the topk_group groups whose two best (score + bias) sum highest are
+    ranked (the others -inf); the top k by a stable sort, ties (groups and experts) to the lower
+    index. Weights are the chosen experts' scores (not the biased ones), over their sum added in
+    rank order plus 1e-20 where normalize, times scale: float32 steps in that order."""
+    scores = sigmoid32(logits)
+    choice = scores + bias.float()
+    rows, num_experts = choice.shape
+    if n_group > 1:
+        grouped = torch.sort(choice.view(rows, n_group, -1), dim=-1, descending=True, stable=True)[0]
+        group_scores = grouped[..., 0] + grouped[..., 1]  # [rows, n_group]
+        kept = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :topk_group]
+        mask = torch.zeros((rows, n_group), dtype=torch.bool, device=choice.device).scatter_(1, kept, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))
+    index = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, :top_k]
+    weights = scores.gather(1, index)
+    if normalize:
+        total = weights[:, 0].clone()
+        for j in range(1, top_k):
+            total += weights[:, j]
+        weights = weights / (total + float32.f32(1e-20))[:, None]
+    return index, weights * float32.f32(scale)

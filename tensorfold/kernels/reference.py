@@ -210,6 +210,22 @@ def _normalized(x: torch.Tensor, eps: float, divisor: int) -> torch.Tensor:
     return x32.float() * inv
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias, each row alone (the DSA indexer's key norm):
+    the mean from an exact sum (each x on the row's grid of 2 NORM_BITS bits below its largest,
+    an integer sum below 2^53), float32(sum) scaled and divided by N in float32; then rms_norm's
+    steps 1-4 on the float32 differences; weight and bias in float32 steps; rounded to x's dtype."""
+    n = x.shape[-1]
+    if n > MAX_NORM_WIDTH:
+        raise ValueError(f"layer_norm rows are at most {MAX_NORM_WIDTH} wide (an exact float64 sum), got {n}")
+    x32 = x.float()
+    e = grid.exponent(x32.abs().amax(dim=-1, keepdim=True))
+    ints = grid.round_even(x32.double() * grid.pow2(2 * NORM_BITS - 1 - e))  # |.| <= 2^40
+    mean = grid.scale32(ints.sum(dim=-1, keepdim=True).float(), e - 2 * NORM_BITS + 1) / float(n)
+    out = _normalized(x32 - mean, eps, n)
+    return (out * weight.float() + bias.float()).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """The residual add rounded to the dtype, then the norm: (rms_norm(residual + x), residual + x).
     The cuda backend fuses the two (one pass over the row); the bits are these."""
@@ -263,6 +279,12 @@ def gelu_tanh32(x: torch.Tensor) -> torch.Tensor:
     u += x
     u *= float32.f32(2 * 0.7978845608028654)  # 2 sqrt(2/pi)
     return x * sigmoid32(u)
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 in x's dtype (Nemotron-H's MLPs and experts): two elementwise roundings."""
+    r = torch.relu(x)
+    return r * r
 
 
 def tanh32(x: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,11 @@ runs on the op set it was built with (`ops`: the backend's batch-invariant ops),
 block serves every backend. The composition written here is the reference; a backend may run a
 whole layer in a fused form of its own (ops.fuse), which tests hold bitwise equal to this one.
 
-    Attention  GQA over paged K/V, rope (whole or partial), optional QK-norm, window and
-               output gate                                               cache: PagedKV
+    Attention  GQA over paged K/V, rope (whole, partial or none), optional QK-norm, window
+               and output gate                                          cache: PagedKV
     MLP        SwiGLU, or GeGLU (GELU's tanh form)                      cache: none
-    DecoderLayer  norm -> mixer -> add & norm -> ffn -> add & next norm
+    DecoderLayer  norm -> mixer -> add & norm -> ffn -> add & next norm; or, a single-block
+               layer (mixer or ffn None), norm -> the block -> add & next norm
 
 `gemms()` names each block's LinearWeights: the probes and the weight-format report read it.
 """
@@ -35,7 +36,7 @@ class BuildContext:
 class Attention:
     def __init__(self, spec: AttentionSpec, w: WeightReader, ctx: BuildContext):
         self.spec, self.ops, self.eps = spec, w.ops, ctx.norm_eps
-        self.rope = ctx.rope_tables.get(spec.rope, spec.rope_dim, spec.max_position)
+        self.rope = None if spec.rope is None else ctx.rope_tables.get(spec.rope, spec.rope_dim, spec.max_position)
         attn = w.under("self_attn.")
         self.qkv = attn.linear("q_proj.weight", "k_proj.weight", "v_proj.weight",
                                biases=("q_proj.bias", "k_proj.bias", "v_proj.bias"))
@@ -52,7 +53,7 @@ class Attention:
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: LayerKV) -> torch.Tensor:
         s, ops = self.spec, self.ops
         num_rows = x.shape[0]
-        cos, sin = batch.rope_rows(self.rope)  # [num_rows, head_dim] each
+        cos, sin = batch.rope_rows(self.rope) if self.rope is not None else (None, None)  # [num_rows, head_dim] each
         qkv = self.qkv(x)  # [num_rows, (heads (x2 with the gate) + 2 kv_heads) * head_dim]
         q_size, kv_size = s.num_heads * s.head_dim * (2 if s.output_gate else 1), s.num_kv_heads * s.head_dim
         q = qkv[:, :q_size].reshape(num_rows, s.num_heads, -1)
@@ -71,8 +72,10 @@ class Attention:
 
     def _position(self, x, norm, cos, sin):
         """The per-head norm (where the layer has one) and rope, over the first rope_dim dims of
-        each head."""
+        each head (no rope where the spec has none: the norm alone)."""
         ops, rope_dim = self.ops, self.spec.rope_dim
+        if cos is None:
+            return ops.rms_norm(x, norm, self.eps) if norm is not None else x
         if rope_dim == self.spec.head_dim:
             return ops.rms_norm_rope(x, norm, self.eps, cos, sin) if norm is not None else ops.apply_rope(x, cos, sin)
         if norm is not None:
@@ -107,30 +110,46 @@ BLOCKS = {AttentionSpec: Attention, MLPSpec: MLP}  # spec type -> block class
 class DecoderLayer:
     """x + mixer(norm(x)), then + ffn(norm(.)). The layer's input arrives normed (the previous
     layer's add and this layer's norm are one op) and it returns the next layer's normed input
-    with the residual stream."""
+    with the residual stream. A single-block layer (the spec's mixer or ffn None) has one norm,
+    the input norm: x + block(norm(x)); a feed-forward-only layer keeps no cache (None)."""
 
     def __init__(self, spec: LayerSpec, w: WeightReader, rope_tables: RopeTables, blocks: dict):
         """blocks: spec type -> block class (BLOCKS, or a family's own)."""
         self.spec, self.ops, self.eps = spec, w.ops, spec.norm_eps
+        if spec.mixer is None and spec.ffn is None:
+            raise CheckpointError(f"{w.prefix}: a layer needs a mixer or a feed-forward")
         self.input_norm = w.norm("input_layernorm.weight")
-        self.post_mixer_norm = w.norm("post_attention_layernorm.weight")
+        both = spec.mixer is not None and spec.ffn is not None
+        self.post_mixer_norm = w.norm("post_attention_layernorm.weight") if both else None
         ctx = BuildContext(rope_tables, spec.norm_eps)
-        self.mixer = blocks[type(spec.mixer)](spec.mixer, w, ctx)
-        self.ffn = blocks[type(spec.ffn)](spec.ffn, w, ctx)
+        self.mixer = None if spec.mixer is None else _block(blocks, spec.mixer, w)(spec.mixer, w, ctx)
+        self.ffn = None if spec.ffn is None else _block(blocks, spec.ffn, w)(spec.ffn, w, ctx)
 
     @property
     def cache_spec(self):
-        return self.mixer.cache_spec
+        return self.mixer.cache_spec if self.mixer is not None else None
 
     def gemms(self) -> dict:
-        return {**self.mixer.gemms(), **self.ffn.gemms()}
+        return {**(self.mixer.gemms() if self.mixer else {}), **(self.ffn.gemms() if self.ffn else {})}
 
     def forward(self, x, residual, next_norm, batch: ForwardBatch, cache):
         """Returns (the next layer's normed input, or None after the last layer; the residual)."""
         ops = self.ops
-        mixed = self.mixer.forward(x, batch, cache)
-        x, residual = ops.add_rms_norm(mixed, residual, self.post_mixer_norm, self.eps)
-        out = self.ffn.forward(x)
+        if self.mixer is None:
+            out = self.ffn.forward(x)
+        elif self.ffn is None:
+            out = self.mixer.forward(x, batch, cache)
+        else:
+            mixed = self.mixer.forward(x, batch, cache)
+            x, residual = ops.add_rms_norm(mixed, residual, self.post_mixer_norm, self.eps)
+            out = self.ffn.forward(x)
         if next_norm is None:
             return None, residual + out
         return ops.add_rms_norm(out, residual, next_norm, self.eps)  # the add and the next norm, in one op
+
+
+def _block(blocks: dict, spec, w: WeightReader):
+    """The block class of `spec` (a startup error naming the kind where the family has none)."""
+    if type(spec) not in blocks:
+        raise CheckpointError(f"{w.prefix}: no block class for {type(spec).__name__} in this family")
+    return blocks[type(spec)]

@@ -11,11 +11,15 @@ layers' bytes per block within --kv-cache-gib. Kinds:
                     KV-shared layers): no bytes, the earlier layer's part handed to it
     RecurrentState  linear attention: per block, the state after the block's last position
                     (a fixed-size state, not a per-position one: see RecurrentState)
+    Mamba2State     Mamba2: the same rule and layout (conv window, SSM state per block), its
+                    own name in the counts
 
-A latent cache (MLA) and Mamba's state go beside them.
+A latent cache (MLA) goes beside them. A layer that keeps nothing (a feed-forward-only layer:
+Nemotron-H's MLP and MoE layers) declares None.
 
 ModelCache is the allocated whole: one object per layer (a LayerKV for attention, a LayerState
-for linear attention; a KV-shared layer gets its source's LayerKV), handed to that layer's forward.
+for linear attention and Mamba2, None for a layer that keeps nothing; a KV-shared layer gets its
+source's LayerKV), handed to that layer's forward.
 """
 from dataclasses import dataclass
 
@@ -119,6 +123,53 @@ class RecurrentState:
         return LayerState(conv, ssm, block_size)
 
 
+@dataclass(frozen=True)
+class Mamba2State(RecurrentState):
+    """A Mamba2 layer's state, kept per block by RecurrentState's rule: the causal conv's last
+    conv_kernel - 1 inputs (x, B and C: conv_dim channels) and the SSM state of each head as
+    [key_dim = ssm_state_size, value_dim = head_dim] (so the read-out h^T C is the same exact dot
+    as DeltaNet's S^T q), float32."""
+
+
+@dataclass(frozen=True)
+class LayerLatent:
+    """One latent-attention layer's part of the cache: kv [num_blocks, block_size, latent_dim +
+    rope_dim], each position's normalized compressed KV followed by its roped key (the attention's
+    key is the whole vector, its value the first latent_dim entries), and index_keys [num_blocks,
+    block_size, index_dim], the DSA indexer's key per position (None for a layer without an indexer)."""
+    kv: torch.Tensor
+    index_keys: torch.Tensor | None
+    latent_dim: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.index_keys) if t is not None)
+
+
+@dataclass(frozen=True)
+class LatentKV:
+    """The latent cache of multi-head latent attention (MLA): per position the normalized
+    compressed KV (latent_dim) and the shared roped key (rope_dim), not per-head K/V (the
+    attention runs on the latent with absorbed projections: models/latent_attention.py), and
+    the DSA indexer's key (index_dim, 0 without an indexer). Per-position, like PagedKV: the
+    engine's counts, rollbacks and prefix hits hold for it unchanged."""
+    latent_dim: int
+    rope_dim: int
+    index_dim: int = 0
+
+    recurrent = False
+
+    def bytes_per_block(self, dtype: torch.dtype, block_size: int, v_exponents: bool = False) -> int:
+        return (self.latent_dim + self.rope_dim + self.index_dim) * torch.finfo(dtype).bits // 8 * block_size
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                 v_exponents: bool = False) -> LayerLatent:
+        kv = torch.zeros((num_blocks, block_size, self.latent_dim + self.rope_dim), dtype=dtype, device=device)
+        index = (torch.zeros((num_blocks, block_size, self.index_dim), dtype=dtype, device=device)
+                 if self.index_dim else None)
+        return LayerLatent(kv, index, self.latent_dim)
+
+
 class ModelCache:
     """Every layer's cache for `num_blocks` blocks of `block_size` tokens. dtype: the K/V dtype
     (EngineConfig.kv_dtype), which may differ from the activations'; v_exponents: whether the op
@@ -130,7 +181,9 @@ class ModelCache:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.layers = []
         for i, spec in enumerate(self.specs):
-            if isinstance(spec, SharedKV):
+            if spec is None:  # a layer that keeps nothing
+                self.layers.append(None)
+            elif isinstance(spec, SharedKV):
                 if not 0 <= spec.source < i or isinstance(self.specs[spec.source], SharedKV):
                     raise ValueError(f"layer {i} shares the K/V of layer {spec.source}, which keeps none before it")
                 self.layers.append(self.layers[spec.source])
@@ -143,11 +196,12 @@ class ModelCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in {id(layer): layer for layer in self.layers}.values())  # shared once
+        unique = {id(layer): layer for layer in self.layers if layer is not None}  # shared once
+        return sum(layer.nbytes for layer in unique.values())
 
     @staticmethod
     def bytes_per_block(specs: list, dtype: torch.dtype, block_size: int, v_exponents: bool = False) -> int:
-        return sum(spec.bytes_per_block(dtype, block_size, v_exponents) for spec in specs)
+        return sum(spec.bytes_per_block(dtype, block_size, v_exponents) for spec in specs if spec is not None)
 
     @staticmethod
     def recurrent(specs: list) -> bool:
@@ -158,6 +212,8 @@ class ModelCache:
         """The kinds and their layer counts, in words (the startup log, /health)."""
         kinds: dict[str, int] = {}
         for spec in self.specs:
+            if spec is None:
+                continue
             name = type(spec).__name__
             kinds[name] = kinds.get(name, 0) + 1
         return ", ".join(f"{n} x {name}" for name, n in kinds.items())

@@ -62,7 +62,9 @@ class ModelArgs:
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
-        layers = int(need("num_hidden_layers"))
+        # transformers' Nemotron-H configs give the layer count only as their layer pattern's length
+        pattern = config.get("layers_block_type") or config.get("hybrid_override_pattern")
+        layers = len(pattern) if config.get("num_hidden_layers") is None and pattern else int(need("num_hidden_layers"))
         head_dim = config.get("head_dim") or hidden // heads
         return cls(
             architecture=(config.get("architectures") or ["?"])[0],

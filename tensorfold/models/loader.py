@@ -1,4 +1,5 @@
 """One entry point for every checkpoint format: a HF directory, a .gguf file, or the default model."""
+import functools
 import logging
 import os
 
@@ -8,7 +9,9 @@ from tensorfold.models.checkpoint import Checkpoint, CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.progress import LoadProgress
 from tensorfold.models.decoder import Model
+from tensorfold.models.mtp import PREFIX as MTP_PREFIX, has_mtp
 from tensorfold.models.registry import model_family
+from tensorfold.models.weights import WeightReader
 
 
 def load_checkpoint(path: str | None = None, keep_quantized: bool = False) -> Checkpoint:
@@ -32,7 +35,8 @@ def load_checkpoint(path: str | None = None, keep_quantized: bool = False) -> Ch
 # not the routers (mlp.gate, shared_expert_gate) nor conv1d, which llama.cpp keeps float.
 QUANTIZABLE = ("_proj.weight", "lm_head.weight", "embed_tokens.weight", "in_proj_qkv.weight", "in_proj_z.weight",
                "in_proj_b.weight", "in_proj_a.weight", "in_proj_qkvz.weight", "in_proj_ba.weight")
-STACKED_EXPERTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
+STACKED_EXPERTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",),
+                   "experts.up_proj": ("up_proj",)}  # the last: Nemotron-H's non-gated experts
 
 
 def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
@@ -56,7 +60,7 @@ def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
 
 def split_stacked_experts(tensors: dict) -> None:
     """Stacked expert tensors (Qwen3.5-MoE's experts.gate_up_proj [E, 2I, H], experts.down_proj
-    [E, H, I]) as one matrix per expert and projection (experts.E.gate_proj.weight, ...), in
+    [E, H, I]; Nemotron-H's experts.up_proj [E, I, H]) as one matrix per expert and projection (experts.E.gate_proj.weight, ...), in
     place: the one layout the MoE block reads, and whose matrices are quantized one by one, as a
     GGUF's expert rows are. Views, no copies."""
     for name in [n for n in tensors if n.endswith(tuple(STACKED_EXPERTS))]:
@@ -67,13 +71,27 @@ def split_stacked_experts(tensors: dict) -> None:
                 tensors[f"{prefix}experts.{e}.{proj}.weight"] = part
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu") -> Model:
-    """The checkpoint's family's layers over `ops`, the backend's op set (backends.backend_ops)."""
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu",
+                group=None, mtp: bool = False) -> Model:
+    """The checkpoint's family's layers over `ops`, the backend's op set (backends.backend_ops);
+    group: a tensor-parallel rank's (dist/group.RankGroup), which reads only its shard; mtp: also
+    the multi-token-prediction layer, where the family and the checkpoint have one (one rank only)."""
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     family = model_family(ckpt.architecture, ckpt.path)
-    tensors = LoadProgress(served_tensors(ckpt.tensors, family))
-    model = (family.model or Model)(args, family.layer_specs(args), tensors, dtype, ops, device, family.blocks,
-                                    family.norm_offset)
+    served = served_tensors(ckpt.tensors, family)
+    with_mtp = mtp and group is None and family.mtp_layer is not None and has_mtp(served, args.hf)
+    if not with_mtp:
+        served = {n: t for n, t in served.items() if not n.startswith(MTP_PREFIX)}
+    tensors = LoadProgress(served)
+    reader, blocks = WeightReader, family.blocks
+    if group is not None:
+        from tensorfold.dist.shard import ShardReader, sharded_blocks
+        reader, blocks = functools.partial(ShardReader, group=group), sharded_blocks(blocks)
+    model = (family.model or Model)(args, family.layer_specs(args), tensors, dtype, ops, device, blocks,
+                                    family.norm_offset, reader)
+    if with_mtp:
+        model.add_mtp(family.mtp_layer(args), tensors, family.blocks, family.norm_offset,
+                      int(args.hf["mtp_num_hidden_layers"]))
     tensors.finish()
     return model
 

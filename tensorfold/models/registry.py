@@ -1,5 +1,5 @@
 """Architecture name (config.json "architectures"[0]) -> model family. A literal dict, nothing more."""
-from tensorfold.models import gemma4, llama, qwen3, qwen3_5
+from tensorfold.models import gemma4, glm_moe_dsa, llama, nemotron_h, qwen3, qwen3_5
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.spec import Family
 
@@ -13,6 +13,8 @@ ARCHITECTURES = {
     "Qwen3NextForCausalLM": qwen3_5.FAMILY,               # Flash Next
     "Gemma4ForConditionalGeneration": gemma4.FAMILY,      # Gemma 4 (its text model)
     "Gemma4ForCausalLM": gemma4.FAMILY,                   # gemma4_text
+    "GlmMoeDsaForCausalLM": glm_moe_dsa.FAMILY,           # GLM-5.x
+    "NemotronHForCausalLM": nemotron_h.FAMILY,            # Nemotron-H, Nemotron Nano 2, Nemotron 3
 }
 
 

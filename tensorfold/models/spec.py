@@ -15,11 +15,12 @@ from tensorfold.models.config import ModelArgs, RopeConfig
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Grouped-query attention over a paged K/V cache, with rope."""
+    """Grouped-query attention over a paged K/V cache, with rope, or with no positional encoding
+    at all where rope is None (Nemotron-H: its Mamba2 layers carry the order)."""
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope: RopeConfig
+    rope: RopeConfig | None
     max_position: int                 # the rope table's length
     window: int | None = None         # sliding window in tokens; None: full attention
     qk_norm: bool = False             # qwen3: RMSNorm per head on Q and K before rope (required;
@@ -49,9 +50,11 @@ class MLPSpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: x + mixer(norm(x)), then + ffn(norm(.)), RMSNorm with norm_eps."""
-    mixer: object
-    ffn: object
+    """One decoder layer: x + mixer(norm(x)), then + ffn(norm(.)), RMSNorm with norm_eps. A
+    single-block layer (Nemotron-H's: a mixer or a feed-forward, one norm) has the other None:
+    x + block(norm(x))."""
+    mixer: object | None
+    ffn: object | None
     norm_eps: float
 
 
@@ -67,13 +70,16 @@ class Family:
     norm_offset: RMSNorm weights are stored as offsets from this (Qwen3.5: 1, the norm is
     x * (1 + w)); added once at load.
     model: the decoder class, for a family with model-level parts of its own (Gemma 4's scaled
-    embedding, per-layer inputs and soft-capped logits); None: models/decoder.Model."""
+    embedding, per-layer inputs and soft-capped logits); None: models/decoder.Model.
+    mtp_layer: the spec of the family's multi-token-prediction layer (models/mtp.py), for a
+    family whose checkpoints may ship one; None: MTP weights are never loaded."""
     name: str
     layer_specs: Callable[[ModelArgs], list[LayerSpec]]
     blocks: dict              # spec type -> block class (models/blocks.BLOCKS, plus its own)
     tensor_name: Callable[[str], str | None] = keep_name
     norm_offset: float = 0.0
     model: type | None = None
+    mtp_layer: Callable[[ModelArgs], LayerSpec] | None = None
 
 
 def dense_attention_layers(args: ModelArgs, qk_norm: bool = False) -> list[LayerSpec]:
