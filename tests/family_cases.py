@@ -92,6 +92,8 @@ def prefill_in_chunks(model, ids: list[int], chunk: int, other: list[int], block
     last = (len(ids) - 1) // BLOCK
     parts = []
     for layer in cache.layers:
+        if layer is None:  # a layer that keeps nothing (Nemotron-H's MLP and MoE layers)
+            continue
         if hasattr(layer, "ssm"):
             parts += [layer.ssm[last].clone(), layer.conv[last].clone()]
         else:

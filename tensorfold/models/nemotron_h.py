@@ -99,9 +99,14 @@ def _mamba(hf: dict) -> Mamba2Spec:
     heads, groups = int(option(hf, "mamba_num_heads")), int(option(hf, "n_groups"))
     if heads % groups:
         raise CheckpointError(f"config.json: mamba_num_heads {heads} is not a multiple of n_groups {groups}")
-    lo, hi = option(hf, "time_step_limit")
+    lo, hi = (_number(v) for v in option(hf, "time_step_limit"))
     return Mamba2Spec(heads, int(option(hf, "mamba_head_dim")), groups, int(option(hf, "ssm_state_size")),
-                      int(option(hf, "conv_kernel")), (float(lo), float(hi)))
+                      int(option(hf, "conv_kernel")), (lo, hi))
+
+
+def _number(value) -> float:
+    """A config float, in the Hub's JSON (Infinity) or transformers' ({"__float__": "Infinity"})."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
 
 
 def _attention(args: ModelArgs) -> AttentionSpec:
