@@ -96,6 +96,8 @@ def prefill_in_chunks(model, ids: list[int], chunk: int, other: list[int], block
             continue
         if hasattr(layer, "ssm"):
             parts += [layer.ssm[last].clone(), layer.conv[last].clone()]
+        elif hasattr(layer, "latent_dim"):  # a latent cache: the latent and rope key, the indexer's keys
+            parts += [t[:last + 1].clone() for t in (layer.kv, layer.index_keys) if t is not None]
         else:
             parts += [layer.k[:last + 1].clone(), layer.v[:last + 1].clone()]
     return logits, parts

@@ -4,7 +4,8 @@
                                     [--gguf q8_0|q4_0|q4_k_m]
     ARCH: llama, qwen3, the Qwen hybrids qwen3_5, qwen3_5_moe, qwen3_next (HYBRID_ARCHS), or
           gemma4, gemma4_text (GEMMA4_ARCHS: every option of the real checkpoints, GEMMA4_OPTIONS),
-          nemotron_h (NEMOTRON_H_TINY: every layer kind, the Hub's layout)
+          nemotron_h (NEMOTRON_H_TINY: every layer kind, the Hub's layout),
+          glm_moe_dsa (GLM_TINY: GLM-5's MLA + DSA indexer and noaux_tc MoE, every option on)
 
 The tokenizer is SmolLM2's, converted by transformers from the default model's GGUF, so prompts
 and chat templates behave like the real model while the weights stay a few MB. Each family gets
@@ -120,7 +121,19 @@ HYBRID_K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64,
                             linear_value_head_dim=32, linear_num_key_heads=8, linear_num_value_heads=8,
                             moe_intermediate_size=256, shared_expert_intermediate_size=256)
 GEMMA4_ARCHS = ("gemma4", "gemma4_text")
-ARCHS = ("llama", "qwen3") + HYBRID_ARCHS + GEMMA4_ARCHS + ("nemotron_h",)
+ARCHS = ("llama", "qwen3") + HYBRID_ARCHS + GEMMA4_ARCHS + ("nemotron_h", "glm_moe_dsa")
+# GLM-5 (glm_moe_dsa) with every option its real checkpoints turn on, at tiny sizes: the q_lora path,
+# a compressed KV of 32 with an 8-dim roped key, a DSA indexer of 16 heads choosing 12 keys (fewer
+# than the tests' prompts, so it selects) on layers 0 and 2, layer 1 reusing layer 0's choice
+# ("shared"); a dense first layer, then MoE layers: 8 experts in 4 groups of which 2 are kept, 2 per
+# token, a correction bias, routed_scaling_factor, a shared expert.
+GLM_TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16, index_topk=12, index_head_dim=16, index_n_heads=16,
+                indexer_types=["full", "shared", "full"], first_k_dense_replace=1, n_routed_experts=8,
+                num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                norm_topk_prob=True, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 # Nemotron-H with every layer kind (M Mamba2, * attention without rope, - relu^2 MLP, E MoE) and every
 # option the real checkpoints turn on: grouped B/C (2 groups of 4 heads), a conv bias, sigmoid routing
 # with a correction bias over 2 expert groups of which 1 is chosen, a scaling factor, a shared expert,
@@ -299,6 +312,12 @@ def build_tiny_model(arch: str = "llama", seed: int = 0, tokenizer=None, **overr
         params.update(tie_word_embeddings=False)
         params.update(overrides)
         config, cls = NemotronHConfig(**params), NemotronHForCausalLM
+    elif arch == "glm_moe_dsa":
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+        params = dict(GLM_TINY, **params)
+        params.update(tie_word_embeddings=False)
+        params.update(overrides)
+        config, cls = GlmMoeDsaConfig(**params), GlmMoeDsaForCausalLM
     else:
         raise ValueError(f"unknown arch {arch}")
     torch.manual_seed(seed)
@@ -309,7 +328,26 @@ def build_tiny_model(arch: str = "llama", seed: int = 0, tokenizer=None, **overr
         init_gemma4_weights(model)
     if arch == "nemotron_h":
         init_nemotron_h_weights(model)
+    if arch == "glm_moe_dsa":
+        init_glm_weights(model)
     return model
+
+
+def init_glm_weights(model, std: float = 0.2) -> None:
+    """Random values where transformers' init leaves constants: every RMSNorm weight (x_hat * w) and
+    the indexer's LayerNorm weight 1 + N(0, std), its bias N(0, std), the routers' correction bias
+    N(0, 0.1)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.copy_(1 + std * torch.randn_like(param))
+            elif name.endswith("k_norm.bias"):
+                param.copy_(std * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
 
 
 def init_nemotron_h_weights(model, std: float = 0.2) -> None:

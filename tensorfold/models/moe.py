@@ -1,5 +1,6 @@
 """A mixture of experts feed-forward: a router, top-k routed SwiGLU experts and a gated shared
-expert (Qwen3.6, Qwen3-Next).
+expert (Qwen3.6, Qwen3-Next), or, with sigmoid routing, GLM-5's (DeepSeek-V3's) block: the
+noaux_tc choice and shared experts added ungated.
 
     route    logits = router(x); the top k experts by logit (ties: the lower index first);
              weights p_i = exp(l_i - max) over the top k, divided by their sum (norm_topk_prob)
@@ -7,6 +8,10 @@ expert (Qwen3.6, Qwen3-Next).
     experts  tokens grouped by expert, each expert's GEMMs over its tokens; a token's outputs
              times their weights, added in ascending expert index (float32)
     shared   sigmoid(shared_gate(x)) * shared_expert(x), added last
+    sigmoid  (SigmoidRouting: GLM-5) the router in float32 (as transformers keeps it); scores
+             sigmoid(l_i), chosen by score + e_score_correction_bias within the best groups, weights
+             the chosen scores over their sum, times routed_scaling_factor: ops.route_sigmoid
+             (kernels/moe.py); the shared experts (shared_experts.) added without a gate
 
 A backend may run the block as one call (`ops.fuse_moe`: the cpu backend's _cpu.MoEBlock), the
 same steps in the same order; `compose` is the block op by op.
@@ -27,12 +32,24 @@ from tensorfold.kernels.reference import sigmoid32
 from tensorfold.models.weights import WeightReader
 
 @dataclass(frozen=True)
+class SigmoidRouting:
+    """noaux_tc routing (GLM-5, DeepSeek-V3): the best topk_group of n_group expert groups (by
+    their two best biased scores), weights times scale (routed_scaling_factor)."""
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class MoESpec:
     num_experts: int
     top_k: int
     intermediate_size: int           # each routed expert's
     shared_intermediate_size: int    # the shared expert's (0: none)
     norm_topk_prob: bool = True
+    sigmoid_routing: SigmoidRouting | None = None  # None: softmax over the router's logits
+    shared_gated: bool = True        # the shared expert times sigmoid(shared_expert_gate(x)) (Qwen)
+    shared_prefix: str = "shared_expert."  # GLM-5: shared_experts.
 
 
 class Expert:
@@ -50,16 +67,21 @@ class MoE:
     def __init__(self, spec: MoESpec, w: WeightReader, ctx):
         self.spec, self.ops = spec, w.ops
         mlp = w.under("mlp.")
-        self.router = mlp.linear("gate.weight")
+        sigmoid = spec.sigmoid_routing is not None
+        self.router = float32_linear(mlp, "gate.weight") if sigmoid else mlp.linear("gate.weight")
+        self.bias = mlp.float32("gate.e_score_correction_bias") if sigmoid else None  # [E]
         self.experts = _experts(spec, mlp)
         self.shared = self.shared_gate = None
         if spec.shared_intermediate_size:
-            shared = mlp.under("shared_expert.")
+            shared = mlp.under(spec.shared_prefix)
             self.shared = Expert(shared.linear("gate_proj.weight", "up_proj.weight"), shared.linear("down_proj.weight"),
                                  spec.shared_intermediate_size, w.ops)
-            self.shared_gate = mlp.linear("shared_expert_gate.weight")
+            if spec.shared_gated:
+                self.shared_gate = mlp.linear("shared_expert_gate.weight")
         self.cache_spec = None
-        self._fused = w.ops.fuse_moe(self)  # the whole block as one native call, or None
+        # the whole block as one native call, or None; the native block routes by softmax and gates its shared expert
+        native = not sigmoid and (self.shared is None or self.shared_gate is not None)
+        self._fused = w.ops.fuse_moe(self) if native else None
 
 
     def gemms(self) -> dict:
@@ -72,14 +94,29 @@ class MoE:
 
     def compose(self, x: torch.Tensor) -> torch.Tensor:
         """The block op by op (what a backend's fuse_moe must equal bitwise)."""
-        chosen, weights = self.ops.route(self.router(x).float(), self.spec.top_k, self.spec.norm_topk_prob)
+        s, r = self.spec, self.spec.sigmoid_routing
+        if r is None:
+            chosen, weights = self.ops.route(self.router(x).float(), s.top_k, s.norm_topk_prob)
+        else:
+            chosen, weights = self.ops.route_sigmoid(self.router(x.float()).float(), self.bias, s.top_k, r.n_group,
+                                                     r.topk_group, s.norm_topk_prob, r.scale)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(chosen).tolist():  # ascending: each row's terms in expert order
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
             out[rows] += self.experts[e](x[rows]).float() * weights[rows, slot, None]
         if self.shared is not None:
-            out += sigmoid32(self.shared_gate(x).float()) * self.shared(x).float()
+            shared = self.shared(x).float()
+            out += shared if self.shared_gate is None else sigmoid32(self.shared_gate(x).float()) * shared
         return out.to(x.dtype)
+
+
+def float32_linear(w: WeightReader, name: str):
+    """A matrix transformers keeps in float32 whatever the model's dtype (GLM-5's router, the
+    DSA indexer's head weights): float32 where stored dense (its input then float32 too), else as
+    stored (quantized blocks)."""
+    if isinstance(w.tensors.get(w.prefix + name), torch.Tensor):
+        return w.ops.Linear.of(w.float32(name))
+    return w.linear(name)
 
 
 def _experts(spec: MoESpec, mlp: WeightReader) -> list[Expert]:
@@ -100,6 +137,7 @@ def block_gemms(block) -> dict:
     for e, expert in enumerate(block.experts):
         named[f"experts.{e}.gate_up"], named[f"experts.{e}.down"] = expert.gate_up, expert.down
     if block.shared is not None:
-        named.update({"shared.gate_up": block.shared.gate_up, "shared.down": block.shared.down,
-                      "shared_gate": block.shared_gate})
+        named.update({"shared.gate_up": block.shared.gate_up, "shared.down": block.shared.down})
+    if block.shared_gate is not None:
+        named["shared_gate"] = block.shared_gate
     return named
