@@ -238,3 +238,22 @@ def test_mtp_layers_are_skipped_with_a_log_line(nemotron, caplog):
         model = build_model(ckpt, torch.float32, cpu_ops)
     assert len(model.layers) == 6
     assert any("skipped 2 tensors under mtp" in r.getMessage() for r in caplog.records)
+
+
+def test_the_startup_probes_check_the_mamba2_scan_and_the_moe(nemotron):
+    """The probes run the loaded Mamba2 layer's scan in chunks and the MoE's rows alone and in
+    batches: they pass on the served ops and catch a scan whose bits depend on the chunking."""
+    import types
+
+    from tensorfold.backends.probes import probe_ops
+
+    ops = backend_ops("cpu")
+    model = _model(nemotron)
+    assert probe_ops(model, ops) == []
+
+    def chunk_dependent(xbc, dt, state, batch, params):  # what a chunked SSD form does: the bits move with the chunk
+        return ops.mamba2(xbc, dt, state, batch, params) * (1 + 2.0 ** -20 * xbc.shape[0])
+
+    broken = types.SimpleNamespace(**{n: getattr(ops, n) for n in dir(ops) if not n.startswith("__")})
+    broken.mamba2 = chunk_dependent
+    assert any(f.startswith("mamba2: chunks") for f in probe_ops(model, broken))

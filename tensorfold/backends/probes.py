@@ -16,7 +16,9 @@ from tensorfold.backends import keeps_v_exponents
 from tensorfold.models.cache import LayerKV
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 from tensorfold.models.linear_attention import GatedDeltaNet
+from tensorfold.models.mamba2 import Mamba2
 from tensorfold.models.moe import MoE
+from tensorfold.models.nemotron_h import NemotronMoE
 from tensorfold.models.spec import AttentionSpec
 
 BATCH_SIZES = (2, 3, 7, 8, 13, 64)
@@ -85,8 +87,16 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
         _rows_invariant(lambda x: ops.sigmoid_and_mul(x, x), lambda m: randn(m, width), "sigmoid_and_mul", failures)
     delta_net = next((layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)), None)
     if delta_net is not None:
-        _probe_delta_net(delta_net, device, ops, randn, failures)
-    moe = next((layer.ffn for layer in model.layers if isinstance(layer.ffn, MoE)), None)
+        s = delta_net.spec
+        _probe_recurrent("delta net", delta_net, (s.conv_dim, s.num_heads, s.num_heads),
+                         lambda qkv, a, b, state, batch: ops.delta_net(qkv, a, b, state, batch, delta_net.params),
+                         device, randn, failures)
+    mamba = next((layer.mixer for layer in model.layers if isinstance(layer.mixer, Mamba2)), None)
+    if mamba is not None:
+        _probe_recurrent("mamba2", mamba, (mamba.spec.conv_dim, mamba.spec.num_heads),
+                         lambda xbc, dt, state, batch: ops.mamba2(xbc, dt, state, batch, mamba.params),
+                         device, randn, failures)
+    moe = next((layer.ffn for layer in model.layers if isinstance(layer.ffn, (MoE, NemotronMoE))), None)
     if moe is not None:
         _rows_invariant(moe.forward, lambda m: randn(m, hidden), "moe (router, experts, shared expert)", failures)
     gate_up = gemms.get("gate_up", gemms["lm_head"])
@@ -143,13 +153,14 @@ def _probe_attention(a: AttentionSpec, device, ops, randn, kv_dtype: torch.dtype
             return
 
 
-def _probe_delta_net(layer: GatedDeltaNet, device, ops, randn, failures: list[str]) -> None:
-    """The first linear-attention layer's recurrence (its own conv taps and gates): a 40-token
+def _probe_recurrent(name: str, layer, widths: tuple[int, ...], op, device, randn, failures: list[str]) -> None:
+    """The first recurrent layer of a kind (Gated DeltaNet, Mamba2), its recurrence with its own
+    conv taps and gates: `op(*inputs, state, batch)` over inputs of `widths` columns, a 40-token
     prompt in one pass vs in chunks of 1, 3 and 16, and beside another sequence; outputs and the
     states left in the cache must be bitwise equal."""
-    s, block_size, length = layer.spec, 16, 40
-    rows = [randn(length, s.conv_dim), randn(length, s.num_heads), randn(length, s.num_heads)]
-    other = [randn(9, s.conv_dim), randn(9, s.num_heads), randn(9, s.num_heads)]
+    block_size, length = 16, 40
+    rows = [randn(length, width) for width in widths]
+    other = [randn(9, width) for width in widths]
 
     def run(chunks, beside=False):
         state = layer.cache_spec.allocate(8, block_size, torch.float32, device)
@@ -158,7 +169,7 @@ def _probe_delta_net(layer: GatedDeltaNet, device, ops, randn, failures: list[st
             seqs = [(range(start, start + n), torch.tensor([1, 3, 5]), rows)]
             if beside:
                 seqs.insert(0, (range(0, 9), torch.tensor([6]), other))
-            outs.append(_delta_net_rows(ops, layer, state, seqs, device)[-n:])
+            outs.append(_recurrent_rows(op, state, seqs, device)[-n:])
             start += n
         return torch.cat(outs), state.ssm[5].clone(), state.conv[5].clone()
 
@@ -166,21 +177,21 @@ def _probe_delta_net(layer: GatedDeltaNet, device, ops, randn, failures: list[st
     for chunks, beside in (([1] * length, False), ([3] * 13 + [1], False), ([16, 16, 8], False), ([length], True)):
         got = run(chunks, beside)
         if not all(torch.equal(a, b) for a, b in zip(got, whole)):
-            failures.append(f"delta net: chunks {sorted(set(chunks))}{' beside another sequence' if beside else ''} "
+            failures.append(f"{name}: chunks {sorted(set(chunks))}{' beside another sequence' if beside else ''} "
                             "differ from one pass")
             return
 
 
-def _delta_net_rows(ops, layer: GatedDeltaNet, state, seqs, device) -> torch.Tensor:
-    """ops.delta_net over sequences given as (positions, block table, (qkv, a, b) of all rows)."""
-    qkv, a, b, positions, sequences = [], [], [], [], []
-    for span, table, (x, av, bv) in seqs:
+def _recurrent_rows(op, state, seqs, device) -> torch.Tensor:
+    """op over sequences given as (positions, block table, the inputs of all its rows)."""
+    inputs, positions, sequences = None, [], []
+    for span, table, tensors in seqs:
         first = sum(len(p) for p in positions)
-        qkv.append(x[span.start:span.stop])
-        a.append(av[span.start:span.stop])
-        b.append(bv[span.start:span.stop])
+        inputs = inputs or [[] for _ in tensors]
+        for parts, t in zip(inputs, tensors):
+            parts.append(t[span.start:span.stop])
         positions.append(torch.arange(span.start, span.stop))
         sequences.append(SequenceRows(first, first + len(span), table.to(device)))
     pos = torch.cat(positions).to(device)
     batch = ForwardBatch(pos, pos, pos, sequences, pos[-1:])
-    return ops.delta_net(torch.cat(qkv), torch.cat(a), torch.cat(b), state, batch, layer.params)
+    return op(*(torch.cat(parts) for parts in inputs), state, batch)
