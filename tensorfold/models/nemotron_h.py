@@ -29,6 +29,7 @@ from tensorfold.models.blocks import BLOCKS
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.mamba2 import Mamba2, Mamba2Spec
+from tensorfold.models.moe import float32_linear
 from tensorfold.models.spec import AttentionSpec, Family, LayerSpec
 from tensorfold.models.weights import WeightReader
 
@@ -172,13 +173,13 @@ class NemotronMoESpec:
 
 
 class NemotronMoE:
-    """route (ops.route_sigmoid) -> [fc1] -> each chosen expert over its rows, times its weight,
+    """route (ops.route_sigmoid, the router in float32 on float32 inputs) -> [fc1] -> each chosen expert over its rows, times its weight,
     added in ascending expert index (float32) -> [fc2] -> + the shared expert."""
 
     def __init__(self, spec: NemotronMoESpec, w: WeightReader, ctx):
         self.spec, self.ops, self.cache_spec = spec, w.ops, None
         mlp = w.under("mlp.")
-        self.router = mlp.linear("gate.weight")
+        self.router = float32_linear(mlp, "gate.weight")  # float32, as transformers keeps it
         self.bias = (mlp.float32("gate.e_score_correction_bias") if mlp.has("gate.e_score_correction_bias")
                      else torch.zeros(spec.num_experts, device=w.device))
         self.experts = [ReluSquared(mlp.linear(f"experts.{e}.up_proj.weight"), mlp.linear(f"experts.{e}.down_proj.weight"),
@@ -200,7 +201,7 @@ class NemotronMoE:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
-        chosen, weights = self.ops.route_sigmoid(self.router(x).float(), self.bias, s.top_k, s.n_group, s.topk_group,
+        chosen, weights = self.ops.route_sigmoid(self.router(x.float()).float(), self.bias, s.top_k, s.n_group, s.topk_group,
                                                  s.norm_topk_prob, s.routed_scaling_factor)
         inner = self.fc1(x) if self.fc1 is not None else x
         out = torch.zeros(inner.shape, dtype=torch.float32, device=x.device)
