@@ -42,6 +42,12 @@ def parse_args(argv=None):
     p.add_argument("--prompt-cache-gib", type=float, default=None,
                    help="most memory the prefix cache keeps in idle blocks (default: all free blocks)")
     p.add_argument("--no-drafts", action="store_true", help="turn speculative decoding off server-wide")
+    p.add_argument("--drafter", default="auto", choices=["auto", "mtp", "ngram"],
+                   help="where drafts come from: the checkpoint's multi-token-prediction layer (mtp; an error "
+                        "without one), prompt lookup (ngram), or auto: mtp where the checkpoint has it, else ngram")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="drafts per round at most (default: 3 for mtp, 7 for ngram); the draft budget picks "
+                        "fewer, down to none, where they do not pay")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--model-card", default=None,
                    help="the model card to use (model_cards/NAME.json; default: chosen from the checkpoint)")
@@ -77,6 +83,8 @@ def settings_from(args, backend: str = "cpu"):
         raise SystemExit("--thinking-budget must be 0 (none) or more")
     if args.block_size < 16 or args.block_size % 16:
         raise SystemExit("--block-size must be a positive multiple of 16")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        raise SystemExit("--num-draft-tokens must be at least 1 (--no-drafts turns drafting off)")
     if args.parallel == "auto":
         parallel = 8
     else:
@@ -90,7 +98,8 @@ def settings_from(args, backend: str = "cpu"):
                           max_num_seqs=parallel, max_tokens_per_step=args.prefill_chunk,
                           decode_share=args.decode_share,
                           kv_cache_gib=args.kv_cache_gib, prompt_cache_gib=args.prompt_cache_gib,
-                          block_size=args.block_size, drafting=not args.no_drafts, num_threads=args.threads, backend=backend)
+                          block_size=args.block_size, drafting=not args.no_drafts,
+                          drafter=args.drafter, max_draft=args.num_draft_tokens, num_threads=args.threads, backend=backend)
     return ServeSettings(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
                          max_tokens=args.max_tokens, model_card=args.model_card,

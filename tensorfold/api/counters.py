@@ -5,7 +5,7 @@ A finished, failed or cancelled request adds its tokens and times once (add_fini
 reply tokens of requests still running are added when read, from the engine's Load, so the
 totals only grow.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tensorfold.api import metrics
 from tensorfold.engine.engine import Load
@@ -24,6 +24,8 @@ class Counters:
     rounds_total: int = 0
     drafted_total: int = 0
     accepted_total: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)   # [i]: drafts verified at depth i + 1
+    accepted_by_position: list[int] = field(default_factory=list)
 
     def add_finished(self, req: Request) -> None:
         s = req.stats
@@ -34,6 +36,11 @@ class Counters:
         self.decode_seconds_total += s.decode_s
         self.drafted_total += s.drafted
         self.accepted_total += s.accepted
+        for total, counts in ((self.drafted_by_position, s.drafted_by_position),
+                              (self.accepted_by_position, s.accepted_by_position)):
+            total += [0] * max(0, len(counts) - len(total))
+            for i, n in enumerate(counts):
+                total[i] += n
 
 
 def health_body(c: Counters, info: EngineInfo, load: Load, *, card_name: str | None, busy: bool,
@@ -57,6 +64,8 @@ def health_body(c: Counters, info: EngineInfo, load: Load, *, card_name: str | N
         "rounds_total": c.rounds_total,
         "drafted_total": c.drafted_total,
         "accepted_total": c.accepted_total,
+        "drafted_by_position": list(c.drafted_by_position),
+        "accepted_by_position": list(c.accepted_by_position),
         "context_length": info.context_length,
         "streams": {"decoding": load.decoding, "prefilling": load.prefilling, "maximum": load.max_running},
     }
@@ -75,6 +84,10 @@ def metrics_text(c: Counters, load: Load, latencies: metrics.Latencies) -> str:
         ("tensorfold_rounds_total", "Engine rounds run.", c.rounds_total),
         ("tensorfold_draft_tokens_total", "Drafted tokens verified.", c.drafted_total),
         ("tensorfold_draft_accepted_tokens_total", "Drafted tokens accepted.", c.accepted_total),
+        ("tensorfold_draft_position_tokens_total", "Drafted tokens verified, by draft position (1: next token).",
+         _by_position(c.drafted_by_position)),
+        ("tensorfold_draft_position_accepted_tokens_total", "Drafted tokens accepted, by draft position.",
+         _by_position(c.accepted_by_position)),
     ]
     gauges = [
         ("tensorfold_requests_running", "Requests in the engine's running set.", load.decoding + load.prefilling),
@@ -84,3 +97,7 @@ def metrics_text(c: Counters, load: Load, latencies: metrics.Latencies) -> str:
          c.accepted_total / c.drafted_total if c.drafted_total else 0.0),
     ]
     return metrics.exposition(counters, gauges, latencies.histograms())
+
+
+def _by_position(counts: list[int]) -> list:
+    return [(f'{{position="{i + 1}"}}', n) for i, n in enumerate(counts)]

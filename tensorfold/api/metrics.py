@@ -79,13 +79,16 @@ class Latencies:
         return [self.ttft, self.itl, self.e2e, self.queue]
 
 
-def exposition(counters: list[tuple[str, str, float]], gauges: list[tuple[str, str, float]],
+def exposition(counters: list[tuple[str, str, float | list]], gauges: list[tuple[str, str, float]],
                histograms: list[Histogram]) -> str:
     """The text format: HELP and TYPE lines, then the samples, one family after another."""
     lines = []
     for kind, families in (("counter", counters), ("gauge", gauges)):
         for name, help_text, value in families:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(value)!r}"]
+            # A value, or a list of (labels, value) samples: '{position="1"}', 3
+            samples = value if isinstance(value, list) else [("", value)]
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{labels} {float(v)!r}" for labels, v in samples]
     for h in histograms:
         lines += h.lines()
     return "\n".join(lines) + "\n"

@@ -40,6 +40,8 @@ def tensorfold_block(req: Request) -> dict:
         "prefill_s": round(s.prefill_s, 6),
         "drafted": s.drafted,
         "accepted": s.accepted,
+        "drafted_by_position": list(s.drafted_by_position),   # [i]: drafts verified at depth i + 1
+        "accepted_by_position": list(s.accepted_by_position),
         **({"grammar_compile_ms": round(s.grammar_compile_s * 1e3, 3)} if s.grammar_compile_s is not None else {}),
     }
 

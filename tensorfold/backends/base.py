@@ -26,6 +26,7 @@ class Loaded:
     vocab_size: int
     max_position: int
     num_layers: int
+    mtp_layers: int = 0           # multi-token-prediction layers loaded (the runner's `mtp` runs them)
 
 
 @dataclass(frozen=True)

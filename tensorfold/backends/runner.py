@@ -7,6 +7,7 @@ set's `sample` (the torch sampler on cpu, the Triton one on cuda), which returns
 """
 import torch
 
+from tensorfold.backends.mtp_runner import MTPRunner
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.models.cache import ModelCache
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
@@ -25,11 +26,17 @@ class ModelRunner:
     def __init__(self, model, cache: ModelCache):
         self.model = model
         self.cache = cache
+        # The MTP layer's runner (backends/mtp_runner.py) where the model has one loaded.
+        self.mtp = MTPRunner(model, cache) if model.mtp is not None else None
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """One forward; returns, per scheduled request, the tokens drawn for its rows."""
         batch = self._batch(plan)
-        logits = self.model.forward(batch, self.cache)  # [num_draw_rows, vocab]
+        if self.mtp is not None:  # every row's hidden state goes to the MTP layer's catch-up
+            logits, hidden = self.model.forward(batch, self.cache, hidden=True)
+            self.mtp.keep(plan, hidden)
+        else:
+            logits = self.model.forward(batch, self.cache)  # [num_draw_rows, vocab]
         rows = [row for req in plan.requests for row in req.rows]
         return per_request(plan, self.model.ops.sample(logits, rows, bitmask=plan.bitmask) if rows else [])
 

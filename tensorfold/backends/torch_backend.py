@@ -53,7 +53,9 @@ class TorchBackend:
 
     def load(self, model_path: str | None, config) -> Loaded:
         checkpoint, tokenizer = read_checkpoint(model_path, config)
-        self.model = model = build_model(checkpoint, DTYPES[config.dtype], self.ops, self.device)
+        # The MTP layer only where drafting may use it.
+        wants_mtp = config.drafting and config.drafter != "ngram"
+        self.model = model = build_model(checkpoint, DTYPES[config.dtype], self.ops, self.device, mtp=wants_mtp)
         checkpoint.tensors = {}  # the model holds its own (converted) copies
         _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)
         formats = model.weight_formats()
@@ -62,7 +64,8 @@ class TorchBackend:
         failures = self.probes() if config.probe else []
         self.config = config = narrowed(config, failures)
         a = model.args
-        return Loaded(checkpoint, tokenizer, config, failures, a.vocab_size, a.max_position, a.num_layers)
+        return Loaded(checkpoint, tokenizer, config, failures, a.vocab_size, a.max_position, a.num_layers,
+                      mtp_layers=1 if model.mtp is not None else 0)
 
     def probes(self) -> list[str]:
         """The batch-invariance probes on the loaded model (empty: exact mode holds)."""

@@ -23,9 +23,13 @@ from tensorfold.engine.request import Request
 
 
 class CacheBook:
-    def __init__(self, pool: BlockPool, resume_at_blocks: bool = False):
+    def __init__(self, pool: BlockPool, resume_at_blocks: bool = False, recompute_last_hit: bool = False):
         self.pool = pool
         self.resume_at_blocks = resume_at_blocks
+        # The MTP drafter's K/V at a block's last slot holds the row of the token after the block,
+        # which the block's hash does not cover: a hit's last block is computed again (its own
+        # block, the cached one let go), so every reused slot's next token is a matched one.
+        self.recompute_last_hit = recompute_last_hit
 
     @property
     def block_size(self) -> int:
@@ -37,8 +41,19 @@ class CacheBook:
             req.num_computed_tokens -= req.num_computed_tokens % self.pool.block_size
 
     def resume(self, req: Request, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        if self.recompute_last_hit and block_ids:
+            self.pool.free(block_ids[-1:])
+            block_ids, block_hashes = block_ids[:-1], block_hashes[:-1]
         req.block_ids, req.block_hashes = block_ids, block_hashes
         req.num_computed_tokens = len(block_ids) * self.pool.block_size
+
+    def reserve(self, req: Request, num_tokens: int) -> int:
+        """Blocks for up to num_tokens positions where free ones exist (no preemption); returns
+        how many positions req's blocks now cover, at most num_tokens."""
+        needed = min(self.pool.blocks_for(num_tokens) - len(req.block_ids), self.pool.num_free)
+        if needed > 0:
+            req.block_ids += self.pool.allocate(needed)
+        return min(num_tokens, len(req.block_ids) * self.pool.block_size)
 
     def release(self, req: Request) -> None:
         self.pool.free(req.block_ids)

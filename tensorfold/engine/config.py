@@ -1,6 +1,9 @@
 """EngineConfig: what an engine is built with (parsed once by the CLI, or made by tests)."""
 from dataclasses import dataclass
 
+DRAFTERS = ("auto", "mtp", "ngram")
+DEFAULT_DRAFTS = {"ngram": 7, "mtp": 3}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -18,10 +21,18 @@ class EngineConfig:
     prompt_cache_gib: float | None = None  # cap on cached free blocks; None = all free blocks
     block_size: int = 32             # also the attention split: blocks align to absolute positions
     drafting: bool = True
-    max_draft: int = 7
+    drafter: str = "auto"            # where drafts come from: "ngram" (prompt lookup), "mtp" (the
+                                     # checkpoint's multi-token-prediction layer; an error without
+                                     # one), "auto" (mtp where the checkpoint has it, else ngram)
+    max_draft: int | None = None     # drafts per round at most (--num-draft-tokens); None: 7 for
+                                     # ngram, 3 for mtp (each MTP draft costs a forward of its layer)
     draft_budget: bool = True        # each round's draft depth from measured row cost and
                                      # acceptance (engine/draft_budget.py); False: every proposal
                                      # runs at full depth (max_draft)
+
+    def drafts_for(self, drafter: str) -> int:
+        """max_draft as set, else the drafter's default."""
+        return self.max_draft if self.max_draft is not None else DEFAULT_DRAFTS[drafter]
     default_max_tokens: int = 4096
     num_threads: int | None = None
     probe: bool = True               # check batch invariance on the model's shapes at startup

@@ -11,7 +11,10 @@ of round, from two things the engine measures as it serves. One rule, no tensors
   stopped drafting starts again when its text turns repetitive).
 
 A request adding d drafts to a round of R rows expects 1 + p + ... + p^d tokens for t(R + d)
-seconds where serial decoding gets 1 token for t(R); it runs the d with the best ratio, and none
+seconds (plus (d - 1) draft steps where drafting itself runs a model: the MTP layer's first draft
+comes with its catch-up, each further one is a forward of its own, timed as the server runs and
+shared by the sequences drafting in it) where serial decoding gets 1 token for t(R); it runs the
+d with the best ratio, and none
 unless that ratio beats 1 by MARGIN. Until two row counts of its round's sequence count have
 been seen, rows count as free: every proposal runs whole (which also measures them). Drafts never change a
 token (the engine keeps only drafts equal to the keyed draws): this decides speed, not replies.
@@ -102,21 +105,36 @@ class DraftBudget:
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
         self.cost = RowCost()
+        self._draft_steps: dict[int, deque] = {}  # sequences drafting -> seconds of one chained step
 
-    def depth(self, acceptance: Acceptance, sequences: int, rows: int, available: int) -> int:
+    def observe_drafting(self, sequences: int, seconds_per_step: float) -> None:
+        self._draft_steps.setdefault(sequences, deque(maxlen=COST_WINDOW)).append(seconds_per_step)
+
+    def drafting_seconds(self, sequences: int) -> float:
+        """One request's share of a chained draft step among `sequences` drafting sequences (the
+        fastest recent step of that many, else of any count; 0 until one is timed)."""
+        times = self._draft_steps.get(sequences) or min(self._draft_steps.values(), key=min, default=None)
+        return min(times) / max(sequences, 1) if times else 0.0
+
+    def depth(self, acceptance: Acceptance, sequences: int, rows: int, available: int,
+              draft_step_seconds: float = 0.0, explore: bool = False) -> int:
         """Drafts to run, out of `available` proposed, for a request in a round of `sequences`
-        decoding sequences that holds `rows` rows without its drafts."""
+        decoding sequences that holds `rows` rows without its drafts; draft_step_seconds: what
+        each draft past the first costs to make (0 for prompt lookup). explore: a drafter whose
+        proposals are always full length (MTP) runs none until rounds without drafts are timed,
+        so two row counts get measured."""
         top = min(self.max_depth, available)
         curve = self.cost.curve(sequences) if top > 0 else None
         if curve is None:
-            return top
+            serial_rounds = len(self.cost._rounds.get((sequences, rows), ()))
+            return 0 if explore and serial_rounds < MIN_ROUNDS else top
         serial = curve(rows)
         p, expected, term = acceptance.p, 1.0, 1.0
         best_depth, best = 0, 1.0 + MARGIN
         for d in range(1, top + 1):
             term *= p
             expected += term
-            seconds = curve(rows + d)
+            seconds = curve(rows + d) + (d - 1) * draft_step_seconds
             ratio = expected * serial / seconds if seconds > 0 else float("inf")
             if ratio > best:
                 best_depth, best = d, ratio

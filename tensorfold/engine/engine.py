@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from tensorfold.backends import open_backend
 from tensorfold.engine.block_pool import BlockPool
 from tensorfold.engine.cache_book import CacheBook
-from tensorfold.engine.config import EngineConfig  # noqa: F401 (importers take it from here)
+from tensorfold.engine.config import DRAFTERS, EngineConfig  # noqa: F401 (importers take it from here)
 from tensorfold.engine.draft_budget import Acceptance, DraftBudget
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
+from tensorfold.engine.mtp_drafter import MTPDrafter
 from tensorfold.engine.info import EngineInfo
 from tensorfold.engine.reply_text import ReplyText
 from tensorfold.engine.request import Request, Status
 from tensorfold.engine.scheduler import Scheduler, SchedulerConfig
 from tensorfold.engine.window import reply_budget
+from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.sampling import bitmask as bits
 from tensorfold.sampling.constraint import ConstraintError
 from tensorfold.sampling.keyed import request_seed
@@ -68,13 +70,18 @@ class Engine:
         self.checkpoint, self.tokenizer = loaded.checkpoint, loaded.tokenizer
         self.context_length = min(config.context or loaded.max_position, loaded.max_position)
         memory = backend.allocate(self.context_length)
+        self.drafter_name = _drafter_name(config, loaded)
+        self.max_draft = config.drafts_for(self.drafter_name)
         self.pool = BlockPool(memory.num_blocks, config.block_size, max_cached_blocks=memory.max_cached_blocks)
-        self.book = CacheBook(self.pool, resume_at_blocks=memory.resume_at_blocks)
+        self.book = CacheBook(self.pool, resume_at_blocks=memory.resume_at_blocks,
+                              recompute_last_hit=self.drafter_name == "mtp")
         self.runner = backend.runner()
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,
                                                    config.decode_share), self.pool, self.book)
         self.drafter = PromptLookupDrafter()
-        self.budget = DraftBudget(config.max_draft)
+        # The MTP layer's drafter (engine/mtp_drafter.py); None: prompt lookup drafts.
+        self.mtp_drafter = MTPDrafter(self.runner.mtp, self.book) if self.drafter_name == "mtp" else None
+        self.budget = DraftBudget(self.max_draft)
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, ReplyText] = {}
         self._drafts: dict[str, DraftState] = {}
@@ -153,9 +160,9 @@ class Engine:
         self.scheduler.round_done(plan, elapsed)
         if not any(s.rows_prefill for s in plan.requests):
             self.budget.cost.observe(len(plan.requests), plan.num_tokens, elapsed)
-        outputs = []
+        outputs, scheduled_reqs = [], {}
         for scheduled, draws in zip(plan.requests, drawn):
-            req = self.requests[scheduled.req_id]
+            req = scheduled_reqs[scheduled.req_id] = self.requests[scheduled.req_id]
             if scheduled.rows_prefill:
                 req.stats.prefill_s += elapsed
             else:
@@ -165,6 +172,8 @@ class Engine:
                 self.scheduler.commit(req)
             if out is not None:
                 outputs.append(out)
+        if self.mtp_drafter is not None:
+            self.mtp_drafter.round_done(plan, scheduled_reqs)
         return outputs
 
     def _propose_drafts(self) -> None:
@@ -176,24 +185,50 @@ class Engine:
             if req.num_computed_tokens == req.num_tokens - 1:
                 decoding.append(req)
         rows = len(decoding)  # one row each, before drafts
+        mtp_wanted = []  # (request, depth): the MTP layer drafts after the depths are chosen
         for req in decoding:
             if not (self.config.drafting and req.params.draft and req.output_ids):
                 continue
             # Leave room for the correction/bonus draw inside max_tokens.
-            limit = min(self.config.max_draft, req.max_tokens - len(req.output_ids) - 1)
+            limit = min(self.max_draft, req.max_tokens - len(req.output_ids) - 1)
+            if self.mtp_drafter is not None:
+                depth = self._depth(req, len(decoding), rows, limit)
+                mtp_wanted.append((req, depth))
+                rows += depth
+                continue
             tokens = req.prompt_ids + req.output_ids
-            drafts = self.drafter.propose(tokens, self._drafts[req.req_id], limit)
-            if drafts and req.constraint is not None:  # drafts the constraint rejects never run
-                drafts = drafts[:self._guarded(req, req.constraint.num_valid_drafts, req.output_ids, drafts,
-                                               self.vocab_size)]
-            if self.config.draft_budget:
-                acceptance = self._acceptance[req.req_id]
-                depth = self.budget.depth(acceptance, len(decoding), rows, len(drafts))
+            drafts = self._allowed(req, self.drafter.propose(tokens, self._drafts[req.req_id], limit))
+            depth = self._depth(req, len(decoding), rows, len(drafts))
+            if depth == 0:
+                self._acceptance[req.req_id].watch(drafts)
+            req.draft_ids = drafts[:depth]
+            rows += len(req.draft_ids)
+        if mtp_wanted:
+            started = time.perf_counter()
+            proposals = self.mtp_drafter.propose(mtp_wanted)
+            chained = max(depth for _, depth in mtp_wanted) - 1  # MTP forwards past the catch-up's
+            if chained > 0:
+                self.budget.observe_drafting(len(mtp_wanted), (time.perf_counter() - started) / chained)
+            for req, depth in mtp_wanted:
+                drafts = self._allowed(req, proposals.get(req.req_id, []))
                 if depth == 0:
-                    acceptance.watch(drafts)
-                drafts = drafts[:depth]
-            req.draft_ids = drafts
-            rows += len(drafts)
+                    self._acceptance[req.req_id].watch(drafts)
+                req.draft_ids = drafts[:depth]
+
+    def _allowed(self, req: Request, drafts: list[int]) -> list[int]:
+        """Drafts cut where the request's constraint rejects them (those never run)."""
+        if drafts and req.constraint is not None:
+            drafts = drafts[:self._guarded(req, req.constraint.num_valid_drafts, req.output_ids, drafts,
+                                           self.vocab_size)]
+        return drafts
+
+    def _depth(self, req: Request, sequences: int, rows: int, available: int) -> int:
+        """How many of `available` drafts the request runs: the draft budget's choice, else all."""
+        if not self.config.draft_budget:
+            return available
+        mtp = self.mtp_drafter is not None
+        return self.budget.depth(self._acceptance[req.req_id], sequences, rows, available,
+                                 self.budget.drafting_seconds(sequences) if mtp else 0.0, explore=mtp)
 
     def _attach_masks(self, plan) -> None:
         """The round's allowed-token bitmask (sampling/bitmask.py): each drawing row of a
@@ -253,6 +288,7 @@ class Engine:
         self.book.rollback(req, len(drafts) - accepted)  # the rejected drafts' positions
         req.stats.drafted += len(drafts)
         req.stats.accepted += accepted
+        req.stats.count_positions(len(drafts), accepted)
         acceptance = self._acceptance[req.req_id]
         acceptance.record(len(drafts), accepted)
         acceptance.appended(live[:accepted + 1])
@@ -302,6 +338,8 @@ class Engine:
         self._drafts.pop(req.req_id, None)
         self._acceptance.pop(req.req_id, None)
         self.requests.pop(req.req_id, None)
+        if self.mtp_drafter is not None:
+            self.mtp_drafter.forget(req.req_id)
 
     # -- convenience ------------------------------------------------------------------------
 
@@ -315,3 +353,15 @@ class Engine:
                 if out.req_id == req_id:
                     pieces.append(out.new_text)
         return Completion(list(req.output_ids), "".join(pieces), req.finish_reason, req)
+
+
+def _drafter_name(config: EngineConfig, loaded) -> str:
+    """The drafter config.drafter asks for: "mtp" or "ngram" (auto: mtp where an MTP layer loaded)."""
+    if config.drafter not in DRAFTERS:
+        raise ValueError(f"drafter {config.drafter!r}: expected one of {', '.join(DRAFTERS)}")
+    has_mtp = loaded.mtp_layers > 0
+    if config.drafter == "mtp" and config.drafting and not has_mtp:
+        raise CheckpointError(f"{loaded.checkpoint.path}: --drafter mtp needs a multi-token-prediction layer (mtp.* "
+                              "weights and mtp_num_hidden_layers in config.json) that this backend runs; this "
+                              "checkpoint or backend has none (use --drafter ngram or auto)")
+    return "mtp" if config.drafting and config.drafter != "ngram" and has_mtp else "ngram"

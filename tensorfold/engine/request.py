@@ -32,9 +32,18 @@ class RequestStats:
     decode_s: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)   # [i]: drafts verified at depth i + 1
+    accepted_by_position: list[int] = field(default_factory=list)  # [i]: of those, accepted
     cached_tokens: int = 0
     grammar_compile_s: float | None = None  # structured output: seconds compiling (0.0: cached)
     reasoning_tokens: int = 0     # reply tokens through the think block's close (set by the API)
+
+    def count_positions(self, drafted: int, accepted: int) -> None:
+        """A verified run of `drafted` drafts whose first `accepted` held, counted per depth."""
+        for counts, n in ((self.drafted_by_position, drafted), (self.accepted_by_position, accepted)):
+            counts += [0] * max(0, drafted - len(counts))
+            for i in range(n):
+                counts[i] += 1
 
 
 @dataclass

@@ -15,6 +15,7 @@ from tensorfold.models.cache import ModelCache
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.forward_batch import ForwardBatch
+from tensorfold.models.mtp import PREFIX as MTP_PREFIX, MultiTokenPredictor
 from tensorfold.models.rope import RopeTables
 from tensorfold.models.spec import LayerSpec
 from tensorfold.models.weights import WeightReader
@@ -24,6 +25,7 @@ class Model:
     """forward(batch, cache) -> logits [num_logits, vocab] (fp32) for batch.logits_rows. A family
     with model-level parts of its own subclasses it (Family.model), `layer` its layer class."""
     layer = DecoderLayer
+    mtp = None  # the multi-token-prediction layer (models/mtp.py), where one is loaded
 
     def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype, ops,
                  device: torch.device | str = "cpu", blocks: dict = BLOCKS, norm_offset: float = 0.0):
@@ -41,16 +43,26 @@ class Model:
         self.embed, self.lm_head = _embedding_and_head(w, embed, args)
         self._run = [ops.fuse(layer) or layer.forward for layer in self.layers]
 
+    def add_mtp(self, spec: LayerSpec, tensors: dict, blocks: dict, norm_offset: float, num_layers: int) -> None:
+        """Build the checkpoint's MTP layer (under mtp.) on this model's embedding, head and rope
+        tables; its K/V becomes the cache's last layer."""
+        w = WeightReader(tensors, self.dtype, self.device, self.ops, norm_offset=norm_offset)
+        self.mtp = MultiTokenPredictor(spec, w.under(MTP_PREFIX), self.rope_tables, blocks, self.embed, self.lm_head,
+                                       num_layers)
+
     def cache_specs(self) -> list:
-        """Each layer's cache kind (models/cache.py), in layer order."""
-        return [layer.cache_spec for layer in self.layers]
+        """Each layer's cache kind (models/cache.py), in layer order; the MTP layer's last."""
+        return [layer.cache_spec for layer in self.layers] + ([self.mtp.cache_spec] if self.mtp else [])
+
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                        v_exponents: bool = False) -> ModelCache:
         return ModelCache(self.cache_specs(), num_blocks, block_size, dtype or self.dtype, self.device, v_exponents)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: ModelCache, hidden: bool = False):
+        """hidden: also return every row's final hidden state (after the final norm, what the MTP
+        layer reads) as (logits, hidden [num_rows, hidden])."""
         ops, eps = self.ops, self.specs[0].norm_eps
         residual = self.embed(batch.input_ids).to(self.dtype)  # [num_rows, hidden]
         x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
@@ -58,12 +70,15 @@ class Model:
         for i, run in enumerate(self._run):
             next_norm = self.layers[i + 1].input_norm if i < last else None
             x, residual = run(x, residual, next_norm, batch, cache.layer(i))
+        if hidden:  # the norm is per row: the logits rows' bits are those of the branch below
+            out = ops.rms_norm(residual, self.norm, self.specs[-1].norm_eps)  # [num_rows, hidden]
+            return self.lm_head(out[batch.logits_rows]).float(), out
         out = ops.rms_norm(residual[batch.logits_rows], self.norm, self.specs[-1].norm_eps)
         return self.lm_head(out).float()  # [num_logits, vocab]
 
     def gemms(self) -> dict:
-        """Every LinearWeight by name (layers.{i}.qkv, ..., lm_head)."""
-        return named_gemms(self.layers, self.lm_head)
+        """Every LinearWeight by name (layers.{i}.qkv, ..., lm_head; mtp.* where loaded)."""
+        return {**named_gemms(self.layers, self.lm_head), **(self.mtp.gemms() if self.mtp else {})}
 
     def weight_formats(self) -> dict[str, int]:
         """How many GEMM matrices use each weight format (float32, bfloat16, q4_1, ...); a weight

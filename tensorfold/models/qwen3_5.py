@@ -8,8 +8,10 @@ with a gated shared expert (models/moe.py). Every RMSNorm weight is stored as an
 
 The multimodal checkpoints (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration)
 keep the text model under model.language_model. and its config under text_config; the vision
-tower (model.visual.) and the multi-token-prediction head (mtp.) are not served yet and are
-skipped, with a log line, at load.
+tower (model.visual.) is not served yet and is skipped, with a log line, at load. The
+multi-token-prediction layer (mtp.*: fc, pre-fc norms, one gated-attention decoder layer with the
+model's feed-forward kind, a final norm; models/mtp.py) is kept under its own names and loaded
+where the config declares it (mtp_num_hidden_layers) and drafting may use it (--drafter).
 """
 import logging
 
@@ -22,7 +24,7 @@ from tensorfold.models.spec import AttentionSpec, Family, LayerSpec, MLPSpec
 
 log = logging.getLogger("tensorfold.models")
 LAYER_TYPES = ("linear_attention", "full_attention")
-SKIPPED = ("model.visual.", "mtp.", "model.mtp.")
+SKIPPED = ("model.visual.",)
 
 
 def layer_specs(args: ModelArgs) -> list[LayerSpec]:
@@ -71,14 +73,25 @@ def _ffn(args: ModelArgs, i: int):
     return MLPSpec(args.intermediate_size)
 
 
+def mtp_layer(args: ModelArgs) -> LayerSpec:
+    """The MTP layer: gated full attention and the model's feed-forward kind (MoE for the MoEs)."""
+    hf = args.hf
+    ffn = (MoESpec(int(hf["num_experts"]), int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"]),
+                   int(hf.get("shared_expert_intermediate_size") or 0), bool(hf.get("norm_topk_prob", True)))
+           if int(hf.get("num_experts") or 0) else MLPSpec(args.intermediate_size))
+    return LayerSpec(_gated_attention(args), ffn, args.rms_norm_eps)
+
+
 def tensor_name(name: str) -> str | None:
-    """The text model's tensors under the decoder's names; the vision tower and MTP skipped."""
+    """The text model's tensors under the decoder's names (MTP's under mtp.); the vision tower skipped."""
     if name.startswith(SKIPPED):
         return None
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model."):]
+    if name.startswith("model.mtp."):
+        return name[len("model."):]
     return name
 
 
 BLOCKS_HYBRID = {**BLOCKS, LinearAttentionSpec: GatedDeltaNet, MoESpec: MoE}
-FAMILY = Family("qwen3_5", layer_specs, BLOCKS_HYBRID, tensor_name=tensor_name, norm_offset=1.0)
+FAMILY = Family("qwen3_5", layer_specs, BLOCKS_HYBRID, tensor_name=tensor_name, norm_offset=1.0, mtp_layer=mtp_layer)
