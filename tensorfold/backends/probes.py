@@ -15,6 +15,7 @@ import torch
 from tensorfold.backends import keeps_v_exponents
 from tensorfold.models.cache import LayerKV
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
+from tensorfold.models.latent_attention import LatentAttention
 from tensorfold.models.linear_attention import GatedDeltaNet
 from tensorfold.models.mamba2 import Mamba2
 from tensorfold.models.moe import MoE
@@ -85,6 +86,9 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
     if attention is not None and attention.output_gate:
         width = attention.num_heads * attention.head_dim
         _rows_invariant(lambda x: ops.sigmoid_and_mul(x, x), lambda m: randn(m, width), "sigmoid_and_mul", failures)
+    latent = next((layer.mixer for layer in model.layers if isinstance(layer.mixer, LatentAttention)), None)
+    if latent is not None:
+        _probe_latent_attention(latent, device, randn, failures)
     delta_net = next((layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)), None)
     if delta_net is not None:
         s = delta_net.spec
@@ -112,6 +116,46 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
     finally:
         torch.set_num_threads(before)
     return failures
+
+
+def _probe_latent_attention(layer: LatentAttention, device, randn, failures: list[str]) -> None:
+    """The first latent-attention layer whole (its GEMMs, norms, rope, indexer and attention over the
+    latent cache): a prompt longer than its indexer's top k in one pass vs in chunks of 1, 3 and 16,
+    and beside another sequence; outputs and the cache it wrote must be bitwise equal."""
+    block_size = 16
+    length = (layer.indexer.spec.top_k if layer.indexer is not None else 0) + 8  # past top k and a block
+    num_blocks = -(-length // block_size)
+    rows, other = randn(length, layer.kv_a.shape[1]), randn(9, layer.kv_a.shape[1])
+    table = torch.arange(1, num_blocks + 1, device=device)  # block 0 holds the other sequence
+
+    def run(chunks, beside):
+        cache = layer.cache_spec.allocate(num_blocks + 1, block_size, torch.float32, device)
+        outs, start = [], 0
+        for n in chunks:
+            pieces = [(rows[start:start + n], start, table)]
+            if beside:
+                pieces.insert(0, (other, 0, torch.zeros(1, dtype=torch.int64, device=device)))
+            x = torch.cat([p[0] for p in pieces])
+            positions = torch.cat([torch.arange(at, at + len(p), device=device) for p, at, _ in pieces])
+            slots = torch.cat([t[torch.arange(at, at + len(p), device=device) // block_size] * block_size
+                               + torch.arange(at, at + len(p), device=device) % block_size for p, at, t in pieces])
+            bounds = [0]
+            for p, _, _ in pieces:
+                bounds.append(bounds[-1] + len(p))
+            seqs = [SequenceRows(a, b, t) for (a, b), (_, _, t) in zip(zip(bounds, bounds[1:]), pieces)]
+            outs.append(layer.forward(x, ForwardBatch(positions, positions, slots, seqs, positions[-1:]), cache)[-n:])
+            start += n
+        return [torch.cat(outs), cache.kv[table].clone()] + \
+            ([] if cache.index_keys is None else [cache.index_keys[table].clone()])
+
+    whole = run([length], False)
+    for chunks, beside in (([1] * length, False), ([3] * (length // 3) + [length % 3], False),
+                           ([16] * (length // 16) + [length % 16], False), ([length], True)):
+        chunks = [n for n in chunks if n]
+        if not all(torch.equal(a, b) for a, b in zip(run(chunks, beside), whole)):
+            failures.append(f"latent attention: chunks {sorted(set(chunks))}"
+                            f"{' beside another sequence' if beside else ''} differ from one pass")
+            return
 
 
 def _probe_attention(a: AttentionSpec, device, ops, randn, kv_dtype: torch.dtype, failures: list[str]) -> None:

@@ -13,13 +13,15 @@ layers' bytes per block within --kv-cache-gib. Kinds:
                     (a fixed-size state, not a per-position one: see RecurrentState)
     Mamba2State     Mamba2: the same rule and layout (conv window, SSM state per block), its
                     own name in the counts
+    LatentKV        latent attention (MLA, GLM-5): per position the normalized compressed KV and
+                    the roped key, and the DSA indexer's key where the layer has an indexer
 
-A latent cache (MLA) goes beside them. A layer that keeps nothing (a feed-forward-only layer:
-Nemotron-H's MLP and MoE layers) declares None.
+A layer that keeps nothing (a feed-forward-only layer: Nemotron-H's MLP and MoE layers)
+declares None.
 
 ModelCache is the allocated whole: one object per layer (a LayerKV for attention, a LayerState
-for linear attention and Mamba2, None for a layer that keeps nothing; a KV-shared layer gets its
-source's LayerKV), handed to that layer's forward.
+for linear attention and Mamba2, a LayerLatent for latent attention, None for a layer that keeps
+nothing; a KV-shared layer gets its source's LayerKV), handed to that layer's forward.
 """
 from dataclasses import dataclass
 
