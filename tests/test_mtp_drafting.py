@@ -122,20 +122,35 @@ def test_drafted_equals_serial_solo_and_batched(checkpoints):
         assert sum(r.stats.drafted for r in reqs[2:]) > 0  # sampled rows ran drafts too (rejected)
 
 
-def test_a_prefix_hit_drafts_what_a_fresh_run_drafts(checkpoints):
-    """The MTP layer's K/V in reused blocks is what a fresh run writes: the same drafts, so the
-    same per-position counts, and the same reply (prompt of 3 blocks, all but the last reused)."""
+def mtp_keys(engine, prompt, params, num_steps: int):
+    """The MTP layer's K at each computed position of a request after num_steps rounds, and the request."""
+    req = engine.requests[engine.add_request(prompt, params)]
+    for _ in range(num_steps):
+        engine.step()
+    kv, bs = engine.backend.cache.layer(len(engine.backend.model.layers)), engine.pool.block_size
+    slots = [req.block_ids[p // bs] * bs + p % bs for p in range(req.num_computed_tokens)]
+    return kv.k.flatten(0, 1)[slots].clone(), req
+
+
+def test_a_prefix_hit_keeps_the_mtp_cache_a_fresh_run_writes(checkpoints):
+    """The MTP layer's K/V at every computed position, after a prefix hit, bitwise what a fresh
+    run writes (a block's last slot holds the row of the next block's first token: the cache book
+    recomputes the hit's last block), and the drafts and reply are the fresh run's."""
     _, path, prompts = checkpoints
     serial = Engine(path, EngineConfig(drafting=False, **BASE))
     prompt = prompts[5] + serial.generate(prompts[5], greedy(44)).token_ids  # 52 tokens
-    fresh = run(Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE)), [prompt], [greedy(24)])[0]
-    engine = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
-    run(engine, [prompt[:40] + [7, 8, 9]], [greedy(4)])  # leaves blocks 0-1 in the prefix cache
-    cached = run(engine, [prompt], [greedy(24)])[0]
+    config = EngineConfig(drafter="mtp", draft_budget=False, **BASE)
+    fresh_k, fresh = mtp_keys(Engine(path, config), prompt, greedy(24), 6)
+    engine = Engine(path, config)
+    # Blocks 0-1 go to the prefix cache, the MTP row at slot 31 made with token 7 after them.
+    run(engine, [prompt[:32] + [7, 8, 9]], [greedy(4)])
+    cached_k, cached = mtp_keys(engine, prompt, greedy(24), 6)
     assert cached.stats.cached_tokens == 16  # two blocks matched, the last one recomputed
-    assert cached.output_ids == fresh.output_ids
-    assert cached.stats.drafted_by_position == fresh.stats.drafted_by_position
-    assert cached.stats.accepted_by_position == fresh.stats.accepted_by_position
+    assert cached.num_computed_tokens == fresh.num_computed_tokens > 32
+    assert torch.equal(cached_k, fresh_k)
+    while engine.has_work():
+        engine.step()
+    assert cached.output_ids == run(Engine(path, config), [prompt], [greedy(24)])[0].output_ids
 
 
 def test_drafter_choice_and_errors(checkpoints):
