@@ -4,7 +4,8 @@ calls (not for a <TOOLCALL> template); the template renders the family's format 
 declared in XML, XML calls, tool responses in user turns, think blocks, the history's thinking
 truncated) as transformers' apply_chat_template does; efforts only turn thinking on; a reply in its
 format parses into reasoning and typed calls, whole and streamed, and the next turn's prompt extends
-this turn's prompt and reply."""
+this turn's prompt and reply; over HTTP on a tiny nemotron_h checkpoint with the family's tokens and
+template, forced calls (required, a named function) come back as calls, streamed as whole."""
 import json
 import os
 
@@ -20,7 +21,11 @@ from tensorfold.chat.cards import EFFORTS, load_cards, select_card
 from tensorfold.chat.reply_parser import ReplyParser
 from tensorfold.chat.served import served_model
 from tensorfold.chat.template import ChatTemplate
+from tensorfold.engine.engine import EngineConfig
 from tensorfold.models.tokenizer import Tokenizer
+from tensorfold.server import ServeSettings
+from serving import serving
+from tools.tiny_checkpoint import make_tiny_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "tools", "templates", "nemotron_h.jinja"), encoding="utf-8") as f:
@@ -158,3 +163,53 @@ def test_the_next_turn_extends_this_turns_prompt_and_reply():
     follow = {**body, "messages": body["messages"] + [assistant, {"role": "tool", "tool_call_id": "c0",
                                                                   "content": "sun"}]}
     assert prompt_of(follow).startswith(prompt + REPLY + "<|im_end|>\n<|im_start|>user\n<tool_response>\nsun\n")
+
+
+# ---- over HTTP on a tiny nemotron_h checkpoint ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory, smollm2_tokenizer):
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("nemotron_h_card")), "nemotron_h",
+                                tokenizer=smollm2_tokenizer, family=True)
+    with serving(ServeSettings(model=path, port=0, engine=EngineConfig(max_num_seqs=2, kv_cache_gib=0.05,
+                                                                       probe=False))) as s:
+        yield s
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# bounded values (a string value is any text up to a "<", which a random model need not write)
+FORECAST = {"type": "function", "function": {
+    "name": "get_forecast", "description": "The forecast for some days",
+    "parameters": {"type": "object", "properties": {"days": {"type": "integer"}, "metric": {"type": "boolean"}},
+                   "required": ["days"]}}}
+
+
+def test_forced_calls_over_http_stream_as_whole(srv):
+    """Thinking off. The grammar still lets the model open a think block first (the call comes
+    after it); a draw whose reply ran out of tokens before its call ended is skipped, the others
+    are calls of the one function offered (beside another: the named choice), streamed as whole."""
+    model = srv.client.models.list().data[0].id
+    for choice in ("required", {"type": "function", "function": {"name": "get_forecast"}}):
+        called = 0
+        for seed in range(1, 7):
+            tools = [FORECAST] if choice == "required" else [WEATHER, FORECAST]
+            body = dict(model=model, messages=ASK, tools=tools, tool_choice=choice, max_tokens=60,
+                        temperature=1.0, seed=seed, reasoning_effort="none")
+            whole = srv.client.chat.completions.create(**body)
+            message = whole.choices[0].message
+            if whole.choices[0].finish_reason == "length" and not message.tool_calls:
+                continue
+            assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
+            (call,) = message.tool_calls
+            assert call.function.name == "get_forecast"
+            # the qwen_xml call grammar (grammar/tool_call.py) fixes the names, not the values' types
+            assert set(json.loads(call.function.arguments)) <= {"days", "metric"}
+            pieces = {}
+            for chunk in srv.client.chat.completions.create(**body, stream=True):
+                for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    entry = pieces.setdefault(delta.index, {"name": "", "arguments": ""})
+                    entry["name"] += delta.function.name or ""
+                    entry["arguments"] += delta.function.arguments or ""
+            assert pieces == {0: {"name": "get_forecast", "arguments": call.function.arguments}}
+            called += 1
+        assert called >= 2, choice

@@ -16,6 +16,7 @@ template (tools/templates/qwen3.jinja) and the tokens <think>, </think>, <tool_c
 qwen3_5 (FAMILIES): the same tokens, and tools/templates/qwen3_5.jinja where that file exists,
 else qwen3.jinja. gemma4 and gemma4_text get Gemma 4's control tokens (GEMMA4_FAMILY_TOKENS),
 tools/templates/gemma4.jinja, and <turn|> as their end token.
+nemotron_h gets the same four tokens as qwen3 and tools/templates/nemotron_h.jinja (Nemotron 3's format).
 
 The hybrids (linear attention, i.e. Gated DeltaNet, in three layers of four, gated full attention
 in the fourth) are laid out as their real Hub checkpoints are:
@@ -92,8 +93,9 @@ QWEN3_FAMILY_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 GEMMA4_FAMILY_TOKENS = ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>",
                         "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
 FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5",
-            "gemma4": "gemma4", "gemma4_text": "gemma4"}
-FAMILY_TOKENS = {"qwen3": QWEN3_FAMILY_TOKENS, "qwen3_5": QWEN3_FAMILY_TOKENS, "gemma4": GEMMA4_FAMILY_TOKENS}
+            "gemma4": "gemma4", "gemma4_text": "gemma4", "nemotron_h": "nemotron_h"}
+FAMILY_TOKENS = {"qwen3": QWEN3_FAMILY_TOKENS, "qwen3_5": QWEN3_FAMILY_TOKENS, "gemma4": GEMMA4_FAMILY_TOKENS,
+                 "nemotron_h": QWEN3_FAMILY_TOKENS}  # Nemotron 3's <think> and <tool_call> are single tokens too
 FAMILY_EOS = {"gemma4": "<turn|>"}  # a family whose turns end with a token of its own
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)  # K-quant rows: multiples of 256
