@@ -3,6 +3,7 @@
     python tools/bench_spec.py                      # both tables, default model, fp32 drafting
     python tools/bench_spec.py --dtype bfloat16 --tasks repeat,edit,chat --repeat-tokens 320
     python tools/bench_spec.py --skip-drafting      # only the exact-vs-stock table
+    python tools/bench_spec.py --mtp DIR --skip-drafting --skip-cost   # the MTP table only
 
 Table 1, drafting on vs off: the default model, greedy, one request at a time. "repeat" asks it to
 repeat a ~300-token passage (prompt lookup should find most of the reply in the prompt), "edit"
@@ -13,6 +14,13 @@ is the server's default (the draft budget picks each round's depth from measured
 acceptance); "whole proposals" runs every proposal at full depth on a second engine, to show
 what the budget buys. The variants alternate, --repeats times, and the table shows the fastest
 of each.
+
+Table 3 (--mtp DIR, a checkpoint with an MTP layer, e.g. tools/train_mtp.py's): serial vs
+n-gram vs MTP drafting (draft budget on, and every draft run: "mtp whole"), greedy, one request
+at a time, on the prompts in DIR/mtp_prompts.json (the continuations the tiny layer was trained
+on: "own") and on as many fresh random prompts ("unseen"); acceptance per draft position. Speed
+is reply tokens over wall time per request (8-token prompts: nearly all decode), since the MTP
+layer's catch-up and chained drafts run outside the round the engine times.
 
 Table 2, the exact path's cost: one whole-model decode step (forward over a paged KV cache, no
 sampling) with the batch-invariant ops of kernels/reference.py vs stock torch ops (F.linear
@@ -274,6 +282,51 @@ def cost_table(args) -> None:
                       f"{max(2, args.reps // 3)} at 64 rows)")
 
 
+def mtp_table(args) -> None:
+    import json
+    import random
+
+    from tensorfold.engine.engine import Engine, EngineConfig
+    from tensorfold.sampling.params import SamplingParams
+
+    with open(os.path.join(args.mtp, "mtp_prompts.json")) as f:
+        own = json.load(f)[:args.mtp_prompts]
+    rng = random.Random(args.seed)
+    unseen = [[rng.randrange(100, 40000) for _ in range(len(own[0]))] for _ in own]
+    params = SamplingParams(temperature=0.0, max_tokens=args.mtp_tokens, ignore_eos=True)
+    base = dict(context=1024, kv_cache_gib=0.1, dtype=args.dtype)
+    variants = {"serial": EngineConfig(drafting=False, **base), "ngram": EngineConfig(drafter="ngram", **base),
+                "mtp": EngineConfig(drafter="mtp", **base),
+                "mtp whole": EngineConfig(drafter="mtp", draft_budget=False, **base)}
+    engines = {name: Engine(args.mtp, config) for name, config in variants.items()}
+    rows = []
+    for label, prompts in (("own", own), ("unseen", unseen)):
+        results = {}
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                tokens, seconds, drafted, accepted = [], 0.0, [], []
+                for prompt in prompts:  # wall time: the MTP layer's forwards run outside the round
+                    started = time.perf_counter()
+                    out, stats, _ = run_request(engine, prompt, params)
+                    seconds += time.perf_counter() - started
+                    tokens.append(out)
+                    for total, counts in ((drafted, stats.drafted_by_position), (accepted, stats.accepted_by_position)):
+                        total += [0] * max(0, len(counts) - len(total))
+                        for i, n in enumerate(counts):
+                            total[i] += n
+                tps = sum(len(t) - 1 for t in tokens) / seconds
+                if name not in results or tps > results[name][0]:
+                    results[name] = (tps, tokens, drafted, accepted)
+        serial = results["serial"]
+        for name, (tps, tokens, drafted, accepted) in results.items():
+            assert tokens == serial[1], f"{name} changed a reply"
+            by_pos = " / ".join(fmt(a / d) if d else "-" for a, d in zip(accepted, drafted)) or "-"
+            rows.append([label, name, fmt(tps, 1), fmt(tps / serial[0]), sum(drafted), by_pos])
+    print_table(["prompts", "drafter", "tok/s (wall)", "vs serial", "drafted", "accepted by position"], rows,
+                f"MTP drafting: {args.mtp}, {len(own)} prompts x {args.mtp_tokens} tokens each, greedy, "
+                f"same tokens in every row")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -291,6 +344,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also print a torch profile of one exact decode step")
     p.add_argument("--skip-drafting", action="store_true")
     p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--mtp", default=None, metavar="DIR", help="also the MTP table, on this checkpoint")
+    p.add_argument("--mtp-prompts", type=int, default=8)
+    p.add_argument("--mtp-tokens", type=int, default=40)
     args = p.parse_args(argv)
 
     import torch
@@ -302,6 +358,8 @@ def main(argv=None) -> int:
         drafting_table(args)
     if not args.skip_cost:
         cost_table(args)
+    if args.mtp:
+        mtp_table(args)
     print(f"\nload average after the run: {loadavg()}; total {time.perf_counter() - started:.0f}s")
     return 0
 
