@@ -48,6 +48,14 @@ def parse_args(argv=None):
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="drafts per round at most (default: 3 for mtp, 7 for ngram); the draft budget picks "
                         "fewer, down to none, where they do not pay")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: every GEMM, attention head and the vocabulary split over N "
+                        "processes (gloo on CPU), the same tokens as one rank")
+    p.add_argument("--tp-timeout", type=float, default=10.0,
+                   help="seconds a rank may stay silent (no heartbeat, a collective unanswered) before "
+                        "the group counts as failed")
+    p.add_argument("--restart-ranks", action="store_true",
+                   help="restart the rank group after a rank fails (else requests get 503 until the server restarts)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--model-card", default=None,
                    help="the model card to use (model_cards/NAME.json; default: chosen from the checkpoint)")
@@ -83,6 +91,12 @@ def settings_from(args, backend: str = "cpu"):
         raise SystemExit("--thinking-budget must be 0 (none) or more")
     if args.block_size < 16 or args.block_size % 16:
         raise SystemExit("--block-size must be a positive multiple of 16")
+    if args.tp < 1:
+        raise SystemExit("--tp must be at least 1")
+    if args.tp > 1 and backend == "mlx":
+        raise SystemExit("--tp: the mlx backend runs on one device (use --backend cpu or cuda)")
+    if args.tp_timeout <= 0:
+        raise SystemExit("--tp-timeout must be positive")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         raise SystemExit("--num-draft-tokens must be at least 1 (--no-drafts turns drafting off)")
     if args.parallel == "auto":
@@ -99,7 +113,8 @@ def settings_from(args, backend: str = "cpu"):
                           decode_share=args.decode_share,
                           kv_cache_gib=args.kv_cache_gib, prompt_cache_gib=args.prompt_cache_gib,
                           block_size=args.block_size, drafting=not args.no_drafts,
-                          drafter=args.drafter, max_draft=args.num_draft_tokens, num_threads=args.threads, backend=backend)
+                          drafter=args.drafter, max_draft=args.num_draft_tokens, num_threads=args.threads, backend=backend,
+                          tp=args.tp, tp_timeout_s=args.tp_timeout, restart_ranks=args.restart_ranks)
     return ServeSettings(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
                          max_tokens=args.max_tokens, model_card=args.model_card,
@@ -171,6 +186,7 @@ def main(argv=None) -> int:
         server.serve_forever()
     finally:
         server.shutdown()
+        server.service.engine.close()  # a rank group's other processes end with it
     return 0
 
 

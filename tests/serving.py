@@ -61,16 +61,20 @@ class Served:
 
 @contextlib.contextmanager
 def serving(settings: ServeSettings):
-    with running(build_server(settings)) as server:
-        host, port = server.address
-        root = f"http://{host}:{port}"
-        client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=60)
-        http = httpx.Client(base_url=root, timeout=60)
-        try:
-            yield Served(server, client, http, root)
-        finally:
-            http.close()
-            client.close()
+    built = build_server(settings)
+    try:
+        with running(built) as server:
+            host, port = server.address
+            root = f"http://{host}:{port}"
+            client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=60)
+            http = httpx.Client(base_url=root, timeout=60)
+            try:
+                yield Served(server, client, http, root)
+            finally:
+                http.close()
+                client.close()
+    finally:
+        built.service.engine.close()  # after the loop stopped: a rank group's processes end
 
 
 def post(s: Served, path: str, body: dict) -> httpx.Response:

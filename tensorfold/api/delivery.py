@@ -43,6 +43,10 @@ class Delivery:
     def start(self, p: Prepared, constraint=None, compile_s: float | None = None, sink=None):
         """Hand the request to the engine; returns its sink (new, or the held one to open)."""
         greq, fmt = p.greq, p.fmt
+        down = self.engine.unavailable()
+        if down:  # a failed rank group: nothing can run until it is restarted
+            raise ApiError(f"the model cannot serve now: {down}", status=503, type="server_error",
+                           code="unavailable")
         try:
             req_id = self.engine.add_request(p.prompt_ids, p.params, req_id=fmt.id,
                                              priority=request_priority(greq.priority, greq.messages),

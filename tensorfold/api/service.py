@@ -85,9 +85,16 @@ class Service:
         return HttpResponse.json_response({"object": "list", "data": data})
 
     def health(self, http: HttpRequest) -> HttpResponse:
-        return HttpResponse.json_response(health_body(
-            self.counters, self.info, self.engine.load(), card_name=self.served.card_name,
-            busy=self.engine.has_work(), requests_running=len(self.replies)))
+        """200 with the server's state; 503 (with the same body) while the backend cannot serve."""
+        body = health_body(self.counters, self.info, self.engine.load(), card_name=self.served.card_name,
+                           busy=self.engine.has_work(), requests_running=len(self.replies))
+        live = self.engine.backend.status()  # a rank group's ranks and failure, where there is one
+        if "ranks" in live:
+            body["ranks"] = live["ranks"]
+        if live.get("unavailable"):
+            body.update(status="unavailable", reason=live["unavailable"])
+            return HttpResponse.json_response(body, 503)
+        return HttpResponse.json_response(body)
 
     def create_response(self, http: HttpRequest):
         """POST /v1/responses: the Responses API through the chat path (api/responses.py)."""

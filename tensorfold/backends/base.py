@@ -5,6 +5,11 @@
     allocate(context_length)   every layer's cache kind within --kv-cache-gib -> Allocation
     runner()                   executes a StepPlan, returns token ids as Python ints
     describe()                 plain strings for /health and the startup log
+    status()                   what may change while serving, for /health: {} where nothing
+                               does; a rank group's {"ranks": [...], "unavailable": why or None}
+    close()                    release what outlives a call (a rank group's processes)
+    cache_generation           bumped when the cache's contents were lost (a rank group restarted):
+                               the engine then forgets its prefix cache
 
 The torch backends (torch_backend.py: cpu, cuda) and the mlx backend (mlx_backend.py) are
 classes with these methods; tensors, MLX arrays and devices stay below this line.
@@ -53,3 +58,9 @@ class Backend(Protocol):
     def runner(self) -> Runner: ...
 
     def describe(self) -> dict: ...
+
+    def status(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+    cache_generation: int

@@ -93,6 +93,14 @@ class MLXBackend:
     def runner(self) -> "MLXRunner":
         return MLXRunner(self.model, self.caches, self.config.block_size)
 
+    cache_generation = 0  # the cache is never lost while the process lives
+
+    def status(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
     def describe(self) -> dict:
         return {"backend": "mlx", "ops": "mlx", "device": str(mx.default_device()),
                 "dtype": str(self.model.dtype).removeprefix("torch."),

@@ -53,9 +53,9 @@ class TorchBackend:
 
     def load(self, model_path: str | None, config) -> Loaded:
         checkpoint, tokenizer = read_checkpoint(model_path, config)
+        dtype = DTYPES[config.dtype]
         # The MTP layer only where drafting may use it.
-        wants_mtp = config.drafting and config.drafter != "ngram"
-        self.model = model = build_model(checkpoint, DTYPES[config.dtype], self.ops, self.device, mtp=wants_mtp)
+        self.model = model = self.build(checkpoint, dtype, mtp=config.drafting and config.drafter != "ngram")
         checkpoint.tensors = {}  # the model holds its own (converted) copies
         _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)
         formats = model.weight_formats()
@@ -66,6 +66,10 @@ class TorchBackend:
         a = model.args
         return Loaded(checkpoint, tokenizer, config, failures, a.vocab_size, a.max_position, a.num_layers,
                       mtp_layers=1 if model.mtp is not None else 0)
+
+    def build(self, checkpoint, dtype: torch.dtype, mtp: bool = False):
+        """The model of `checkpoint` on this backend's op set and device (mtp: with its MTP layer)."""
+        return build_model(checkpoint, dtype, self.ops, self.device, mtp=mtp)
 
     def probes(self) -> list[str]:
         """The batch-invariance probes on the loaded model (empty: exact mode holds)."""
@@ -85,6 +89,14 @@ class TorchBackend:
 
     def runner(self) -> ModelRunner:
         return ModelRunner(self.model, self.cache)
+
+    cache_generation = 0  # the cache is never lost while the process lives
+
+    def status(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
     def describe(self) -> dict:
         """Plain strings (and the weight-format counts) for EngineInfo, /health and the log."""

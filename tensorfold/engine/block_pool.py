@@ -99,6 +99,11 @@ class BlockPool:
                 self._cached[h] = block
                 self._hash_of[block] = h
 
+    def forget_cached(self) -> None:
+        """Drop the whole prefix cache (the blocks' contents were lost: a rank group restarted)."""
+        for block in range(self.num_blocks):
+            self._forget(block)
+
     def _forget(self, block: int) -> None:
         h = self._hash_of[block]
         if h is not None:

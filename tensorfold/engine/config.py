@@ -40,3 +40,8 @@ class EngineConfig:
                                      # the torch references) or "cuda" (Triton kernels)
     device: str | None = None        # torch device; None = the backend's. Tests set "cpu" to run
                                      # the cuda op set on CPU tensors under TRITON_INTERPRET=1
+    tp: int = 1                      # tensor-parallel ranks (dist/): rank 0 serves, the others run
+                                     # their shard of every round
+    tp_timeout_s: float = 10.0       # a rank silent this long (no heartbeat, a collective unanswered)
+                                     # has failed
+    restart_ranks: bool = False      # after a rank fails, restart the group (else 503 until restarted)

@@ -76,6 +76,7 @@ class Engine:
         self.book = CacheBook(self.pool, resume_at_blocks=memory.resume_at_blocks,
                               recompute_last_hit=self.drafter_name == "mtp")
         self.runner = backend.runner()
+        self._cache_generation = backend.cache_generation
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_tokens_per_step,
                                                    config.decode_share), self.pool, self.book)
         self.drafter = PromptLookupDrafter()
@@ -148,7 +149,18 @@ class Engine:
 
     # -- the round --------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Release the backend's processes and devices (a rank group's ranks exit)."""
+        self.backend.close()
+
+    def unavailable(self) -> str | None:
+        """Why the backend cannot serve now (a rank group failed), or None."""
+        return self.backend.status().get("unavailable")
+
     def step(self) -> list[RequestOutput]:
+        if self.backend.cache_generation != self._cache_generation:  # its contents are gone
+            self._cache_generation = self.backend.cache_generation
+            self.pool.forget_cached()
         self._propose_drafts()
         plan = self.scheduler.schedule()
         if not plan:

@@ -16,6 +16,7 @@ import h11
 from tensorfold.http.messages import DeferredResponse, EventStream, HttpRequest, HttpResponse
 from tensorfold.http.router import server_error
 
+RETRY_AFTER_S = "5"  # a 503's Retry-After (draining, a failed rank group being restarted)
 log = logging.getLogger("tensorfold.http")
 
 READ_SIZE = 64 * 1024
@@ -219,6 +220,8 @@ class Connection:
             resp = server_error()
         headers = [("content-type", resp.content_type), ("content-length", str(len(resp.body))),
                    *resp.headers]
+        if resp.status == 503 and not any(name.lower() == "retry-after" for name, _ in resp.headers):
+            headers.append(("retry-after", RETRY_AFTER_S))  # every 503 says when to come back
         if close:
             headers.append(("connection", "close"))
         try:

@@ -28,10 +28,12 @@ class Model:
     mtp = None  # the multi-token-prediction layer (models/mtp.py), where one is loaded
 
     def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype, ops,
-                 device: torch.device | str = "cpu", blocks: dict = BLOCKS, norm_offset: float = 0.0):
+                 device: torch.device | str = "cpu", blocks: dict = BLOCKS, norm_offset: float = 0.0,
+                 reader=WeightReader):
+        """reader: the WeightReader class (a tensor-parallel rank's ShardReader reads its shard)."""
         self.args, self.specs, self.dtype, self.ops = args, list(specs), dtype, ops
         self.device = device = torch.device(device)
-        w = WeightReader(tensors, dtype, device, ops, norm_offset=norm_offset)
+        w = reader(tensors, dtype, device, ops, norm_offset=norm_offset)
         embed = w.matrix("model.embed_tokens.weight")
         if tuple(embed.shape) != (args.vocab_size, args.hidden_size):
             raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, "
@@ -53,7 +55,6 @@ class Model:
     def cache_specs(self) -> list:
         """Each layer's cache kind (models/cache.py), in layer order; the MTP layer's last."""
         return [layer.cache_spec for layer in self.layers] + ([self.mtp.cache_spec] if self.mtp else [])
-
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                        v_exponents: bool = False) -> ModelCache:
@@ -94,9 +95,9 @@ def _embedding_and_head(w: WeightReader, embed, args: ModelArgs):
     table = linear.of(embed) if linear.quantized(embed) else None
     lookup = table.rows if table is not None else embed.__getitem__
     if w.has("lm_head.weight"):
-        head = w.linear("lm_head.weight")
+        head = w.vocab_head(w.matrix("lm_head.weight"))
     elif args.tie_word_embeddings:
-        head = table if table is not None else linear.of(embed)
+        head = w.vocab_head(embed, table)
     else:
         raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
     return lookup, head

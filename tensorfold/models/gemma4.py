@@ -287,9 +287,10 @@ class Gemma4Model(Model):
     layer = Gemma4Layer
 
     def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype, ops,
-                 device: torch.device | str = "cpu", blocks: dict = BLOCKS, norm_offset: float = 0.0):
-        super().__init__(args, specs, tensors, dtype, ops, device, blocks, norm_offset)
-        w = WeightReader(tensors, dtype, self.device, ops, norm_offset=norm_offset)
+                 device: torch.device | str = "cpu", blocks: dict = BLOCKS, norm_offset: float = 0.0,
+                 reader=WeightReader):
+        super().__init__(args, specs, tensors, dtype, ops, device, blocks, norm_offset, reader)
+        w = reader(tensors, dtype, self.device, ops, norm_offset=norm_offset)
         # transformers rounds sqrt(hidden) to float32, then to the weights' dtype
         self.embed_scale = torch.tensor(args.hidden_size ** 0.5, dtype=torch.float32).to(dtype).to(self.device)
         width = self.specs[0].per_layer_input

@@ -61,6 +61,11 @@ class WeightReader:
             return stored.to(self.device)
         return self.dense(name)
 
+    def vocab_head(self, matrix, packed=None):
+        """The LM head from its matrix (`packed`: the same matrix already a LinearWeight, a tied
+        quantized table, kept once)."""
+        return packed if packed is not None else self.ops.Linear.of(matrix)
+
     def linear(self, *names: str, biases: tuple[str, ...] = ()):
         """One LinearWeight from matrices stacked along N (Q/K/V, gate/up), with their biases
         where the checkpoint has every one of them."""

@@ -377,6 +377,17 @@ def sample_sharded(shard_logits: list[torch.Tensor], rows: list[RowSampling],
     return _sample_shards(shards, rows, offsets[-1], max_width, LocalExchange(), num_candidates, bitmask)
 
 
+def sample_rank(logits: torch.Tensor, offset: int, vocab: int, num_shards: int, rows: list[RowSampling],
+                exchange: Exchange, num_candidates: int = NUM_CANDIDATES, *,
+                bitmask: torch.Tensor | None = None) -> list[int]:
+    """One rank's part of a vocabulary-sharded draw: `logits` [num_rows, width] are global ids
+    offset .. offset + width - 1 of `vocab` split in `num_shards` contiguous shards (none wider
+    than ceil(vocab / num_shards)), and `exchange` the group's collectives. Every rank returns
+    the tokens `sample` draws on the whole vocabulary."""
+    max_width = -(-vocab // num_shards)
+    return _sample_shards([Shard(logits, offset)], rows, vocab, max_width, exchange, num_candidates, bitmask)
+
+
 def _sample_shards(shards: list[Shard], rows: list[RowSampling], vocab: int, max_width: int,
                    ex: Exchange, num_candidates: int, bitmask: torch.Tensor | None = None) -> list[int]:
     """Per-rank code: `shards` are the shards this process holds; every value that crosses
