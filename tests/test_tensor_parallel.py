@@ -16,7 +16,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-from tensorfold.dist.backend import RAISE_AFTER
+from tensorfold.parallel.backend import RAISE_AFTER
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.sampling.params import SamplingParams
 from tensorfold.server import ServeSettings

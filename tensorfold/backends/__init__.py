@@ -109,8 +109,8 @@ def open_backend(config):
         return MLXBackend(config)
     from tensorfold.backends.torch_backend import TorchBackend
     device = torch.device(config.device or config.backend)
-    if config.tp > 1:  # rank 0 of a tensor-parallel group (dist/)
-        from tensorfold.dist.backend import LeaderBackend
+    if config.tp > 1:  # rank 0 of a tensor-parallel group (parallel/)
+        from tensorfold.parallel.backend import LeaderBackend
         return LeaderBackend(config.backend, backend_ops(config.backend), device, config.num_threads, config)
     return TorchBackend(config.backend, backend_ops(config.backend), device, config.num_threads)
 

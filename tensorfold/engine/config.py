@@ -40,7 +40,7 @@ class EngineConfig:
                                      # the torch references) or "cuda" (Triton kernels)
     device: str | None = None        # torch device; None = the backend's. Tests set "cpu" to run
                                      # the cuda op set on CPU tensors under TRITON_INTERPRET=1
-    tp: int = 1                      # tensor-parallel ranks (dist/): rank 0 serves, the others run
+    tp: int = 1                      # tensor-parallel ranks (parallel/): rank 0 serves, the others run
                                      # their shard of every round
     tp_timeout_s: float = 10.0       # a rank silent this long (no heartbeat, a collective unanswered)
                                      # has failed

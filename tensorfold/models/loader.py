@@ -74,7 +74,7 @@ def split_stacked_experts(tensors: dict) -> None:
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu",
                 group=None, mtp: bool = False) -> Model:
     """The checkpoint's family's layers over `ops`, the backend's op set (backends.backend_ops);
-    group: a tensor-parallel rank's (dist/group.RankGroup), which reads only its shard; mtp: also
+    group: a tensor-parallel rank's (parallel/group.RankGroup), which reads only its shard; mtp: also
     the multi-token-prediction layer, where the family and the checkpoint have one (one rank only)."""
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     family = model_family(ckpt.architecture, ckpt.path)
@@ -85,7 +85,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     tensors = LoadProgress(served)
     reader, blocks = WeightReader, family.blocks
     if group is not None:
-        from tensorfold.dist.shard import ShardReader, sharded_blocks
+        from tensorfold.parallel.shard import ShardReader, sharded_blocks
         reader, blocks = functools.partial(ShardReader, group=group), sharded_blocks(blocks)
     model = (family.model or Model)(args, family.layer_specs(args), tensors, dtype, ops, device, blocks,
                                     family.norm_offset, reader)

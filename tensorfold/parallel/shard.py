@@ -1,0 +1,192 @@
+"""What a rank keeps of each weight, and the block classes that keep attention heads.
+
+ShardReader is a WeightReader whose `linear()` gives this rank's part of a GEMM:
+- by default its share of the output rows (N split in contiguous ranges, across the parts of a
+  fused weight as if they were one matrix), wrapped in a ShardedLinear that gathers the outputs,
+  so the caller sees the whole [M, N] and needs to know nothing;
+- where a sharded block asked for it (`planned`): the rows of its own heads or intermediate
+  columns with no gather (`Rows`), or a weight whose input arrives sharded (`GatheredInput`: the
+  input is gathered whole, then the output rows are split as above).
+
+ShardedAttention and ShardedMLP are the base blocks built on a local spec (the rank's heads, its
+intermediate columns) from such a plan: their cache keeps only their KV heads, and their
+forward is the base one. Every other block (Gated DeltaNet, MoE, a family's own attention) is
+built unchanged on the reader and gets the default: its GEMMs split and gathered, its other
+work and state replicated on every rank. The LM head keeps the rank's vocabulary rows
+(`vocab_head`); the runner draws from them with the shard exchange.
+"""
+from dataclasses import dataclass, replace
+
+import torch
+
+from tensorfold.parallel.group import RankGroup, split_sizes
+from tensorfold.models.blocks import MLP, Attention
+from tensorfold.models.gguf_quants import FileBlocks
+from tensorfold.models.spec import AttentionSpec, MLPSpec
+from tensorfold.models.weights import WeightReader
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Keep rows [start, stop) of the named matrix (and its bias), computed with no gather."""
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class GatheredInput:
+    """The matrix's input arrives split by rank into `widths` columns: gather it first."""
+    widths: tuple[int, ...]
+
+
+class ShardedLinear:
+    """A rank's rows of a GEMM weight (`local`, the op set's LinearWeight) that gives the whole
+    output: x (gathered first where the input is split) times the local rows, then every rank's
+    outputs side by side. Each output is its own dot product over the whole K, computed as one
+    rank computes it, so the gathered [M, N] is the one-rank result bit for bit."""
+
+    def __init__(self, local, group: RankGroup, out_widths: list[int], in_widths: tuple[int, ...] | None = None):
+        self.local, self.group, self.out_widths, self.in_widths = local, group, out_widths, in_widths
+        self.formats, self.bias, self.parts = local.formats, local.bias, local.parts
+        self.widths = tuple(out_widths)
+        self.in_features = in_widths[group.rank] if in_widths else local.in_features
+
+    single = None  # never one packed part: a native fused layer would skip the gathers
+
+    @property
+    def format(self) -> str:
+        return self.local.format
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(self.out_widths), self.in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_widths is not None:
+            x = self.group.gather_columns(x, list(self.in_widths))
+        return self.group.gather_columns(self.local(x), self.out_widths)
+
+
+class ShardReader(WeightReader):
+    def __init__(self, tensors: dict, dtype, device, ops, group: RankGroup, prefix: str = "",
+                 norm_offset: float = 0.0, plan: dict | None = None):
+        super().__init__(tensors, dtype, device, ops, prefix, norm_offset)
+        self.group, self.plan = group, plan or {}
+
+    def under(self, prefix: str) -> "ShardReader":
+        return ShardReader(self.tensors, self.dtype, self.device, self.ops, self.group, self.prefix + prefix,
+                           self.norm_offset, self.plan)
+
+    def planned(self, plan: dict) -> "ShardReader":
+        """This reader with per-matrix rules (full names -> Rows or GatheredInput)."""
+        return ShardReader(self.tensors, self.dtype, self.device, self.ops, self.group, self.prefix,
+                           self.norm_offset, {**self.plan, **{self.prefix + k: v for k, v in plan.items()}})
+
+    def linear(self, *names: str, biases: tuple[str, ...] = ()):
+        full = [self.prefix + n for n in names]
+        rules = {type(self.plan.get(n)) for n in full}
+        if rules == {Rows}:
+            ranges = [(self.plan[n].start, self.plan[n].stop) for n in full]
+            return self.ops.Linear.of(*(self._rows(n, a, b) for n, (a, b) in zip(names, ranges)),
+                                      bias=self._bias(biases, ranges))
+        if len(rules) != 1 or rules - {GatheredInput, type(None)}:
+            raise ValueError(f"shard plan for {full}: one rule for all parts of a fused weight")
+        in_widths = self.plan[full[0]].widths if rules == {GatheredInput} else None
+        heights = [self._height(n) for n in names]
+        if sum(heights) < self.group.size:  # too narrow to split (a one-output gate): every rank keeps it
+            return super().linear(*names, biases=biases)
+        sizes = split_sizes(sum(heights), self.group.size)
+        start = sum(sizes[:self.group.rank])
+        stop = start + sizes[self.group.rank]
+        kept, first = [], 0  # (name, bias name, rows): the rank's rows of each part, the parts as one matrix
+        for i, (name, h) in enumerate(zip(names, heights)):
+            a, b = min(max(start - first, 0), h), min(max(stop - first, 0), h)
+            if b > a:
+                kept.append((name, biases[i] if biases else None, (a, b)))
+            first += h
+        bias = self._bias(tuple(b for _, b, _ in kept), [r for _, _, r in kept]) if biases else None
+        local = self.ops.Linear.of(*(self._rows(n, a, b) for n, _, (a, b) in kept), bias=bias)
+        return ShardedLinear(local, self.group, sizes, in_widths)
+
+    def vocab_head(self, matrix, packed=None):
+        """The LM head's rows of this rank's vocabulary range (vocab_range), with no gather: the
+        draw exchanges instead."""
+        start, stop = vocab_range(matrix.shape[0], self.group)
+        return self.ops.Linear.of(_take_rows(matrix, start, stop))
+
+    def _height(self, name: str) -> int:
+        return self.tensors[self.prefix + name].shape[0] if self.has(name) else self.matrix(name).shape[0]
+
+    def _rows(self, name: str, start: int, stop: int):
+        full = self.prefix + name
+        stored = self.tensors.get(full)
+        if isinstance(stored, FileBlocks):  # read only these rows from the file
+            return WeightReader({full: stored.rows(slice(start, stop))}, self.dtype, self.device, self.ops).matrix(full)
+        return _take_rows(self.matrix(name), start, stop)
+
+    def _bias(self, biases: tuple[str, ...], ranges: list[tuple[int, int]]):
+        parts = [self.maybe(b) for b in biases]
+        if not parts or any(p is None for p in parts):
+            return None
+        return torch.cat([p[a:b] for p, (a, b) in zip(parts, ranges)]).contiguous()
+
+
+def _take_rows(matrix, start: int, stop: int):
+    """Rows [start, stop) of a checkpoint matrix (a tensor or QuantWeight), as their own copy."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix[start:stop].clone()
+    taken = matrix.rows(slice(start, stop))
+    return type(taken)(taken.kind, *(None if t is None else t.clone() for t in
+                                     (taken.codes, taken.scale, taken.scale_exp, taken.min, taken.min_exp)))
+
+
+def vocab_range(vocab: int, group: RankGroup) -> tuple[int, int]:
+    """The token ids [start, stop) whose logits this rank computes."""
+    sizes = split_sizes(vocab, group.size)
+    start = sum(sizes[:group.rank])
+    return start, start + sizes[group.rank]
+
+
+def _head_range(count: int, group: RankGroup) -> tuple[int, int]:
+    per = count // group.size
+    return group.rank * per, (group.rank + 1) * per
+
+
+class ShardedAttention(Attention):
+    """Attention over this rank's heads: its Q/K/V rows, its KV heads' cache; o_proj gathers
+    the heads' outputs first."""
+
+    def __init__(self, spec: AttentionSpec, w: ShardReader, ctx):
+        n = w.group.size
+        q0, q1 = _head_range(spec.num_heads, w.group)
+        k0, k1 = _head_range(spec.num_kv_heads, w.group)
+        q_rows = spec.head_dim * (2 if spec.output_gate else 1)  # Qwen3.5: [q, gate] per head
+        d = spec.head_dim
+        plan = {"self_attn.q_proj.weight": Rows(q0 * q_rows, q1 * q_rows),
+                "self_attn.k_proj.weight": Rows(k0 * d, k1 * d), "self_attn.v_proj.weight": Rows(k0 * d, k1 * d),
+                "self_attn.o_proj.weight": GatheredInput((spec.num_heads // n * d,) * n)}
+        local = replace(spec, num_heads=spec.num_heads // n, num_kv_heads=spec.num_kv_heads // n)
+        super().__init__(local, w.planned(plan), ctx)
+
+
+class ShardedMLP(MLP):
+    """A gated MLP over this rank's intermediate columns; down gathers them first."""
+
+    def __init__(self, spec: MLPSpec, w: ShardReader, ctx):
+        sizes = split_sizes(spec.intermediate_size, w.group.size)
+        start = sum(sizes[:w.group.rank])
+        stop = start + sizes[w.group.rank]
+        plan = {"mlp.gate_proj.weight": Rows(start, stop), "mlp.up_proj.weight": Rows(start, stop),
+                "mlp.down_proj.weight": GatheredInput(tuple(sizes))}
+        super().__init__(replace(spec, intermediate_size=stop - start), w.planned(plan), ctx)
+
+
+def sharded_blocks(blocks: dict) -> dict:
+    """A family's block classes with the base attention and MLP keeping their heads; a
+    family's own classes (and attention whose heads do not divide) keep the default."""
+    out = dict(blocks)
+    if blocks.get(AttentionSpec) is Attention:
+        out[AttentionSpec] = ShardedAttention
+    if blocks.get(MLPSpec) is MLP:
+        out[MLPSpec] = ShardedMLP
+    return out
