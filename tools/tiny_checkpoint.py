@@ -37,6 +37,9 @@ too (init_hybrid_weights), so that a reimplementation that adds 1 to the wrong n
 head differs. well_separated_seed() (--seed separated) picks a seed whose greedy tokens and expert
 routes on SEED_PROMPT no float rounding can flip.
 
+nemotron_h with --gguf is written as llama.cpp writes it (nemotron_h or nemotron_h_moe:
+_write_nemotron_h_gguf), in NEMOTRON_H_GGUF_SIZES' layer pattern.
+
 With --gguf (write_tiny_gguf), the checkpoint is also written as OUT_DIR/tiny-<mix>.gguf, as
 llama.cpp's converter and quantizer would lay it out: llama.cpp tensor names, llama's Q/K rows
 permuted, norms F32, 2-D tensors in blocks (tensorfold/models/quantize.py's encoders): every matrix
@@ -147,6 +150,9 @@ NEMOTRON_H_TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads
                        ssm_state_size=16, conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
                        routed_scaling_factor=2.5, moe_latent_size=32, norm_topk_prob=True)
+# ...as a GGUF (--gguf): llama.cpp's nemotron_h_moe holds MoE layers and no MLP ones, and every matrix's
+# row length is a multiple of 32 (the shared expert's 64)
+NEMOTRON_H_GGUF_SIZES = dict(hybrid_override_pattern="M*EM*E", moe_shared_expert_intermediate_size=64)
 # Gemma 4's text model with every option its real checkpoints turn on, at tiny sizes: sliding layers
 # (window 16, shorter than the tests' prompts) and global ones with a head twice as wide, one KV head
 # and proportional rope; per-layer inputs; final logit soft-capping. gemma4 (E2B-like, laid out as
@@ -560,6 +566,8 @@ def write_tiny_gguf(hf_dir: str, mix: str = "q4_k_m", out_path: str | None = Non
         config = json.load(f)
     if config["model_type"] in HYBRID_ARCHS:
         return _write_hybrid_gguf(hf_dir, config, mix, out_path)
+    if config["model_type"] == "nemotron_h":
+        return _write_nemotron_h_gguf(hf_dir, config, mix, out_path)
     arch, args = config["model_type"], ModelArgs.from_hf(config)
     if args.rope.rope_type != "default":
         raise ValueError(f"rope type {args.rope.rope_type!r}: only the default rope is written")
@@ -734,7 +742,6 @@ def _text_tensors(tensors: dict) -> dict:
 def _hybrid_gguf_writer(hf_dir: str, config: dict, out_path: str):
     """(a GGUFWriter with the hybrid's metadata and tokenizer, its ModelArgs)."""
     import gguf
-    from tokenizers import Tokenizer
 
     from tensorfold.models.config import ModelArgs
 
@@ -748,13 +755,6 @@ def _hybrid_gguf_writer(hf_dir: str, config: dict, out_path: str):
         raise ValueError(f"linear_value_head_dim {dv}: the tiled value heads move ssm_out's columns in runs of {dv}, "
                          "which blocks of 32 cannot follow (HYBRID_GGUF_SIZES)")
 
-    fields = list(_default_tokenizer_fields())
-    tokens = next(value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens")
-    added = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_added_tokens_decoder()
-    extra = [added.get(i) for i in range(len(tokens), args.vocab_size)]
-    if None in extra:
-        raise ValueError(f"vocab_size {args.vocab_size}: ids past the default model's {len(tokens)} are not all "
-                         "added tokens of the directory's tokenizer")
     writer = gguf.GGUFWriter(out_path, arch)
     writer.add_block_count(args.num_layers)
     writer.add_context_length(args.max_position)
@@ -785,6 +785,22 @@ def _hybrid_gguf_writer(hf_dir: str, config: dict, out_path: str):
     writer.add_rope_dimension_count(int(args.head_dim * factor))
     if arch != "qwen3next":
         writer.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4])
+    _add_tokenizer(writer, hf_dir, args.vocab_size)
+    return writer, args
+
+
+def _add_tokenizer(writer, hf_dir: str, vocab_size: int) -> None:
+    """The default model's GGUF tokenizer fields with the directory's added tokens (family tokens)
+    appended up to vocab_size, and the directory's template."""
+    from tokenizers import Tokenizer
+
+    fields = list(_default_tokenizer_fields())
+    tokens = next(value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens")
+    added = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json")).get_added_tokens_decoder()
+    extra = [added.get(i) for i in range(len(tokens), vocab_size)]
+    if None in extra:
+        raise ValueError(f"vocab_size {vocab_size}: ids past the default model's {len(tokens)} are not all "
+                         "added tokens of the directory's tokenizer")
     for key, value, value_type, sub_type in fields:
         if key == "tokenizer.ggml.tokens":
             value = value + [t.content for t in extra]
@@ -794,7 +810,6 @@ def _hybrid_gguf_writer(hf_dir: str, config: dict, out_path: str):
             with open(os.path.join(hf_dir, "chat_template.jinja"), encoding="utf-8") as f:
                 value = f.read()
         writer.add_key_value(key, value, value_type, sub_type)
-    return writer, args
 
 
 def _add_hybrid_tensors(writer, tensors: dict, mix: str) -> None:
@@ -812,6 +827,120 @@ def _add_hybrid_tensors(writer, tensors: dict, mix: str) -> None:
             kind = "q8_0"  # llama.cpp falls back to a 32-weight type (Q5_0, Q5_1, Q8_0); served here: q8_0
         blocks = gguf_blocks(t.reshape(-1, t.shape[-1]), kind)
         writer.add_tensor(name, blocks.reshape(*t.shape[:-1], -1).numpy(), raw_dtype=QTYPES[kind])
+
+
+def _write_nemotron_h_gguf(hf_dir: str, config: dict, mix: str, out_path: str | None) -> str:
+    """write_tiny_gguf for nemotron_h, as llama.cpp's converter writes it: architecture nemotron_h
+    (M, *, - layers) or nemotron_h_moe (M, *, E; a file holds one feed-forward kind), the layer
+    kinds as per-layer head_count_kv and feed_forward_length; -exp(A_log) as ssm_a and D as ssm_d
+    ([H, 1]), conv1d squeezed, the gated norm's weight as [groups, I / groups], Q and K rows in
+    llama.cpp's rope order (its converter permutes them for every Nemotron-H), experts stacked per
+    projection; vectors, norms, conv1d, ssm_a/ssm_d and the router float32, every other matrix in
+    the mix's blocks. models/gguf_nemotron_h.py reads it back."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    from tensorfold.kernels.delta_net import decay_rate
+    from tensorfold.models.config import ModelArgs
+    from tensorfold.models.gguf_file import rope_row_order
+    from tensorfold.models.nemotron_h import layer_kinds, option
+
+    args, hf = ModelArgs.from_hf(config), config
+    kinds = layer_kinds(hf)
+    if "mlp" in kinds and "moe" in kinds:
+        raise ValueError("llama.cpp's nemotron_h files hold MLP or MoE layers, not both: pick a pattern without one")
+    arch = "nemotron_h_moe" if "moe" in kinds else "nemotron_h"
+    writer = gguf.GGUFWriter(out_path or os.path.join(hf_dir, f"tiny-{mix}.gguf"), arch)
+    heads, kv_heads = args.num_heads, args.num_kv_heads
+    head_dim = int(hf.get("head_dim") or args.hidden_size // heads)
+    ff = hf["moe_intermediate_size"] if arch == "nemotron_h_moe" else args.intermediate_size
+    writer.add_block_count(args.num_layers)
+    writer.add_context_length(args.max_position)
+    writer.add_embedding_length(args.hidden_size)
+    writer.add_feed_forward_length([ff if k in ("mlp", "moe") else 0 for k in kinds])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv([kv_heads if k == "attention" else 0 for k in kinds])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(float(option(hf, "layer_norm_epsilon")))
+    writer.add_vocab_size(args.vocab_size)
+    num_heads, groups = int(option(hf, "mamba_num_heads")), int(option(hf, "n_groups"))
+    inner = num_heads * int(option(hf, "mamba_head_dim"))
+    writer.add_ssm_conv_kernel(int(option(hf, "conv_kernel")))
+    writer.add_ssm_state_size(int(option(hf, "ssm_state_size")))
+    writer.add_ssm_group_count(groups)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_time_step_rank(num_heads)
+    if arch == "nemotron_h_moe":
+        writer.add_expert_used_count(hf["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(hf["moe_shared_expert_intermediate_size"])
+        writer.add_expert_count(hf["n_routed_experts"])
+        writer.add_expert_shared_count(hf.get("n_shared_experts", 1))
+        writer.add_expert_weights_norm(bool(hf["norm_topk_prob"]))
+        writer.add_expert_weights_scale(float(hf["routed_scaling_factor"]))
+        writer.add_expert_group_count(hf["n_group"])
+        if hf["n_group"] > 1:  # llama.cpp's converter writes no chosen-group count (its checkpoints have 1 group)
+            writer.add_expert_group_used_count(hf["topk_group"])
+        if hf.get("moe_latent_size"):
+            writer.add_moe_latent_size(hf["moe_latent_size"])
+    _add_tokenizer(writer, hf_dir, args.vocab_size)
+
+    names = {"in_proj": "ssm_in", "out_proj": "ssm_out", "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+             "o_proj": "attn_output", "up_proj": "ffn_up", "down_proj": "ffn_down", "gate": "ffn_gate_inp",
+             "shared_experts.up_proj": "ffn_up_shexp", "shared_experts.down_proj": "ffn_down_shexp",
+             "fc1_latent_proj": "ffn_latent_down", "fc2_latent_proj": "ffn_latent_up"}
+    matrices, floats, experts = {}, {}, {}
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        t = t.float()
+        if name in ("backbone.embeddings.weight", "model.embeddings.weight"):
+            matrices["token_embd.weight"] = t
+        elif name == "lm_head.weight":
+            matrices["output.weight"] = t
+        elif name.endswith("norm_f.weight"):
+            floats["output_norm.weight"] = t
+        else:
+            layer, rest = name.split(".", 3)[2:]
+            blk = f"blk.{layer}."
+            m = rest.removeprefix("mixer.")
+            if rest == "norm.weight":
+                floats[blk + "attn_norm.weight"] = t
+            elif m.startswith("experts."):
+                experts.setdefault(blk, {})[m] = t
+            elif m == "conv1d.weight":
+                floats[blk + "ssm_conv1d.weight"] = t.squeeze(1)
+            elif m == "conv1d.bias":
+                floats[blk + "ssm_conv1d.bias"] = t
+            elif m == "dt_bias":
+                floats[blk + "ssm_dt.bias"] = t
+            elif m == "A_log":
+                floats[blk + "ssm_a"] = -decay_rate(t).reshape(-1, 1)  # the project's exp: no libm's last bit
+            elif m == "D":
+                floats[blk + "ssm_d"] = t.reshape(-1, 1)
+            elif m == "norm.weight":
+                floats[blk + "ssm_norm.weight"] = t.reshape(groups, -1)
+            elif m == "gate.e_score_correction_bias":
+                floats[blk + "exp_probs_b.bias"] = t
+            elif m == "gate.weight":
+                floats[blk + "ffn_gate_inp.weight"] = t
+            elif m.removesuffix(".weight") in names:
+                proj = m.removesuffix(".weight")
+                if proj in ("q_proj", "k_proj"):  # llama.cpp's rope row order
+                    order = rope_row_order(t.shape[0], heads if proj == "q_proj" else kv_heads)
+                    t = torch.empty_like(t).index_copy_(0, order, t)
+                matrices[blk + names[proj] + ".weight"] = t
+            else:
+                raise ValueError(f"{name}: no GGUF name for this tensor")
+    for blk, parts in experts.items():
+        count = len(parts) // 2
+        for proj, gguf_name in (("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            matrices[f"{blk}{gguf_name}.weight"] = torch.stack([parts[f"experts.{e}.{proj}.weight"]
+                                                                for e in range(count)])
+    for name, t in floats.items():
+        writer.add_tensor(name, t.contiguous().numpy())
+    _add_hybrid_tensors(writer, matrices, mix)
+    return _finish_gguf(writer)
 
 
 def _finish_gguf(writer) -> str:
@@ -869,6 +998,8 @@ def main(argv: list[str] | None = None) -> str:
     k_quants = bool(args.gguf) and GGUF_MIXES[args.gguf][0].endswith("_k")
     if args.arch in HYBRID_ARCHS:
         sizes = HYBRID_K_QUANT_SIZES if k_quants else HYBRID_GGUF_SIZES if args.gguf else {}
+    elif args.arch == "nemotron_h":
+        sizes = NEMOTRON_H_GGUF_SIZES if args.gguf else {}  # K-quant mixes fall back to q8_0 on its rows
     else:
         sizes = K_QUANT_SIZES if k_quants else {}
     seed = (well_separated_seed(args.arch, family=not args.plain, **sizes) if args.seed == "separated"

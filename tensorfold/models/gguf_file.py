@@ -18,6 +18,8 @@ time. Invariants:
   rope_scaling of config.json that reproduces it, or a CheckpointError if none does;
 - the tokenizer encodes like `transformers`' GGUF tokenizer, and adds BOS/EOS itself only where the
   file's add_bos_token / add_eos_token flags say so (as a tokenizer.json post-processor would);
+- Nemotron-H (nemotron_h, nemotron_h_moe) comes back under transformers' names and config
+  (models/gguf_nemotron_h.py);
 - the Qwen hybrids (qwen35, qwen35moe, qwen3next) come back under the names and config the
   qwen3_5 family reads, every converter transform undone exactly, or kept in the stored form the
   family reads directly (-exp(A_log) as linear_attn.A); stacked experts [E, out, in] become one
@@ -48,7 +50,7 @@ class _Arch:
     model_type: str
     rope_permuted: bool  # llama.cpp's converter reorders Q/K rows for its interleaved-pair rope
     qk_norm: bool
-    hybrid: bool = False    # a Qwen hybrid (read by _hybrid_config / _hybrid_tensors)
+    hybrid: bool = False    # a hybrid (read by _hybrid_config / gguf_nemotron_h and _hybrid_tensors)
     tiled_v: bool = False   # the converter put the linear-attention value heads in tiled order
 
 
@@ -58,6 +60,8 @@ ARCHITECTURES = {
     "qwen35": _Arch("Qwen3_5ForCausalLM", "qwen3_5_text", False, True, hybrid=True, tiled_v=True),
     "qwen35moe": _Arch("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False, True, hybrid=True, tiled_v=True),
     "qwen3next": _Arch("Qwen3NextForCausalLM", "qwen3_next", False, True, hybrid=True),
+    "nemotron_h": _Arch("NemotronHForCausalLM", "nemotron_h", False, False, hybrid=True),      # models/gguf_nemotron_h
+    "nemotron_h_moe": _Arch("NemotronHForCausalLM", "nemotron_h", False, False, hybrid=True),
 }
 
 GLOBAL_TENSORS = {
@@ -132,9 +136,14 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
             f"{path}: unsupported architecture {arch_name!r} (supported: {', '.join(ARCHITECTURES)})"
         )
     names = {t.name for t in reader.tensors}
-    if arch.hybrid:
+    if arch.hybrid and arch.model_type == "nemotron_h":
+        from tensorfold.models.gguf_nemotron_h import nemotron_config, nemotron_rules
+        config = nemotron_config(path, meta, arch_name, names)
+        tensors = _hybrid_tensors(path, reader, config, nemotron_rules(path, config), dtype, keep_quantized)
+    elif arch.hybrid:
         config = _hybrid_config(path, meta, arch_name, arch, names)
-        tensors = _hybrid_tensors(path, reader, config, arch_name, arch, dtype, keep_quantized)
+        tensors = _hybrid_tensors(path, reader, config, _hybrid_rules(path, config, arch_name, arch), dtype,
+                                  keep_quantized)
     else:
         config = _config(path, meta, arch_name, arch, names)
         rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
@@ -700,9 +709,11 @@ def _hybrid_rules(path: str, config: dict[str, Any], arch_name: str, arch: _Arch
     return global_rules, layer_rules, expected
 
 
-def _hybrid_tensors(path: str, reader: GGUFReader, config: dict[str, Any], arch_name: str, arch: _Arch,
-                    dtype: torch.dtype, keep_quantized: bool) -> dict[str, Any]:
-    global_rules, layer_rules, expected = _hybrid_rules(path, config, arch_name, arch)
+def _hybrid_tensors(path: str, reader: GGUFReader, config: dict[str, Any], rules, dtype: torch.dtype,
+                    keep_quantized: bool) -> dict[str, Any]:
+    """The file's tensors by `rules` (_hybrid_rules' or gguf_nemotron_h's: global rules, rules per
+    layer, the expected HF names and shapes)."""
+    global_rules, layer_rules, expected = rules
     tensors, skipped = {}, 0
     for info in reader.tensors:
         parts = info.name.split(".", 2)

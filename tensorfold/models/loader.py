@@ -34,7 +34,8 @@ def load_checkpoint(path: str | None = None, keep_quantized: bool = False) -> Ch
 # linear-attention input projections too (in_proj_qkv, _z, _b, _a; Qwen3-Next's in_proj_qkvz, _ba);
 # not the routers (mlp.gate, shared_expert_gate) nor conv1d, which llama.cpp keeps float.
 QUANTIZABLE = ("_proj.weight", "lm_head.weight", "embed_tokens.weight", "in_proj_qkv.weight", "in_proj_z.weight",
-               "in_proj_b.weight", "in_proj_a.weight", "in_proj_qkvz.weight", "in_proj_ba.weight")
+               "in_proj_b.weight", "in_proj_a.weight", "in_proj_qkvz.weight", "in_proj_ba.weight",
+               ".embeddings.weight")  # the last: Nemotron-H's embedding table
 STACKED_EXPERTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",),
                    "experts.up_proj": ("up_proj",)}  # the last: Nemotron-H's non-gated experts
 
