@@ -12,6 +12,7 @@ Gathers move bits only: a tensor travels as the integer type of its width (bfloa
 so no dtype gloo lacks and no conversion on the way.
 """
 import pickle
+import time
 from datetime import timedelta
 
 import torch
@@ -37,8 +38,9 @@ class RankGroup:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
         self.rounds = None
-        self.bytes_moved = 0     # payload this rank sent and received in collectives (the benchmark's)
+        self.bytes_moved = 0     # payload this rank's round collectives carried (the benchmark's counters)
         self.collectives = 0
+        self.seconds = 0.0       # time spent inside them
         if store is not None:
             self.connect(store)
 
@@ -70,12 +72,13 @@ class RankGroup:
 
     def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """Each rank's x [M, widths[rank]] side by side in rank order: [M, sum(widths)]."""
+        started = time.perf_counter()
         width = max(widths)
         local = torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
         bits = local.contiguous().view(_AS_BITS[x.element_size()]) if x.dtype.is_floating_point else local.contiguous()
         parts = [torch.empty_like(bits) for _ in range(self.size)]
         dist.all_gather(parts, bits, group=self.rounds)
-        self._count(bits, self.size)
+        self._count(bits, self.size, started)
         parts = [p[:, :w] for p, w in zip(parts, widths)]
         out = torch.cat(parts, dim=1)
         return out.view(x.dtype) if x.dtype.is_floating_point else out
@@ -83,27 +86,32 @@ class RankGroup:
     # sampling/sampler.Exchange: this rank's one shard
 
     def all_max(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        started = time.perf_counter()
         (t,) = parts
         t = t.clone()
         dist.all_reduce(t, dist.ReduceOp.MAX, group=self.rounds)
-        self._count(t, 2)
+        self._count(t, 2, started)
         return t
 
     def all_sum(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        started = time.perf_counter()
         (t,) = parts
         t = t.to(torch.int64).clone()  # integer sums: exact in any order
         dist.all_reduce(t, dist.ReduceOp.SUM, group=self.rounds)
-        self._count(t, 2)
+        self._count(t, 2, started)
         return t
 
     def all_gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        started = time.perf_counter()
         (t,) = parts
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t, group=self.rounds)
-        self._count(t, self.size)
+        self._count(t, self.size, started)
         return torch.cat(out, dim=-1)
 
-    def _count(self, t: torch.Tensor, copies: int) -> None:
+    def _count(self, t: torch.Tensor, copies: int, started: float) -> None:
+        """One collective of `t` (copies: the tensors it moves, this rank's own included)."""
+        self.seconds += time.perf_counter() - started
         self.collectives += 1
         self.bytes_moved += t.numel() * t.element_size() * copies
