@@ -17,6 +17,8 @@ qwen3_5 (FAMILIES): the same tokens, and tools/templates/qwen3_5.jinja where tha
 else qwen3.jinja. gemma4 and gemma4_text get Gemma 4's control tokens (GEMMA4_FAMILY_TOKENS),
 tools/templates/gemma4.jinja, and <turn|> as their end token.
 nemotron_h gets the same four tokens as qwen3 and tools/templates/nemotron_h.jinja (Nemotron 3's format).
+glm_moe_dsa gets GLM-5's control tokens (GLM_FAMILY_TOKENS), tools/templates/glm_moe_dsa.jinja, and
+GLM's end tokens in its generation_config (<|endoftext|>, <|user|>, <|observation|>).
 
 The hybrids (linear attention, i.e. Gated DeltaNet, in three layers of four, gated full attention
 in the fourth) are laid out as their real Hub checkpoints are:
@@ -95,11 +97,20 @@ QWEN3_FAMILY_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 # <|think|>, which turns thinking on), tool declarations, calls and responses, the string quote.
 GEMMA4_FAMILY_TOKENS = ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>",
                         "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
+# GLM-5's: the prompt's opening pair, the four role tokens, think and call markers, the call's key/value
+# tags and the tool-response block, each one token as in its vocabulary.
+GLM_FAMILY_TOKENS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
+                     "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                     "</arg_value>", "<tool_response>", "</tool_response>"]
 FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5",
-            "gemma4": "gemma4", "gemma4_text": "gemma4", "nemotron_h": "nemotron_h"}
+            "gemma4": "gemma4", "gemma4_text": "gemma4", "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm_moe_dsa"}
 FAMILY_TOKENS = {"qwen3": QWEN3_FAMILY_TOKENS, "qwen3_5": QWEN3_FAMILY_TOKENS, "gemma4": GEMMA4_FAMILY_TOKENS,
-                 "nemotron_h": QWEN3_FAMILY_TOKENS}  # Nemotron 3's <think> and <tool_call> are single tokens too
-FAMILY_EOS = {"gemma4": "<turn|>"}  # a family whose turns end with a token of its own
+                 "nemotron_h": QWEN3_FAMILY_TOKENS,  # Nemotron 3's <think> and <tool_call> are single tokens too
+                 "glm_moe_dsa": GLM_FAMILY_TOKENS}
+FAMILY_EOS = {"gemma4": "<turn|>", "glm_moe_dsa": "<|endoftext|>"}  # a family whose turns end with a token of its own
+# a family whose generation_config lists more end tokens (GLM's: a reply also ends where the model
+# opens the next user turn or a tool result)
+FAMILY_END_TOKENS = {"glm_moe_dsa": ["<|endoftext|>", "<|user|>", "<|observation|>"]}
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)  # K-quant rows: multiples of 256
 GGUF_MIXES = {  # mix -> (type of a matrix, types of matrices by llama.cpp name part)
@@ -409,6 +420,8 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
                          **overrides) -> str:
     tokenizer = family_tokenizer(arch, tokenizer, family)
     model = build_tiny_model(arch, seed, tokenizer, **overrides)
+    if family and FAMILIES.get(arch, arch) in FAMILY_END_TOKENS:
+        model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(FAMILY_END_TOKENS[FAMILIES[arch]])
     # transformers writes the model's own tensors where save_original_format is off: Qwen3.5-MoE's
     # fused experts, as its Hub checkpoints hold them; on, it would split them per expert (the
     # qwen2_moe conversion, reversed). Qwen3-Next's Hub checkpoints are per expert: on.

@@ -94,8 +94,12 @@ class Prompts:
         return kwargs or None
 
     def fit_window(self, greq: GenerationRequest, num_prompt: int) -> SamplingParams:
-        """The request's sampling, its max_tokens within the window (the default if it set none)."""
+        """The request's sampling, its max_tokens within the window (the default if it set none),
+        decoding past a stop match where the card's engine does (GLM's, every route)."""
         params = greq.sampling
+        card = self.served.card
+        if card is not None and card.decode_past_stop and params.stop and not params.decode_past_stop:
+            params = SamplingParams(**{**params.__dict__, "decode_past_stop": True})
         try:
             max_tokens = reply_budget(self.info.context_length, num_prompt, params.max_tokens,
                                       self.default_max_tokens, greq.max_tokens_field)

@@ -4,8 +4,9 @@ A card says, for one family: the architectures it covers and the strings its cha
 contains (how a checkpoint is matched to it), a template that replaces the checkpoint's (if any,
 in model_cards/templates/), its think markers (and the label a block opens with: Gemma 4's thought
 channel), its tool-call format and markers, the names its
-template gives reasoning efforts, and its end tokens. The server reads the card; it never
-guesses any of this from template text.
+template gives reasoning efforts, its end tokens, and whether its engine decodes on past a stop
+string's match (GLM's: to an end token or the limit, the reply's text ending at the match). The
+server reads the card; it never guesses any of this from template text.
 
 Choosing a card: `--model-card NAME`, else among the cards listing the checkpoint's
 architecture, the one whose template markers all appear in the checkpoint's template, most
@@ -17,7 +18,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-TOOL_FORMATS = ("hermes_json", "qwen_xml", "gemma4")
+TOOL_FORMATS = ("hermes_json", "qwen_xml", "gemma4", "glm_xml")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -53,6 +54,7 @@ class ModelCard:
     efforts: dict = field(default_factory=dict)  # request effort -> the name the template hears
     default_effort: str | None = None
     end_tokens: tuple[str, ...] = ()
+    decode_past_stop: bool = False      # a stop match ends the reply's text, not its decoding
 
     def effort_name(self, effort: str) -> str:
         """The effort name the template hears for a request's effort (itself if not mapped)."""
@@ -109,11 +111,14 @@ def _read_card(folder: str, file: str) -> ModelCard:
             efforts=dict(raw.get("efforts") or {}),
             default_effort=raw.get("default_effort"),
             end_tokens=tuple(raw.get("end_tokens") or ()),
+            decode_past_stop=raw.get("decode_past_stop", False),
         )
     except (KeyError, TypeError) as e:
         raise CardError(f"{path}: {e}") from None
     if card.tool_format is not None and (card.tool_format not in TOOL_FORMATS or card.tool_call is None):
         raise CardError(f"{path}: tool_format must be one of {TOOL_FORMATS} with tool_call markers")
+    if not isinstance(card.decode_past_stop, bool):
+        raise CardError(f"{path}: decode_past_stop must be true or false")
     bad = [e for e in (*card.efforts, card.default_effort) if e is not None and e not in EFFORTS]
     if bad:
         raise CardError(f"{path}: unknown reasoning effort {bad[0]!r}")

@@ -18,6 +18,10 @@ Rules (the model card gives the markers and the call format):
   where it starts, and streamed reasoning never carries its markup. A call block inside a think
   block that closes after it stays reasoning.
 - With parallel_tool_calls false, only the first valid call is returned; later ones are dropped.
+
+The call formats (the card's tool_format): hermes_json ({"name", "arguments"} JSON), qwen_xml
+(<function=NAME><parameter=P>...), gemma4 (call:NAME{key:value}), glm_xml
+(NAME<arg_key>K</arg_key><arg_value>V</arg_value>...).
 """
 import json
 import re
@@ -222,6 +226,8 @@ class ReplyParser:
             return self._hermes(body)
         if self.call_format == "qwen_xml":
             return self._qwen_xml(body)
+        if self.call_format == "glm_xml":
+            return self._glm_xml(body)
         if self.call_format == "gemma4":
             call = read_call(body)
             if call is None or call[0] not in self.tools:
@@ -264,6 +270,28 @@ class ReplyParser:
         return name, json.dumps(arguments, ensure_ascii=False)
 
 
+    def _glm_xml(self, body: str) -> tuple[str, str] | None:
+        """GLM's NAME<arg_key>K</arg_key><arg_value>V</arg_value>...: the name up to the first key,
+        then pairs with only blanks between them; a value typed by the offered schema, as Qwen
+        XML's are (the template writes a string as it is, any other value as JSON)."""
+        at = body.find("<arg_key>")
+        name = (body if at < 0 else body[:at]).strip()
+        if name not in self.tools:
+            return None
+        properties = (self.tools[name].get("parameters") or {}).get("properties") or {}
+        arguments = {}
+        pos = len(body) if at < 0 else at
+        for p in _ARG.finditer(body, pos):
+            if body[pos:p.start()].strip():
+                return None  # text between pairs: not this format
+            pos = p.end()
+            arguments[p.group(1).strip()] = _typed(p.group(2), properties.get(p.group(1).strip()))
+        if body[pos:].strip():
+            return None
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 

@@ -323,7 +323,9 @@ class Engine:
 
     def _append(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         """The accepted tokens onto the reply, token by token: text, stop strings, end tokens and
-        the limit are checked on each, so a drafted reply ends where the serial one does."""
+        the limit are checked on each, so a drafted reply ends where the serial one does. With
+        decode_past_stop (GLM's engine), a stop match ends the text only: decoding goes on to an
+        end token or the limit, and the reply's finish reason is still the match's "stop"."""
         text, appended, pieces, reason = self._texts[req.req_id], [], [], None
         for token in new_tokens:
             req.output_ids.append(token)
@@ -331,11 +333,12 @@ class Engine:
             is_eos = token in req.eos_ids and not req.params.ignore_eos
             if not is_eos:
                 pieces.append(text.push(token))
-            if text.stopped or is_eos:
+            if text.stopped and req.stop_string is None:
+                req.stop_string = text.matched
+            if is_eos or (text.stopped and not req.params.decode_past_stop):
                 reason = "stop"
-                req.stop_string = text.matched if text.stopped else None
             elif len(req.output_ids) >= req.max_tokens:
-                reason = "length"
+                reason = "stop" if text.stopped else "length"
             if reason:
                 break
         if reason:

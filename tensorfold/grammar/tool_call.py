@@ -6,6 +6,8 @@ shown, with arguments that match that tool's parameters:
   JSON written as the template writes it (", " and ": " separators);
 - qwen_xml: opener "\\n<function=<tool>>\\n" then <parameter=P>\\n...\\n</parameter>\\n for
   the tool's parameters (any text without "<" as the value), then "</function>\\n" closer;
+- glm_xml: opener "<tool>" then <arg_key>P</arg_key><arg_value>...</arg_value> for the tool's
+  parameters in their declared order, each optional (any text without "<" as the value), closer;
 - gemma4: opener "call:<tool>{key:value,...}" closer, in Gemma 4's notation (chat/gemma4_values.py):
   the tool's parameters in their declared order, the required ones present, each value by its
   schema's type (a string: text without "<" between <|"|> tokens, at most maxLength characters;
@@ -44,6 +46,12 @@ def tool_call_grammar(spec: GrammarSpec):
                 xgr.Grammar.from_ebnf(f"root ::= {ebnf_literal(d['open'] + chr(10))}"),
                 json_grammar(json.dumps(body), any_whitespace=False, separators=(", ", ": ")),
                 xgr.Grammar.from_ebnf(f"root ::= {ebnf_literal(chr(10) + d['close'])}")))
+        elif d["format"] == "glm_xml":
+            pairs = " ".join(f"({ebnf_literal(f'<arg_key>{p}</arg_key><arg_value>')} value "
+                             f"{ebnf_literal('</arg_value>')})?" for p in order)
+            head = ebnf_literal(d["open"] + function["name"])
+            calls.append(xgr.Grammar.from_ebnf(f"root ::= {head} {pairs} {ebnf_literal(d['close'])}\n"
+                                               "value ::= [^<]*"))
         elif d["format"] == "gemma4":
             calls.append(xgr.Grammar.from_ebnf(_gemma4_call_ebnf(d["open"], d["close"], function["name"],
                                                                  parameters, order)))

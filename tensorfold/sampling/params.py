@@ -20,6 +20,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     draft: bool = True
+    decode_past_stop: bool = False   # a stop match ends the text; decoding goes on to an end token or the limit
 
     @property
     def greedy(self) -> bool:
