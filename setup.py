@@ -76,6 +76,7 @@ setup(
         "h11",
         "gguf",
         "numpy",
+        "pillow",  # --vision: image decoding
         "xgrammar",  # structured output (pulls transformers for its tokenizer table)
         "cryptography",  # the Responses API's encrypted reasoning (AES-GCM)
         "mlx; platform_system == 'Darwin' and platform_machine == 'arm64'",  # --backend mlx (auto there)

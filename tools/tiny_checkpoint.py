@@ -436,6 +436,35 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
     return out_dir
 
 
+# Qwen3.5's image tokens (ids 248053-248057 in its vocabulary), appended to the tiny one, and the
+# preprocessing of the tiny vision checkpoint: the real patch/merge/mean/std with small pixel
+# bounds (an image takes 4 to 64 prompt tokens), so tests run images of a few thousand pixels.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+TINY_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2,
+                     "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                     "size": {"shortest_edge": 64 * 64, "longest_edge": 256 * 256}}
+
+
+def make_tiny_vision_checkpoint(out_dir: str, seed: int = 0, **overrides) -> str:
+    """A tiny Qwen3.5 vision-language checkpoint: the qwen3_5 family tiny checkpoint whose
+    vocabulary has the image tokens, whose config names them, with preprocessor_config.json
+    (TINY_PREPROCESSOR) and the template's image placeholders (tools/templates/qwen3_5.jinja)."""
+    import json
+
+    tokenizer = family_tokenizer("qwen3_5", None, family=True)
+    tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
+    model = build_tiny_model("qwen3_5", seed, tokenizer, **overrides)
+    ids = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    model.config.vision_start_token_id, model.config.vision_end_token_id = ids[0], ids[1]
+    model.config.image_token_id, model.config.video_token_id = ids[2], ids[3]
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _hub_config("qwen3_5", out_dir)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "preprocessor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(TINY_PREPROCESSOR, f, indent=2)
+    return out_dir
+
+
 def _nemotron_h_hub_config(out_dir: str) -> None:
     """config.json in the Hub's spelling: the layer pattern as hybrid_override_pattern with
     num_hidden_layers, not transformers' layers_block_type; time_step_limit as [lo, Infinity]."""

@@ -32,6 +32,7 @@ class Loaded:
     max_position: int
     num_layers: int
     mtp_layers: int = 0           # multi-token-prediction layers loaded (the runner's `mtp` runs them)
+    vision: object | None = None  # vision/placement.VisionInfo where a vision tower was loaded (--vision)
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,12 @@ set's `sample` (the torch sampler on cpu, the Triton one on cuda), which returns
 """
 import torch
 
+from tensorfold.backends.image_cache import ImageCache
 from tensorfold.backends.mtp_runner import MTPRunner
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.models.cache import ModelCache
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
+from tensorfold.vision.placement import rope_positions
 
 
 def per_request(plan: StepPlan, drawn: list[int]) -> list[list[int]]:
@@ -23,15 +25,21 @@ def per_request(plan: StepPlan, drawn: list[int]) -> list[list[int]]:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: ModelCache):
+    def __init__(self, model, cache: ModelCache, image_cache_bytes: int = 256 * 2**20):
         self.model = model
         self.cache = cache
         # The MTP layer's runner (backends/mtp_runner.py) where the model has one loaded.
         self.mtp = MTPRunner(model, cache) if model.mtp is not None else None
+        # Encoded images by content hash (backends/image_cache.py) where a vision tower is loaded.
+        self.images = (ImageCache(model.vision, model.vision.preprocess, image_cache_bytes)
+                       if model.vision is not None else None)
+
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """One forward; returns, per scheduled request, the tokens drawn for its rows."""
         batch = self._batch(plan)
+        if self.images is not None and any(req.images for req in plan.requests):
+            self._place_images(plan, batch)
         if self.mtp is not None:  # every row's hidden state goes to the MTP layer's catch-up
             logits, hidden = self.model.forward(batch, self.cache, hidden=True)
             self.mtp.keep(plan, hidden)
@@ -56,3 +64,26 @@ class ModelRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slots),
                             sequences, as_tensor(logits_rows))
+
+    def _place_images(self, plan: StepPlan, batch: ForwardBatch) -> None:
+        """Every row's M-RoPE positions, and the image embeddings of the pad rows this round
+        feeds (vision/placement.py); rows of requests without images keep (p, p, p)."""
+        t_pos, h_pos, w_pos, rows, parts = [], [], [], [], []
+        start_row = 0
+        for req in plan.requests:
+            num = len(req.token_ids)
+            t, h, w = rope_positions(req.images, req.start_position, num)
+            t_pos += t
+            h_pos += h
+            w_pos += w
+            end = req.start_position + num
+            for span in req.images:
+                first, last = max(span.offset, req.start_position), min(span.end, end)
+                if first < last:
+                    rows += range(start_row + first - req.start_position, start_row + last - req.start_position)
+                    parts.append(self.images.embeddings(span.image)[first - span.offset:last - span.offset])
+            start_row += num
+        device = self.model.device
+        batch.rope_positions = torch.tensor([t_pos, h_pos, w_pos], dtype=torch.int64, device=device)
+        if rows:
+            batch.image_rows = (torch.tensor(rows, dtype=torch.int64, device=device), torch.cat(parts))

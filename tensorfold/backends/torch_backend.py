@@ -11,6 +11,7 @@ from tensorfold.backends.runner import ModelRunner
 from tensorfold.models.cache import ModelCache
 from tensorfold.models.loader import build_model, load_checkpoint, quantize_checkpoint
 from tensorfold.models.tokenizer import Tokenizer
+from tensorfold.models.vision_tower import vision_info
 
 log = logging.getLogger("tensorfold.engine")
 
@@ -55,7 +56,8 @@ class TorchBackend:
         checkpoint, tokenizer = read_checkpoint(model_path, config)
         dtype = DTYPES[config.dtype]
         # The MTP layer only where drafting may use it.
-        self.model = model = self.build(checkpoint, dtype, mtp=config.drafting and config.drafter != "ngram")
+        self.model = model = self.build(checkpoint, dtype, mtp=config.drafting and config.drafter != "ngram",
+                                        vision=config.vision)
         checkpoint.tensors = {}  # the model holds its own (converted) copies
         _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)
         formats = model.weight_formats()
@@ -65,11 +67,13 @@ class TorchBackend:
         self.config = config = narrowed(config, failures)
         a = model.args
         return Loaded(checkpoint, tokenizer, config, failures, a.vocab_size, a.max_position, a.num_layers,
-                      mtp_layers=1 if model.mtp is not None else 0)
+                      mtp_layers=1 if model.mtp is not None else 0,
+                      vision=vision_info(checkpoint) if model.vision is not None else None)
 
-    def build(self, checkpoint, dtype: torch.dtype, mtp: bool = False):
-        """The model of `checkpoint` on this backend's op set and device (mtp: with its MTP layer)."""
-        return build_model(checkpoint, dtype, self.ops, self.device, mtp=mtp)
+    def build(self, checkpoint, dtype: torch.dtype, mtp: bool = False, vision: bool = False):
+        """The model of `checkpoint` on this backend's op set and device (mtp: with its MTP layer;
+        vision: with its vision tower)."""
+        return build_model(checkpoint, dtype, self.ops, self.device, mtp=mtp, vision=vision)
 
     def probes(self) -> list[str]:
         """The batch-invariance probes on the loaded model (empty: exact mode holds)."""
@@ -88,7 +92,7 @@ class TorchBackend:
         return Allocation(num_blocks, cached, self.cache.nbytes, self.cache.describe(), ModelCache.recurrent(specs))
 
     def runner(self) -> ModelRunner:
-        return ModelRunner(self.model, self.cache)
+        return ModelRunner(self.model, self.cache, image_cache_bytes=self.config.image_cache_mib * 2**20)
 
     cache_generation = 0  # the cache is never lost while the process lives
 

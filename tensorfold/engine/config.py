@@ -44,4 +44,6 @@ class EngineConfig:
                                      # their shard of every round
     tp_timeout_s: float = 10.0       # a rank silent this long (no heartbeat, a collective unanswered)
                                      # has failed
+    vision: bool = False             # load a vision-language checkpoint's tower: image input (--vision)
+    image_cache_mib: int = 256       # encoded images kept by content hash (the runner's image cache)
     restart_ranks: bool = False      # after a rank fails, restart the group (else 503 until restarted)

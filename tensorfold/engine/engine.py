@@ -107,15 +107,19 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, req_id: str | None = None,
-                    priority: int = 0, constraint=None, grammar_compile_s: float | None = None) -> str:
+                    priority: int = 0, constraint=None, grammar_compile_s: float | None = None,
+                    images: tuple = ()) -> str:
+        """images: the prompt's image spans (vision/placement.expand), where the engine loaded a tower."""
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if images and not self.info.vision:
+            raise ValueError("image input needs the vision tower (--vision)")
         max_tokens = reply_budget(self.context_length, len(prompt_ids), params.max_tokens,
                                   self.config.default_max_tokens)
         req_id = req_id or f"req-{next(self._ids)}"
         params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         req = Request(req_id, list(prompt_ids), params, request_seed(params.seed, prompt_ids),
-                      frozenset(self.tokenizer.eos_token_ids), priority, constraint=constraint)
+                      frozenset(self.tokenizer.eos_token_ids), priority, constraint=constraint, images=tuple(images))
         req.stats.grammar_compile_s = grammar_compile_s
         self.scheduler.add(req)
         self.requests[req_id] = req

@@ -27,6 +27,7 @@ class EngineInfo:
     probe_failures: tuple[str, ...] = ()
     load_seconds: float = 0.0
     device: str = ""                   # where the weights live (the log)
+    vision: object | None = None       # vision/placement.VisionInfo where --vision loaded a tower
 
     @classmethod
     def of(cls, loaded, memory, described: dict, config, context_length: int, load_seconds: float) -> "EngineInfo":
@@ -39,7 +40,8 @@ class EngineInfo:
             dtype=described["dtype"], kv_dtype=described["kv_dtype"], weights=described["weights"],
             cache=memory.kinds, cache_bytes=memory.nbytes, num_blocks=memory.num_blocks,
             block_size=config.block_size, exact=not loaded.probe_failures,
-            probe_failures=tuple(loaded.probe_failures), load_seconds=load_seconds, device=described["device"])
+            probe_failures=tuple(loaded.probe_failures), load_seconds=load_seconds, device=described["device"],
+            vision=loaded.vision)
 
     def summary(self, dtype_setting: str) -> str:
         """The startup log's line."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tensorfold.sampling.constraint import RowConstraint
 from tensorfold.sampling.params import SamplingParams
+from tensorfold.vision.placement import ImageSpan, cache_keys
 
 
 class Status(enum.Enum):
@@ -67,6 +68,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    images: tuple[ImageSpan, ...] = ()  # the prompt's images (vision/placement.py), in order
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,6 +91,11 @@ class Request:
     def max_total_tokens(self) -> int:
         """The most tokens this request can ever hold in the cache (prompt + reply)."""
         return len(self.prompt_ids) + self.params.max_tokens
+
+    def cache_tokens(self) -> list:
+        """Prompt + reply as the prefix cache keys them: an image's first pad by its content hash."""
+        tokens = self.prompt_ids + self.output_ids
+        return cache_keys(tokens, self.images) if self.images else tokens
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_ids)

@@ -64,14 +64,14 @@ class Scheduler:
             self.waiting.remove(req)
         if req.finish_reason != "error":
             # The last round's blocks too; accepted drafts past a stop are not reply tokens.
-            self.pool.register(req.block_ids, req.prompt_ids + req.output_ids,
+            self.pool.register(req.block_ids, req.cache_tokens(),
                                min(req.num_computed_tokens, req.num_tokens), req.block_hashes)
         self.book.release(req)
         req.status = Status.FINISHED
 
     def commit(self, req: Request) -> None:
         """After a round: hash the request's newly completed blocks into the prefix cache."""
-        self.pool.register(req.block_ids, req.prompt_ids + req.output_ids, req.num_computed_tokens,
+        self.pool.register(req.block_ids, req.cache_tokens(), req.num_computed_tokens,
                            req.block_hashes)
 
     def round_done(self, plan: StepPlan, elapsed_s: float) -> None:
@@ -143,7 +143,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            tokens = req.prompt_ids + req.output_ids
+            tokens = req.cache_tokens()
             hits, hashes = self.pool.lookup(tokens, (len(tokens) - 1) // self.pool.block_size)
             room = min(req.max_total_tokens, len(tokens) + self.config.admit_headroom)
             needed = self.pool.blocks_for(room) - len(hits)
@@ -184,4 +184,5 @@ class Scheduler:
                 for pos in range(first_draw, end)]
         # Prefill time: any round that computes prompt (or replayed) tokens, or draws the first token.
         prefill = start < req.num_tokens - 1 or not req.output_ids
-        return ScheduledRequest(req.req_id, fed, start, req.block_ids, rows, len(drafts), rows_prefill=prefill)
+        return ScheduledRequest(req.req_id, fed, start, req.block_ids, rows, len(drafts), rows_prefill=prefill,
+                                images=req.images)

@@ -18,6 +18,8 @@ class ScheduledRequest:
     rows: list[RowSampling]       # draws for the last len(rows) fed tokens, in order
     num_drafts: int = 0           # how many of the fed tokens are drafted (the tail)
     rows_prefill: bool = False    # a prompt (or replay) chunk rather than a decode row
+    images: tuple = ()            # the request's image spans (vision/placement.ImageSpan): the runner
+                                  # puts their embeddings on the fed rows they cover, and M-RoPE positions
 
 
 @dataclass

@@ -23,6 +23,8 @@ class RopeConfig:
     beta_fast: float = 32.0             # yarn
     beta_slow: float = 1.0              # yarn
     attention_factor: float | None = None  # yarn: scales cos/sin
+    mrope_section: tuple[int, ...] | None = None  # Qwen's multimodal rope: frequencies per (t, h, w)
+                                        # axis, interleaved (models/rope.mrope_axes)
     partial_rotary_factor: float = 1.0  # proportional (Gemma 4's global layers): the share of a head's
                                         # frequencies that turn; the others are 0 (those dims keep still)
 
@@ -113,6 +115,7 @@ def rope_config(params: dict, default_theta: float, path: str = "config.json") -
         # proportional only: for the other types a partial rope is the spec's rotary_dim (Qwen's
         # rope_parameters carry the factor too; a GGUF states the rotary dims instead)
         partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0,
+        mrope_section=tuple(int(n) for n in params["mrope_section"]) if params.get("mrope_section") else None,
     )
 
 

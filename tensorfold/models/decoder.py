@@ -26,6 +26,7 @@ class Model:
     with model-level parts of its own subclasses it (Family.model), `layer` its layer class."""
     layer = DecoderLayer
     mtp = None  # the multi-token-prediction layer (models/mtp.py), where one is loaded
+    vision = None  # the vision tower (models/vision_tower.py), where --vision loaded one
 
     def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype, ops,
                  device: torch.device | str = "cpu", blocks: dict = BLOCKS, norm_offset: float = 0.0,
@@ -66,6 +67,9 @@ class Model:
         layer reads) as (logits, hidden [num_rows, hidden])."""
         ops, eps = self.ops, self.specs[0].norm_eps
         residual = self.embed(batch.input_ids).to(self.dtype)  # [num_rows, hidden]
+        if batch.image_rows is not None:  # image pads take their image's embeddings
+            rows, embeddings = batch.image_rows
+            residual[rows] = embeddings.to(self.dtype)
         x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
         for i, run in enumerate(self._run):

@@ -25,6 +25,11 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_rows] int64, flat cache slot each row's K/V is written to
     sequences: list[SequenceRows]
     logits_rows: torch.Tensor   # [num_logits] int64, rows whose logits are returned
+    # Images (--vision): each row's multimodal rope positions [3, num_rows] (temporal, height,
+    # width; vision/placement.py), None where every row's three are its position; and the rows
+    # whose input is an image embedding instead of their token's: (rows [n] int64, [n, hidden]).
+    rope_positions: torch.Tensor | None = None
+    image_rows: tuple | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     def memo(self, key, make):
@@ -36,8 +41,16 @@ class ForwardBatch:
 
     def rope_rows(self, table) -> tuple[torch.Tensor, torch.Tensor]:
         """A rope table's cos and sin at this batch's positions [num_rows, head_dim] each,
-        gathered once per forward and table (models/rope.py)."""
-        return self.memo(id(table), lambda: (table.cos[self.positions], table.sin[self.positions]))
+        gathered once per forward and table (models/rope.py). A multimodal table (M-RoPE) with
+        rope_positions set takes each column at the position of its axis (RopeTable.axes)."""
+        return self.memo(id(table), lambda: self._rope_rows(table))
+
+    def _rope_rows(self, table) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rope_positions is None or table.axes is None:
+            return table.cos[self.positions], table.sin[self.positions]
+        pick = table.axes.view(1, 1, -1).expand(1, self.positions.numel(), -1)  # [1, num_rows, head_dim]
+        return (table.cos[self.rope_positions].gather(0, pick).squeeze(0),
+                table.sin[self.rope_positions].gather(0, pick).squeeze(0))
 
     def state_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where a recurrent layer reads and writes its state (models/cache.RecurrentState), as

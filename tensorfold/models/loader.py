@@ -11,6 +11,7 @@ from tensorfold.models.progress import LoadProgress
 from tensorfold.models.decoder import Model
 from tensorfold.models.mtp import PREFIX as MTP_PREFIX, has_mtp
 from tensorfold.models.registry import model_family
+from tensorfold.models.vision_tower import build_vision_tower, vision_info
 from tensorfold.models.weights import WeightReader
 
 
@@ -73,7 +74,7 @@ def split_stacked_experts(tensors: dict) -> None:
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device | str = "cpu",
-                group=None, mtp: bool = False) -> Model:
+                group=None, mtp: bool = False, vision: bool = False) -> Model:
     """The checkpoint's family's layers over `ops`, the backend's op set (backends.backend_ops);
     group: a tensor-parallel rank's (parallel/group.RankGroup), which reads only its shard; mtp: also
     the multi-token-prediction layer, where the family and the checkpoint have one (one rank only)."""
@@ -93,6 +94,9 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     if with_mtp:
         model.add_mtp(family.mtp_layer(args), tensors, family.blocks, family.norm_offset,
                       int(args.hf["mtp_num_hidden_layers"]))
+    if vision:  # the tower reads the checkpoint's own names (the text model's served set skips them)
+        model.vision = build_vision_tower(ckpt, dtype, ops, device)
+        model.vision.preprocess = vision_info(ckpt).preprocess  # the image cache preprocesses on a miss
     tensors.finish()
     return model
 
