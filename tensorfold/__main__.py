@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 
+from tensorfold.api.images import ImageLimits
 from tensorfold.backends import select_backend
 from tensorfold.chat.cards import CardError
 from tensorfold.engine.engine import EngineConfig
@@ -42,6 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--prompt-cache-gib", type=float, default=None,
                    help="most memory the prefix cache keeps in idle blocks (default: all free blocks)")
     p.add_argument("--no-drafts", action="store_true", help="turn speculative decoding off server-wide")
+    p.add_argument("--vision", action="store_true",
+                   help="load a vision-language checkpoint's vision tower (Qwen3.5): chat image_url parts and "
+                        "Responses input_image as data: URLs; without it such a checkpoint serves text only")
+    p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_bytes, help="--vision: bytes per image")
+    p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels,
+                   help="--vision: width x height per image, as sent")
+    p.add_argument("--max-images", type=int, default=ImageLimits.max_images, help="--vision: images per request")
     p.add_argument("--drafter", default="auto", choices=["auto", "mtp", "ngram"],
                    help="where drafts come from: the checkpoint's multi-token-prediction layer (mtp; an error "
                         "without one), prompt lookup (ngram), or auto: mtp where the checkpoint has it, else ngram")
@@ -114,14 +122,16 @@ def settings_from(args, backend: str = "cpu"):
                           kv_cache_gib=args.kv_cache_gib, prompt_cache_gib=args.prompt_cache_gib,
                           block_size=args.block_size, drafting=not args.no_drafts,
                           drafter=args.drafter, max_draft=args.num_draft_tokens, num_threads=args.threads, backend=backend,
-                          tp=args.tp, tp_timeout_s=args.tp_timeout, restart_ranks=args.restart_ranks)
+                          tp=args.tp, tp_timeout_s=args.tp_timeout, restart_ranks=args.restart_ranks,
+                          vision=args.vision)
     return ServeSettings(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, aliases=tuple(args.alias),
                          max_tokens=args.max_tokens, model_card=args.model_card,
                          reasoning_effort=args.reasoning_effort, thinking_budget=args.thinking_budget,
                          api_key=args.api_key or os.environ.get("TENSORFOLD_API_KEY") or None,
                          response_store=args.response_store, builtin_tools=args.builtin_tools,
-                         reasoning_key_file=args.reasoning_key_file, engine=engine)
+                         reasoning_key_file=args.reasoning_key_file, engine=engine,
+                         image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images))
 
 
 class JsonLogFormatter(logging.Formatter):

@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from tensorfold.api.images import ImageLimits
 from tensorfold.api import anthropic
 from tensorfold.api.auth import require_key
 from tensorfold.api.service import Service
@@ -42,6 +43,7 @@ class ServeSettings:
     reasoning_key_file: str | None = None  # the encrypted-reasoning key; None: kept in the store, else per process
     engine: EngineConfig = EngineConfig()
     limits: Limits = Limits()
+    image_limits: ImageLimits = ImageLimits()  # --vision: bytes, pixels and images per request
 
 
 def served_names(settings: ServeSettings) -> tuple[str, ...]:
@@ -98,7 +100,8 @@ def build_server(settings: ServeSettings, engine: Engine | None = None) -> HttpS
     engine = engine or Engine(settings.model, settings.engine)
     service = Service(engine, served_model_of(engine, settings), served_names(settings),
                       default_max_tokens=settings.max_tokens, response_store=settings.response_store,
-                      builtin_tools=settings.builtin_tools, reasoning_key_file=settings.reasoning_key_file)
+                      builtin_tools=settings.builtin_tools, reasoning_key_file=settings.reasoning_key_file,
+                      image_limits=settings.image_limits)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who reaches this port can use the model",
                     settings.host)

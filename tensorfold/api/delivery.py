@@ -50,7 +50,7 @@ class Delivery:
         try:
             req_id = self.engine.add_request(p.prompt_ids, p.params, req_id=fmt.id,
                                              priority=request_priority(greq.priority, greq.messages),
-                                             constraint=constraint, grammar_compile_s=compile_s)
+                                             constraint=constraint, grammar_compile_s=compile_s, images=p.images)
         except MemoryError as e:  # can never fit the KV pool, whatever else finishes
             raise ApiError(str(e), param="max_tokens", code="context_length_exceeded") from None
         request = self.engine.requests[req_id]  # the engine hands back its id; the formats read the request

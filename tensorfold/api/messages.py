@@ -119,7 +119,8 @@ def _check_part(part: Any, at: str, role: str, vision: bool) -> None:
 
 def _check_image_part(part: dict, at: str, role: str, vision: bool) -> None:
     if not vision:
-        raise ApiError("image input requires --vision", param=f"{at}.type")
+        raise ApiError("image input needs a vision-language checkpoint served with --vision "
+                       "(python -m tensorfold --model DIR --vision)", param=f"{at}.type")
     if role != "user":
         raise ApiError(f"image input is only accepted in user messages, not {role} messages",
                        param=f"{at}.type")

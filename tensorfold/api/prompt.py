@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tensorfold.api import replies
 from tensorfold.api.errors import ApiError
+from tensorfold.api.images import ImageLimits, image_parts, read_images
 from tensorfold.api.request import GenerationRequest, check_prompt_ids
 from tensorfold.chat.messages import render_chat
 from tensorfold.chat.reply_parser import ReplyParser
@@ -18,6 +19,7 @@ from tensorfold.chat.template import TemplateError
 from tensorfold.engine.info import EngineInfo
 from tensorfold.engine.window import WindowError, reply_budget
 from tensorfold.sampling.params import SamplingParams
+from tensorfold.vision.placement import expand
 
 
 @dataclass
@@ -29,14 +31,16 @@ class Prepared:
     params: SamplingParams     # max_tokens set: the request's, or the default within the window
     parser: ReplyParser
     thinking: bool = False     # the prompt opened a think block
+    images: tuple = ()         # the prompt's image spans (vision/placement.ImageSpan), in order
 
 
 class Prompts:
     """The served model's prompts: rendering, token ids and the window, for one server."""
 
     def __init__(self, served: ServedModel, info: EngineInfo, model_names: tuple[str, ...],
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = None, image_limits: ImageLimits = ImageLimits()):
         self.served = served
+        self.image_limits = image_limits
         self.info = info
         self.model_names = model_names
         self.default_max_tokens = default_max_tokens or info.default_max_tokens
@@ -50,12 +54,25 @@ class Prompts:
                            "format, so it cannot be offered tools; start the server with --model-card NAME for "
                            "a card that does", param="tools")
         prompt_ids, thinking = self.ids(greq, shown)
+        prompt_ids, images = self.place_images(greq, prompt_ids)
         params = self.fit_window(greq, len(prompt_ids))
         fmt = (fmt_class or replies.FORMATS[greq.kind])(greq.model or self.model_names[0])
         parser = ReplyParser(card if greq.kind == "chat" else None, shown,
                              parallel_tool_calls=greq.tools.parallel if greq.tools else True,
                              thinking=thinking, call_id_prefix=f"call_{fmt.id[-12:]}")
-        return Prepared(greq, fmt, prompt_ids, params, parser, thinking)
+        return Prepared(greq, fmt, prompt_ids, params, parser, thinking, images)
+
+    def place_images(self, greq: GenerationRequest, prompt_ids: list[int]) -> tuple[list[int], tuple]:
+        """The prompt with each image's pad expanded to its merged patches, and the image spans
+        (the request's image parts were accepted only where the engine has a tower: --vision)."""
+        vision = self.info.vision
+        if vision is None or greq.kind != "chat" or not image_parts(greq.messages):
+            return prompt_ids, ()
+        images = read_images(greq.messages, self.image_limits, vision.preprocess)
+        try:
+            return expand(prompt_ids, vision.pad_id, images)
+        except ValueError as e:
+            raise ApiError(f"the chat template did not place every image: {e}", param="messages") from None
 
     def ids(self, greq: GenerationRequest, tools: list[dict] | None) -> tuple[list[int], bool]:
         """The prompt's token ids, and whether it opened a think block the reply starts inside."""

@@ -5,7 +5,8 @@ prompt tokens, token_sha and drafting. What each top-level field gets is in api/
 (served, harmless, or refused unless neutral); the tools in api/responses_tools.py; the reply in
 api/responses_format.py. Translation:
 - input: a string (one user message) or items: messages (role user, assistant, system or
-  developer; content as a string or input_text / output_text parts), function_call (an assistant
+  developer; content as a string or input_text / output_text parts, and a user's input_image
+  parts as the chat form's image_url parts), function_call (an assistant
   tool call; with `namespace`, the call of a namespace tool), function_call_output (a tool message;
   its call_id must answer a call before it), reasoning (its reasoning_text content, or the text of
   its encrypted_content once verified, goes back to the template as the next assistant message's
@@ -157,6 +158,10 @@ def _message_item(item: dict, at: str) -> dict:
     for j, part in enumerate(fields.array(content, f"{at}.content", required=True)):
         part = fields.obj(part, f"{at}.content[{j}]", required=True)
         ptype = fields.string(part.get("type"), f"{at}.content[{j}].type", required=True)
+        if ptype == "input_image" and role == "user":  # the chat form's image_url part (--vision)
+            url = fields.string(part.get("image_url"), f"{at}.content[{j}].image_url", required=True)
+            parts.append({"type": "input_image", "image_url": url})
+            continue
         if ptype not in ("input_text", "output_text", "text"):
             raise ApiError(f"content parts of type {ptype!r} are not supported", param=f"{at}.content[{j}].type")
         parts.append({"type": ptype, "text": fields.string(part.get("text"), f"{at}.content[{j}].text",
@@ -172,8 +177,12 @@ def _messages(items: list[dict], history: list[dict]) -> list[dict]:
     for i, item in enumerate(items):
         kind = item["type"]
         if kind == "message":
-            text = "".join(p["text"] for p in item["content"])
-            message = {"role": item["role"], "content": text}
+            if any(p["type"] == "input_image" for p in item["content"]):
+                content = [{"type": "image_url", "image_url": {"url": p["image_url"]}} if p["type"] == "input_image"
+                           else {"type": "text", "text": p["text"]} for p in item["content"]]
+            else:
+                content = "".join(p["text"] for p in item["content"])
+            message = {"role": item["role"], "content": content}
             if item["role"] == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             out.append(message)

@@ -17,6 +17,7 @@ from tensorfold.api.delivery import Delivery
 from tensorfold.api.errors import ApiError
 from tensorfold.api.grammar_pipeline import GrammarPipeline
 from tensorfold.api.prompt import Prompts
+from tensorfold.api.images import ImageLimits
 from tensorfold.api.request import (GenerationRequest, ServerDefaults, check_prompt_ids,
                                     parse_chat_request, parse_completion_request)
 from tensorfold.api.response_store import ResponseStore, StoredResponse
@@ -31,14 +32,15 @@ log = logging.getLogger("tensorfold.api")
 class Service:
     def __init__(self, engine: Engine, served: ServedModel, model_names: tuple[str, ...], *,
                  default_max_tokens: int | None = None, response_store: str | None = None,
-                 builtin_tools: str = "refuse", reasoning_key_file: str | None = None):
+                 builtin_tools: str = "refuse", reasoning_key_file: str | None = None,
+                 image_limits: ImageLimits = ImageLimits()):
         self.engine = engine
         self.info = engine.info
         self.served = served
         self.model_names = model_names
         s = served.sampling
         self.defaults = ServerDefaults(s.temperature, s.top_p, s.top_k, s.min_p, max_tokens=default_max_tokens,
-                                       model_names=model_names)
+                                       model_names=model_names, vision=engine.info.vision is not None)
         self.counters = Counters()
         self.latencies = metrics.Latencies()
         self.response_store = ResponseStore(path=response_store)
@@ -48,7 +50,7 @@ class Service:
             self.response_store.key(reasoning_token.new_key) or reasoning_token.new_key())
         self.started = time.time()
         self.wake = lambda: None  # set by the server: makes its poll return (any thread)
-        self.prompts = Prompts(served, self.info, model_names, default_max_tokens)
+        self.prompts = Prompts(served, self.info, model_names, default_max_tokens, image_limits)
         self.grammar = GrammarPipeline(served, self.info.vocab_size, lambda: self.wake())
         self.delivery = Delivery(engine, served, self.counters, self.latencies)
 

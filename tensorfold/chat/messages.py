@@ -12,7 +12,8 @@ The rules (spec/http-api.md, "Developer messages use system-message semantics"):
   `render_chat` renders them as role "user" instead;
 - a content list of text parts concatenates in order with no separator (parts of other types
   are left out; the API layer rejects them before we get here); content None becomes "", which
-  every template can print, test and trim;
+  every template can print, test and trim; a list with image_url parts (--vision) stays a list
+  of text and image_url parts, which the template writes as its image placeholders;
 - a tool call's `function.arguments`, a JSON string on the wire, becomes the object it encodes
   (templates iterate it with `|items` or print it with `|tojson`); a string that is not a JSON
   object stays a string;
@@ -55,7 +56,11 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     out = []
     for message in messages:
         message = copy.deepcopy(message)
-        message["content"] = content_text(message.get("content"))
+        content = message.get("content")
+        has_image = isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                      for p in content)
+        message["content"] = ([p for p in content if p.get("type") in ("text", "image_url")] if has_image
+                              else content_text(content))
         if message.get("role") == "developer":
             message["role"] = "system"
         if "tool_calls" in message:
