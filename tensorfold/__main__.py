@@ -163,8 +163,20 @@ def main(argv=None) -> int:
     except RuntimeError as e:
         log.error("%s", e)
         return 2
+    from tensorfold.parallel.launch import torchrun_rank
     from tensorfold.server import build_server
 
+    torchrun = torchrun_rank()
+    if torchrun is not None:  # torchrun started every rank with this command line
+        rank, world, host, port, _ = torchrun
+        if args.tp not in (1, world):
+            log.error("--tp %d, but torchrun started %d ranks", args.tp, world)
+            return 2
+        args.tp = world
+        if rank != 0:  # not the server: this rank's shard, until rank 0 says stop
+            from tensorfold.parallel.backend import serve_rank
+            serve_rank(rank, world, host, port, args.model, settings_from(args, backend).engine)
+            return 0
     try:
         server = build_server(settings_from(args, backend))
     except CheckpointError as e:

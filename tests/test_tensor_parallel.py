@@ -119,6 +119,19 @@ def test_each_rank_holds_its_shard_of_the_weights(tiny_llama):
         assert two.backend.model.lm_head.shape[0] == args.vocab_size // 2
 
 
+def test_a_hybrids_delta_net_keeps_its_heads_and_their_state(tiny_hybrid):
+    """Each rank's Gated DeltaNet layers run half the key and value heads, and its recurrent
+    state is theirs alone."""
+    from tensorfold.models.linear_attention import GatedDeltaNet
+    with opened(tiny_hybrid, drafting=False) as one:
+        whole = next(layer.mixer for layer in one.backend.model.layers if isinstance(layer.mixer, GatedDeltaNet))
+        specs = (whole.spec, whole.cache_spec)
+    with opened(tiny_hybrid, tp=2, drafting=False) as two:
+        half = next(layer.mixer for layer in two.backend.model.layers if isinstance(layer.mixer, GatedDeltaNet))
+    assert half.spec.num_key_heads == specs[0].num_key_heads // 2 and half.spec.num_heads == specs[0].num_heads // 2
+    assert half.cache_spec.num_heads == specs[1].num_heads // 2 and half.cache_spec.conv_dim == specs[1].conv_dim // 2
+
+
 def test_a_split_that_does_not_divide_the_heads_is_refused_before_loading(tiny_llama):
     from tensorfold.models.checkpoint import CheckpointError
     with pytest.raises(CheckpointError, match=r"--tp 3 does not divide the model's \d+ attention heads"):
@@ -237,3 +250,48 @@ def test_a_restarted_group_serves_the_same_tokens(tiny_llama):
             assert time.monotonic() < deadline, h.text
             time.sleep(0.2)
         assert chat(s, "Name a color.", temperature=0)["tensorfold"]["token_sha"] == before
+
+
+def test_torchrun_starts_the_ranks_and_rank_0_serves(tiny_llama, tmp_path):
+    """torchrun --nproc-per-node 2 -m tensorfold: every rank runs the server's command line;
+    rank 0 serves the one-rank reply, the other ranks exit when it stops."""
+    import socket
+    import subprocess
+    import sys
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    with serving(ServeSettings(model=tiny_llama, port=0, served_model_name="m")) as s:
+        want = post(s, "/v1/completions", body).json()["tensorfold"]["token_sha"]
+    log = open(tmp_path / "torchrun.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(ports[1]), "-m", "tensorfold", "--model", tiny_llama,
+                             "--port", str(ports[0]), "--served-model-name", "m", "--backend", "cpu"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        root = f"http://127.0.0.1:{ports[0]}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                health = httpx.get(root + "/health", timeout=5)
+                if health.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()
+            time.sleep(0.5)
+        assert [r["state"] for r in health.json()["ranks"]] == ["serving", "serving"]
+        got = httpx.post(root + "/v1/completions", json=body, timeout=60).json()["tensorfold"]["token_sha"]
+        assert got == want
+        os.kill(health.json()["ranks"][0]["pid"], signal.SIGINT)  # the server drains and stops its ranks
+    finally:
+        try:
+            assert proc.wait(30) == 0, (tmp_path / "torchrun.log").read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()

@@ -52,6 +52,9 @@ def quantize_checkpoint(ckpt: Checkpoint, kind: str) -> None:
         raise CheckpointError(f"{ckpt.path}: --quantize is for dense checkpoints; this one is already in blocks "
                               "(served as stored)")
     split_stacked_experts(ckpt.tensors)
+    if ckpt.config.get("kv_lora_rank"):  # latent attention: kv_b in blocks as llama.cpp's attn_k_b / attn_v_b
+        from tensorfold.models.latent_attention import split_kv_b
+        split_kv_b(ckpt.tensors, ckpt.config)
     for name, tensor in list(ckpt.tensors.items()):
         if name.endswith(QUANTIZABLE) and tensor.dim() == 2:
             if tensor.shape[1] % 32:
@@ -88,7 +91,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     reader, blocks = WeightReader, family.blocks
     if group is not None:
         from tensorfold.parallel.shard import ShardReader, sharded_blocks
-        reader, blocks = functools.partial(ShardReader, group=group), sharded_blocks(blocks)
+        reader, blocks = functools.partial(ShardReader, group=group), sharded_blocks(blocks, group, args)
     model = (family.model or Model)(args, family.layer_specs(args), tensors, dtype, ops, device, blocks,
                                     family.norm_offset, reader)
     if with_mtp:

@@ -15,6 +15,7 @@ round's requests with an error, and new ones get 503 until the group is restarte
 import logging
 import math
 import os
+import signal
 
 import torch
 
@@ -62,8 +63,9 @@ class RankBackend(TorchBackend):
         super().__init__(name, ops, device, num_threads)
         self.group = group
 
-    def build(self, checkpoint, dtype: torch.dtype, mtp: bool = False):
-        """This rank's shard of the model (an MTP layer is not sharded yet: ranks draft by n-grams)."""
+    def build(self, checkpoint, dtype: torch.dtype, **parts):
+        """This rank's shard of the model. The optional parts (`parts`: an MTP layer, a vision
+        tower) are not sharded yet: ranks serve text and draft by n-grams."""
         return build_model(checkpoint, dtype, self.ops, self.device, group=self.group)
 
     def probes(self) -> list[str]:
@@ -109,12 +111,12 @@ class LeaderBackend(RankBackend):
         self._start = (model_path, config)
         return super().load(model_path, config)
 
-    def build(self, checkpoint, dtype: torch.dtype, mtp: bool = False):
+    def build(self, checkpoint, dtype: torch.dtype, **parts):
         """Check the split against the checkpoint's config, start the other ranks (each reads its
         own shard), then build rank 0's."""
         check_split(ModelArgs.from_hf(checkpoint.config, checkpoint.path), self._start[1])
         self.group = self.ranks.start(*self._start)
-        return super().build(checkpoint, dtype, mtp)
+        return super().build(checkpoint, dtype, **parts)
 
     def allocate(self, context_length: int):
         self.context_length = context_length
@@ -158,6 +160,8 @@ def serve_rank(rank: int, size: int, host: str, port: int, model_path, config) -
     from tensorfold.backends import backend_ops
     from tensorfold.parallel.launch import connect, Heartbeat
 
+    # A Ctrl-C (or torchrun's SIGINT) reaches every rank: rank 0 drains, then tells the others to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = connect(host, port)
     Heartbeat(host, port, rank).start()
     device = torch.device(config.device or (f"cuda:{rank}" if config.backend == "cuda" else config.backend))

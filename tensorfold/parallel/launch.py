@@ -1,7 +1,10 @@
 """Rank 0's side of the group: start the other ranks on this host, watch them, restart them.
 
 Ranks 1..N-1 are child processes (`python -m tensorfold.parallel.launch`, their settings in the
-environment) that meet rank 0 at a TCPStore it hosts. Each sends a heartbeat through the store
+environment) that meet rank 0 at a TCPStore it hosts. Under torchrun (several hosts, or one:
+`torchrun --nproc-per-node 2 -m tensorfold ...`) torchrun starts every rank with the server's
+own command line; they meet at its store (MASTER_ADDR, MASTER_PORT), rank 0 serves, the others
+run their shards, and a failed group is torchrun's to restart (--max-restarts). Each sends a heartbeat through the store
 every HEARTBEAT_S; rank 0's watcher thread checks every rank's process and heartbeat. A rank that
 exits, or whose heartbeat stops for the group's timeout (a stopped or hung process), fails the
 group: the watcher records why, kills the remaining ranks so that a collective waiting on them
@@ -13,7 +16,6 @@ import base64
 import logging
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -31,8 +33,21 @@ HOST = "127.0.0.1"
 ENV = "TENSORFOLD_RANK"
 
 
-def connect(host: str, port: int, master: bool = False) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=master, wait_for_workers=False, timeout=timedelta(seconds=300))
+def connect(host: str, port: int, master: bool = False) -> dist.Store:
+    """The group's store (its keys under tensorfold/, apart from a torchrun agent's own)."""
+    raw = dist.TCPStore(host, port, is_master=master, wait_for_workers=False, timeout=timedelta(seconds=300))
+    return dist.PrefixStore("tensorfold", raw)
+
+
+def torchrun_rank() -> tuple[int, int, str, int, bool] | None:
+    """(rank, world size, store host, store port, whether rank 0 hosts the store) when torchrun
+    started this process in a group of more than one, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return (int(os.environ["RANK"]), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+            not agent_store)
 
 
 class Heartbeat(threading.Thread):
@@ -70,17 +85,28 @@ class Ranks:
     # -- start, stop -------------------------------------------------------------------------
 
     def start(self, model_path, config) -> RankGroup:
-        """Spawn ranks 1..N-1 and join the group with them (they load while rank 0 does)."""
+        """Spawn ranks 1..N-1 (or, under torchrun, meet the ones it started) and join the group
+        with them (they load while rank 0 does)."""
         self._args = (model_path, config)
         device = config.device or ("cuda:0" if config.backend == "cuda" else "cpu")
         self.group = RankGroup(0, self.size, self.timeout_s, device=device)
-        self._launch()
+        torchrun = torchrun_rank()
+        if torchrun is None:
+            self._launch()
+        else:  # the ranks are torchrun's: nothing to spawn, kill or restart here
+            _, _, host, port, hosted = torchrun
+            self.restart_on_failure, self.address = False, (host, port)
+            self.store = connect(host, port, master=hosted)
+            self._seen = {rank: (0, time.monotonic()) for rank in range(1, self.size)}
+            self.group.connect(self.store)
+            log.info("tensor parallel: %d ranks under torchrun (store %s:%d)", self.size, host, port)
         threading.Thread(target=self._watch, daemon=True, name="rank-watcher").start()
         return self.group
 
     def _launch(self) -> None:
-        self.store = connect(HOST, 0, master=True)
-        port = self.store.port
+        hosted = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+        self.store, self.address = dist.PrefixStore("tensorfold", hosted), (HOST, hosted.port)
+        port = hosted.port
         model_path, config = self._args
         env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         payload = base64.b64encode(pickle.dumps((self.size, HOST, port, model_path, config))).decode()
@@ -156,15 +182,18 @@ class Ranks:
 
     def states(self) -> list[dict]:
         """Each rank's state for /health."""
-        out = [{"rank": 0, "state": "serving"}]
-        for rank, proc in enumerate(self.procs, start=1):
+        out = [{"rank": 0, "state": "serving", "pid": os.getpid()}]
+        for rank in range(1, self.size):
+            proc = self.procs[rank - 1] if self.procs else None  # None: torchrun's
             if self.failure is None:
                 state = "serving"
             elif rank == self.failed_rank:
                 state = f"failed: {self.failure}"
+            elif proc is None:
+                state = "unknown (group failed)"
             else:
                 state = "stopped (group failed)" if proc.poll() is not None else "stopping"
-            out.append({"rank": rank, "state": state, "pid": proc.pid})
+            out.append({"rank": rank, "state": state, **({"pid": proc.pid} if proc else {})})
         return out
 
     def _watch(self) -> None:
@@ -176,7 +205,7 @@ class Ranks:
                 continue
             try:
                 if watcher is None:
-                    watcher = connect(HOST, self.store.port)
+                    watcher = connect(*self.address)
                 self._check(watcher)
             except Exception as e:  # the store itself is being replaced by a restart
                 log.debug("rank watcher: %s", e)
@@ -184,10 +213,14 @@ class Ranks:
 
     def _check(self, store) -> None:
         now = time.monotonic()
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.poll()
+        for rank in range(1, self.size):
+            proc = self.procs[rank - 1] if self.procs else None  # torchrun's ranks are not ours
+            code = proc.poll() if proc is not None else None
             if code is not None:
                 self.fail(_exited(rank, code, store), rank)
+                return
+            if proc is None and store.check([f"error/{rank}"]):
+                self.fail(f"rank {rank} failed: {store.get(f'error/{rank}').decode()}", rank)
                 return
             beats = store.add(f"heartbeat/{rank}", 0)
             last, at = self._seen[rank]
@@ -215,7 +248,6 @@ def _rank_main() -> None:
     rank, payload = os.environ.pop(ENV).split(":", 1)
     size, host, port, model_path, config = pickle.loads(base64.b64decode(payload))
     setup_logging("info", "text")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole process group: rank 0 ends us
     serve_rank(int(rank), size, host, port, model_path, config)
 
 

@@ -1,4 +1,4 @@
-"""What a rank keeps of each weight, and the block classes that keep attention heads.
+"""What a rank keeps of each weight, and the block classes that keep heads.
 
 ShardReader is a WeightReader whose `linear()` gives this rank's part of a GEMM:
 - by default its share of the output rows (N split in contiguous ranges, across the parts of a
@@ -8,9 +8,9 @@ ShardReader is a WeightReader whose `linear()` gives this rank's part of a GEMM:
   columns with no gather (`Rows`), or a weight whose input arrives sharded (`GatheredInput`: the
   input is gathered whole, then the output rows are split as above).
 
-ShardedAttention and ShardedMLP are the base blocks built on a local spec (the rank's heads, its
-intermediate columns) from such a plan: their cache keeps only their KV heads, and their
-forward is the base one. Every other block (Gated DeltaNet, MoE, a family's own attention) is
+ShardedAttention, ShardedMLP and ShardedGatedDeltaNet are the base blocks on a local spec (the
+rank's heads, its intermediate columns): their cache keeps only their heads' K/V or recurrent
+state, and their forward is the base one. Every other block (MoE, a family's own attention) is
 built unchanged on the reader and gets the default: its GEMMs split and gathered, its other
 work and state replicated on every rank. The LM head keeps the rank's vocabulary rows
 (`vocab_head`); the runner draws from them with the shard exchange.
@@ -20,7 +20,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from tensorfold.parallel.group import RankGroup, split_sizes
+from tensorfold.kernels.quant_gemm import take_rows
 from tensorfold.models.blocks import MLP, Attention
+from tensorfold.models.cache import RecurrentState
+from tensorfold.models.linear_attention import GatedDeltaNet, LinearAttentionSpec, input_matrices, read_params
 from tensorfold.models.gguf_quants import FileBlocks
 from tensorfold.models.spec import AttentionSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
@@ -133,11 +136,7 @@ class ShardReader(WeightReader):
 
 def _take_rows(matrix, start: int, stop: int):
     """Rows [start, stop) of a checkpoint matrix (a tensor or QuantWeight), as their own copy."""
-    if isinstance(matrix, torch.Tensor):
-        return matrix[start:stop].clone()
-    taken = matrix.rows(slice(start, stop))
-    return type(taken)(taken.kind, *(None if t is None else t.clone() for t in
-                                     (taken.codes, taken.scale, taken.scale_exp, taken.min, taken.min_exp)))
+    return _copy(matrix[start:stop] if isinstance(matrix, torch.Tensor) else matrix.rows(slice(start, stop)))
 
 
 def vocab_range(vocab: int, group: RankGroup) -> tuple[int, int]:
@@ -181,12 +180,62 @@ class ShardedMLP(MLP):
         super().__init__(replace(spec, intermediate_size=stop - start), w.planned(plan), ctx)
 
 
-def sharded_blocks(blocks: dict) -> dict:
-    """A family's block classes with the base attention and MLP keeping their heads; a
-    family's own classes (and attention whose heads do not divide) keep the default."""
+class ShardedGatedDeltaNet(GatedDeltaNet):
+    """Gated DeltaNet over this rank's heads: its key heads and the value heads they serve (each
+    head's conv channels, delta rule and state are its own), their rows of the input projection,
+    their part of the recurrent state; out_proj gathers the value heads' outputs first. A spec
+    whose key heads do not divide stays whole (the default split)."""
+
+    def __init__(self, spec: LinearAttentionSpec, w: ShardReader, ctx):
+        n, r = w.group.size, w.group.rank
+        la = w.under("linear_attn.")
+        hk, h, dk, dv = spec.num_key_heads // n, spec.num_heads // n, spec.key_dim, spec.value_dim
+        local = replace(spec, num_key_heads=hk, num_heads=h)
+        # this rank's rows of [q, k, v, z, b, a] (the projection's plain order), and of the conv's [q, k, v]
+        starts = [0, spec.num_key_heads * dk]
+        starts += [2 * starts[1], 2 * starts[1] + spec.num_heads * dv]
+        starts += [starts[3] + spec.num_heads * dv, starts[3] + spec.num_heads * dv + spec.num_heads]
+        widths = [hk * dk, hk * dk, h * dv, h * dv, h, h]
+        keep = torch.cat([torch.arange(start + r * width, start + (r + 1) * width)
+                          for start, width in zip(starts, widths)])
+        full = read_params(spec, la)
+        heads = slice(r * h, (r + 1) * h)
+        self.spec, self.ops, self.eps = local, w.ops, ctx.norm_eps
+        self.in_proj = w.ops.Linear.of(*_rows_of_parts(input_matrices(spec, la), keep))
+        self.out_proj = la.planned({"out_proj.weight": GatheredInput((h * dv,) * n)}).linear("out_proj.weight")
+        conv_keep = keep[keep < spec.conv_dim]
+        self.params = replace(full, num_key_heads=hk, num_heads=h, conv_weight=full.conv_weight[conv_keep].contiguous(),
+                              rate=full.rate[heads].contiguous(), dt_bias=full.dt_bias[heads].contiguous())
+        self.norm = la.dense("norm.weight")  # per value_dim: every head's
+        self.cache_spec = RecurrentState(local.conv_dim, local.conv_kernel, h, dk, dv)
+
+
+def _rows_of_parts(parts: list, keep: torch.Tensor) -> list:
+    """Rows `keep` (indices into the parts stacked along N) of each part, as their own copies."""
+    out, first = [], 0
+    for part in parts:
+        mine = keep[(keep >= first) & (keep < first + part.shape[0])] - first
+        if mine.numel():
+            out.append(_copy(take_rows(part, mine)))
+        first += part.shape[0]
+    return out
+
+
+def _copy(matrix):
+    if isinstance(matrix, torch.Tensor):
+        return matrix.clone()
+    return type(matrix)(matrix.kind, *(None if t is None else t.clone() for t in
+                                       (matrix.codes, matrix.scale, matrix.scale_exp, matrix.min, matrix.min_exp)))
+
+
+def sharded_blocks(blocks: dict, group: RankGroup, args) -> dict:
+    """A family's block classes with the base attention, MLP and Gated DeltaNet keeping their
+    heads (where their heads divide among the ranks); a family's own classes keep the default."""
     out = dict(blocks)
     if blocks.get(AttentionSpec) is Attention:
         out[AttentionSpec] = ShardedAttention
     if blocks.get(MLPSpec) is MLP:
         out[MLPSpec] = ShardedMLP
+    if blocks.get(LinearAttentionSpec) is GatedDeltaNet and int(args.hf.get("linear_num_key_heads") or 0) % group.size == 0:
+        out[LinearAttentionSpec] = ShardedGatedDeltaNet
     return out
