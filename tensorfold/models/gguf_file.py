@@ -19,7 +19,8 @@ time. Invariants:
 - the tokenizer encodes like `transformers`' GGUF tokenizer, and adds BOS/EOS itself only where the
   file's add_bos_token / add_eos_token flags say so (as a tokenizer.json post-processor would);
 - Nemotron-H (nemotron_h, nemotron_h_moe) comes back under transformers' names and config
-  (models/gguf_nemotron_h.py);
+  (models/gguf_nemotron_h.py), GLM-5.x (glm-dsa) likewise (models/gguf_glm_dsa.py: the latent
+  attention's kv_b kept in llama.cpp's per-head split);
 - the Qwen hybrids (qwen35, qwen35moe, qwen3next) come back under the names and config the
   qwen3_5 family reads, every converter transform undone exactly, or kept in the stored form the
   family reads directly (-exp(A_log) as linear_attn.A); stacked experts [E, out, in] become one
@@ -62,6 +63,7 @@ ARCHITECTURES = {
     "qwen3next": _Arch("Qwen3NextForCausalLM", "qwen3_next", False, True, hybrid=True),
     "nemotron_h": _Arch("NemotronHForCausalLM", "nemotron_h", False, False, hybrid=True),      # models/gguf_nemotron_h
     "nemotron_h_moe": _Arch("NemotronHForCausalLM", "nemotron_h", False, False, hybrid=True),
+    "glm-dsa": _Arch("GlmMoeDsaForCausalLM", "glm_moe_dsa", False, False, hybrid=True),  # models/gguf_glm_dsa
 }
 
 GLOBAL_TENSORS = {
@@ -140,6 +142,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         from tensorfold.models.gguf_nemotron_h import nemotron_config, nemotron_rules
         config = nemotron_config(path, meta, arch_name, names)
         tensors = _hybrid_tensors(path, reader, config, nemotron_rules(path, config), dtype, keep_quantized)
+    elif arch.model_type == "glm_moe_dsa":
+        from tensorfold.models.gguf_glm_dsa import glm_config, glm_rules
+        config = glm_config(path, meta, arch_name, names)
+        tensors = _hybrid_tensors(path, reader, config, glm_rules(path, config, names), dtype, keep_quantized)
     elif arch.hybrid:
         config = _hybrid_config(path, meta, arch_name, arch, names)
         tensors = _hybrid_tensors(path, reader, config, _hybrid_rules(path, config, arch_name, arch), dtype,

@@ -7,7 +7,9 @@ attention): the block class, its spec, its cache kind (models/cache.LatentKV).
     cache    [c, k_rope] per position, and the indexer's key: nothing per head
     absorb   q_latent_h = W_uk_h^T q_nope_h (kv_b's key rows of head h, one GEMM per head), so
              score_h(t) = [q_latent_h, q_rope_h] . [c_t, k_rope_t] and the attention runs on the
-             latent: o_latent_h = softmax-weighted sum of c_t; out_h = W_uv_h o_latent_h
+             latent: o_latent_h = softmax-weighted sum of c_t; out_h = W_uv_h o_latent_h; the
+             per-head matrices are llama.cpp's attn_k_b / attn_v_b (absorbed_parts: split from a
+             checkpoint's kv_b, or read from a GGUF, in blocks as stored)
     indexer  (a "full" layer) q_i = wq_b(q_lora residual), k_i = layer_norm(wk(x)), rope on the
              first rope_dim dims of each; head weights weights_proj(x) * heads^-0.5; its scores
              choose each row's index_topk keys; a "shared" layer reuses the last full layer's
@@ -71,6 +73,33 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
+def absorbed_parts(kv_b: torch.Tensor, s: LatentAttentionSpec, prefix: str = "") -> dict:
+    """kv_b [heads * (nope + v), kv_lora] split per head into the absorbed GEMMs' matrices, as
+    llama.cpp's converter splits it (its attn_k_b, attn_v_b): absorb.h.k_b_proj.weight = W_uk_h^T
+    [kv_lora, nope] (q_nope -> q_latent) and absorb.h.v_b_proj.weight = W_uv_h [v, kv_lora]
+    (o_latent -> out)."""
+    if tuple(kv_b.shape) != (s.num_heads * (s.nope_dim + s.v_dim), s.kv_lora_rank):
+        raise CheckpointError(f"{prefix}kv_b_proj.weight has shape {tuple(kv_b.shape)}, expected "
+                              f"({s.num_heads * (s.nope_dim + s.v_dim)}, {s.kv_lora_rank})")
+    per_head = kv_b.view(s.num_heads, s.nope_dim + s.v_dim, s.kv_lora_rank)
+    parts = {}
+    for h in range(s.num_heads):
+        parts[f"absorb.{h}.k_b_proj.weight"] = per_head[h, :s.nope_dim].T.contiguous()
+        parts[f"absorb.{h}.v_b_proj.weight"] = per_head[h, s.nope_dim:].contiguous()
+    return parts
+
+
+def split_kv_b(tensors: dict, config: dict) -> None:
+    """Every layer's self_attn.kv_b_proj.weight as absorbed_parts, in place (--quantize: the
+    matrices then go into blocks as a GGUF's attn_k_b / attn_v_b do, so the two serve the same bits)."""
+    for name in [n for n in tensors if n.endswith("self_attn.kv_b_proj.weight")]:
+        spec = LatentAttentionSpec(0, int(config["num_attention_heads"]), None, int(config["kv_lora_rank"]),
+                                   int(config["qk_nope_head_dim"]), 0, int(config["v_head_dim"]), None, 0, 0.0)
+        prefix = name[:-len("kv_b_proj.weight")]
+        kv_b = tensors.pop(name)
+        tensors.update({prefix + part: t for part, t in absorbed_parts(kv_b, spec, prefix).items()})
+
+
 class LatentAttention:
     def __init__(self, spec: LatentAttentionSpec, w: WeightReader, ctx):
         self.spec, self.ops, s = spec, w.ops, spec
@@ -86,25 +115,19 @@ class LatentAttention:
         self.kv_a = attn.linear("kv_a_proj_with_mqa.weight", biases=("kv_a_proj_with_mqa.bias",))
         self.kv_a_norm = attn.norm("kv_a_layernorm.weight")
         self.o = attn.linear("o_proj.weight", biases=("o_proj.bias",))
-        self.absorb_k, self.absorb_v = self._absorbed(attn.dense("kv_b_proj.weight"), attn.prefix)
+        if attn.has("kv_b_proj.weight"):  # a Hugging Face checkpoint's kv_b (dense): split here
+            absorb = WeightReader(absorbed_parts(attn.dense("kv_b_proj.weight"), s, attn.prefix), w.dtype, w.device,
+                                  w.ops)
+        else:  # llama.cpp's split (a GGUF's attn_k_b / attn_v_b, or --quantize's): per head, as stored
+            absorb = attn
+        self.absorb_k = [absorb.linear(f"absorb.{h}.k_b_proj.weight") for h in range(s.num_heads)]
+        self.absorb_v = [absorb.linear(f"absorb.{h}.v_b_proj.weight") for h in range(s.num_heads)]
         self.indexer = None
         if s.indexer is not None:
             if not s.q_lora_rank:
                 raise CheckpointError(f"{attn.prefix}: the DSA indexer reads the q_lora residual; q_lora_rank is unset")
             self.indexer = Indexer(s.indexer, attn.under("indexer."), s.rope_dim)
         self.cache_spec = LatentKV(s.kv_lora_rank, s.rope_dim, s.indexer.head_dim if s.indexer else 0)
-
-    def _absorbed(self, kv_b: torch.Tensor, prefix: str):
-        """kv_b [heads * (nope + v), kv_lora] split per head into the absorbed GEMMs: W_uk_h^T
-        [kv_lora, nope] (q_nope -> q_latent) and W_uv_h [v, kv_lora] (o_latent -> out)."""
-        s = self.spec
-        if tuple(kv_b.shape) != (s.num_heads * (s.nope_dim + s.v_dim), s.kv_lora_rank):
-            raise CheckpointError(f"{prefix}kv_b_proj.weight has shape {tuple(kv_b.shape)}, expected "
-                                  f"({s.num_heads * (s.nope_dim + s.v_dim)}, {s.kv_lora_rank})")
-        per_head = kv_b.view(s.num_heads, s.nope_dim + s.v_dim, s.kv_lora_rank)
-        linear = self.ops.Linear.of
-        return ([linear(per_head[h, :s.nope_dim].T.contiguous()) for h in range(s.num_heads)],
-                [linear(per_head[h, s.nope_dim:].contiguous()) for h in range(s.num_heads)])
 
     def gemms(self) -> dict:
         named = {"q_b": self.q_b, "kv_a": self.kv_a, "o_proj": self.o}
