@@ -67,6 +67,10 @@ def health_body(c: Counters, info: EngineInfo, load: Load, *, card_name: str | N
         "drafted_by_position": list(c.drafted_by_position),
         "accepted_by_position": list(c.accepted_by_position),
         "context_length": info.context_length,
+        # each cache group's blocks (one per block table: full, and each sliding window's)
+        "kv_cache": {"block_size": info.block_size,
+                     "groups": [{"window": window, "blocks": blocks, "used": used}
+                                for window, blocks, used in load.kv_groups]},
         "streams": {"decoding": load.decoding, "prefilling": load.prefilling, "maximum": load.max_running},
     }
 

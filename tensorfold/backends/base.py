@@ -36,13 +36,26 @@ class Loaded:
 
 
 @dataclass(frozen=True)
+class BlockGroup:
+    """Layers behind one block table (models/cache.layer_groups), in plain numbers."""
+    window: int | None            # a sliding group's window in tokens; None: every position is kept
+    num_blocks: int
+    num_layers: int
+
+
+@dataclass(frozen=True)
 class Allocation:
     """The cache's size in plain numbers: blocks of config.block_size tokens."""
-    num_blocks: int
-    max_cached_blocks: int | None  # --prompt-cache-gib's cap on cached free blocks
+    num_blocks: int               # the first group's (all of them where groups is empty)
+    max_cached_blocks: int | None  # --prompt-cache-gib's cap on cached free blocks (per group)
     nbytes: int
     kinds: str                    # the cache kinds in words
     resume_at_blocks: bool = False  # a kind keeps state per block (RecurrentState): resume at boundaries
+    groups: tuple[BlockGroup, ...] = ()  # one per block table; empty: one table of num_blocks
+
+    @property
+    def block_groups(self) -> tuple[BlockGroup, ...]:
+        return self.groups or (BlockGroup(None, self.num_blocks, 0),)
 
 
 class Runner(Protocol):

@@ -34,7 +34,6 @@ class ModelRunner:
         self.images = (ImageCache(model.vision, model.vision.preprocess, image_cache_bytes)
                        if model.vision is not None else None)
 
-
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """One forward; returns, per scheduled request, the tokens drawn for its rows."""
         batch = self._batch(plan)
@@ -50,7 +49,9 @@ class ModelRunner:
 
     def _batch(self, plan: StepPlan) -> ForwardBatch:
         block_size, device = self.cache.block_size, self.model.device
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         input_ids, positions, slots, sequences, logits_rows = [], [], [], [], []
+        groups = [([], []) for _ in self.cache.windows[1:]]  # per further group: slots, tables
         for req in plan.requests:
             start_row = len(input_ids)
             num = len(req.token_ids)
@@ -58,12 +59,15 @@ class ModelRunner:
             input_ids += req.token_ids
             positions += pos
             slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in pos]
-            sequences.append(SequenceRows(start_row, start_row + num,
-                                          torch.tensor(req.block_ids, dtype=torch.int64, device=device)))
+            sequences.append(SequenceRows(start_row, start_row + num, as_tensor(req.block_ids)))
+            for (group_slots, tables), table in zip(groups, req.group_block_ids):
+                group_slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+                # A freed block (NULL_BLOCK, -1) is before every row's window: never read, any id will do.
+                tables.append(as_tensor([max(b, 0) for b in table]))
             logits_rows += range(start_row + num - len(req.rows), start_row + num)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slots),
-                            sequences, as_tensor(logits_rows))
+                            sequences, as_tensor(logits_rows),
+                            [(as_tensor(s), t) for s, t in groups] if plan.requests and groups else [])
 
     def _place_images(self, plan: StepPlan, batch: ForwardBatch) -> None:
         """Every row's M-RoPE positions, and the image embeddings of the pad rows this round

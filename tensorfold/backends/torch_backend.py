@@ -5,10 +5,10 @@ import logging
 import torch
 
 from tensorfold.backends import keeps_v_exponents
-from tensorfold.backends.base import Allocation, Loaded
+from tensorfold.backends.base import Allocation, BlockGroup, Loaded
 from tensorfold.backends.probes import narrowed, probe_ops
 from tensorfold.backends.runner import ModelRunner
-from tensorfold.models.cache import ModelCache
+from tensorfold.models.cache import ModelCache, group_blocks
 from tensorfold.models.loader import build_model, load_checkpoint, quantize_checkpoint
 from tensorfold.models.tokenizer import Tokenizer
 from tensorfold.models.vision_tower import vision_info
@@ -85,11 +85,13 @@ class TorchBackend:
         config, specs = self.config, self.model.cache_specs()
         record = keeps_v_exponents(self.ops)
         per_block = ModelCache.bytes_per_block(specs, self.kv_dtype, config.block_size, record)
-        budget = int(config.kv_cache_gib * 2**30) // per_block
-        num_blocks = max(budget, -(-context_length // config.block_size))
+        blocks = group_blocks(specs, int(config.kv_cache_gib * 2**30), self.kv_dtype, config.block_size,
+                              context_length, config.max_num_seqs, config.max_tokens_per_step, record)
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
-        self.cache = ModelCache(specs, num_blocks, config.block_size, self.kv_dtype, self.device, record)
-        return Allocation(num_blocks, cached, self.cache.nbytes, self.cache.describe(), ModelCache.recurrent(specs))
+        self.cache = cache = ModelCache(specs, blocks[0], config.block_size, self.kv_dtype, self.device, record, blocks)
+        groups = tuple(BlockGroup(w, n, cache.group_of.count(g))
+                       for g, (w, n) in enumerate(zip(cache.windows, cache.group_blocks)))
+        return Allocation(blocks[0], cached, cache.nbytes, cache.describe(), ModelCache.recurrent(specs), groups)
 
     def runner(self) -> ModelRunner:
         return ModelRunner(self.model, self.cache, image_cache_bytes=self.config.image_cache_mib * 2**20)

@@ -15,6 +15,16 @@ Invariants:
 import hashlib
 from collections import OrderedDict
 
+NULL_BLOCK = -1  # a block table's entry for a block a sliding window let go (engine/cache_book.py)
+
+
+def lane_blocks(window: int, block_size: int, max_chunk: int) -> int:
+    """The most blocks one request holds in a sliding group of `window` tokens while a round
+    computes up to max_chunk positions: the chunk's own blocks and those still in the window of
+    its first row (CacheBook.slide keeps from the block holding p - window + 1, p the round's
+    first position rounded down to its block)."""
+    return -(-(max_chunk + block_size - 1) // block_size) + -(-(window - 1) // block_size)
+
 
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     data = parent + b"|" + ",".join(map(str, token_ids)).encode()
@@ -56,6 +66,8 @@ class BlockPool:
     def free(self, block_ids: list[int]) -> None:
         # Freed in reverse so a request's later blocks are evicted before its prefix.
         for block in reversed(block_ids):
+            if block == NULL_BLOCK:
+                continue
             self._refs[block] -= 1
             assert self._refs[block] >= 0, f"block {block} freed twice"
             if self._refs[block] == 0:
@@ -79,23 +91,38 @@ class BlockPool:
                 break
             blocks.append(block)
             hashes.append(parent)
-        for block in blocks:
+        self.take(blocks)
+        return blocks, hashes
+
+    def cached(self, block_hash: bytes) -> int | None:
+        """The block holding the chain hash block_hash, if cached (no reference taken)."""
+        return self._cached.get(block_hash)
+
+    def take(self, block_ids: list[int]) -> None:
+        """Reference cached blocks for a request (release with free())."""
+        for block in block_ids:
+            if block == NULL_BLOCK:
+                continue
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
-        return blocks, hashes
 
     def register(self, block_ids: list[int], token_ids: list[int], num_final: int,
                  hashes: list[bytes]) -> None:
         """Hash the full blocks among the first num_final tokens; `hashes` is the owner's chain
         so far (one per block already registered) and is extended in place."""
         full = min(num_final // self.block_size, len(block_ids))
-        for i in range(len(hashes), full):
+        first = len(hashes)
+        for i in range(first, full):
             parent = hashes[-1] if hashes else b""
-            h = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            hashes.append(h)
-            block = block_ids[i]
-            if h not in self._cached and self._hash_of[block] is None:
+            hashes.append(chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size]))
+        self.cache_blocks(block_ids[first:full], hashes[first:full])
+
+    def cache_blocks(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        """Put full final blocks in the prefix cache under their chain hashes (a table's freed
+        entries, NULL_BLOCK, skipped)."""
+        for block, h in zip(block_ids, hashes):
+            if block != NULL_BLOCK and h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
 

@@ -49,8 +49,9 @@ class Load:
     prefilling: int          # running requests still on their prompt
     waiting: int             # queued for a lane or memory
     running_reply_tokens: int
-    kv_used_ratio: float     # share of the KV blocks held by requests
+    kv_used_ratio: float     # share of the KV blocks held by requests (the fullest cache group's)
     max_running: int
+    kv_groups: tuple = ()    # per cache group: (window or None, blocks, blocks held by requests)
 
 
 @dataclass
@@ -72,8 +73,12 @@ class Engine:
         memory = backend.allocate(self.context_length)
         self.drafter_name = _drafter_name(config, loaded)
         self.max_draft = config.drafts_for(self.drafter_name)
-        self.pool = BlockPool(memory.num_blocks, config.block_size, max_cached_blocks=memory.max_cached_blocks)
-        self.book = CacheBook(self.pool, resume_at_blocks=memory.resume_at_blocks,
+        # One block pool per cache group (engine/cache_book.py); self.pool is group 0's.
+        groups = memory.block_groups
+        self.pools = [BlockPool(g.num_blocks, config.block_size, max_cached_blocks=memory.max_cached_blocks)
+                      for g in groups]
+        self.pool = self.pools[0]
+        self.book = CacheBook(self.pools, [g.window for g in groups], resume_at_blocks=memory.resume_at_blocks,
                               recompute_last_hit=self.drafter_name == "mtp")
         self.runner = backend.runner()
         self._cache_generation = backend.cache_generation
@@ -140,8 +145,10 @@ class Engine:
         running = self.scheduler.running
         decoding = sum(1 for r in running if r.output_ids)
         return Load(decoding, len(running) - decoding, len(self.scheduler.waiting),
-                    sum(len(r.output_ids) for r in running), 1.0 - self.pool.num_free / self.pool.num_blocks,
-                    self.config.max_num_seqs)
+                    sum(len(r.output_ids) for r in running),
+                    max(1.0 - pool.num_free / pool.num_blocks for pool in self.pools), self.config.max_num_seqs,
+                    tuple((window, pool.num_blocks, pool.num_blocks - pool.num_free)
+                          for window, pool in zip(self.book.windows, self.pools)))
 
     def running_ids(self) -> list[str]:
         return [r.req_id for r in self.scheduler.running]
@@ -164,7 +171,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.backend.cache_generation != self._cache_generation:  # its contents are gone
             self._cache_generation = self.backend.cache_generation
-            self.pool.forget_cached()
+            self.book.forget_cached()
         self._propose_drafts()
         plan = self.scheduler.schedule()
         if not plan:

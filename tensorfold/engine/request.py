@@ -7,7 +7,8 @@ again as the input of the next row), and the cache holds valid K/V for positions
 [0, num_computed_tokens). A preempted request keeps its reply tokens and drops its cache: when
 it runs again it recomputes them like a prompt, and each recomputed reply token is checked
 against a fresh keyed draw (num_checked_tokens says how far), so nothing is sent twice and the
-reply stays equal to its uninterrupted run.
+reply stays equal to its uninterrupted run. A sliding-window cache group's table holds only the
+blocks its window still reads (engine/cache_book.py).
 """
 import enum
 import time
@@ -59,7 +60,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)        # cache group 0's block table
+    group_block_ids: list[list[int]] = field(default_factory=list)  # groups 1, 2, ... (sliding windows)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain of full final blocks
     num_preemptions: int = 0
     constraint: RowConstraint | None = None   # per-row mask and token fix (sampling/constraint.py)

@@ -8,10 +8,12 @@ A round is built in scheduling order (foreground before background, then arrival
 - decode share: after a round that prefilled for T seconds, decoding requests get decode-only
   rounds for decode_share * T before the next chunk, so they keep streaming while a long prompt
   arrives; decode_share 0 runs prompts' chunks back to back with no decode rows until they end.
-Cache blocks are allocated as rows need them. When the pool runs dry, the request last in
-scheduling order is preempted: its blocks go back (full ones stay in the prefix cache) and it
-waits to recompute. A waiting foreground request likewise takes a running background request's
-lane or memory. Admission reuses the longest cached prefix of the request's tokens.
+Cache blocks are allocated as rows need them, in every cache group (engine/cache_book.py: a
+sliding-window group lets go of the blocks behind its window before each round). When a group's
+pool runs dry, the request last in scheduling order is preempted: its blocks go back (full ones
+stay in the prefix cache) and it waits to recompute. A waiting foreground request likewise
+takes a running background request's lane or memory. Admission reuses the longest cached prefix
+of the request's tokens.
 """
 import itertools
 import time
@@ -46,11 +48,11 @@ class Scheduler:
     # -- queue ------------------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        capacity = self.pool.num_blocks * self.pool.block_size
-        if req.max_total_tokens > capacity:
+        if not self.book.fits(req.max_total_tokens, self.config.max_tokens_per_step):
             raise MemoryError(f"the request needs up to {req.max_total_tokens} tokens of KV cache "
                               f"({req.num_prompt_tokens} prompt + {req.max_tokens} reply) but the whole "
-                              f"pool holds {capacity}; lower max_tokens or shorten the prompt")
+                              f"pool holds {self.pool.num_blocks * self.pool.block_size}; lower max_tokens "
+                              "or shorten the prompt")
         req.arrival = next(self._arrivals)
         self._enqueue(req)
 
@@ -64,15 +66,14 @@ class Scheduler:
             self.waiting.remove(req)
         if req.finish_reason != "error":
             # The last round's blocks too; accepted drafts past a stop are not reply tokens.
-            self.pool.register(req.block_ids, req.cache_tokens(),
-                               min(req.num_computed_tokens, req.num_tokens), req.block_hashes)
+            self.book.register(req, req.cache_tokens(),
+                               min(req.num_computed_tokens, req.num_tokens))
         self.book.release(req)
         req.status = Status.FINISHED
 
     def commit(self, req: Request) -> None:
         """After a round: hash the request's newly completed blocks into the prefix cache."""
-        self.pool.register(req.block_ids, req.cache_tokens(), req.num_computed_tokens,
-                           req.block_hashes)
+        self.book.register(req, req.cache_tokens(), req.num_computed_tokens)
 
     def round_done(self, plan: StepPlan, elapsed_s: float) -> None:
         prefilled = any(r.rows_prefill for r in plan.requests)
@@ -115,14 +116,13 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give req blocks for num_tokens positions, preempting from the back of the line."""
-        needed = self.pool.blocks_for(num_tokens) - len(req.block_ids)
-        while needed > self.pool.num_free:
+        self.book.slide(req)
+        while not self.book.can_grow(req, num_tokens):
             victim = max(self.running, key=lambda r: r.order)
             self.preempt(victim)
             if victim is req:
                 return False
-        if needed > 0:
-            req.block_ids += self.pool.allocate(needed)
+        self.book.grow(req, num_tokens)
         return True
 
     def preempt(self, req: Request) -> None:
@@ -144,18 +144,17 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             tokens = req.cache_tokens()
-            hits, hashes = self.pool.lookup(tokens, (len(tokens) - 1) // self.pool.block_size)
+            hit = self.book.lookup(tokens, (len(tokens) - 1) // self.pool.block_size)
             room = min(req.max_total_tokens, len(tokens) + self.config.admit_headroom)
-            needed = self.pool.blocks_for(room) - len(hits)
-            if needed > self.pool.num_free:
+            if self.book.short(hit, room, self.config.max_tokens_per_step):
                 background = [r for r in self.running if r.priority > req.priority]
-                self.pool.free(hits)
+                self.book.drop(hit)
                 if not background:
                     return  # first in line waits for memory; later ones wait behind it
                 self.preempt(max(background, key=lambda r: r.order))
                 continue
             self.waiting.pop(0)
-            self.book.resume(req, hits, hashes)
+            self.book.resume(req, hit)
             if not req.output_ids:  # what this admission found is what the prompt reuses
                 req.stats.cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
             if req.stats.scheduled_s is None:
@@ -185,4 +184,5 @@ class Scheduler:
         # Prefill time: any round that computes prompt (or replayed) tokens, or draws the first token.
         prefill = start < req.num_tokens - 1 or not req.output_ids
         return ScheduledRequest(req.req_id, fed, start, req.block_ids, rows, len(drafts), rows_prefill=prefill,
+                                group_block_ids=[list(t) for t in req.group_block_ids],
                                 images=req.images)

@@ -1,8 +1,9 @@
 """What one engine round runs: the scheduler writes it, the runner executes it, nothing else.
 
 For each scheduled request: the tokens fed this round (from position `start_position`), the
-cache blocks they read and write, and the sampling settings of each row that needs a draw
-(the last `len(rows)` fed tokens: the end of a prompt, a decode row, and drafted rows).
+cache blocks they read and write (a table per cache group), and the sampling settings of each
+row that needs a draw (the last `len(rows)` fed tokens: the end of a prompt, a decode row, and
+drafted rows).
 """
 from dataclasses import dataclass, field
 
@@ -20,6 +21,9 @@ class ScheduledRequest:
     rows_prefill: bool = False    # a prompt (or replay) chunk rather than a decode row
     images: tuple = ()            # the request's image spans (vision/placement.ImageSpan): the runner
                                   # puts their embeddings on the fed rows they cover, and M-RoPE positions
+    # The further cache groups' block tables (groups 1, 2, ...: sliding windows), where blocks
+    # that left the window are block_pool.NULL_BLOCK (never read: attention starts at the window)
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

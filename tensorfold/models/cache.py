@@ -1,10 +1,13 @@
 """Cache kinds: what each layer keeps between rounds, declared by the layer, allocated together.
 
 A block class declares its layer's cache as a spec (a frozen dataclass): how many bytes one block
-costs it and how to allocate its part for `num_blocks` blocks. Every kind is indexed by the same
-block ids (one block table per request), so the engine's bookkeeping (engine/cache_book.py) is
-in blocks and counts, whatever the kinds; the backend sizes the blocks from the sum of the
-layers' bytes per block within --kv-cache-gib. Kinds:
+costs it and how to allocate its part for `num_blocks` blocks. Layers are grouped behind block
+tables (vLLM v1's KV-cache groups, layer_groups): the sliding-window layers of one window form a
+group of their own, every other layer (full attention, recurrent and latent kinds, the MTP layer)
+group 0. A request holds one block table per group; a sliding group's table lets go of the
+blocks that left the window (engine/cache_book.py), so a long prompt costs full K/V only on the
+full layers. The engine's bookkeeping is in blocks and counts per group, whatever the kinds; the
+backend sizes each group's blocks within --kv-cache-gib (group_blocks). Kinds:
 
     PagedKV         attention: K and V of each position (optionally within a window)
     SharedKV        attention that reads an earlier layer's K/V and keeps none of its own (Gemma 4's
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorfold.engine.block_pool import lane_blocks
+
 
 @dataclass(frozen=True)
 class LayerKV:
@@ -45,8 +50,7 @@ class LayerKV:
 @dataclass(frozen=True)
 class PagedKV:
     """Paged K/V for one attention layer. `window`: a sliding window in tokens (None: full); the
-    attention masks by it, and the blocks stay allocated (block freeing by window comes with the
-    families that need it)."""
+    attention masks by it, and the layer's group (layer_groups) frees the blocks behind it."""
     num_kv_heads: int
     head_dim: int
     window: int | None = None
@@ -172,15 +176,69 @@ class LatentKV:
         return LayerLatent(kv, index, self.latent_dim)
 
 
+def layer_groups(specs: list) -> tuple[list[int | None], list[int | None]]:
+    """Which block table each layer's cache lives behind: (group of each layer, None for a layer
+    that keeps nothing; window of each group, None for a full group). Group 0 holds every layer
+    that keeps all positions (full attention, recurrent and latent kinds); the PagedKV layers of
+    each sliding window make one more group, in increasing window order. A SharedKV layer is in
+    its source's group. A model with no sliding layer has one group: one table, as before."""
+    keys = [getattr(spec, "window", None) if spec is not None else None for spec in specs]
+    for i, spec in enumerate(specs):
+        if isinstance(spec, SharedKV) and 0 <= spec.source < i:
+            keys[i] = keys[spec.source]
+    used = {key for spec, key in zip(specs, keys) if spec is not None}
+    windows = ([None] if None in used else []) + sorted(w for w in used if w is not None)
+    return [None if spec is None else windows.index(key) for spec, key in zip(specs, keys)], windows
+
+
+def group_blocks(specs: list, budget_bytes: int, dtype: torch.dtype, block_size: int, context_length: int,
+                 max_num_seqs: int, max_chunk: int, v_exponents: bool = False) -> list[int]:
+    """Blocks per group (layer_groups) within budget_bytes. A sliding group needs at most
+    lane_blocks per running request; it gets that for every lane plus one window per lane, so the
+    windows of as many finished requests stay in the prefix cache (a hit needs its window's
+    blocks, engine/cache_book.py), and never more than the full groups. The full groups take the
+    rest. Every group holds at least one request of context_length tokens (over the budget if
+    need be, as a single group always did)."""
+    group_of, windows = layer_groups(specs)
+    cost = [0] * len(windows)
+    for spec, g in zip(specs, group_of):
+        if g is not None:
+            cost[g] += spec.bytes_per_block(dtype, block_size, v_exponents)
+    whole = -(-context_length // block_size)
+    if not windows:
+        return []
+    want = [None if w is None else max_num_seqs * (lane_blocks(w, block_size, max_chunk) + -(-w // block_size))
+            for w in windows]
+    least = [whole if w is None else min(whole, lane_blocks(w, block_size, max_chunk)) for w in windows]
+    total = sum(cost) or 1
+    if windows[0] is not None:  # only sliding groups: one count for all, as one table had
+        return [max(budget_bytes // total, floor) for floor in least]
+
+    def counts(n: int) -> list[int]:
+        return [n if need is None else min(n, need) for need in want]
+
+    lo, hi = 0, budget_bytes // max(cost[0], 1)  # the largest n whose counts fit the budget
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(c * k for c, k in zip(cost, counts(mid))) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return [max(n, floor) for n, floor in zip(counts(lo), least)]
+
+
 class ModelCache:
     """Every layer's cache for `num_blocks` blocks of `block_size` tokens. dtype: the K/V dtype
     (EngineConfig.kv_dtype), which may differ from the activations'; v_exponents: whether the op
-    set keeps the record of V's exponents beside its K/V (backends.keeps_v_exponents)."""
+    set keeps the record of V's exponents beside its K/V (backends.keeps_v_exponents); blocks:
+    each group's count (layer_groups; None: num_blocks for every group)."""
 
     def __init__(self, specs: list, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", v_exponents: bool = False):
+                 device: torch.device | str = "cpu", v_exponents: bool = False, blocks: list[int] | None = None):
         self.specs = list(specs)
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.group_of, self.windows = layer_groups(self.specs)
+        self.group_blocks = list(blocks) if blocks else [num_blocks] * len(self.windows)
         self.layers = []
         for i, spec in enumerate(self.specs):
             if spec is None:  # a layer that keeps nothing
@@ -190,11 +248,17 @@ class ModelCache:
                     raise ValueError(f"layer {i} shares the K/V of layer {spec.source}, which keeps none before it")
                 self.layers.append(self.layers[spec.source])
             else:
-                self.layers.append(spec.allocate(num_blocks, block_size, dtype, device, v_exponents))
+                count = self.group_blocks[self.group_of[i]]
+                self.layers.append(spec.allocate(count, block_size, dtype, device, v_exponents))
 
     def layer(self, i: int):
         """Layer i's part of the cache (built once: a decode round asks for every layer's)."""
         return self.layers[i]
+
+    def batch(self, i: int, batch):
+        """The forward batch as layer i reads it: its group's slots and block tables."""
+        g = self.group_of[i]
+        return batch if not g else batch.in_group(g)
 
     @property
     def nbytes(self) -> int:
@@ -211,11 +275,16 @@ class ModelCache:
         return any(getattr(spec, "recurrent", False) for spec in specs)
 
     def describe(self) -> str:
-        """The kinds and their layer counts, in words (the startup log, /health)."""
+        """The kinds and their layer counts, and each group's blocks where there are several, in
+        words (the startup log, /health)."""
         kinds: dict[str, int] = {}
         for spec in self.specs:
             if spec is None:
                 continue
             name = type(spec).__name__
             kinds[name] = kinds.get(name, 0) + 1
-        return ", ".join(f"{n} x {name}" for name, n in kinds.items())
+        text = ", ".join(f"{n} x {name}" for name, n in kinds.items())
+        if len(self.windows) > 1:
+            text += "; " + ", ".join(f"{'full' if w is None else f'window {w}'}: {self.group_of.count(g)} layers, "
+                                     f"{n} blocks" for g, (w, n) in enumerate(zip(self.windows, self.group_blocks)))
+        return text

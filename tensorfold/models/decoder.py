@@ -74,7 +74,7 @@ class Model:
         last = len(self.layers) - 1
         for i, run in enumerate(self._run):
             next_norm = self.layers[i + 1].input_norm if i < last else None
-            x, residual = run(x, residual, next_norm, batch, cache.layer(i))
+            x, residual = run(x, residual, next_norm, cache.batch(i, batch), cache.layer(i))
         if hidden:  # the norm is per row: the logits rows' bits are those of the branch below
             out = ops.rms_norm(residual, self.norm, self.specs[-1].norm_eps)  # [num_rows, hidden]
             return self.lm_head(out[batch.logits_rows]).float(), out

@@ -25,12 +25,29 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_rows] int64, flat cache slot each row's K/V is written to
     sequences: list[SequenceRows]
     logits_rows: torch.Tensor   # [num_logits] int64, rows whose logits are returned
+    # The further cache groups' (models/cache.layer_groups: sliding windows) slot mapping and
+    # block tables, per group 1, 2, ...: (slots [num_rows], a table per sequence). Empty: every
+    # group reads the fields above (a cache whose groups share the block ids).
+    groups: list = field(default_factory=list)
     # Images (--vision): each row's multimodal rope positions [3, num_rows] (temporal, height,
     # width; vision/placement.py), None where every row's three are its position; and the rows
     # whose input is an image embedding instead of their token's: (rows [n] int64, [n, hidden]).
     rope_positions: torch.Tensor | None = None
     image_rows: tuple | None = None
     _memo: dict = field(default_factory=dict, repr=False)
+
+    def in_group(self, g: int) -> "ForwardBatch":
+        """This batch as the layers of cache group g read it (their slots and block tables), made
+        once per forward; the rope rows stay shared."""
+        if not g or not self.groups:
+            return self
+        return self.memo(("group", g), lambda: self._group_view(g))
+
+    def _group_view(self, g: int) -> "ForwardBatch":
+        slots, tables = self.groups[g - 1]
+        sequences = [SequenceRows(seq.start, seq.end, table) for seq, table in zip(self.sequences, tables)]
+        return ForwardBatch(self.input_ids, self.positions, slots, sequences, self.logits_rows,
+                            rope_positions=self.rope_positions, image_rows=self.image_rows, _memo=self._memo)
 
     def memo(self, key, make):
         """make() once per forward and key: what every layer of the forward reads alike (rope rows,
@@ -58,7 +75,7 @@ class ForwardBatch:
         position before each sequence's first row (-1: position 0, a zero state); state_out
         [num_rows], the block a row's state is written to (-1: none): rows that end a block, and
         each sequence's last row. Computed once per forward and block size, without a loop."""
-        return self.memo(("state", block_size), lambda: self._state_slots(block_size))
+        return self.memo(("state", block_size, id(self.sequences)), lambda: self._state_slots(block_size))
 
     def _state_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions, device = self.positions, self.positions.device

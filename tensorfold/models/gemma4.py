@@ -307,7 +307,7 @@ class Gemma4Model(Model):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i < last else None
-            x, residual = layer.forward(x, residual, next_norm, batch, cache.layer(i),
+            x, residual = layer.forward(x, residual, next_norm, cache.batch(i, batch), cache.layer(i),
                                         None if inputs is None else inputs[:, i])
         out = ops.rms_norm(residual[batch.logits_rows], self.norm, self.specs[-1].norm_eps)
         logits = self.lm_head(out).float()  # [num_logits, vocab]
