@@ -44,6 +44,13 @@ def tiny_hybrid(tmp_path_factory, smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, smollm2_tokenizer):
+    """Qwen3.6's layout: DeltaNet and gated attention, routed experts and a gated shared expert."""
+    from tools.tiny_checkpoint import make_tiny_checkpoint
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tp_moe")), "qwen3_5_moe", tokenizer=smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
 def tiny_gguf(tiny_llama, tmp_path_factory):
     """The tiny llama as a Q8_0 GGUF, its blocks read from the file a rank's rows at a time."""
     from tools.tiny_checkpoint import write_tiny_gguf
@@ -78,7 +85,7 @@ def opened(model: str, **config):
         engine.close()
 
 
-@pytest.mark.parametrize("checkpoint", ["tiny_llama", "tiny_qwen3", "tiny_hybrid", "tiny_gguf"])
+@pytest.mark.parametrize("checkpoint", ["tiny_llama", "tiny_qwen3", "tiny_hybrid", "tiny_moe", "tiny_gguf"])
 def test_two_ranks_give_the_one_rank_tokens(checkpoint, request):
     model = request.getfixturevalue(checkpoint)
     with opened(model, drafting=False) as one:
@@ -88,6 +95,27 @@ def test_two_ranks_give_the_one_rank_tokens(checkpoint, request):
         assert two.pool.num_blocks > one_rank_blocks  # each rank caches half the KV heads: more blocks fit
         got = replies(two)
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "nemotron_h", "gemma4"])
+def test_the_other_families_on_two_ranks(arch, tmp_path, smollm2_tokenizer):
+    """Latent attention with its indexer, Mamba2 and Gemma 4's own blocks take the default split
+    (their GEMMs split and gathered, the rest replicated), GLM's experts the expert split."""
+    from tools.tiny_checkpoint import make_tiny_checkpoint
+    model = make_tiny_checkpoint(str(tmp_path), arch, tokenizer=smollm2_tokenizer)
+    requests = [(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0)), (PROMPTS[3], SAMPLED)]
+    with opened(model, drafting=False) as one:
+        want = [one.generate(p, sp).token_ids for p, sp in requests]
+    with opened(model, tp=2, drafting=False) as two:
+        assert [two.generate(p, sp).token_ids for p, sp in requests] == want
+
+
+def test_moe_experts_are_split_whole_among_the_ranks(tiny_moe):
+    from tensorfold.models.moe import MoE
+    with opened(tiny_moe, tp=2, drafting=False) as two:
+        moe = next(layer.ffn for layer in two.backend.model.layers if isinstance(layer.ffn, MoE))
+        kept = [e for e, expert in enumerate(moe.experts) if expert is not None]
+        assert kept == list(range(len(moe.experts) // 2))  # rank 0: the first half, each whole
 
 
 def test_a_drafted_masked_mixed_batch_on_two_ranks_equals_serial_solo_runs(small_vocab_llama):

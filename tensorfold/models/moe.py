@@ -70,7 +70,7 @@ class MoE:
         sigmoid = spec.sigmoid_routing is not None
         self.router = float32_linear(mlp, "gate.weight") if sigmoid else mlp.linear("gate.weight")
         self.bias = mlp.float32("gate.e_score_correction_bias") if sigmoid else None  # [E]
-        self.experts = _experts(spec, mlp)
+        self.experts = self.read_experts(spec, mlp)
         self.shared = self.shared_gate = None
         if spec.shared_intermediate_size:
             shared = mlp.under(spec.shared_prefix)
@@ -80,9 +80,15 @@ class MoE:
                 self.shared_gate = mlp.linear("shared_expert_gate.weight")
         self.cache_spec = None
         # the whole block as one native call, or None; the native block routes by softmax and gates its shared expert
-        native = not sigmoid and (self.shared is None or self.shared_gate is not None)
+        native = not sigmoid and (self.shared is None or self.shared_gate is not None) and self.fusable
         self._fused = w.ops.fuse_moe(self) if native else None
 
+    fusable = True  # whether a backend may run the block as one call (a rank's share of the experts may not)
+
+    def read_experts(self, spec: MoESpec, mlp: WeightReader) -> list:
+        """The routed experts, indexed by expert id (a tensor-parallel rank's: None where another
+        rank keeps it)."""
+        return _experts(spec, mlp)
 
     def gemms(self) -> dict:
         return block_gemms(self)
@@ -100,14 +106,20 @@ class MoE:
         else:
             chosen, weights = self.ops.route_sigmoid(self.router(x.float()).float(), self.bias, s.top_k, r.n_group,
                                                      r.topk_group, s.norm_topk_prob, r.scale)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(chosen).tolist():  # ascending: each row's terms in expert order
-            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-            out[rows] += self.experts[e](x[rows]).float() * weights[rows, slot, None]
+        out = self.routed(x, chosen, weights)
         if self.shared is not None:
             shared = self.shared(x).float()
             out += shared if self.shared_gate is None else sigmoid32(self.shared_gate(x).float()) * shared
         return out.to(x.dtype)
+
+    def routed(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' outputs times their weights, each row's terms added in ascending
+        expert index, float32 [rows, hidden]."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(chosen).tolist():  # ascending: each row's terms in expert order
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            out[rows] += self.experts[e](x[rows]).float() * weights[rows, slot, None]
+        return out
 
 
 def float32_linear(w: WeightReader, name: str):
@@ -122,12 +134,14 @@ def float32_linear(w: WeightReader, name: str):
 def _experts(spec: MoESpec, mlp: WeightReader) -> list[Expert]:
     """Each expert's gate/up (fused) and down: experts.E.{gate,up,down}_proj.weight (a stacked
     checkpoint is split into these at load: models/loader.split_stacked_experts)."""
-    experts = []
-    for e in range(spec.num_experts):
-        one = mlp.under(f"experts.{e}.")
-        experts.append(Expert(one.linear("gate_proj.weight", "up_proj.weight"), one.linear("down_proj.weight"),
-                              spec.intermediate_size, mlp.ops))
-    return experts
+    return [experts_one(spec, mlp, e) for e in range(spec.num_experts)]
+
+
+def experts_one(spec: MoESpec, mlp: WeightReader, e: int) -> Expert:
+    """Expert e's gate/up and down."""
+    one = mlp.under(f"experts.{e}.")
+    return Expert(one.linear("gate_proj.weight", "up_proj.weight"), one.linear("down_proj.weight"),
+                  spec.intermediate_size, mlp.ops)
 
 
 def block_gemms(block) -> dict:
@@ -135,7 +149,8 @@ def block_gemms(block) -> dict:
     its gate): any backend's block with those attributes."""
     named = {"router": block.router}
     for e, expert in enumerate(block.experts):
-        named[f"experts.{e}.gate_up"], named[f"experts.{e}.down"] = expert.gate_up, expert.down
+        if expert is not None:  # None: another rank's
+            named[f"experts.{e}.gate_up"], named[f"experts.{e}.down"] = expert.gate_up, expert.down
     if block.shared is not None:
         named.update({"shared.gate_up": block.shared.gate_up, "shared.down": block.shared.down})
     if block.shared_gate is not None:

@@ -10,7 +10,8 @@ ShardReader is a WeightReader whose `linear()` gives this rank's part of a GEMM:
 
 ShardedAttention, ShardedMLP and ShardedGatedDeltaNet are the base blocks on a local spec (the
 rank's heads, its intermediate columns): their cache keeps only their heads' K/V or recurrent
-state, and their forward is the base one. Every other block (MoE, a family's own attention) is
+state, and their forward is the base one. ShardedMoE keeps whole experts, a share of them per
+rank. Every other block (a family's own attention or MoE) is
 built unchanged on the reader and gets the default: its GEMMs split and gathered, its other
 work and state replicated on every rank. The LM head keeps the rank's vocabulary rows
 (`vocab_head`); the runner draws from them with the shard exchange.
@@ -24,6 +25,7 @@ from tensorfold.kernels.quant_gemm import take_rows
 from tensorfold.models.blocks import MLP, Attention
 from tensorfold.models.cache import RecurrentState
 from tensorfold.models.linear_attention import GatedDeltaNet, LinearAttentionSpec, input_matrices, read_params
+from tensorfold.models.moe import MoE, MoESpec, experts_one
 from tensorfold.models.gguf_quants import FileBlocks
 from tensorfold.models.spec import AttentionSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
@@ -228,6 +230,44 @@ def _copy(matrix):
                                        (matrix.codes, matrix.scale, matrix.scale_exp, matrix.min, matrix.min_exp)))
 
 
+class ShardedMoE(MoE):
+    """Experts split among the ranks, each kept whole by one rank (expert parallel): a rank runs
+    its experts over the rows that chose them, every rank's weighted outputs are gathered in one
+    collective per layer, and each row adds its terms in ascending expert index as one rank
+    does, so the sum is the one-rank sum bit for bit. The router and the shared expert take the
+    default split."""
+    fusable = False
+
+    def __init__(self, spec: MoESpec, w: ShardReader, ctx):
+        self.group = w.group
+        sizes = split_sizes(spec.num_experts, w.group.size)
+        self.owner = torch.repeat_interleave(torch.arange(w.group.size), torch.tensor(sizes))  # expert -> rank
+        super().__init__(spec, w, ctx)
+
+    def read_experts(self, spec: MoESpec, mlp: ShardReader) -> list:
+        whole = WeightReader(mlp.tensors, mlp.dtype, mlp.device, mlp.ops, mlp.prefix, mlp.norm_offset)
+        mine = set((self.owner == self.group.rank).nonzero().flatten().tolist())
+        return [experts_one(spec, whole, e) if e in mine else None for e in range(spec.num_experts)]
+
+    def routed(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        rows_n, k, hidden = x.shape[0], chosen.shape[1], x.shape[1]
+        terms = torch.zeros(rows_n, k, hidden, dtype=torch.float32, device=x.device)  # this rank's experts' terms
+        for e in torch.unique(chosen).tolist():
+            if self.experts[e] is not None:
+                rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+                terms[rows, slot] = self.experts[e](x[rows]).float() * weights[rows, slot, None]
+        n = self.group.size
+        every = self.group.gather_columns(terms.reshape(rows_n, k * hidden), [k * hidden] * n)
+        every = every.reshape(rows_n, n, k, hidden)
+        index = torch.arange(rows_n, device=x.device)[:, None]
+        owned = every[index, self.owner.to(x.device)[chosen], torch.arange(k, device=x.device)[None, :]]  # [rows, k, H]
+        order = chosen.argsort(dim=1)  # each row's slots in ascending expert index
+        out = torch.zeros(rows_n, hidden, dtype=torch.float32, device=x.device)
+        for j in range(k):
+            out += owned[index[:, 0], order[:, j]]
+        return out
+
+
 def sharded_blocks(blocks: dict, group: RankGroup, args) -> dict:
     """A family's block classes with the base attention, MLP and Gated DeltaNet keeping their
     heads (where their heads divide among the ranks); a family's own classes keep the default."""
@@ -236,6 +276,8 @@ def sharded_blocks(blocks: dict, group: RankGroup, args) -> dict:
         out[AttentionSpec] = ShardedAttention
     if blocks.get(MLPSpec) is MLP:
         out[MLPSpec] = ShardedMLP
+    if blocks.get(MoESpec) is MoE:
+        out[MoESpec] = ShardedMoE
     if blocks.get(LinearAttentionSpec) is GatedDeltaNet and int(args.hf.get("linear_num_key_heads") or 0) % group.size == 0:
         out[LinearAttentionSpec] = ShardedGatedDeltaNet
     return out
