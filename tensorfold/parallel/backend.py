@@ -4,8 +4,8 @@
                    step with the other ranks, a runner that draws with the shard exchange
     LeaderBackend  rank 0, behind the engine's seam (backends/base.py): it starts the other
                    ranks (parallel/launch.py), broadcasts each round's plan before running it, and
-                   says when the group cannot serve (`unavailable`) or lost its cache
-                   (`cache_generation`: the engine then drops its prefix cache)
+                   says when the group cannot serve (`status()["unavailable"]`) or lost its
+                   cache (`cache_generation`: the engine then drops its prefix cache)
     serve_rank     ranks 1..N-1: load, allocate, then run each broadcast plan until told to stop
 
 A round on a broken group is refused before anything is sent, and a round that fails mid-way
@@ -21,12 +21,12 @@ import torch
 
 from tensorfold.backends.runner import ModelRunner, per_request
 from tensorfold.backends.torch_backend import TorchBackend
-from tensorfold.parallel.group import RankGroup
-from tensorfold.parallel.shard import vocab_range
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.loader import build_model
+from tensorfold.parallel.group import RankGroup
+from tensorfold.parallel.shard import vocab_range
 from tensorfold.sampling.sampler import sample_rank
 
 log = logging.getLogger("tensorfold.parallel")
@@ -158,7 +158,7 @@ def check_split(args: ModelArgs, config) -> None:
 def serve_rank(rank: int, size: int, host: str, port: int, model_path, config) -> None:
     """Ranks 1..N-1: join the group, load this rank's shard, then run rank 0's plans."""
     from tensorfold.backends import backend_ops
-    from tensorfold.parallel.launch import connect, Heartbeat
+    from tensorfold.parallel.launch import Heartbeat, connect
 
     # A Ctrl-C (or torchrun's SIGINT) reaches every rank: rank 0 drains, then tells the others to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
