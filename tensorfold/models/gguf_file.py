@@ -20,7 +20,7 @@ time. Invariants:
   file's add_bos_token / add_eos_token flags say so (as a tokenizer.json post-processor would);
 - Nemotron-H (nemotron_h, nemotron_h_moe) comes back under transformers' names and config
   (models/gguf_nemotron_h.py), GLM-5.x (glm-dsa) likewise (models/gguf_glm_dsa.py: the latent
-  attention's kv_b kept in llama.cpp's per-head split);
+  attention's kv_b kept in llama.cpp's per-head split), Gemma 4 (gemma4) too (models/gguf_gemma4.py);
 - the Qwen hybrids (qwen35, qwen35moe, qwen3next) come back under the names and config the
   qwen3_5 family reads, every converter transform undone exactly, or kept in the stored form the
   family reads directly (-exp(A_log) as linear_attn.A); stacked experts [E, out, in] become one
@@ -64,6 +64,7 @@ ARCHITECTURES = {
     "nemotron_h": _Arch("NemotronHForCausalLM", "nemotron_h", False, False, hybrid=True),      # models/gguf_nemotron_h
     "nemotron_h_moe": _Arch("NemotronHForCausalLM", "nemotron_h", False, False, hybrid=True),
     "glm-dsa": _Arch("GlmMoeDsaForCausalLM", "glm_moe_dsa", False, False, hybrid=True),  # models/gguf_glm_dsa
+    "gemma4": _Arch("Gemma4ForCausalLM", "gemma4_text", False, True, hybrid=True),  # models/gguf_gemma4
 }
 
 GLOBAL_TENSORS = {
@@ -142,6 +143,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         from tensorfold.models.gguf_nemotron_h import nemotron_config, nemotron_rules
         config = nemotron_config(path, meta, arch_name, names)
         tensors = _hybrid_tensors(path, reader, config, nemotron_rules(path, config), dtype, keep_quantized)
+    elif arch.model_type == "gemma4_text":
+        from tensorfold.models.gguf_gemma4 import gemma4_config, gemma4_rules
+        config = gemma4_config(path, meta, arch_name, reader)
+        tensors = _hybrid_tensors(path, reader, config, gemma4_rules(path, config, names), dtype, keep_quantized)
     elif arch.model_type == "glm_moe_dsa":
         from tensorfold.models.gguf_glm_dsa import glm_config, glm_rules
         config = glm_config(path, meta, arch_name, names)
