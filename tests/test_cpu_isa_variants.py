@@ -190,6 +190,35 @@ for dtype in (torch.float32, torch.bfloat16):
         x = x.to(dtype)
         assert torch.equal(cpu.quant_linear(x, packed, 32, 512), quant_gemm.linear(x, w)), kind + " (file form)"
         assert torch.equal(cpu.quant_rows(packed, torch.arange(32), 32, 512), w.dequantize()), kind + " rows"
+from tensorfold.kernels import mamba2 as mamba2_ref  # Mamba2's scan and gated norm: every lane width
+from tensorfold.models.cache import Mamba2State
+from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
+from tensorfold.models.mamba2 import Mamba2Params
+heads, p_dim, groups, n = 4, 29, 2, 32
+C = heads * p_dim + 2 * groups * n
+params = Mamba2Params(heads, p_dim, groups, n, torch.randn(C, 4, generator=g) * 0.5, torch.randn(C, generator=g) * 0.3,
+                      torch.rand(heads, generator=g) + 0.5, torch.randn(heads, generator=g), torch.randn(heads, generator=g),
+                      0.0, float("inf"))
+state = Mamba2State(C, 4, heads, n, p_dim).allocate(6, 4, torch.float32, "cpu")
+state.conv.copy_(torch.randn(state.conv.shape, generator=g))
+state.ssm.copy_(torch.randn(state.ssm.shape, generator=g) * 0.3)
+for dtype in (torch.float32, torch.bfloat16):
+    rows = torch.zeros(10, dtype=torch.int64)
+    batch = ForwardBatch(rows, torch.tensor([*range(9), 6]), rows.clone(),
+                         [SequenceRows(0, 9, torch.tensor([0, 1, 2])), SequenceRows(9, 10, torch.tensor([3, 4]))],
+                         torch.arange(10))
+    xbc, dt = torch.randn(10, C, generator=g).to(dtype), torch.randn(10, heads, generator=g).to(dtype)
+    want_state = type(state)(state.conv.clone(), state.ssm.clone(), 4)
+    got_state = type(state)(state.conv.clone(), state.ssm.clone(), 4)
+    state_in, state_out = batch.state_slots(4)
+    got = cpu.mamba2(xbc, dt, got_state.conv, got_state.ssm, state_in, state_out, batch.row_starts_tensor,
+                     params.conv_weight, params.conv_bias, params.rate, params.dt_bias, params.d, 0.0, float("inf"),
+                     heads, p_dim, groups, n)
+    assert torch.equal(got, mamba2_ref.mamba2(xbc, dt, want_state, batch, params)), "mamba2"
+    assert torch.equal(got_state.ssm, want_state.ssm) and torch.equal(got_state.conv, want_state.conv), "mamba2 state"
+    y, z, w = torch.randn(5, 116, generator=g), torch.randn(5, 116, generator=g).to(dtype), torch.randn(116, generator=g)
+    assert torch.equal(cpu.mamba2_gated_norm(y, z, w.to(dtype), 4, 1e-5, dtype),
+                       mamba2_ref.gated_group_norm(y, z, w.to(dtype), 4, 1e-5, dtype)), "mamba2_gated_norm"
 print("bitwise")
 """
 

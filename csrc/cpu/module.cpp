@@ -11,6 +11,7 @@
 #include "exact64.h"
 #include "kernels.h"
 #include "layer.h"
+#include "mamba2.h"
 
 namespace {
 
@@ -360,6 +361,81 @@ torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& gate, 
   return out;
 }
 
+// mamba2.mamba2 over the rows of a ForwardBatch (state_slots as delta_net's; ssm_state [blocks,
+// heads, state_size, head_dim]): out [rows, heads, head_dim] float32, with the D skip.
+torch::Tensor mamba2(const torch::Tensor& xbc, const torch::Tensor& dt, torch::Tensor& conv_state,
+                     torch::Tensor& ssm_state, const torch::Tensor& state_in, const torch::Tensor& state_out,
+                     const torch::Tensor& row_starts, const torch::Tensor& conv_weight, const Out& conv_bias,
+                     const torch::Tensor& rate, const torch::Tensor& dt_bias, const torch::Tensor& d, double dt_min,
+                     double dt_max, int64_t num_heads, int64_t head_dim, int64_t n_groups, int64_t state_size,
+                     const Out& out_arg) {
+  check_cpu(xbc, "mamba2: xbc");
+  check_cpu(dt, "mamba2: dt");
+  const int code = dtype_code(xbc, "mamba2");
+  TORCH_CHECK(num_heads > 0 && head_dim > 0 && n_groups > 0 && num_heads % n_groups == 0 && state_size > 0 &&
+                  state_size <= 256,
+              "mamba2: num_heads must be a multiple of n_groups, 0 < state_size <= 256 (the grid dot's exact sums), "
+              "head_dim positive");
+  const int64_t C = num_heads * head_dim + 2 * n_groups * state_size;
+  TORCH_CHECK(xbc.dim() == 2 && xbc.size(1) == C, "mamba2: xbc [rows, ", C, "] expected, got ", xbc.sizes());
+  const int64_t rows = xbc.size(0);
+  auto x = xbc.stride(1) == 1 ? xbc : xbc.contiguous();
+  TORCH_CHECK(dt.dim() == 2 && dt.size(0) == rows && dt.size(1) == num_heads, "mamba2: dt [rows, num_heads] expected");
+  auto dtf = dt.to(torch::kFloat32).contiguous();  // exact from bf16
+  TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == C && conv_weight.size(1) >= 1 &&
+                  conv_weight.scalar_type() == torch::kFloat32,
+              "mamba2: conv_weight float32 [", C, ", K] expected");
+  const int64_t K = conv_weight.size(1);
+  torch::Tensor bias;
+  if (conv_bias && conv_bias->defined()) {
+    TORCH_CHECK(conv_bias->numel() == C && conv_bias->scalar_type() == torch::kFloat32,
+                "mamba2: conv_bias float32 [", C, "] expected");
+    bias = conv_bias->contiguous();
+  }
+  for (const torch::Tensor* t : {&rate, &dt_bias, &d})
+    TORCH_CHECK(t->numel() == num_heads && t->scalar_type() == torch::kFloat32,
+                "mamba2: rate, dt_bias and D float32 [num_heads] expected");
+  auto taps = conv_weight.t().contiguous(), rc = rate.contiguous(), bc = dt_bias.contiguous(), dc = d.contiguous();
+  const StateSlots slots = state_slots(conv_state, ssm_state, state_in, state_out, row_starts, rows, C, K, num_heads,
+                                       state_size, head_dim);
+  auto out = output(out_arg, {rows, num_heads, head_dim}, dtf, "mamba2");
+  if (rows > 0)
+    tf::mamba2(code, x.data_ptr(), x.stride(0), dtf.data_ptr<float>(), conv_state.data_ptr<float>(),
+               ssm_state.data_ptr<float>(), slots.in(), slots.out(), slots.starts(), slots.num_seqs,
+               taps.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, K, rc.data_ptr<float>(),
+               bc.data_ptr<float>(), dc.data_ptr<float>(), static_cast<float>(dt_min), static_cast<float>(dt_max),
+               num_heads, head_dim, n_groups, state_size, out.data_ptr<float>(), threads());
+  return out;
+}
+
+// mamba2.gated_group_norm(y, z, weight, n_groups, eps, dtype): y [rows, I] float32, z [rows, I]
+// (rows may be strided), out in torch's promotion of dtype and weight's dtype.
+torch::Tensor mamba2_gated_norm(const torch::Tensor& y, const torch::Tensor& z, const torch::Tensor& weight,
+                                int64_t n_groups, double eps, at::ScalarType dtype, const Out& out_arg) {
+  check_cpu(y, "mamba2_gated_norm: y");
+  check_cpu(z, "mamba2_gated_norm: z");
+  check_cpu(weight, "mamba2_gated_norm: weight");
+  TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.dim() == 2, "mamba2_gated_norm: y float32 [rows, width] expected");
+  TORCH_CHECK(z.sizes() == y.sizes(), "mamba2_gated_norm: z must have y's shape");
+  const int64_t rows = y.size(0), width = y.size(1);
+  TORCH_CHECK(n_groups > 0 && width % n_groups == 0 && width / n_groups <= 8192,
+              "mamba2_gated_norm: width must split into n_groups slices of at most 8192 (an exact float64 sum)");
+  TORCH_CHECK(weight.numel() == width, "mamba2_gated_norm: weight must be [", width, "]");
+  const int z_code = dtype_code(z, "mamba2_gated_norm: z"), w_code = dtype_code(weight, "mamba2_gated_norm: weight");
+  const int code = dtype_code(torch::empty({0}, y.options().dtype(dtype)), "mamba2_gated_norm: dtype");
+  const auto out_type = c10::promoteTypes(dtype, weight.scalar_type());
+  const auto like = torch::empty({0}, y.options().dtype(out_type));
+  const int out_code = dtype_code(like, "mamba2_gated_norm: out");
+  auto yc = y.contiguous();
+  auto zc = z.stride(1) == 1 ? z : z.contiguous();
+  auto out = output(out_arg, {rows, width}, like, "mamba2_gated_norm");
+  if (rows > 0 && width > 0)
+    tf::mamba2_gated_norm(yc.data_ptr<float>(), z_code, zc.data_ptr(), zc.stride(0), w_code,
+                          weight.contiguous().data_ptr(), code, out_code, out.data_ptr(), rows, width, n_groups, eps,
+                          threads());
+  return out;
+}
+
 // exact.exp64 / exact.log64 over a float64 tensor (any shape), a new tensor back.
 template <double (*F)(double)>
 torch::Tensor elementwise64(const torch::Tensor& x) {
@@ -514,6 +590,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_dim"), py::arg("value_dim"), out);
   m.def("gated_rms_norm", &gated_rms_norm, "delta_net.gated_rms_norm: rms_norm(x) * weight * silu(gate)",
         py::arg("x"), py::arg("gate"), py::arg("weight"), py::arg("eps"), out);
+  m.def("mamba2", &mamba2,
+        "mamba2.mamba2: conv, time steps and the SSD recurrence of a ForwardBatch's rows in one call; writes the "
+        "conv and ssm states in place",
+        py::arg("xbc"), py::arg("dt"), py::arg("conv_state"), py::arg("ssm_state"), py::arg("state_in"),
+        py::arg("state_out"), py::arg("row_starts"), py::arg("conv_weight"), py::arg("conv_bias"), py::arg("rate"),
+        py::arg("dt_bias"), py::arg("d"), py::arg("dt_min"), py::arg("dt_max"), py::arg("num_heads"),
+        py::arg("head_dim"), py::arg("n_groups"), py::arg("state_size"), out);
+  m.def("mamba2_gated_norm", &mamba2_gated_norm,
+        "mamba2.gated_group_norm: rms_norm per group of y * silu(z), rounded to dtype, times weight", py::arg("y"),
+        py::arg("z"), py::arg("weight"), py::arg("n_groups"), py::arg("eps"), py::arg("dtype"), out);
   m.def("exp64", &elementwise64<tf::exp64>, "exact.exp64: float64 exp without libm", py::arg("x"));
   m.def("log64", &elementwise64<tf::log64>, "exact.log64: float64 log without libm", py::arg("x"));
   m.def("sample_keys", &sample_keys, "sampler._keys: weights q and order keys", py::arg("z"), py::arg("m"),

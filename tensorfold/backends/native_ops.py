@@ -18,8 +18,7 @@ from tensorfold.kernels.paged_attention import pad_block_tables
 # elementwise, on torch ops that round each step (invariant as they are): Gemma's GeGLU and soft cap,
 # Nemotron-H's relu^2
 from tensorfold.kernels.reference import gelu_tanh_and_mul, pad_rows, relu_squared, rope_table, softcap  # noqa: F401
-# Nemotron-H's Mamba2 scan and its routing: the torch references (no C++ form yet)
-from tensorfold.kernels.mamba2 import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
+# Nemotron-H's routing: the torch reference (no C++ form yet)
 from tensorfold.kernels.moe import route_sigmoid  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
 from tensorfold.models.linear_attention import GatedDeltaNet
@@ -56,6 +55,19 @@ def delta_net(qkv, a, b, state, batch, params):
     state_in, state_out = batch.state_slots(state.block_size)
     return _cpu.delta_net(qkv, a, b, state.conv, state.ssm, state_in, state_out, batch.row_starts_tensor,
                           p.conv_weight, p.rate, p.dt_bias, p.num_key_heads, p.num_heads, p.key_dim, p.value_dim)
+
+
+def mamba2(xbc, dt, state, batch, params):
+    """Mamba2's mixing of a ForwardBatch's rows in one call (kernels/mamba2.mamba2's signature and
+    bits): state is the layer's models/cache.LayerState, written in place."""
+    p = params
+    state_in, state_out = batch.state_slots(state.block_size)
+    return _cpu.mamba2(xbc, dt, state.conv, state.ssm, state_in, state_out, batch.row_starts_tensor, p.conv_weight,
+                       p.conv_bias, p.rate, p.dt_bias, p.d, p.dt_min, p.dt_max, p.num_heads, p.head_dim, p.n_groups,
+                       p.state_size)
+
+
+mamba2_gated_norm = _cpu.mamba2_gated_norm  # kernels/mamba2.gated_group_norm's signature and bits
 
 
 def route(logits, top_k, normalize):

@@ -1,0 +1,450 @@
+// Mamba2's mixing (kernels/mamba2.py: mamba2, gated_group_norm), one call per layer.
+//
+// The reference's steps, each one IEEE operation in its order (-ffp-contract=off, no fast-math):
+//   phase A, per row (rows over the threads): the causal conv tap by tap (acc = x_0 w_0, then
+//     acc + x_j w_j), + bias, SiLU (silu32); dt = clamp(softplus(dt + dt_bias), lo, hi) (softplus in
+//     float64 with exp64 / log64, rounded once), decay = exp_neg(-(rate dt)); each group's C on its
+//     22-bit grid (grid_dot's v_int);
+//   phase B, per (sequence, head, 16 columns of the state) (items over the threads), row after row
+//     (mamba2.ssm_step):
+//       x_dt = x dt;  h = h decay;  h = h + B x_dt^T;  y = grid_dot(h, C);  out = y + x D.
+// grid_dot is exact: each column of h and C as integers on their own 22-bit grids, the products
+// (< 2^44) and their sums (state_size <= 256: < 2^52) exact in float64, one rounding to float32 at
+// the end, so no order of the sum, lane width or thread count changes a bit. A column of h never
+// reads another column, so the columns split into work items, each running its rows in order.
+//
+// The state: the slots the batch names (ForwardBatch.state_slots), as delta_net.cpp reads them:
+// sequence s starts from block state_in[s] (zeros at -1), and the state after row r (the conv
+// window and h) is written to block state_out[r] unless that is -1. Every starting state is read
+// before any is written: the conv windows are copied first, and an ssm block that one sequence
+// starts from and another writes is copied before the recurrence (a sequence's own items read their
+// start before they write). A block written by two sequences is refused (binding.h).
+//
+// The gated norm (gated_group_norm): g = y silu32(z); each of n_groups slices of a row through
+// reference.rms_norm's steps (an exact integer sum of squares on the slice's grid, float32 steps);
+// rounded to the model's dtype, times the weight (one float32 product, rounded to the result's dtype).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+// exact64.h first (as delta_net.cpp: its c64 names are bound before exact.h declares tf:: ones).
+#include "exact64.h"
+#include "exact.h"
+#include "mamba2.h"
+#include "vec16.h"
+
+// The lanes' vectors never cross a translation unit (this file's functions only), so the ABI note
+// GCC gives for wide vectors in builds without the matching ISA does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace tf {
+namespace {
+
+constexpr int STATE_BITS = 22;  // delta_net.STATE_BITS (grid_dot's)
+constexpr int NORM_BITS = 20;   // reference.NORM_BITS
+constexpr double SOFTPLUS_THRESHOLD = 20.0;
+constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // phase A and the norm split rows over threads above this
+constexpr int ITEM_COLUMNS = 16;                // a work item's columns: 64 bytes of each state row
+
+template <typename V> inline V load(const void* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+template <typename V> inline void store(void* p, const V& v) { std::memcpy(p, &v, sizeof v); }
+
+// G columns of the state as compiler vectors (G = 1: plain scalars). Each lane takes its column's
+// own steps, one IEEE operation each, so every width gives the same bits.
+template <int G>
+struct Lanes;
+#if defined(__GNUC__)
+// (spelled out per width: GCC takes __builtin_convertvector of a concrete vector type only)
+#define TF_MAMBA2_LANES(WIDTH)                                              \
+  template <>                                                               \
+  struct Lanes<WIDTH> {                                                     \
+    typedef float F __attribute__((vector_size(4 * WIDTH)));                \
+    typedef double D __attribute__((vector_size(8 * WIDTH)));               \
+    typedef uint32_t U __attribute__((vector_size(4 * WIDTH)));             \
+    static D widen(F x) { return __builtin_convertvector(x, D); }           \
+    static U max(U a, U b) { return a > b ? a : b; }                        \
+  };
+TF_MAMBA2_LANES(16)
+TF_MAMBA2_LANES(8)
+TF_MAMBA2_LANES(4)
+#undef TF_MAMBA2_LANES
+#endif
+template <>
+struct Lanes<1> {
+  using F = float;
+  using D = double;
+  using U = uint32_t;
+  static D widen(F x) { return x; }
+  static U max(U a, U b) { return a > b ? a : b; }
+};
+
+// softplus32 (delta_net.softplus32): log64(1 + exp64(min(y, 20))) in float64, rounded once; y
+// above 20 is itself.
+inline float softplus32(float y) {
+  const double y64 = y;
+  const double c = y64 > SOFTPLUS_THRESHOLD ? SOFTPLUS_THRESHOLD : y64;  // clamp_max: NaN stays NaN
+  const double soft = log64(1.0 + exp64(c));
+  return static_cast<float>(y64 > SOFTPLUS_THRESHOLD ? y64 : soft);
+}
+
+// torch.clamp(x, lo, hi) of float32 x: min(max(x, lo), hi), NaN stays NaN.
+inline float clamp(float x, float lo, float hi) {
+  const float up = x < lo ? lo : x;
+  return up > hi ? hi : up;
+}
+
+// silu32 of n floats in place: t = exp_neg(-|g|), (g >= 0 ? g : g t) / (1 + t). tmp, t: n floats.
+inline void silu_inplace(float* g, float* tmp, float* t, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) tmp[i] = -std::fabs(g[i]);
+  exp_neg_shifted(tmp, 0.0f, t, n);  // exp_neg(-|g| - 0): -|g| - 0 is -|g| bit for bit
+  for (int64_t i = 0; i < n; ++i) g[i] = (g[i] * (g[i] >= 0.0f ? 1.0f : t[i])) / (1.0f + t[i]);  // g * 1 is g
+}
+
+// max |x| of n floats (the integer max of the magnitudes' bits: a NaN ranks above inf, as amax).
+inline float max_magnitude(const float* x, int64_t n) {
+  uint32_t top = 0;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, f32_bits(x[i]) & 0x7FFFFFFFu);
+  return f32_from_bits(top);
+}
+
+// reference._normalized's factor: 1 / sqrt(float(ss) 2^(2 (e - 19)) / divisor + eps) in float32, ss
+// the exact sum of the squares on the row's grid (integers, partial sums below 2^53: any order).
+inline float inverse_norm(const float* x, int64_t n, float divisor, float eps) {
+  const int e = exponent(max_magnitude(x, n));
+  const double grid = pow2(2 * (NORM_BITS - 1 - e));
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = x[i];
+    ss += round_even((d * d) * grid);
+  }
+  float var = scale32(static_cast<float>(ss), 2 * (e - NORM_BITS + 1));
+  var = var / divisor;
+  return 1.0f / std::sqrt(var + eps);
+}
+
+template <typename X>
+inline void conv_tap(const X* x, const float* w, float* acc, int64_t n, bool first) {
+  if (first)
+    for (int64_t i = 0; i < n; ++i) acc[i] = to_f32(x[i]) * w[i];
+  else
+    for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + to_f32(x[i]) * w[i];
+}
+
+// Everything one call reads and writes (mamba2.h: mamba2).
+struct Call {
+  const void* xbc;
+  int64_t xbc_stride;
+  const float* dt;  // [rows, heads]
+  float* conv;
+  float* ssm;
+  const int64_t* state_in;
+  const int64_t* state_out;
+  const int64_t* row_starts;
+  int64_t num_seqs;
+  const float* conv_taps;  // [K, C]
+  const float* conv_bias;  // [C] or null
+  const float* rate;
+  const float* dt_bias;
+  const float* d;
+  float dt_min, dt_max;
+  int64_t heads, head_dim, groups, state_size, taps;
+  float* out;  // [rows, heads, head_dim]
+  int threads;
+
+  int64_t width() const { return heads * head_dim; }
+  int64_t channels() const { return width() + 2 * groups * state_size; }
+};
+
+// What phase A leaves per row: `mixed` [rows, C] (the conv's output: x, B, C), step and decay
+// [rows, heads], C on its grid: c_int [rows, groups, N] (integers as float64) and e_c [rows,
+// groups]. start: sequence s's starting ssm state [heads, N, P] (null: zeros).
+struct Rows {
+  float *mixed, *step, *decay;
+  double* c_int;
+  int32_t* e_c;
+  const float* const* start;
+};
+
+// Columns [j0, j0 + G) of (sequence s, head h): the recurrence over the sequence's rows. S: the
+// item's running state [N, G].
+template <int G>
+void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
+  using L = Lanes<G>;
+  using F = typename L::F;
+  using D = typename L::D;
+  using U = typename L::U;
+  const int64_t N = c.state_size, P = c.head_dim, H = c.heads, C = c.channels(), I = c.width();
+  const int64_t g = h / (H / c.groups);  // group g serves heads g * H / groups ...
+  const int64_t start = c.row_starts[s], n = c.row_starts[s + 1] - start;
+  if (rw.start[s] == nullptr) {
+    std::memset(S, 0, N * G * sizeof(float));
+  } else {
+    const float* src = rw.start[s] + h * N * P + j0;
+    for (int64_t i = 0; i < N; ++i) std::memcpy(S + i * G, src + i * P, G * sizeof(float));
+  }
+  const float skip = c.d[h];
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t r = start + t;
+    const float decay = rw.decay[r * H + h], step = rw.step[r * H + h];
+    const float* x = rw.mixed + r * C + h * P + j0;
+    const float* b = rw.mixed + r * C + I + g * N;
+    const F xv = load<F>(x);
+    const F x_dt = xv * step;
+    U top = U{} + 0u;
+    for (int64_t i = 0; i < N; ++i) {  // h = h decay, then h + B x_dt^T (the product rounded, then the sum)
+      F v = load<F>(S + i * G) * decay;
+      v = v + b[i] * x_dt;
+      store(S + i * G, v);
+      top = L::max(top, load<U>(&v) & 0x7FFFFFFFu);
+    }
+    const int64_t slot = c.state_out[r];
+    if (slot >= 0) {
+      float* dst = c.ssm + (slot * H + h) * N * P + j0;
+      for (int64_t i = 0; i < N; ++i) std::memcpy(dst + i * P, S + i * G, G * sizeof(float));
+    }
+    // grid_dot(h, C): each column on its grid (scale 2^(21 - e_j)), times C's integers, summed exactly
+    uint32_t tops[G];
+    double scale[G], unit[G];
+    store(tops, top);
+    const int e_c = rw.e_c[r * c.groups + g];
+    const double c_unit = pow2(e_c - STATE_BITS + 1);
+    for (int j = 0; j < G; ++j) {
+      const int e = exponent(f32_from_bits(tops[j]));
+      scale[j] = pow2(STATE_BITS - 1 - e);
+      unit[j] = pow2(e - STATE_BITS + 1) * c_unit;
+    }
+    const D sv = load<D>(scale);
+    const double* c_int = rw.c_int + (r * c.groups + g) * N;
+    D acc = D{} + 0.0;
+    for (int64_t i = 0; i < N; ++i) {
+      const D on_grid = (L::widen(load<F>(S + i * G)) * sv + ROUND_MAGIC) - ROUND_MAGIC;
+      acc = acc + on_grid * c_int[i];
+    }
+    double sums[G];
+    store(sums, acc);
+    float* o = c.out + (r * H + h) * P + j0;
+    for (int j = 0; j < G; ++j) {
+      const float y = static_cast<float>(sums[j] * unit[j]);
+      o[j] = y + x[j] * skip;
+    }
+  }
+}
+
+// One work item: columns [j0, j0 + ITEM_COLUMNS), sixteen at once, then eight, four, one.
+void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
+  const int64_t end = std::min<int64_t>(c.head_dim, j0 + ITEM_COLUMNS);
+  int64_t j = j0;
+#if defined(__GNUC__)
+  for (; j + 16 <= end; j += 16) run_columns<16>(c, rw, s, h, j, S);
+  for (; j + 8 <= end; j += 8) run_columns<8>(c, rw, s, h, j, S);
+  for (; j + 4 <= end; j += 4) run_columns<4>(c, rw, s, h, j, S);
+#endif
+  for (; j < end; ++j) run_columns<1>(c, rw, s, h, j, S);
+}
+
+template <typename T>
+void mamba2_impl(const Call& c) {
+  const int64_t rows = c.row_starts[c.num_seqs], C = c.channels(), K = c.taps, W = K - 1, H = c.heads;
+  const int64_t N = c.state_size, G = c.groups;
+  const T* xbc = static_cast<const T*>(c.xbc);
+  std::vector<int64_t> seq_of_row(rows);
+  for (int64_t s = 0; s < c.num_seqs; ++s)
+    for (int64_t r = c.row_starts[s]; r < c.row_starts[s + 1]; ++r) seq_of_row[r] = s;
+  // Every starting state is read before any is written (delta_net.cpp's rule and steps).
+  std::vector<float> windows(c.num_seqs * W * C, 0.0f);
+  std::vector<const float*> starts(c.num_seqs, nullptr);
+  const int64_t state_elements = H * N * c.head_dim;
+  for (int64_t s = 0; s < c.num_seqs; ++s) {
+    if (c.row_starts[s + 1] == c.row_starts[s] || c.state_in[s] < 0) continue;
+    if (W > 0) std::memcpy(windows.data() + s * W * C, c.conv + c.state_in[s] * W * C, W * C * sizeof(float));
+    starts[s] = c.ssm + c.state_in[s] * state_elements;
+  }
+  std::vector<std::pair<int64_t, int64_t>> read;  // (block, sequence) of every starting state
+  for (int64_t s = 0; s < c.num_seqs; ++s)
+    if (starts[s] != nullptr) read.push_back({c.state_in[s], s});
+  std::sort(read.begin(), read.end());
+  std::vector<char> copy(c.num_seqs, 0);
+  bool any_copy = false;
+  for (int64_t r = 0; r < rows && !read.empty(); ++r) {
+    const int64_t slot = c.state_out[r];
+    if (slot < 0) continue;
+    for (auto it = std::lower_bound(read.begin(), read.end(), std::make_pair(slot, int64_t{-1}));
+         it != read.end() && it->first == slot; ++it)
+      if (it->second != seq_of_row[r]) copy[it->second] = any_copy = true;
+  }
+  std::vector<float> copies;
+  if (any_copy) {
+    copies.resize(c.num_seqs * state_elements);
+    for (int64_t s = 0; s < c.num_seqs; ++s)
+      if (copy[s]) {
+        std::memcpy(copies.data() + s * state_elements, starts[s], state_elements * sizeof(float));
+        starts[s] = copies.data() + s * state_elements;
+      }
+  }
+  // The conv windows after each row state_out names: the padded inputs' rows t + 1 .. t + K - 1.
+  if (W > 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (c.state_out[r] < 0) continue;
+      const int64_t s = seq_of_row[r], t = r - c.row_starts[s];
+      float* dst = c.conv + c.state_out[r] * W * C;
+      for (int64_t i = 0; i < W; ++i) {
+        const int64_t u = t + 1 + i;
+        if (u < W) {
+          std::memcpy(dst + i * C, windows.data() + (s * W + u) * C, C * sizeof(float));
+        } else {
+          const T* x = xbc + (c.row_starts[s] + u - W) * c.xbc_stride;
+          for (int64_t ch = 0; ch < C; ++ch) dst[i * C + ch] = to_f32(x[ch]);
+        }
+      }
+    }
+  }
+  // Phase A, row by row: conv + bias, SiLU, the time steps and decays, C on its grid.
+  thread_local std::vector<float> floats;
+  thread_local std::vector<double> grids;
+  thread_local std::vector<int32_t> exps;
+  floats.resize(static_cast<size_t>(rows * (C + 2 * H)));
+  grids.resize(static_cast<size_t>(rows * G * N));
+  exps.resize(static_cast<size_t>(rows * G));
+  float* f = floats.data();
+  const Rows rw{f, f + rows * C, f + rows * (C + H), grids.data(), exps.data(), starts.data()};
+  const int64_t I = c.width();
+  const bool parallel_rows = c.threads > 1 && rows > 1 && rows * C >= PARALLEL_ELEMENTS;
+#pragma omp parallel num_threads(c.threads) if (parallel_rows)
+  {
+    std::vector<float> tmp(C), t_buf(C);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t s = seq_of_row[r], t = r - c.row_starts[s];
+      float* m = rw.mixed + r * C;
+      for (int64_t j = 0; j < K; ++j) {  // acc = in_0 w_0, then acc + in_j w_j
+        const int64_t u = t + j;         // the row of the padded inputs: the window's, then xbc's
+        if (u < W)
+          conv_tap(windows.data() + (s * W + u) * C, c.conv_taps + j * C, m, C, j == 0);
+        else
+          conv_tap(xbc + (c.row_starts[s] + u - W) * c.xbc_stride, c.conv_taps + j * C, m, C, j == 0);
+      }
+      if (c.conv_bias != nullptr)
+        for (int64_t ch = 0; ch < C; ++ch) m[ch] = m[ch] + c.conv_bias[ch];
+      silu_inplace(m, tmp.data(), t_buf.data(), C);
+      for (int64_t h = 0; h < H; ++h) {
+        const float step = clamp(softplus32(c.dt[r * H + h] + c.dt_bias[h]), c.dt_min, c.dt_max);
+        rw.step[r * H + h] = step;
+        rw.decay[r * H + h] = exp_neg(-(c.rate[h] * step));
+      }
+      for (int64_t g = 0; g < G; ++g) {  // C of group g on its grid: round_even(c 2^(21 - e))
+        const float* cv = m + I + G * N + g * N;
+        const int e = exponent(max_magnitude(cv, N));
+        const double scale = pow2(STATE_BITS - 1 - e);
+        double* dst = rw.c_int + (r * G + g) * N;
+        for (int64_t i = 0; i < N; ++i) dst[i] = round_even(static_cast<double>(cv[i]) * scale);
+        rw.e_c[r * G + g] = e;
+      }
+    }
+  }
+  // Phase B: the recurrence, (sequence, head, ITEM_COLUMNS columns) per work item, longest
+  // sequences first.
+  struct Item { int64_t s, h, j0; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < c.num_seqs; ++s)
+    if (c.row_starts[s + 1] > c.row_starts[s])
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t j0 = 0; j0 < c.head_dim; j0 += ITEM_COLUMNS) items.push_back({s, h, j0});
+  auto length = [&](int64_t s) { return c.row_starts[s + 1] - c.row_starts[s]; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return length(x.s) > length(y.s); });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const bool parallel_items = c.threads > 1 && num_items > 1;
+#pragma omp parallel num_threads(c.threads) if (parallel_items)
+  {
+    std::vector<float> S(N * ITEM_COLUMNS);  // the item's running state
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) run_item(c, rw, items[i].s, items[i].h, items[i].j0, S.data());
+  }
+}
+
+// gated_group_norm of rows: g = y silu32(z); each group slice x g * inv; rounded to T, times the
+// weight in float32, rounded to O.
+template <typename T, typename Z, typename Wt, typename O>
+void gated_norm_impl(const float* y, const Z* z, int64_t z_stride, const Wt* weight, O* out, int64_t rows,
+                     int64_t width, int64_t groups, double eps, int threads) {
+  const int64_t gw = width / groups;
+  const bool parallel = threads > 1 && rows > 1 && rows * width >= PARALLEL_ELEMENTS;
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    std::vector<float> g(width), tmp(width), t(width);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const Z* zr = z + r * z_stride;
+      for (int64_t i = 0; i < width; ++i) g[i] = to_f32(zr[i]);
+      silu_inplace(g.data(), tmp.data(), t.data(), width);
+      const float* yr = y + r * width;
+      for (int64_t i = 0; i < width; ++i) g[i] = yr[i] * g[i];
+      O* o = out + r * width;
+      for (int64_t k = 0; k < groups; ++k) {
+        const float* slice = g.data() + k * gw;
+        const float inv = inverse_norm(slice, gw, static_cast<float>(gw), static_cast<float>(eps));
+        for (int64_t i = 0; i < gw; ++i) {
+          const float normed = to_f32(from_f32<T>(slice[i] * inv));  // (* ones: the same bits)
+          o[k * gw + i] = from_f32<O>(normed * to_f32(weight[i + k * gw]));
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename Z>
+void gated_norm_weight(const float* y, const void* z, int64_t z_stride, int weight_dtype, const void* weight,
+                       int out_dtype, void* out, int64_t rows, int64_t width, int64_t groups, double eps,
+                       int threads) {
+  const Z* zz = static_cast<const Z*>(z);
+  if (weight_dtype == 0) {
+    const float* w = static_cast<const float*>(weight);
+    if (out_dtype == 0)
+      gated_norm_impl<T>(y, zz, z_stride, w, static_cast<float*>(out), rows, width, groups, eps, threads);
+    else
+      gated_norm_impl<T>(y, zz, z_stride, w, static_cast<bf16*>(out), rows, width, groups, eps, threads);
+  } else {
+    const bf16* w = static_cast<const bf16*>(weight);
+    if (out_dtype == 0)
+      gated_norm_impl<T>(y, zz, z_stride, w, static_cast<float*>(out), rows, width, groups, eps, threads);
+    else
+      gated_norm_impl<T>(y, zz, z_stride, w, static_cast<bf16*>(out), rows, width, groups, eps, threads);
+  }
+}
+
+}  // namespace
+
+void mamba2(int dtype, const void* xbc, int64_t xbc_stride, const float* dt, float* conv_state, float* ssm_state,
+            const int64_t* state_in, const int64_t* state_out, const int64_t* row_starts, int64_t num_seqs,
+            const float* conv_taps, const float* conv_bias, int64_t conv_kernel, const float* rate,
+            const float* dt_bias, const float* d, float dt_min, float dt_max, int64_t heads, int64_t head_dim,
+            int64_t groups, int64_t state_size, float* out, int threads) {
+  const Call c{xbc,       xbc_stride, dt,      conv_state, ssm_state, state_in,   state_out, row_starts,
+               num_seqs,  conv_taps,  conv_bias, rate,     dt_bias,   d,          dt_min,    dt_max,
+               heads,     head_dim,   groups,  state_size, conv_kernel, out,      threads};
+  if (dtype == 0)
+    mamba2_impl<float>(c);
+  else
+    mamba2_impl<bf16>(c);
+}
+
+void mamba2_gated_norm(const float* y, int z_dtype, const void* z, int64_t z_stride, int weight_dtype,
+                       const void* weight, int dtype, int out_dtype, void* out, int64_t rows, int64_t width,
+                       int64_t groups, double eps, int threads) {
+  auto run = [&](auto t_tag) {
+    using T = decltype(t_tag);
+    if (z_dtype == 0)
+      gated_norm_weight<T, float>(y, z, z_stride, weight_dtype, weight, out_dtype, out, rows, width, groups, eps,
+                                  threads);
+    else
+      gated_norm_weight<T, bf16>(y, z, z_stride, weight_dtype, weight, out_dtype, out, rows, width, groups, eps,
+                                 threads);
+  };
+  if (dtype == 0)
+    run(float{});
+  else
+    run(bf16{});
+}
+
+}  // namespace tf
