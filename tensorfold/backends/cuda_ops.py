@@ -27,10 +27,12 @@ What runs where, and why:
   as closely as two float GEMMs do; quantized ones agree bitwise. On CPU tensors (the tests, in
   the interpreter) dense linear is the cpu backend's GEMM, so the op sets are compared on equal
   GEMMs there.
+- Nemotron-H's Mamba2 mixing and its gated group norm (mamba2, mamba2_gated_norm): Triton
+  (kernels/mamba2_triton.py: the conv, then the scan per (sequence, head, columns), two launches
+  a layer), bitwise kernels/mamba2.py.
 - silu_and_mul, sigmoid_and_mul, gelu_tanh_and_mul, relu_squared, softcap, pad_rows, rope_table,
-  and Nemotron-H's Mamba2 scan (mamba2, mamba2_gated_norm) and routing (route_sigmoid): the torch
-  reference ops on CUDA tensors, shared by both op sets rather than mirrored (elementwise:
-  invariant on a GPU as they are).
+  and Nemotron-H's routing (route_sigmoid): the torch reference ops on CUDA tensors, shared by both
+  op sets rather than mirrored (elementwise: invariant on a GPU as they are).
 """
 import functools
 
@@ -38,7 +40,7 @@ import torch
 
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
-from tensorfold.kernels.mamba2 import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
+from tensorfold.kernels.mamba2_triton import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
 from tensorfold.kernels.moe import group_by_expert, route_sigmoid  # noqa: F401
 from tensorfold.kernels.moe_triton import combine, route
 from tensorfold.kernels.attention_triton import paged_attention, paged_attention_varlen, tile_plan  # noqa: F401
