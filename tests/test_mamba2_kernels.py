@@ -326,3 +326,61 @@ def test_native_ops_binds_the_kernels(draw):
     y, z, w = draw.randn(3, 16), draw.randn(3, 16), draw.randn(16)
     assert same_bits(native_ops.mamba2_gated_norm(y, z, w, 2, 1e-5, torch.float32),
                      ref.gated_group_norm(y, z, w, 2, 1e-5, torch.float32))
+
+
+def test_bench_tool_runs():
+    """tools/bench_mamba2.py at tiny sizes: both kernels and their references timed."""
+    import os
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "tools/bench_mamba2.py", "--shape", "tiny", "--prefill-rows", "20",
+                           "--repeats", "2", "--threads", "1"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("mamba2, prefill 20 rows", "mamba2, decode 1 row", "mamba2, decode 4 rows",
+                 "gated norm, prefill 20 rows", "gated norm, decode 1 row"):
+        assert re.search(rf"\| {name} \| \d+\.\d+ \| \d+\.\d+ \| \d+x \|", done.stdout), done.stdout
+
+
+# ---- the fused layer -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_fused_layer_equals_the_composition(tmp_path, smollm2_tokenizer, dtype):
+    """A tiny nemotron_h whose Mamba2 layers come first, in the middle and last (the last one's
+    residual add without a next norm) on the native op set: each Mamba2 layer as one
+    _cpu.Mamba2Layer call, and as its Python composition (fuse off): the same logits and the same
+    conv and ssm states, bit for bit, over a two-sequence prefill and a round mixing a decode row
+    with a chunk resuming mid-block."""
+    import types
+
+    from test_models import BLOCK, _rows
+    from tensorfold.backends import backend_ops
+    from tensorfold.models.hf_dir import load_hf_dir
+    from tensorfold.models.loader import build_model
+    from tools.tiny_checkpoint import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path), "nemotron_h", tokenizer=smollm2_tokenizer,
+                                hybrid_override_pattern="M*EM-M", num_hidden_layers=6)
+    native = backend_ops("cpu")
+    composed = types.SimpleNamespace(**{n: getattr(native, n) for n in dir(native) if not n.startswith("__")})
+    composed.fuse = lambda layer: None if type(layer.mixer).__name__ == "Mamba2" else native.fuse(layer)
+    fused_model = build_model(load_hf_dir(path), dtype, native)
+    plain_model = build_model(load_hf_dir(path), dtype, composed)
+    kinds = [type(layer.mixer).__name__ for layer in fused_model.layers]
+    assert kinds[0] == kinds[-1] == "Mamba2"
+    fused = [not hasattr(run, "__self__") for run in fused_model._run]  # a closure, not layer.forward
+    assert [f for f, kind in zip(fused, kinds) if kind == "Mamba2"] == [True] * 3
+    tables = [list(range(0, 40 // BLOCK + 1)), list(range(40 // BLOCK + 1, 2 * (40 // BLOCK + 1)))]
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 1000, (40,), generator=gen).tolist() for _ in range(2)]
+    rounds = [[(0, ids[0][:21], 0, True), (1, ids[1][:9], 0, True)],
+              [(0, ids[0][21:22], 21, True), (1, ids[1][9:30], 9, True)]]
+    caches = [model.allocate_cache(2 * len(tables[0]), BLOCK, torch.float32) for model in (fused_model, plain_model)]
+    for pieces in rounds:
+        got = fused_model.forward(_rows(tables, pieces), caches[0])
+        want = plain_model.forward(_rows(tables, pieces), caches[1])
+        assert same_bits(got, want)
+    for got, want, kind in zip(caches[0].layers, caches[1].layers, kinds):
+        if kind == "Mamba2":
+            assert same_bits(got.conv, want.conv) and same_bits(got.ssm, want.ssm)

@@ -9,7 +9,7 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c++17",
 
 # The torch bindings; every other source is a kernel on raw pointers (kernels.h) whose vector
 # code follows -march.
-BINDINGS = ("layer.cpp", "module.cpp")
+BINDINGS = ("layer.cpp", "mamba2_layer.cpp", "module.cpp")
 
 
 def arch_flags(arch: str) -> list[str]:

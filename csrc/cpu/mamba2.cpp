@@ -173,7 +173,6 @@ template <int G>
 void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
   using L = Lanes<G>;
   using F = typename L::F;
-  using D = typename L::D;
   using U = typename L::U;
   const int64_t N = c.state_size, P = c.head_dim, H = c.heads, C = c.channels(), I = c.width();
   const int64_t g = h / (H / c.groups);  // group g serves heads g * H / groups ...
@@ -215,15 +214,26 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
       scale[j] = pow2(STATE_BITS - 1 - e);
       unit[j] = pow2(e - STATE_BITS + 1) * c_unit;
     }
-    const D sv = load<D>(scale);
+    // The sums in accumulators of at most eight doubles (one AVX-512 register: GCC keeps a wider
+    // vector in memory, and the add chain then waits on a store each step).
+    constexpr int W = G >= 8 ? 8 : G, A = G / W;
+    using HF = typename Lanes<W>::F;
+    using HD = typename Lanes<W>::D;
+    HD sv[A], acc[A];
+    for (int a = 0; a < A; ++a) {
+      sv[a] = load<HD>(scale + a * W);
+      acc[a] = HD{} + 0.0;
+    }
     const double* c_int = rw.c_int + (r * c.groups + g) * N;
-    D acc = D{} + 0.0;
     for (int64_t i = 0; i < N; ++i) {
-      const D on_grid = (L::widen(load<F>(S + i * G)) * sv + ROUND_MAGIC) - ROUND_MAGIC;
-      acc = acc + on_grid * c_int[i];
+      const double ci = c_int[i];
+      for (int a = 0; a < A; ++a) {
+        const HD on_grid = (Lanes<W>::widen(load<HF>(S + i * G + a * W)) * sv[a] + ROUND_MAGIC) - ROUND_MAGIC;
+        acc[a] = acc[a] + on_grid * ci;
+      }
     }
     double sums[G];
-    store(sums, acc);
+    for (int a = 0; a < A; ++a) store(sums + a * W, acc[a]);
     float* o = c.out + (r * H + h) * P + j0;
     for (int j = 0; j < G; ++j) {
       const float y = static_cast<float>(sums[j] * unit[j]);

@@ -12,6 +12,7 @@
 #include "kernels.h"
 #include "layer.h"
 #include "mamba2.h"
+#include "mamba2_layer.h"
 
 namespace {
 
@@ -693,6 +694,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "forward",
           [](const DeltaNetLayer& layer, const torch::Tensor& x, const torch::Tensor& residual, const Out& next_norm,
+             const torch::Tensor& conv_state, const torch::Tensor& ssm_state, const torch::Tensor& state_in,
+             const torch::Tensor& state_out, const torch::Tensor& row_starts) {
+            return layer.forward({x, residual, next_norm, conv_state, ssm_state, state_in, state_out, row_starts});
+          },
+          "(the next layer's normed input, or None without next_norm; the new residual); writes the recurrent "
+          "state in place",
+          py::arg("x"), py::arg("residual"), py::arg("next_norm"), py::arg("conv_state"), py::arg("ssm_state"),
+          py::arg("state_in"), py::arg("state_out"), py::arg("row_starts"));
+  py::class_<Mamba2Layer>(m, "Mamba2Layer",
+                          "one Nemotron-H Mamba2 layer (input norm applied, the mixer, the residual add and the next "
+                          "norm), built once at load from its packed GEMMs, norm weight, conv and gates, checked then")
+      .def(py::init([](const torch::Tensor& in_proj, const torch::Tensor& out_proj, const torch::Tensor& norm,
+                       const torch::Tensor& conv_weight, const Out& conv_bias, const torch::Tensor& rate,
+                       const torch::Tensor& dt_bias, const torch::Tensor& d, int64_t num_heads, int64_t head_dim,
+                       int64_t n_groups, int64_t state_size, int64_t hidden, double eps, double dt_min, double dt_max) {
+             return Mamba2Layer(in_proj, out_proj, norm, conv_weight, conv_bias, rate, dt_bias, d,
+                                {num_heads, head_dim, n_groups, state_size, hidden, eps, dt_min, dt_max});
+           }),
+           py::arg("in_proj"), py::arg("out_proj"), py::arg("norm"), py::arg("conv_weight"), py::arg("conv_bias"),
+           py::arg("rate"), py::arg("dt_bias"), py::arg("d"), py::arg("num_heads"), py::arg("head_dim"),
+           py::arg("n_groups"), py::arg("state_size"), py::arg("hidden"), py::arg("eps"), py::arg("dt_min"),
+           py::arg("dt_max"))
+      .def(
+          "forward",
+          [](const Mamba2Layer& layer, const torch::Tensor& x, const torch::Tensor& residual, const Out& next_norm,
              const torch::Tensor& conv_state, const torch::Tensor& ssm_state, const torch::Tensor& state_in,
              const torch::Tensor& state_out, const torch::Tensor& row_starts) {
             return layer.forward({x, residual, next_norm, conv_state, ssm_state, state_in, state_out, row_starts});

@@ -22,6 +22,7 @@ from tensorfold.kernels.reference import gelu_tanh_and_mul, pad_rows, relu_squar
 from tensorfold.kernels.moe import route_sigmoid  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
 from tensorfold.models.linear_attention import GatedDeltaNet
+from tensorfold.models.mamba2 import Mamba2
 from tensorfold.models.moe import MoE
 from tensorfold.sampling import sampler
 
@@ -142,11 +143,13 @@ def fuse(layer):
     composition, the same bits (tests/test_native_backend.py, tests/test_hybrids.py), with one
     Python-to-C++ crossing per layer instead of eleven. The C++ layer (_cpu.DecoderLayer for
     attention, _cpu.DeltaNetLayer for Gated DeltaNet, each with a SwiGLU MLP or the MoE block
-    fuse_moe built) is built once here, its weights checked once; the callable has
-    DecoderLayer.forward's signature."""
+    fuse_moe built; _cpu.Mamba2Layer for Nemotron-H's single-block Mamba2 layers) is built once
+    here, its weights checked once; the callable has DecoderLayer.forward's signature."""
     if type(layer) is not DecoderLayer:  # a family's own layer (Gemma 4's) runs its composition
         return None
     mixer, ffn = layer.mixer, layer.ffn
+    if ffn is None and type(mixer) is Mamba2:  # Nemotron-H's single-block Mamba2 layer
+        return _fuse_mamba2(layer)
     ffn_args = _ffn_args(ffn)
     if ffn_args is None:
         return None
@@ -199,6 +202,26 @@ def _fuse_delta_net(layer, ffn_args: dict):
         gated_norm=mixer.norm.contiguous(), conv_weight=p.conv_weight, rate=p.rate, dt_bias=p.dt_bias,
         num_key_heads=s.num_key_heads, num_heads=s.num_heads, key_dim=s.key_dim, value_dim=s.value_dim,
         hidden=layer.input_norm.shape[0], eps=layer.eps, **ffn_args)
+
+    def run(x, residual, next_norm, batch, state):
+        state_in, state_out = batch.state_slots(state.block_size)
+        return native.forward(x, residual, next_norm, state.conv, state.ssm, state_in, state_out,
+                              batch.row_starts_tensor)
+    return run
+
+
+def _fuse_mamba2(layer):
+    """A single-block Mamba2 layer (Nemotron-H) as one _cpu.Mamba2Layer call: Mamba2.forward and
+    DecoderLayer's add and next norm, the same kernels in the same order."""
+    mixer = layer.mixer
+    if not _single_parts((mixer.in_proj, mixer.out_proj)) or mixer.eps != layer.eps:
+        return None
+    s, p = mixer.spec, mixer.params
+    native = _cpu.Mamba2Layer(
+        mixer.in_proj.single.data, mixer.out_proj.single.data, norm=mixer.norm.contiguous(),
+        conv_weight=p.conv_weight, conv_bias=p.conv_bias, rate=p.rate, dt_bias=p.dt_bias, d=p.d,
+        num_heads=s.num_heads, head_dim=s.head_dim, n_groups=s.n_groups, state_size=s.state_size,
+        hidden=layer.input_norm.shape[0], eps=layer.eps, dt_min=p.dt_min, dt_max=p.dt_max)
 
     def run(x, residual, next_norm, batch, state):
         state_in, state_out = batch.state_slots(state.block_size)
