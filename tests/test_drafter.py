@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from tensorfold.engine.draft_budget import DECAY, MIN_ROUNDS, Acceptance, DraftBudget, RowCost
+from tensorfold.engine.draft_budget import (DECAY, MIN_ROUNDS, PROBE_FIRST, PROBE_MAX, Acceptance, DraftBudget,
+                                            RowCost)
 from tensorfold.engine.drafter import DraftState, PromptLookupDrafter
 
 
@@ -111,3 +112,71 @@ def test_shadow_proposals_bring_drafting_back():
     a.watch([1, 2, 3])
     a.appended([1, 4])  # the second token differs: one accepted, one rejected
     assert a.shadow == []
+
+
+def by_position(*ps: float) -> Acceptance:
+    """A record whose draft i has settled at acceptance ps[i] (given the ones before it held)."""
+    a = acceptance(sum(ps) / len(ps))
+    a.by_position = [[1000 * p, 1000 * (1 - p)] for p in ps]
+    return a
+
+
+def test_the_first_drafts_cost_counts_where_it_is_paid():
+    """A drafter that makes its drafts with a model pays a catch-up pass for the first one (more
+    after a long pause) and a step for each further one: drafts run only where they still pay."""
+    budget = measured({1: 0.010, 8: 0.017})  # a verify row costs a tenth of a round
+    a = acceptance(0.9)
+    assert budget.depth(a, 1, 1, 3) == 3
+    assert budget.depth(a, 1, 1, 3, draft_step_seconds=0.008, first_draft_seconds=0.002) == 1
+    assert budget.depth(a, 1, 1, 3, draft_step_seconds=0.008, first_draft_seconds=0.02) == 0
+    budget.observe_catch_up(2, 2, 0.004)       # one stale row each: 2 ms a request
+    for _ in range(MIN_ROUNDS):
+        budget.observe_catch_up(1, 9, 0.006)   # nine stale rows: 6 ms
+    assert budget.catch_up_seconds(1, 9) == 0.006  # one count timed often enough: the fastest pass
+    for _ in range(MIN_ROUNDS):
+        budget.observe_catch_up(1, 1, 0.002)
+    assert abs(budget.catch_up_seconds(1, 5) - 0.004) < 1e-12  # read between stale counts
+
+
+def test_acceptance_by_position_picks_the_depth_that_holds():
+    """Draft 1 always right, draft 2 never: one draft a round, not three."""
+    budget = measured({1: 0.010, 8: 0.024})
+    assert budget.depth(by_position(1.0, 0.0, 0.0), 1, 1, 3) == 1
+    assert budget.depth(by_position(1.0, 1.0, 1.0), 1, 1, 3) == 3
+    a = Acceptance()
+    a.record(3, 1)  # draft 1 held, draft 2 missed, draft 3 never verified
+    assert [round(c, 6) for c in a.by_position[0]] == [1.0, 0.0] and a.by_position[1] == [0.0, 1.0]
+    assert len(a.by_position) == 2 and a.p_at(2) == a.p
+
+
+def test_a_miss_that_replays_rows_costs_them():
+    """On a model that rewinds to a block boundary, a rejected draft makes the next round compute
+    the kept rows past the boundary again: deep in a block, drafts at even odds do not pay."""
+    budget = measured({1: 0.010, 8: 0.017})
+    a = acceptance(0.6)
+    assert budget.depth(a, 1, 1, 3) > 0
+    assert budget.depth(a, 1, 1, 3, replay=(31, 32)) > 0   # a miss at the boundary replays nothing
+    assert budget.depth(a, 1, 1, 3, replay=(20, 32)) == 0  # 21+ rows again after a miss
+
+
+def test_probes_back_off_while_they_miss_and_new_requests_start_from_the_record():
+    budget = DraftBudget(max_depth=3, shared_prior=True)
+    assert budget.acceptance().p == 0.5
+    waits = []
+    for _ in range(8):
+        rounds = 1
+        while not budget.probe_due():
+            rounds += 1
+        waits.append(rounds)
+        budget.probed()
+        a = budget.acceptance()
+        a.watch([5], probing=True)
+        budget.appended(a, [6])  # the probe's draft missed
+    assert waits[:6] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST, PROBE_MAX, PROBE_MAX]
+    assert budget.acceptance().p < 0.2  # eight misses: a new request starts expecting none
+    a = budget.acceptance()
+    a.watch([5], probing=True)
+    budget.appended(a, [5])  # a hit: probe again soon
+    assert budget.probe_interval == PROBE_FIRST and a.p > budget.history.p - 1e-9
+    budget.record(Acceptance(), 2, 0)
+    assert budget.idle_rounds == 0

@@ -1,8 +1,9 @@
 """MTP drafting (models/mtp.py, engine/mtp_drafter.py, backends/mtp_runner.py) on the tiny qwen3_5
 hybrid with an MTP layer trained by tools/train_mtp.py: the layer equals its torch/transformers
-training form, drafted == serial bitwise (greedy and sampled, solo and four at once), a prefix hit
-drafts exactly what a fresh run drafts (the MTP K/V stays consistent), acceptance is above a
-measured floor, and --drafter's errors are clear."""
+training form, drafted == serial bitwise (greedy and sampled, solo and four at once, every draft
+run or drafting paused and resumed), the MTP K/V after a paused stretch's catch-up and after a
+prefix hit is what an always-caught-up fresh run writes, on text the layer does not predict the
+MTP layer stops running, acceptance is above a measured floor, and --drafter's errors are clear."""
 import json
 import os
 
@@ -14,6 +15,7 @@ from tensorfold.__main__ import parse_args, settings_from  # noqa: E402
 from tensorfold.api.counters import Counters, metrics_text  # noqa: E402
 from tensorfold.api.metrics import Latencies  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
+from tensorfold.engine.draft_budget import DraftBudget  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig, Load  # noqa: E402
 from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows  # noqa: E402
@@ -123,13 +125,46 @@ def test_drafted_equals_serial_solo_and_batched(checkpoints):
 
 
 def mtp_keys(engine, prompt, params, num_steps: int):
-    """The MTP layer's K at each computed position of a request after num_steps rounds, and the request."""
+    """The MTP layer's K at each written position of a request after num_steps rounds, and the request."""
     req = engine.requests[engine.add_request(prompt, params)]
     for _ in range(num_steps):
         engine.step()
+    return written_keys(engine, req), req
+
+
+def written_keys(engine, req):
+    """The MTP layer's K at the positions the drafter counts as written (bitwise a fresh run's)."""
     kv, bs = engine.backend.cache.layer(len(engine.backend.model.layers)), engine.pool.block_size
-    slots = [req.block_ids[p // bs] * bs + p % bs for p in range(req.num_computed_tokens)]
-    return kv.k.flatten(0, 1)[slots].clone(), req
+    slots = [req.block_ids[p // bs] * bs + p % bs for p in range(engine.mtp_drafter.num_written(req))]
+    return kv.k.flatten(0, 1)[slots].clone()
+
+
+class ScriptedBudget(DraftBudget):
+    """A draft budget whose n-th choice is script(n) (capped at what is available), probing
+    whenever due: the budget only decides speed, so every script must leave the replies, and the
+    MTP K/V, what serial and always-drafting runs give. The scripts here pause drafting for
+    stretches of rounds and resume it."""
+
+    def __init__(self, max_depth: int, script, probes: bool = True):
+        super().__init__(max_depth, shared_prior=True)
+        self.script, self.calls, self.probes = script, 0, probes
+
+    def depth(self, acceptance, sequences, rows, available, *args, **kwargs):
+        self.calls += 1
+        return min(self.script(self.calls - 1), available)
+
+    def worth_probing(self, *args) -> bool:
+        return self.probes
+
+
+def scripted(path, script, probes: bool = True):
+    engine = Engine(path, EngineConfig(drafter="mtp", **BASE))
+    engine.budget = engine.mtp_drafter.budget = ScriptedBudget(engine.max_draft, script, probes)
+    return engine
+
+
+def pause_then_draft(n):  # 10 rounds' choices without drafts, then 5 with, and so on
+    return 3 if n % 15 >= 10 else 0
 
 
 def test_a_prefix_hit_keeps_the_mtp_cache_a_fresh_run_writes(checkpoints):
@@ -183,3 +218,81 @@ def test_counts_by_position_reach_the_reply_and_metrics(checkpoints):
     text = metrics_text(counters, Load(0, 0, 0, 0, 0.0, 1), Latencies())
     assert f'tensorfold_draft_position_accepted_tokens_total{{position="1"}} {2.0 * s.accepted_by_position[0]!r}' in text
     assert f'tensorfold_draft_position_tokens_total{{position="3"}} {2.0 * s.drafted_by_position[2]!r}' in text
+
+
+def test_paused_and_resumed_drafting_equals_serial(checkpoints):
+    """Drafting paused for stretches and resumed (each resume a catch-up over the stretch), and
+    the real budget: greedy and sampled, solo and four at once, the serial token_sha."""
+    _, path, prompts = checkpoints
+    prompts = prompts[:4]
+    params = [greedy(), sampled(3), greedy(), sampled(4)]
+    expected = [token_sha(r.output_ids) for r in run(Engine(path, EngineConfig(drafting=False, **BASE)),
+                                                      prompts, params)]
+    for engine in (scripted(path, pause_then_draft), Engine(path, EngineConfig(drafter="mtp", **BASE))):
+        solo = [run(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
+        assert [token_sha(r.output_ids) for r in solo] == expected
+        assert [token_sha(r.output_ids) for r in run(engine, prompts, params)] == expected
+    assert solo[0].stats.drafted > 0 or solo[2].stats.drafted > 0  # the real budget drafted on its own text
+
+
+def test_a_paused_stretch_catches_up_to_what_a_fresh_run_writes(checkpoints):
+    """Twelve rounds without drafts leave the MTP layer's K/V twelve rows behind; the resume
+    pass writes them all at once, bitwise what an engine catching up every round wrote."""
+    _, path, prompts = checkpoints
+    paused = scripted(path, lambda n: 0 if n < 12 else 3, probes=False)
+    req = paused.requests[paused.add_request(prompts[1], greedy())]
+    lags = []
+    while req.stats.drafted == 0:
+        paused.step()
+        lags.append(paused.mtp_drafter.lag(req))
+    assert max(lags) >= 12 and paused.mtp_drafter.lag(req) <= 4  # the resume caught the stretch up
+    for _ in range(3):
+        paused.step()
+    fresh = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
+    always = fresh.requests[fresh.add_request(prompts[1], greedy())]
+    while fresh.mtp_drafter.num_written(always) < paused.mtp_drafter.num_written(req):
+        fresh.step()
+    keys = written_keys(paused, req)
+    assert len(keys) > 20 and torch.equal(keys, written_keys(fresh, always)[:len(keys)])
+
+
+def test_a_request_that_never_drafts_leaves_the_prefix_cache_right(checkpoints):
+    """A request whose drafting stays paused hashes no block past its written MTP K/V while it
+    runs, and catches up at its end; a later request's prefix hit on those blocks then holds
+    the MTP K/V a fresh run writes."""
+    _, path, prompts = checkpoints
+    serial = Engine(path, EngineConfig(drafting=False, **BASE))
+    prompt = prompts[5] + serial.generate(prompts[5], greedy(44)).token_ids  # 52 tokens, greedy from token 8 on
+    engine = scripted(path, lambda n: 0, probes=False)
+    first = engine.requests[engine.add_request(prompt[:10], greedy(30))]  # decodes prompt[10:40]
+    while engine.has_work():
+        engine.step()
+        if first.status.value == "running":
+            assert len(first.block_hashes) * engine.pool.block_size <= engine.mtp_drafter.num_written(first)
+            assert engine.mtp_drafter.lag(first) > 0 or first.num_computed_tokens < 10
+    assert first.output_ids == prompt[10:40]
+    cached_k, cached = mtp_keys(engine, prompt, greedy(24), 6)
+    assert cached.stats.cached_tokens == 16  # blocks 0-1 came from the first request's decode
+    fresh_k, _ = mtp_keys(scripted(path, lambda n: 0, probes=False), prompt, greedy(24), 6)
+    assert len(cached_k) == len(fresh_k) >= 48 and torch.equal(cached_k, fresh_k)
+
+
+def test_on_text_it_does_not_predict_the_mtp_layer_goes_quiet(checkpoints):
+    """Fresh random prompts (the tiny layer accepts nothing there): after the first requests the
+    draft budget stops drafting, and the MTP layer runs only for probes and the end-of-request
+    catch-up, not every round; the replies are the serial ones."""
+    _, path, prompts = checkpoints
+    import random
+    rng = random.Random(7)
+    unseen = [[rng.randrange(100, 40000) for _ in range(8)] for _ in range(6)]
+    engine = Engine(path, EngineConfig(drafter="mtp", **BASE))
+    serial = Engine(path, EngineConfig(drafting=False, **BASE))
+    for i, prompt in enumerate(unseen):
+        before, rounds = engine.runner.mtp.num_forwards, 0
+        req = engine.requests[engine.add_request(prompt, greedy())]
+        while engine.has_work():
+            engine.step()
+            rounds += 1
+        assert req.output_ids == serial.generate(prompt, greedy()).token_ids
+        if i >= 3:  # measured: 1-3 passes (a probe or two, the end's catch-up) in 41 rounds
+            assert engine.runner.mtp.num_forwards - before <= 6 and req.stats.drafted <= 3, (i, rounds)

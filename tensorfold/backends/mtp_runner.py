@@ -1,12 +1,15 @@
 """Runs a model's MTP layer (models/mtp.py) for the engine's MTP drafter: the runner's half of
 engine/draft_plan.py.
 
-The target forward hands over every row's final hidden state (keep()); catch_up() feeds the kept
-rows of the last round to the MTP layer, which writes its K/V at their positions, and keeps, for a
-decoding request, the last row's output hidden state and its greedy draft; draft() chains from
-there, one MTP forward per further draft, batched over the requests that want that many. Drafts
-are greedy on the MTP logits (argmax, ties to the lower id). Nothing here decides which tokens a
-reply keeps: the engine verifies every draft against the keyed draws.
+The target forward hands over every row's final hidden state (keep()); the runner holds, per
+request, the hidden states of one contiguous run of positions (a round from inside the run cuts
+it there: drafts rejected, a recurrent rewind; from elsewhere starts a new one: preemption) until
+the engine asks for them. catch_up() feeds asked rows to the MTP layer, which writes its K/V at
+their positions, and keeps, for a request that drafts, the last row's output hidden state and its
+greedy draft; draft() chains from there, one MTP forward per further draft, batched over the
+requests that want that many. Drafts are greedy on the MTP logits (argmax, ties to the lower
+id). Nothing here decides which tokens a reply keeps: the engine verifies every draft against
+the keyed draws.
 """
 import torch
 
@@ -19,39 +22,49 @@ class MTPRunner:
         self.mtp, self.device = model.mtp, model.device
         self.kv = cache.layer(len(model.layers))  # the MTP layer's part: the cache's last layer
         self.block_size = cache.block_size
-        self._hidden: dict[str, tuple[int, torch.Tensor]] = {}      # req_id -> (first position, [rows, hidden])
+        self._held: dict[str, HeldRows] = {}
         self._chain: dict[str, tuple[int, torch.Tensor, int]] = {}  # req_id -> (position, h' [hidden], draft)
+        self.num_forwards = 0  # MTP layer passes run (catch-ups and chained steps)
 
     def keep(self, plan, hidden: torch.Tensor) -> None:
         """The last target forward's hidden states [num_rows, hidden], per scheduled request."""
-        self._hidden, row = {}, 0
+        row = 0
         for req in plan.requests:
-            self._hidden[req.req_id] = (req.start_position, hidden[row:row + len(req.token_ids)])
-            row += len(req.token_ids)
+            num = len(req.token_ids)
+            held = self._held.get(req.req_id)
+            if held is None:
+                held = self._held[req.req_id] = HeldRows(hidden.shape[1], hidden.dtype, hidden.device)
+            held.put(req.start_position, hidden[row:row + num])
+            row += num
+
+    def held(self, req_id: str) -> tuple[int, int]:
+        """The positions [first, end) whose hidden states are held for req_id."""
+        held = self._held.get(req_id)
+        return (held.first, held.end) if held is not None else (0, 0)
 
     def catch_up(self, asks: list[CatchUp]) -> None:
+        """Each ask's rows through the MTP layer in one pass; the rows before the last one asked
+        are let go (the last stays: a drafting request runs it again for its draft)."""
         if not asks:
             return
-        rows = []
-        for ask in asks:
-            first, hidden = self._hidden[ask.req_id]
-            offset = ask.start_position - first
-            rows.append(hidden[offset:offset + len(ask.token_ids)])
+        rows = [self._held[ask.req_id].rows(ask.start_position, len(ask.token_ids)) for ask in asks]
         pieces = [(ask.start_position, ask.token_ids, ask.block_ids) for ask in asks]
         batch = self._batch(pieces, [i for i, ask in enumerate(asks) if ask.want_draft])
         logits, out = self.mtp.forward(torch.cat(rows), batch, self.kv)
+        self.num_forwards += 1
+        for ask in asks:
+            self._held[ask.req_id].drop_before(ask.start_position + len(ask.token_ids) - 1)
         drafts = logits.argmax(dim=-1).tolist() if logits.numel() else []
         ends = batch.logits_rows.tolist()
         for ask, draft, end in zip([a for a in asks if a.want_draft], drafts, ends):
             self._chain[ask.req_id] = (ask.start_position + len(ask.token_ids) - 1, out[end], draft)
-        self._hidden = {}
 
     def draft(self, asks: list[ChainDraft]) -> dict[str, list[int]]:
         """Each ask's drafts: the caught-up one, then num_drafts - 1 chained ones (fewer where the
         request has no caught-up state at ask.position)."""
         proposals, live = {}, []
         for ask in asks:
-            state = self._chain.get(ask.req_id)
+            state = self._chain.pop(ask.req_id, None)
             if state is None or state[0] != ask.position or ask.num_drafts < 1:
                 proposals[ask.req_id] = []
                 continue
@@ -67,6 +80,7 @@ class MTPRunner:
             pieces = [(ask.position + step, [proposals[ask.req_id][-1]], ask.block_ids) for ask, _ in live]
             batch = self._batch(pieces, list(range(len(live))))
             logits, out = self.mtp.forward(torch.stack([h for _, h in live]), batch, self.kv)
+            self.num_forwards += 1
             for i, ((ask, _), draft) in enumerate(zip(live, logits.argmax(dim=-1).tolist())):
                 proposals[ask.req_id].append(draft)
                 live[i] = (ask, out[i])
@@ -74,6 +88,7 @@ class MTPRunner:
 
     def forget(self, req_id: str) -> None:
         self._chain.pop(req_id, None)
+        self._held.pop(req_id, None)
 
     def _batch(self, pieces, drawing: list[int]) -> ForwardBatch:
         """Rows (start position, tokens, block ids) per sequence; logits of the last row of each
@@ -91,3 +106,37 @@ class MTPRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(slots), sequences,
                             as_tensor([ends[i] for i in drawing]))
+
+
+class HeldRows:
+    """One request's target hidden states for a contiguous run of positions [first, end), in a
+    buffer that grows by doubling. Rows put from inside the run (or at its end) replace the run
+    from there on (rejected drafts' rows, a recurrent rewind's recomputed ones); rows from
+    elsewhere start a new run (a preempted request recomputing)."""
+
+    def __init__(self, width: int, dtype, device):
+        self.buffer = torch.empty(16, width, dtype=dtype, device=device)  # [capacity, hidden]
+        self.first = self.end = 0
+
+    def put(self, position: int, rows: torch.Tensor) -> None:
+        if not self.first <= position <= self.end:
+            self.first = self.end = position
+        offset = position - self.first
+        if offset + len(rows) > len(self.buffer):
+            grown = torch.empty(2 * (offset + len(rows)), self.buffer.shape[1], dtype=self.buffer.dtype,
+                                device=self.buffer.device)
+            grown[:offset] = self.buffer[:offset]
+            self.buffer = grown
+        self.buffer[offset:offset + len(rows)] = rows
+        self.end = position + len(rows)
+
+    def rows(self, position: int, num: int) -> torch.Tensor:
+        assert self.first <= position and position + num <= self.end, (position, num, self.first, self.end)
+        return self.buffer[position - self.first:position - self.first + num]  # [num, hidden]
+
+    def drop_before(self, position: int) -> None:
+        """Let the rows before `position` go (after the MTP layer read them)."""
+        position = min(max(position, self.first), self.end)
+        num = self.end - position
+        self.buffer[:num] = self.buffer[position - self.first:self.end - self.first].clone()
+        self.first = position

@@ -184,7 +184,9 @@ class CacheBook:
     def register(self, req: Request, token_ids: list, num_final: int) -> None:
         """Hash req's full blocks among the first num_final of token_ids (its tokens as the prefix
         cache keys them) into every group's prefix cache (the chain once, req.block_hashes,
-        extended in place)."""
+        extended in place), up to req.num_hashable_tokens."""
+        if req.num_hashable_tokens is not None:
+            num_final = min(num_final, req.num_hashable_tokens)
         first = len(req.block_hashes)
         tables = self.tables(req)
         self.pool.register(tables[0], token_ids, num_final, req.block_hashes)

@@ -1,23 +1,37 @@
 """How many drafts a request runs in a round: the depth with the most expected tokens per second
-of round, from two things the engine measures as it serves. One rule, no tensors.
+of round, from what the engine measures as it serves. One rule, no tensors.
 
 - Row cost: the seconds of a decode round (no prompt rows) by its sequences and rows, the fastest
   of the last COST_WINDOW rounds of each size (the least disturbed by other work on the
   machine), read between row counts by linear interpolation and past them by the last two
   counts' slope.
-- Acceptance: per request, p = the chance a draft is accepted when the drafts before it were,
-  counted with decay from its verified drafts and from proposals it did not run ("shadow"
-  proposals, checked against the tokens the reply then took: free evidence, so a request that
-  stopped drafting starts again when its text turns repetitive).
+- Acceptance: per request and per draft position i, p_i = the chance draft i is accepted when
+  the drafts before it were, counted with decay from its verified drafts and from proposals it
+  did not run ("shadow" proposals, checked against the tokens the reply then took); a position
+  without evidence of its own takes the request's pooled rate.
+- Drafting's own cost, where a model drafts (MTP): the catch-up pass that brings the MTP layer's
+  K/V up to the request's computed positions (it lags while the request does not draft; the
+  resume pass runs all the missing rows at once and draws the first draft), timed by stale rows,
+  and each further chained draft step.
+- Replays: on a model whose recurrent state resumes only at block boundaries, a rejected draft
+  sends the request back to the boundary before it, and the next round computes the kept rows
+  after it again; their cost is read off the row-cost curve.
 
-A request adding d drafts to a round of R rows expects 1 + p + ... + p^d tokens for t(R + d)
-seconds (plus (d - 1) draft steps where drafting itself runs a model: the MTP layer's first draft
-comes with its catch-up, each further one is a forward of its own, timed as the server runs and
-shared by the sequences drafting in it) where serial decoding gets 1 token for t(R); it runs the
-d with the best ratio, and none
-unless that ratio beats 1 by MARGIN. Until two row counts of its round's sequence count have
-been seen, rows count as free: every proposal runs whole (which also measures them). Drafts never change a
-token (the engine keeps only drafts equal to the keyed draws): this decides speed, not replies.
+A request adding d drafts to a round of R rows at position s expects 1 + p_1 + p_1 p_2 + ... tokens
+for t(R + d) + catch-up + (d - 1) draft steps + E[replay] seconds, where serial decoding gets 1
+token for t(R); it runs the d with the best ratio, and none unless that ratio beats 1 by MARGIN.
+Until two row counts of its round's sequence count have been seen, rows count as free: every
+proposal runs whole (which also measures them; a drafter that pays for its proposals first
+times MIN_ROUNDS serial rounds).
+
+Exploring when drafts cost something to make (MTP). A request that runs no drafts gives no
+evidence, so while nobody drafts the budget probes: every `probe_interval` rounds one request
+(the likeliest to accept) makes its first draft as a shadow (a catch-up and no verify row, so a
+miss costs no replay); a miss doubles the interval up to PROBE_MAX, a hit resets it. New
+requests start from the drafter-wide record (decayed over every request's evidence) instead of
+1/2, so a server whose text the layer does not predict stays at depth 0 from a request's first
+round. Drafts never change a token (the engine keeps only drafts equal to the keyed draws):
+this decides speed, not replies.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +41,8 @@ MIN_ROUNDS = 3        # rounds of a size before its time is trusted
 MARGIN = 0.03         # expected gain a draft must promise over serial decoding
 DECAY = 0.9           # weight of older acceptance evidence per verified or shadow run
 PRIOR = (1.0, 1.0)    # (accepted, rejected) pseudo-counts: p starts at 1/2
+PROBE_FIRST = 4       # rounds without drafts before the first probe
+PROBE_MAX = 64        # the longest wait between probes (a probe costs about a third of a round)
 
 
 class RowCost:
@@ -63,16 +79,33 @@ class RowCost:
 
 @dataclass
 class Acceptance:
-    """One request's draft record: decayed counts of accepted and rejected draft positions, and
-    a shadow proposal waiting for the reply's next tokens."""
+    """One request's draft record: decayed counts of accepted and rejected drafts (pooled, and
+    per draft position), and a shadow proposal waiting for the reply's next tokens."""
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
+    by_position: list[list[float]] = field(default_factory=list)  # [i]: [accepted, rejected] at depth i + 1
     shadow: list[int] = field(default_factory=list)
     shadow_matched: int = 0
+    probing: bool = False  # the shadow is the budget's probe
 
     @property
     def p(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    def p_at(self, i: int) -> float:
+        """The chance draft i (0-based) is accepted given the ones before it were: its own counts
+        with the pooled rate as one pseudo-count."""
+        if i >= len(self.by_position):
+            return self.p
+        accepted, rejected = self.by_position[i]
+        return (accepted + self.p) / (accepted + rejected + 1.0)
+
+    def seeded(self, weight: float = sum(PRIOR)) -> "Acceptance":
+        """A new request's record from this (drafter-wide) one, its evidence scaled to `weight`
+        pseudo-counts in all and one per position."""
+        p = self.p
+        positions = [[a / (a + r), r / (a + r)] for a, r in self.by_position if a + r > 0]
+        return Acceptance(weight * p, weight * (1.0 - p), positions)
 
     def record(self, drafted: int, accepted: int) -> None:
         """A run of `drafted` drafts of which the first `accepted` held."""
@@ -80,35 +113,84 @@ class Acceptance:
             return
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
+        seen = min(drafted, accepted + 1)  # positions reached: the accepted ones and the first miss
+        self.by_position += [[0.0, 0.0] for _ in range(seen - len(self.by_position))]
+        for i in range(seen):
+            counts = self.by_position[i]
+            counts[0], counts[1] = DECAY * counts[0] + (i < accepted), DECAY * counts[1] + (i >= accepted)
 
-    def watch(self, proposal: list[int]) -> None:
+    def watch(self, proposal: list[int], probing: bool = False) -> None:
         """Keep a proposal that did not run, to score against the reply's next tokens."""
         if proposal and not self.shadow:
-            self.shadow, self.shadow_matched = list(proposal), 0
+            self.shadow, self.shadow_matched, self.probing = list(proposal), 0, probing
 
-    def appended(self, tokens: list[int]) -> None:
-        """The reply took `tokens`: score the shadow proposal as far as they reach."""
+    def appended(self, tokens: list[int]) -> tuple[int, int] | None:
+        """The reply took `tokens`: score the shadow proposal as far as they reach; returns
+        (drafted, accepted) when it settled."""
         for token in tokens:
             if not self.shadow:
-                return
+                return None
             if token != self.shadow[self.shadow_matched]:
-                self.record(len(self.shadow), self.shadow_matched)
-                self.shadow = []
-                return
+                return self._settle()
             self.shadow_matched += 1
             if self.shadow_matched == len(self.shadow):
-                self.record(len(self.shadow), self.shadow_matched)
-                self.shadow = []
+                return self._settle()
+        return None
+
+    def _settle(self) -> tuple[int, int]:
+        run = (len(self.shadow), self.shadow_matched)
+        self.record(*run)
+        self.shadow = []
+        return run
 
 
 class DraftBudget:
-    def __init__(self, max_depth: int):
+    def __init__(self, max_depth: int, shared_prior: bool = False):
+        """shared_prior: new requests start from the drafter-wide record (a drafter that pays
+        for its proposals, which then also probes); else from PRIOR."""
         self.max_depth = max_depth
+        self.shared_prior = shared_prior
         self.cost = RowCost()
+        self.history = Acceptance()     # every request's evidence, decayed
+        self.probe_interval = PROBE_FIRST
+        self.idle_rounds = 0            # rounds since anyone ran or probed a draft
         self._draft_steps: dict[int, deque] = {}  # sequences drafting -> seconds of one chained step
+        self._catch_ups = RowCost()     # (1, stale rows) -> one request's share of a catch-up pass
+
+    # -- acceptance -------------------------------------------------------------------------
+
+    def acceptance(self) -> Acceptance:
+        """A new request's record."""
+        return self.history.seeded() if self.shared_prior else Acceptance()
+
+    def record(self, acceptance: Acceptance, drafted: int, accepted: int) -> None:
+        """A verified run of a request's drafts."""
+        if drafted:
+            acceptance.record(drafted, accepted)
+            self.history.record(drafted, accepted)
+            self.idle_rounds = 0
+            if accepted:
+                self.probe_interval = PROBE_FIRST
+
+    def appended(self, acceptance: Acceptance, tokens: list[int]) -> None:
+        """The reply took `tokens`: a shadow proposal that settles counts as evidence (a probe's
+        outcome also sets the next probe's wait)."""
+        probing = acceptance.probing
+        run = acceptance.appended(tokens)
+        if run is None:
+            return
+        self.history.record(*run)
+        if probing:
+            self.probe_interval = PROBE_FIRST if run[1] else min(2 * self.probe_interval, PROBE_MAX)
+
+    # -- what drafting costs ----------------------------------------------------------------
 
     def observe_drafting(self, sequences: int, seconds_per_step: float) -> None:
         self._draft_steps.setdefault(sequences, deque(maxlen=COST_WINDOW)).append(seconds_per_step)
+
+    def observe_catch_up(self, sequences: int, rows: int, seconds: float) -> None:
+        """A catch-up pass over `rows` stale rows of `sequences` requests (each drawing a draft)."""
+        self._catch_ups.observe(1, max(1, round(rows / sequences)), seconds / sequences)
 
     def drafting_seconds(self, sequences: int) -> float:
         """One request's share of a chained draft step among `sequences` drafting sequences (the
@@ -116,26 +198,64 @@ class DraftBudget:
         times = self._draft_steps.get(sequences) or min(self._draft_steps.values(), key=min, default=None)
         return min(times) / max(sequences, 1) if times else 0.0
 
+    def catch_up_seconds(self, sequences: int, stale: int) -> float:
+        """One request's share of the pass that catches up `stale` rows and draws its first
+        draft: read by stale rows where two counts are timed, else the fastest pass of the
+        nearest count timed, else a chained step (the same forward over one row)."""
+        seconds = self._catch_ups.seconds(1, max(stale, 1))
+        if seconds is not None:
+            return seconds
+        timed = self._catch_ups._rounds
+        if not timed:
+            return self.drafting_seconds(sequences)
+        nearest = min(timed, key=lambda key: (abs(key[1] - stale), key[1]))
+        return min(timed[nearest])
+
+    # -- the choice -------------------------------------------------------------------------
+
     def depth(self, acceptance: Acceptance, sequences: int, rows: int, available: int,
-              draft_step_seconds: float = 0.0, explore: bool = False) -> int:
+              draft_step_seconds: float = 0.0, explore: bool = False, first_draft_seconds: float = 0.0,
+              replay: tuple[int, int] | None = None) -> int:
         """Drafts to run, out of `available` proposed, for a request in a round of `sequences`
-        decoding sequences that holds `rows` rows without its drafts; draft_step_seconds: what
-        each draft past the first costs to make (0 for prompt lookup). explore: a drafter whose
-        proposals are always full length (MTP) runs none until rounds without drafts are timed,
-        so two row counts get measured."""
+        decoding sequences that holds `rows` rows without its drafts. first_draft_seconds /
+        draft_step_seconds: what the first draft and each further one cost to make (0 for prompt
+        lookup). replay: (the request's decode position, block size) where a rejected draft
+        rewinds to a block boundary. explore: a drafter whose proposals are always full length
+        (MTP) runs none until rounds without drafts are timed, so two row counts get measured."""
         top = min(self.max_depth, available)
         curve = self.cost.curve(sequences) if top > 0 else None
         if curve is None:
             serial_rounds = len(self.cost._rounds.get((sequences, rows), ()))
             return 0 if explore and serial_rounds < MIN_ROUNDS else top
         serial = curve(rows)
-        p, expected, term = acceptance.p, 1.0, 1.0
+        expected = reach = 1.0  # tokens expected; the chance every draft so far is accepted
+        replays = 0.0           # expected seconds of rows computed again after a miss
         best_depth, best = 0, 1.0 + MARGIN
         for d in range(1, top + 1):
-            term *= p
-            expected += term
-            seconds = curve(rows + d) + (d - 1) * draft_step_seconds
+            p = acceptance.p_at(d - 1)
+            if replay is not None:
+                position, block_size = replay
+                again = (position + d) % block_size  # kept rows past the boundary when draft d misses
+                replays += reach * (1.0 - p) * (curve(rows + again) - serial)
+            reach *= p
+            expected += reach
+            seconds = curve(rows + d) + first_draft_seconds + (d - 1) * draft_step_seconds + replays
             ratio = expected * serial / seconds if seconds > 0 else float("inf")
             if ratio > best:
                 best_depth, best = d, ratio
         return best_depth
+
+    def worth_probing(self, sequences: int, rows: int, first_draft_seconds: float,
+                      draft_step_seconds: float) -> bool:
+        """Whether drafts could pay at all here (were every one accepted): probing is useless
+        where even that loses."""
+        return self.depth(Acceptance(1.0, 0.0), sequences, rows, self.max_depth, draft_step_seconds,
+                          first_draft_seconds=first_draft_seconds) > 0
+
+    def probe_due(self) -> bool:
+        """Count a round without drafts; whether this one should probe."""
+        self.idle_rounds += 1
+        return self.idle_rounds >= self.probe_interval
+
+    def probed(self) -> None:
+        self.idle_rounds = 0

@@ -86,8 +86,11 @@ class Engine:
                                                    config.decode_share), self.pool, self.book)
         self.drafter = PromptLookupDrafter()
         # The MTP layer's drafter (engine/mtp_drafter.py); None: prompt lookup drafts.
-        self.mtp_drafter = MTPDrafter(self.runner.mtp, self.book) if self.drafter_name == "mtp" else None
-        self.budget = DraftBudget(self.max_draft)
+        # The draft budget: a drafter that pays for its proposals (MTP) starts new requests from
+        # the drafter-wide record and probes while nobody drafts (engine/draft_budget.py).
+        self.budget = DraftBudget(self.max_draft, shared_prior=self.drafter_name == "mtp")
+        self.mtp_drafter = (MTPDrafter(self.runner.mtp, self.book, self.budget) if self.drafter_name == "mtp"
+                            else None)
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, ReplyText] = {}
         self._drafts: dict[str, DraftState] = {}
@@ -130,7 +133,7 @@ class Engine:
         self.requests[req_id] = req
         self._texts[req_id] = ReplyText(self.tokenizer.detokenizer(prompt_ids), params.stop)
         self._drafts[req_id] = DraftState()
-        self._acceptance[req_id] = Acceptance()
+        self._acceptance[req_id] = self.budget.acceptance()
         return req_id
 
     def abort(self, req_id: str) -> None:
@@ -180,6 +183,8 @@ class Engine:
         started = time.perf_counter()
         drawn = self.runner.execute(plan)
         elapsed = time.perf_counter() - started
+        if self.mtp_drafter is not None:
+            self.mtp_drafter.round_started(plan, self.requests)
         self.scheduler.round_done(plan, elapsed)
         if not any(s.rows_prefill for s in plan.requests):
             self.budget.cost.observe(len(plan.requests), plan.num_tokens, elapsed)
@@ -208,15 +213,18 @@ class Engine:
             if req.num_computed_tokens == req.num_tokens - 1:
                 decoding.append(req)
         rows = len(decoding)  # one row each, before drafts
-        mtp_wanted = []  # (request, depth): the MTP layer drafts after the depths are chosen
+        mtp_wanted, mtp_idle = [], []  # (request, depth >= 1); requests running none
         for req in decoding:
             if not (self.config.drafting and req.params.draft and req.output_ids):
                 continue
             # Leave room for the correction/bonus draw inside max_tokens.
             limit = min(self.max_draft, req.max_tokens - len(req.output_ids) - 1)
-            if self.mtp_drafter is not None:
+            if self.mtp_drafter is not None:  # the MTP layer drafts once the depths are chosen
                 depth = self._depth(req, len(decoding), rows, limit)
-                mtp_wanted.append((req, depth))
+                if depth:
+                    mtp_wanted.append((req, depth))
+                elif limit > 0:
+                    mtp_idle.append(req)
                 rows += depth
                 continue
             tokens = req.prompt_ids + req.output_ids
@@ -226,16 +234,27 @@ class Engine:
                 self._acceptance[req.req_id].watch(drafts)
             req.draft_ids = drafts[:depth]
             rows += len(req.draft_ids)
-        if mtp_wanted:
-            started = time.perf_counter()
-            proposals = self.mtp_drafter.propose(mtp_wanted)
-            chained = max(depth for _, depth in mtp_wanted) - 1  # MTP forwards past the catch-up's
-            if chained > 0:
-                self.budget.observe_drafting(len(mtp_wanted), (time.perf_counter() - started) / chained)
-            for req, depth in mtp_wanted:
-                drafts = self._allowed(req, proposals.get(req.req_id, []))
-                if depth == 0:
-                    self._acceptance[req.req_id].watch(drafts)
+        if self.mtp_drafter is not None:
+            self._draft_mtp(mtp_wanted, mtp_idle, len(decoding), rows)
+
+    def _draft_mtp(self, wanted: list[tuple[Request, int]], idle: list[Request], sequences: int, rows: int) -> None:
+        """The MTP layer's drafts for the requests that run some; while none does, a probe now
+        and then (the draft budget's): one request's first draft, drawn but not run, scored as
+        a shadow against the token its reply takes."""
+        probe = None
+        if not wanted and idle and self.config.draft_budget and self.budget.probe_due():
+            probe = max(idle, key=lambda r: self._acceptance[r.req_id].p_at(0))
+            if self.budget.worth_probing(sequences, rows, *self._mtp_costs(probe, sequences)):
+                wanted = [(probe, 1)]
+                self.budget.probed()
+        if not wanted:
+            return
+        proposals = self.mtp_drafter.propose(wanted)
+        for req, depth in wanted:
+            drafts = self._allowed(req, proposals.get(req.req_id, []))
+            if req is probe:
+                self._acceptance[req.req_id].watch(drafts, probing=True)
+            else:
                 req.draft_ids = drafts[:depth]
 
     def _allowed(self, req: Request, drafts: list[int]) -> list[int]:
@@ -249,9 +268,18 @@ class Engine:
         """How many of `available` drafts the request runs: the draft budget's choice, else all."""
         if not self.config.draft_budget:
             return available
-        mtp = self.mtp_drafter is not None
-        return self.budget.depth(self._acceptance[req.req_id], sequences, rows, available,
-                                 self.budget.drafting_seconds(sequences) if mtp else 0.0, explore=mtp)
+        replay = (req.num_computed_tokens, self.pool.block_size) if self.book.resume_at_blocks else None
+        if self.mtp_drafter is None:
+            return self.budget.depth(self._acceptance[req.req_id], sequences, rows, available, replay=replay)
+        first, step = self._mtp_costs(req, sequences)
+        return self.budget.depth(self._acceptance[req.req_id], sequences, rows, available, step, explore=True,
+                                 first_draft_seconds=first, replay=replay)
+
+    def _mtp_costs(self, req: Request, sequences: int) -> tuple[float, float]:
+        """Seconds of req's first MTP draft (the pass catching up its lagging rows) and of each
+        further one, as the draft budget has timed them."""
+        return (self.budget.catch_up_seconds(sequences, max(1, self.mtp_drafter.lag(req))),
+                self.budget.drafting_seconds(sequences))
 
     def _attach_masks(self, plan) -> None:
         """The round's allowed-token bitmask (sampling/bitmask.py): each drawing row of a
@@ -313,8 +341,8 @@ class Engine:
         req.stats.accepted += accepted
         req.stats.count_positions(len(drafts), accepted)
         acceptance = self._acceptance[req.req_id]
-        acceptance.record(len(drafts), accepted)
-        acceptance.appended(live[:accepted + 1])
+        self.budget.record(acceptance, len(drafts), accepted)
+        self.budget.appended(acceptance, live[:accepted + 1])
         if req.stats.first_token_s is None:
             req.stats.first_token_s = time.perf_counter()
         return self._append(req, live[:accepted + 1])
@@ -359,6 +387,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        if self.mtp_drafter is not None:  # its blocks go to the prefix cache with the MTP K/V written
+            self.mtp_drafter.finishing(req)
         self.scheduler.finish(req)
         self._texts.pop(req.req_id, None)
         self._drafts.pop(req.req_id, None)

@@ -71,6 +71,9 @@ class Request:
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     images: tuple[ImageSpan, ...] = ()  # the prompt's images (vision/placement.py), in order
+    # The prefix cache hashes no block past this many positions (None: every computed one): the MTP
+    # drafter's K/V lags behind while the request does not draft (engine/mtp_drafter.py).
+    num_hashable_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
