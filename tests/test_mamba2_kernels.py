@@ -160,7 +160,7 @@ def test_mamba2_clamped_time_steps_and_extreme_gates(draw, threads):
         batch = make_batch(spans, tables)
         xbc, dt = make_rows(draw, lay, 14, torch.float32)
         dt[:, 0] = torch.tensor([30.0, -30.0, 100.0, 25.0, 19.5, 20.0, -100.0] * 2)
-        dt[:, 1] = torch.tensor([1e4, -1e4] * 7)
+        dt[:, 1] = torch.tensor([-1e4, 1e4] * 7)  # the first rows from zeros: h stays 0 (exponent -127)
         xbc[::3] *= 100.0
         xbc[4] = 0.0
         state = make_state(draw, lay, num_blocks, bs)

@@ -9,8 +9,10 @@
 //     (mamba2.ssm_step):
 //       x_dt = x dt;  h = h decay;  h = h + B x_dt^T;  y = grid_dot(h, C);  out = y + x D.
 // grid_dot is exact: each column of h and C as integers on their own 22-bit grids, the products
-// (< 2^44) and their sums (state_size <= 256: < 2^52) exact in float64, one rounding to float32 at
-// the end, so no order of the sum, lane width or thread count changes a bit. A column of h never
+// (< 2^44) and their sums (state_size <= 256: < 2^52) exact, one rounding to float32 at the end, so
+// no order of the sum, lane width or thread count changes a bit, and neither does the arithmetic
+// that carries it: int64 under AVX-512 where the columns' scales are normal float32 numbers
+// (int_dot16), float64 elsewhere (read_out_f64), the same integers either way. A column of h never
 // reads another column, so the columns split into work items, each running its rows in order.
 //
 // The state: the slots the batch names (ForwardBatch.state_slots), as delta_net.cpp reads them:
@@ -34,6 +36,10 @@
 #include "exact.h"
 #include "mamba2.h"
 #include "vec16.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // The lanes' vectors never cross a translation unit (this file's functions only), so the ABI note
 // GCC gives for wide vectors in builds without the matching ISA does not apply.
@@ -167,6 +173,55 @@ struct Rows {
   const float* const* start;
 };
 
+// grid_dot's integer sums for G columns of the state S [N, G]: sums[j] = sum_i round_even(S[i][j]
+// scale[j]) c_int[i], in float64 (integers below 2^53: exact in any order). Accumulators of at most
+// eight doubles (one AVX-512 register: GCC keeps a wider vector in memory, and the add chain then
+// waits on a store each step).
+template <int G>
+inline void read_out_f64(const float* S, int64_t N, const double* scale, const double* c_int, double* sums) {
+  constexpr int W = G >= 8 ? 8 : G, A = G / W;
+  using HF = typename Lanes<W>::F;
+  using HD = typename Lanes<W>::D;
+  HD sv[A], acc[A];
+  for (int a = 0; a < A; ++a) {
+    sv[a] = load<HD>(scale + a * W);
+    acc[a] = HD{} + 0.0;
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    const double ci = c_int[i];
+    for (int a = 0; a < A; ++a) {
+      const HD on_grid = (Lanes<W>::widen(load<HF>(S + i * G + a * W)) * sv[a] + ROUND_MAGIC) - ROUND_MAGIC;
+      acc[a] = acc[a] + on_grid * ci;
+    }
+  }
+  for (int a = 0; a < A; ++a) store(sums + a * W, acc[a]);
+}
+
+#if defined(__AVX512F__)
+// The same sums for sixteen columns in int64, where every column's scale is a normal float32
+// (scale_f; delta_net.cpp's dots_int): x scale is then exact in float32 (a power of two; a product
+// below 2^-126 rounds to 0 either way), |x scale| < 2^22, and the conversion to int32 rounds to
+// nearest even (MXCSR's default) as round_even does; the products (< 2^44) and sums (< 2^52) are
+// exact in int64, the even and odd columns summed apart (vpmuldq reads each 64-bit lane's low half).
+inline void int_dot16(const float* S, int64_t N, const float* scale_f, const double* c_int, double* sums) {
+  const __m512 sv = _mm512_loadu_ps(scale_f);
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  for (int64_t i = 0; i < N; ++i) {
+    const __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(S + i * 16), sv));
+    const __m512i ci = _mm512_set1_epi32(static_cast<int32_t>(c_int[i]));
+    even = _mm512_add_epi64(even, _mm512_mul_epi32(xi, ci));
+    odd = _mm512_add_epi64(odd, _mm512_mul_epi32(_mm512_srli_epi64(xi, 32), ci));
+  }
+  int64_t e[8], o[8];
+  _mm512_storeu_si512(e, even);
+  _mm512_storeu_si512(o, odd);
+  for (int l = 0; l < 8; ++l) {
+    sums[2 * l] = static_cast<double>(e[l]);
+    sums[2 * l + 1] = static_cast<double>(o[l]);
+  }
+}
+#endif
+
 // Columns [j0, j0 + G) of (sequence s, head h): the recurrence over the sequence's rows. S: the
 // item's running state [N, G].
 template <int G>
@@ -209,31 +264,24 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
     store(tops, top);
     const int e_c = rw.e_c[r * c.groups + g];
     const double c_unit = pow2(e_c - STATE_BITS + 1);
+    float scale_f[G];
+    bool normal = true;  // every column's scale a normal float32 (int_dot16's condition)
     for (int j = 0; j < G; ++j) {
       const int e = exponent(f32_from_bits(tops[j]));
       scale[j] = pow2(STATE_BITS - 1 - e);
       unit[j] = pow2(e - STATE_BITS + 1) * c_unit;
-    }
-    // The sums in accumulators of at most eight doubles (one AVX-512 register: GCC keeps a wider
-    // vector in memory, and the add chain then waits on a store each step).
-    constexpr int W = G >= 8 ? 8 : G, A = G / W;
-    using HF = typename Lanes<W>::F;
-    using HD = typename Lanes<W>::D;
-    HD sv[A], acc[A];
-    for (int a = 0; a < A; ++a) {
-      sv[a] = load<HD>(scale + a * W);
-      acc[a] = HD{} + 0.0;
+      normal = normal && e >= -106 && e <= 127;
+      scale_f[j] = normal ? pow2f(STATE_BITS - 1 - e) : 0.0f;
     }
     const double* c_int = rw.c_int + (r * c.groups + g) * N;
-    for (int64_t i = 0; i < N; ++i) {
-      const double ci = c_int[i];
-      for (int a = 0; a < A; ++a) {
-        const HD on_grid = (Lanes<W>::widen(load<HF>(S + i * G + a * W)) * sv[a] + ROUND_MAGIC) - ROUND_MAGIC;
-        acc[a] = acc[a] + on_grid * ci;
-      }
-    }
     double sums[G];
-    for (int a = 0; a < A; ++a) store(sums + a * W, acc[a]);
+#if defined(__AVX512F__)
+    if constexpr (G == 16) {
+      if (normal) int_dot16(S, N, scale_f, c_int, sums);
+    }
+    if (G != 16 || !normal)
+#endif
+    read_out_f64<G>(S, N, scale, c_int, sums);
     float* o = c.out + (r * H + h) * P + j0;
     for (int j = 0; j < G; ++j) {
       const float y = static_cast<float>(sums[j] * unit[j]);
