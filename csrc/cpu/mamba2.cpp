@@ -11,7 +11,7 @@
 // grid_dot is exact: each column of h and C as integers on their own 22-bit grids, the products
 // (< 2^44) and their sums (state_size <= 256: < 2^52) exact, one rounding to float32 at the end, so
 // no order of the sum, lane width or thread count changes a bit, and neither does the arithmetic
-// that carries it: int64 under AVX-512 where the columns' scales are normal float32 numbers
+// that carries it: int64 under AVX-512 and AVX2 where the columns' scales are normal float32 numbers
 // (int_dot16), float64 elsewhere (read_out_f64), the same integers either way. A column of h never
 // reads another column, so the columns split into work items, each running its rows in order.
 //
@@ -37,7 +37,7 @@
 #include "mamba2.h"
 #include "vec16.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -197,12 +197,14 @@ inline void read_out_f64(const float* S, int64_t N, const double* scale, const d
   for (int a = 0; a < A; ++a) store(sums + a * W, acc[a]);
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define TF_MAMBA2_INT_DOTS 1
 // The same sums for sixteen columns in int64, where every column's scale is a normal float32
 // (scale_f; delta_net.cpp's dots_int): x scale is then exact in float32 (a power of two; a product
 // below 2^-126 rounds to 0 either way), |x scale| < 2^22, and the conversion to int32 rounds to
 // nearest even (MXCSR's default) as round_even does; the products (< 2^44) and sums (< 2^52) are
 // exact in int64, the even and odd columns summed apart (vpmuldq reads each 64-bit lane's low half).
+#if defined(__AVX512F__)
 inline void int_dot16(const float* S, int64_t N, const float* scale_f, const double* c_int, double* sums) {
   const __m512 sv = _mm512_loadu_ps(scale_f);
   __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
@@ -220,6 +222,30 @@ inline void int_dot16(const float* S, int64_t N, const float* scale_f, const dou
     sums[2 * l + 1] = static_cast<double>(o[l]);
   }
 }
+#else  // AVX2: the sixteen columns as two registers of eight
+inline void int_dot16(const float* S, int64_t N, const float* scale_f, const double* c_int, double* sums) {
+  const __m256 lo = _mm256_loadu_ps(scale_f), hi = _mm256_loadu_ps(scale_f + 8);
+  __m256i even_lo = _mm256_setzero_si256(), odd_lo = even_lo, even_hi = even_lo, odd_hi = even_lo;
+  for (int64_t i = 0; i < N; ++i) {
+    const __m256i ci = _mm256_set1_epi32(static_cast<int32_t>(c_int[i]));
+    const __m256i xl = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(S + i * 16), lo));
+    const __m256i xh = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(S + i * 16 + 8), hi));
+    even_lo = _mm256_add_epi64(even_lo, _mm256_mul_epi32(xl, ci));
+    odd_lo = _mm256_add_epi64(odd_lo, _mm256_mul_epi32(_mm256_srli_epi64(xl, 32), ci));
+    even_hi = _mm256_add_epi64(even_hi, _mm256_mul_epi32(xh, ci));
+    odd_hi = _mm256_add_epi64(odd_hi, _mm256_mul_epi32(_mm256_srli_epi64(xh, 32), ci));
+  }
+  int64_t e[8], o[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(e), even_lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + 4), even_hi);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), odd_lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 4), odd_hi);
+  for (int l = 0; l < 8; ++l) {
+    sums[2 * l] = static_cast<double>(e[l]);
+    sums[2 * l + 1] = static_cast<double>(o[l]);
+  }
+}
+#endif
 #endif
 
 // Columns [j0, j0 + G) of (sequence s, head h): the recurrence over the sequence's rows. S: the
@@ -275,7 +301,7 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
     }
     const double* c_int = rw.c_int + (r * c.groups + g) * N;
     double sums[G];
-#if defined(__AVX512F__)
+#if defined(TF_MAMBA2_INT_DOTS)
     if constexpr (G == 16) {
       if (normal) int_dot16(S, N, scale_f, c_int, sums);
     }
