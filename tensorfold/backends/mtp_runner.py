@@ -33,7 +33,7 @@ class MTPRunner:
             num = len(req.token_ids)
             held = self._held.get(req.req_id)
             if held is None:
-                held = self._held[req.req_id] = HeldRows(hidden.shape[1], hidden.dtype, hidden.device)
+                held = self._held[req.req_id] = HeldRows()
             held.put(req.start_position, hidden[row:row + num])
             row += num
 
@@ -109,34 +109,36 @@ class MTPRunner:
 
 
 class HeldRows:
-    """One request's target hidden states for a contiguous run of positions [first, end), in a
-    buffer that grows by doubling. Rows put from inside the run (or at its end) replace the run
-    from there on (rejected drafts' rows, a recurrent rewind's recomputed ones); rows from
-    elsewhere start a new run (a preempted request recomputing)."""
+    """One request's target hidden states for a contiguous run of positions [first, end): the
+    forward's own rows (views, no copy: a decode round adds one), joined when read. Rows put from
+    inside the run (or at its end) replace the run from there on (rejected drafts' rows, a
+    recurrent rewind's recomputed ones); rows from elsewhere start a new run (a preempted
+    request recomputing)."""
 
-    def __init__(self, width: int, dtype, device):
-        self.buffer = torch.empty(16, width, dtype=dtype, device=device)  # [capacity, hidden]
+    def __init__(self):
+        self.runs: list[torch.Tensor] = []  # each [rows, hidden], in position order
         self.first = self.end = 0
 
     def put(self, position: int, rows: torch.Tensor) -> None:
-        if not self.first <= position <= self.end:
-            self.first = self.end = position
-        offset = position - self.first
-        if offset + len(rows) > len(self.buffer):
-            grown = torch.empty(2 * (offset + len(rows)), self.buffer.shape[1], dtype=self.buffer.dtype,
-                                device=self.buffer.device)
-            grown[:offset] = self.buffer[:offset]
-            self.buffer = grown
-        self.buffer[offset:offset + len(rows)] = rows
+        if position != self.end:
+            if self.first <= position < self.end:
+                self.runs = [self._joined()[:position - self.first]]
+            else:
+                self.first, self.runs = position, []
+        self.runs.append(rows)
         self.end = position + len(rows)
 
     def rows(self, position: int, num: int) -> torch.Tensor:
         assert self.first <= position and position + num <= self.end, (position, num, self.first, self.end)
-        return self.buffer[position - self.first:position - self.first + num]  # [num, hidden]
+        return self._joined()[position - self.first:position - self.first + num]  # [num, hidden]
 
     def drop_before(self, position: int) -> None:
         """Let the rows before `position` go (after the MTP layer read them)."""
         position = min(max(position, self.first), self.end)
-        num = self.end - position
-        self.buffer[:num] = self.buffer[position - self.first:self.end - self.first].clone()
+        self.runs = [self._joined()[position - self.first:].clone()]
         self.first = position
+
+    def _joined(self) -> torch.Tensor:
+        if len(self.runs) > 1:
+            self.runs = [torch.cat(self.runs)]
+        return self.runs[0]

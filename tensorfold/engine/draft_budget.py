@@ -9,10 +9,12 @@ of round, from what the engine measures as it serves. One rule, no tensors.
   the drafts before it were, counted with decay from its verified drafts and from proposals it
   did not run ("shadow" proposals, checked against the tokens the reply then took); a position
   without evidence of its own takes the request's pooled rate.
-- Drafting's own cost, where a model drafts (MTP): the catch-up pass that brings the MTP layer's
-  K/V up to the request's computed positions (it lags while the request does not draft; the
-  resume pass runs all the missing rows at once and draws the first draft), timed by stale rows,
-  and each further chained draft step.
+- Drafting's own cost, where a model drafts (MTP): a pass of the MTP layer per draft, the first
+  one the catch-up pass that brings its K/V up to the request's computed positions (it lags
+  while the request does not draft) and draws the first draft, each further one a chained step;
+  the fastest recent pass of as many sequences, each request paying its share. The lagging rows
+  themselves are not charged to drafting: they are caught up at the request's end (or its next
+  prompt chunk) if not now, so a resume moves their cost, it does not add it.
 - Replays: on a model whose recurrent state resumes only at block boundaries, a rejected draft
   sends the request back to the boundary before it, and the next round computes the kept rows
   after it again; their cost is read off the row-cost curve.
@@ -42,7 +44,7 @@ MARGIN = 0.03         # expected gain a draft must promise over serial decoding
 DECAY = 0.9           # weight of older acceptance evidence per verified or shadow run
 PRIOR = (1.0, 1.0)    # (accepted, rejected) pseudo-counts: p starts at 1/2
 PROBE_FIRST = 4       # rounds without drafts before the first probe
-PROBE_MAX = 64        # the longest wait between probes (a probe costs about a third of a round)
+PROBE_MAX = 128       # the longest wait between probes (one costs about half a round on the tiny model)
 
 
 class RowCost:
@@ -52,13 +54,23 @@ class RowCost:
 
     def __init__(self):
         self._rounds: dict[tuple[int, int], deque] = {}
+        self._curves: dict[int, object] = {}  # sequences -> curve, until the next observation
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
-        self._rounds.setdefault((sequences, rows), deque(maxlen=COST_WINDOW)).append(seconds)
+        times = self._rounds.setdefault((sequences, rows), deque(maxlen=COST_WINDOW))
+        fastest = min(times) if len(times) >= MIN_ROUNDS else None
+        times.append(seconds)
+        if len(times) < MIN_ROUNDS or min(times) != fastest:  # else the curve stands
+            self._curves.pop(sequences, None)
 
     def curve(self, sequences: int):
         """t(rows) for rounds of `sequences` sequences, or None while fewer than two row counts
         of them are known: linear between the known counts, the last two counts' slope past them."""
+        if sequences not in self._curves:
+            self._curves[sequences] = self._curve(sequences)
+        return self._curves[sequences]
+
+    def _curve(self, sequences: int):
         known = sorted((r, min(times)) for (n, r), times in self._rounds.items()
                        if n == sequences and len(times) >= MIN_ROUNDS)
         if len(known) < 2:
@@ -154,8 +166,7 @@ class DraftBudget:
         self.history = Acceptance()     # every request's evidence, decayed
         self.probe_interval = PROBE_FIRST
         self.idle_rounds = 0            # rounds since anyone ran or probed a draft
-        self._draft_steps: dict[int, deque] = {}  # sequences drafting -> seconds of one chained step
-        self._catch_ups = RowCost()     # (1, stale rows) -> one request's share of a catch-up pass
+        self._draft_steps: dict[int, deque] = {}  # sequences drafting -> seconds of one drafting pass
 
     # -- acceptance -------------------------------------------------------------------------
 
@@ -186,30 +197,14 @@ class DraftBudget:
     # -- what drafting costs ----------------------------------------------------------------
 
     def observe_drafting(self, sequences: int, seconds_per_step: float) -> None:
+        """A drafting pass (a catch-up that draws, or a chained step) over `sequences` requests."""
         self._draft_steps.setdefault(sequences, deque(maxlen=COST_WINDOW)).append(seconds_per_step)
 
-    def observe_catch_up(self, sequences: int, rows: int, seconds: float) -> None:
-        """A catch-up pass over `rows` stale rows of `sequences` requests (each drawing a draft)."""
-        self._catch_ups.observe(1, max(1, round(rows / sequences)), seconds / sequences)
-
     def drafting_seconds(self, sequences: int) -> float:
-        """One request's share of a chained draft step among `sequences` drafting sequences (the
-        fastest recent step of that many, else of any count; 0 until one is timed)."""
+        """One request's share of a drafting pass among `sequences` drafting sequences (the
+        fastest recent pass of that many, else of any count; 0 until one is timed)."""
         times = self._draft_steps.get(sequences) or min(self._draft_steps.values(), key=min, default=None)
         return min(times) / max(sequences, 1) if times else 0.0
-
-    def catch_up_seconds(self, sequences: int, stale: int) -> float:
-        """One request's share of the pass that catches up `stale` rows and draws its first
-        draft: read by stale rows where two counts are timed, else the fastest pass of the
-        nearest count timed, else a chained step (the same forward over one row)."""
-        seconds = self._catch_ups.seconds(1, max(stale, 1))
-        if seconds is not None:
-            return seconds
-        timed = self._catch_ups._rounds
-        if not timed:
-            return self.drafting_seconds(sequences)
-        nearest = min(timed, key=lambda key: (abs(key[1] - stale), key[1]))
-        return min(timed[nearest])
 
     # -- the choice -------------------------------------------------------------------------
 

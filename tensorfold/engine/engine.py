@@ -244,7 +244,8 @@ class Engine:
         probe = None
         if not wanted and idle and self.config.draft_budget and self.budget.probe_due():
             probe = max(idle, key=lambda r: self._acceptance[r.req_id].p_at(0))
-            if self.budget.worth_probing(sequences, rows, *self._mtp_costs(probe, sequences)):
+            step = self.budget.drafting_seconds(sequences)
+            if self.budget.worth_probing(sequences, rows, step, step):
                 wanted = [(probe, 1)]
                 self.budget.probed()
         if not wanted:
@@ -271,15 +272,9 @@ class Engine:
         replay = (req.num_computed_tokens, self.pool.block_size) if self.book.resume_at_blocks else None
         if self.mtp_drafter is None:
             return self.budget.depth(self._acceptance[req.req_id], sequences, rows, available, replay=replay)
-        first, step = self._mtp_costs(req, sequences)
+        step = self.budget.drafting_seconds(sequences)  # each MTP draft a pass, the first its catch-up
         return self.budget.depth(self._acceptance[req.req_id], sequences, rows, available, step, explore=True,
-                                 first_draft_seconds=first, replay=replay)
-
-    def _mtp_costs(self, req: Request, sequences: int) -> tuple[float, float]:
-        """Seconds of req's first MTP draft (the pass catching up its lagging rows) and of each
-        further one, as the draft budget has timed them."""
-        return (self.budget.catch_up_seconds(sequences, max(1, self.mtp_drafter.lag(req))),
-                self.budget.drafting_seconds(sequences))
+                                 first_draft_seconds=step, replay=replay)
 
     def _attach_masks(self, plan) -> None:
         """The round's allowed-token bitmask (sampling/bitmask.py): each drawing row of a

@@ -101,8 +101,7 @@ class MTPDrafter:
         started = time.perf_counter()
         self._catch_up(asks)
         if asks:
-            self.budget.observe_catch_up(len(asks), sum(len(a.token_ids) for a in asks),
-                                         time.perf_counter() - started)
+            self.budget.observe_drafting(len(asks), time.perf_counter() - started)
         started = time.perf_counter()
         proposals = self.mtp.draft(chains)
         chained = max((c.num_drafts for c in chains), default=1) - 1  # MTP forwards past the catch-up's
