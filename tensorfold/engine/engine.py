@@ -176,6 +176,7 @@ class Engine:
             self._cache_generation = self.backend.cache_generation
             self.book.forget_cached()
         self._propose_drafts()
+        round_started = time.perf_counter()  # the draft budget's round: scheduling through acceptance
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -186,8 +187,6 @@ class Engine:
         if self.mtp_drafter is not None:
             self.mtp_drafter.round_started(plan, self.requests)
         self.scheduler.round_done(plan, elapsed)
-        if not any(s.rows_prefill for s in plan.requests):
-            self.budget.cost.observe(len(plan.requests), plan.num_tokens, elapsed)
         outputs, scheduled_reqs = [], {}
         for scheduled, draws in zip(plan.requests, drawn):
             req = scheduled_reqs[scheduled.req_id] = self.requests[scheduled.req_id]
@@ -200,6 +199,8 @@ class Engine:
                 self.scheduler.commit(req)
             if out is not None:
                 outputs.append(out)
+        if not any(s.rows_prefill for s in plan.requests):  # a round's own work, a draft row's or not
+            self.budget.cost.observe(len(plan.requests), plan.num_tokens, time.perf_counter() - round_started)
         if self.mtp_drafter is not None:
             self.mtp_drafter.round_done(plan, scheduled_reqs)
         return outputs
