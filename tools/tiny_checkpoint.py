@@ -495,7 +495,8 @@ def _gemma4_hub_config(out_dir: str) -> None:
     text = config["text_config"]
     shapes = {tuple(sorted(layer.items())) for layer in text.pop("per_layer_config").values()}
     (shape,) = shapes  # every global layer alike
-    text.update(global_head_dim=dict(shape)["head_dim"], num_global_key_value_heads=dict(shape)["num_key_value_heads"])
+    # E2B's config says null where the global layers keep the sliding layers' KV head count
+    text.update(global_head_dim=dict(shape)["head_dim"], num_global_key_value_heads=dict(shape).get("num_key_value_heads"))
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -906,6 +907,7 @@ def _write_nemotron_h_gguf(hf_dir: str, config: dict, mix: str, out_path: str | 
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(float(option(hf, "layer_norm_epsilon")))
+    writer.add_layer_norm_eps(float(option(hf, "layer_norm_epsilon")))  # the key llama.cpp's loader reads
     writer.add_vocab_size(args.vocab_size)
     num_heads, groups = int(option(hf, "mamba_num_heads")), int(option(hf, "n_groups"))
     inner = num_heads * int(option(hf, "mamba_head_dim"))

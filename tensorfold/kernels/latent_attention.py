@@ -54,9 +54,12 @@ def write_latent(cache, kv: torch.Tensor, index_keys: torch.Tensor | None, slots
 
 
 def gather(pages: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """A sequence's first `length` cached vectors [length, D] float32 from pages [NB, block_size, D]."""
+    """A sequence's first `length` cached vectors [length, D] float32 from pages [NB, block_size, D].
+    index_select, not pages[table]: the same copy, but advanced indexing runs a parallel region for
+    a block's worth of rows, which costs milliseconds a call where the threads wait on a busy CPU."""
     num_blocks = -(-length // pages.shape[1])
-    return pages[block_table[:num_blocks].to(pages.device)].reshape(-1, pages.shape[-1])[:length].float()
+    blocks = pages.index_select(0, block_table[:num_blocks].to(device=pages.device, dtype=torch.long))
+    return blocks.reshape(-1, pages.shape[-1])[:length].float()
 
 
 def latent_attention(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float,

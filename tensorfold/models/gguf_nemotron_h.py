@@ -20,7 +20,9 @@ each is read back:
                      ffn_down_exps stacked [E, out, in] -> experts.E.*_proj (a row range each),
                      ffn_up_shexp / ffn_down_shexp (shared expert), ffn_latent_down / _up
                      (fc1 / fc2_latent_proj); expert_weights_scale, _norm, group counts, latent size
-  norms              attn_norm, output_norm as they are (no offset in this family)
+  norms              attn_norm, output_norm as they are (no offset in this family); their eps from
+                     attention.layer_norm_rms_epsilon, else attention.layer_norm_epsilon (the key
+                     llama.cpp's nemotron_h loader reads)
 Blocks past block_count - nextn_predict_layers (the MTP block) are skipped.
 """
 from typing import Any
@@ -70,7 +72,7 @@ def nemotron_config(path: str, meta: dict[str, Any], arch_name: str, tensor_name
         "max_position_embeddings": key("context_length"),
         "vocab_size": key("vocab_size", None) or len(_require(path, meta, "tokenizer.ggml.tokens")),
         "intermediate_size": max(ff) if not moe else 0,
-        "layer_norm_epsilon": _f32(key("attention.layer_norm_rms_epsilon")),
+        "layer_norm_epsilon": _f32(key("attention.layer_norm_rms_epsilon", None) or key("attention.layer_norm_epsilon")),
         "mamba_num_heads": num_heads,
         "mamba_head_dim": inner // num_heads,
         "n_groups": key("ssm.group_count"),
