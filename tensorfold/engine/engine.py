@@ -244,9 +244,10 @@ class Engine:
         a shadow against the token its reply takes."""
         probe = None
         if not wanted and idle and self.config.draft_budget and self.budget.probe_due():
-            probe = max(idle, key=lambda r: self._acceptance[r.req_id].p_at(0))
+            idle = [r for r in idle if not self._acceptance[r.req_id].shadow]
+            probe = max(idle, key=lambda r: self._acceptance[r.req_id].p_at(0), default=None)
             step = self.budget.drafting_seconds(sequences)
-            if self.budget.worth_probing(sequences, rows, step, step):
+            if probe is not None and self.budget.worth_probing(sequences, rows, step, step):
                 wanted = [(probe, 1)]
                 self.budget.probed()
         if not wanted:

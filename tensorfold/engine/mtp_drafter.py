@@ -55,12 +55,10 @@ class MTPDrafter:
     def round_started(self, plan, requests: dict[str, Request]) -> None:
         """After the forward, before acceptance: a new request (or one recomputing after a
         preemption) has its MTP K/V written up to where its round started (its prefix hit), and
-        the prefix cache takes none of its blocks past what is written."""
+        the prefix cache takes none of its blocks past what is written. (A request that never
+        drafts, "draft": false, is caught up all the same: its blocks may serve others' hits.)"""
         for scheduled in plan.requests:
             req = requests[scheduled.req_id]
-            if not req.params.draft:
-                self.mtp.forget(req.req_id)  # it never drafts: nothing to hold
-                continue
             written, preemptions = self._written.get(req.req_id, (None, req.num_preemptions))
             if written is None or preemptions != req.num_preemptions:
                 self._written[req.req_id] = (scheduled.start_position, req.num_preemptions)
@@ -124,7 +122,7 @@ class MTPDrafter:
             end = min(end, min(req.num_computed_tokens, req.num_tokens) // bs * bs)
         start = min(written, end - 1) if want_draft else written
         first, held_end = self.mtp.held(req.req_id)
-        start, end = max(start, first), min(end, held_end)
+        end = min(end, held_end)
         if end <= start:
             return []
         return [CatchUp(req.req_id, start, [req.token_at(j + 1) for j in range(start, end)], list(req.block_ids),
