@@ -499,6 +499,11 @@ def _hybrid_config(path: str, meta: dict[str, Any], arch_name: str, arch: _Arch,
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
     config.update(_rope_scaling(path, meta, arch_name))
+    sections = [int(n) for n in key("rope.dimension_sections", None) or []]  # Qwen3.5's multimodal rope
+    while sections and sections[-1] == 0:  # (t, h, w) padded to four with zeros
+        sections.pop()
+    if sections:
+        config["rope_parameters"] = {"mrope_section": sections, "mrope_interleaved": True}
     dense = key("feed_forward_length", None)
     if arch_name == "qwen35":
         config["intermediate_size"] = size("feed_forward_length")
