@@ -28,13 +28,18 @@ class MTPRunner:
 
     def keep(self, plan, hidden: torch.Tensor) -> None:
         """The last target forward's hidden states [num_rows, hidden], per scheduled request."""
-        row = 0
+        row, held_by_id, alone = 0, self._held, len(plan.requests) == 1
         for req in plan.requests:
-            num = len(req.token_ids)
-            held = self._held.get(req.req_id)
+            num, start = len(req.token_ids), req.start_position
+            rows = hidden if alone else hidden[row:row + num]  # [num, hidden]
+            held = held_by_id.get(req.req_id)
             if held is None:
-                held = self._held[req.req_id] = HeldRows()
-            held.put(req.start_position, hidden[row:row + num])
+                held = held_by_id[req.req_id] = HeldRows()
+            if start == held.end and held.runs:  # a decode round: the run grows by its rows
+                held.runs.append(rows)
+                held.end = start + num
+            else:
+                held.put(start, rows)
             row += num
 
     def held(self, req_id: str) -> tuple[int, int]:

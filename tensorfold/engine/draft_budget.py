@@ -45,6 +45,7 @@ DECAY = 0.9           # weight of older acceptance evidence per verified or shad
 PRIOR = (1.0, 1.0)    # (accepted, rejected) pseudo-counts: p starts at 1/2
 PROBE_FIRST = 4       # rounds without drafts before the first probe
 PROBE_MAX = 128       # the longest wait between probes (one costs about half a round on the tiny model)
+REST = 4              # rounds a "none" stands while no new evidence arrives (choosing costs time too)
 
 
 class RowCost:
@@ -99,6 +100,8 @@ class Acceptance:
     shadow: list[int] = field(default_factory=list)
     shadow_matched: int = 0
     probing: bool = False  # the shadow is the budget's probe
+    version: int = 0       # evidence recorded so far
+    resting: tuple[int, int] = (0, -1)  # (rounds a "none" still stands, at which version)
 
     @property
     def p(self) -> float:
@@ -123,6 +126,7 @@ class Acceptance:
         """A run of `drafted` drafts of which the first `accepted` held."""
         if drafted == 0:
             return
+        self.version += 1
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
         seen = min(drafted, accepted + 1)  # positions reached: the accepted ones and the first miss
@@ -207,6 +211,21 @@ class DraftBudget:
         return min(times) / max(sequences, 1) if times else 0.0
 
     # -- the choice -------------------------------------------------------------------------
+
+    def choose(self, acceptance: Acceptance, sequences: int, rows: int, available: int, model_drafts: bool = False,
+               replay: tuple[int, int] | None = None) -> int:
+        """depth() for the engine (model_drafts: each draft is a pass of a drafting model, MTP,
+        as timed), except that a choice of none stands for REST rounds unless the request's
+        evidence changes (the costs move slowly; the choice itself is not free on a fast round)."""
+        rounds, version = acceptance.resting
+        if rounds > 0 and version == acceptance.version:
+            acceptance.resting = (rounds - 1, version)
+            return 0
+        step = self.drafting_seconds(sequences) if model_drafts else 0.0  # the first draft's pass too
+        depth = self.depth(acceptance, sequences, rows, available, step, explore=model_drafts,
+                           first_draft_seconds=step, replay=replay)
+        acceptance.resting = (REST if depth == 0 and self.cost.curve(sequences) is not None else 0, acceptance.version)
+        return depth
 
     def depth(self, acceptance: Acceptance, sequences: int, rows: int, available: int,
               draft_step_seconds: float = 0.0, explore: bool = False, first_draft_seconds: float = 0.0,

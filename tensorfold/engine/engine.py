@@ -272,11 +272,8 @@ class Engine:
         if not self.config.draft_budget:
             return available
         replay = (req.num_computed_tokens, self.pool.block_size) if self.book.resume_at_blocks else None
-        if self.mtp_drafter is None:
-            return self.budget.depth(self._acceptance[req.req_id], sequences, rows, available, replay=replay)
-        step = self.budget.drafting_seconds(sequences)  # each MTP draft a pass, the first its catch-up
-        return self.budget.depth(self._acceptance[req.req_id], sequences, rows, available, step, explore=True,
-                                 first_draft_seconds=step, replay=replay)
+        return self.budget.choose(self._acceptance[req.req_id], sequences, rows, available,
+                                  model_drafts=self.mtp_drafter is not None, replay=replay)
 
     def _attach_masks(self, plan) -> None:
         """The round's allowed-token bitmask (sampling/bitmask.py): each drawing row of a
