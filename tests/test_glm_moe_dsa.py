@@ -228,6 +228,25 @@ def test_latent_attention_is_row_invariant_and_close_to_float64():
     torch.testing.assert_close(whole.double(), p @ keys[:, :32].double(), atol=1e-5, rtol=1e-5)
 
 
+def test_exact_dots_equal_the_integer_dot_scaled_once():
+    """exact_dots scales q and the keys back onto their grids before the matmul: bit for bit the
+    integer dot scaled once by 2^(e_q + e_k - 2 bits + 2), at every float32 exponent (zero,
+    subnormal, huge vectors included)."""
+    from tensorfold.exact.grid import pow2, to_fixed
+
+    gen = torch.Generator().manual_seed(2)
+    for width in (16, 40, 576):
+        for scale_q, scale_k in ((1.0, 1.0), (1e-30, 1e30), (1e-38, 1e-38), (1e38, 1e-3)):
+            q = (torch.randn(5, 3, width, generator=gen, dtype=torch.float64) * scale_q).float()
+            keys = (torch.randn(9, width, generator=gen, dtype=torch.float64) * scale_k).float()
+            q[0, 1], keys[2], keys[3] = 0.0, 0.0, 1e-44
+            bits = kernels.dot_bits(width)
+            (q_int, q_exp), (k_int, k_exp) = to_fixed(q, bits), to_fixed(keys, bits)
+            once = (torch.matmul(q_int, k_int.T) * pow2(q_exp[..., None] + k_exp - 2 * bits + 2)).float()
+            got = kernels.exact_dots(q, keys)
+            assert torch.equal(got.view(torch.int32), once.view(torch.int32)), (width, scale_q, scale_k)
+
+
 def test_the_indexer_keeps_ties_at_the_lower_position_and_rows_alone():
     scores = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 9.0]])
     got = kernels.select_top_keys(scores, torch.tensor([5]), 3)  # 9.0 at position 6 is not seen yet

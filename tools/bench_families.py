@@ -16,7 +16,10 @@ both engines serve that one file, TensorFold its blocks as stored:
   of 256 (window 512), global layers' of 512 with proportional rope (a quarter turning), FFN 6144,
   double-wide (12288) on the KV-shared layers, per-layer inputs of 256, soft-cap 30, tied
   embeddings; E2B's 35 layers (4 sliding : 1 global, the last 20 reading the K/V of earlier
-  ones) cut to --layers (default 10: layers 0-4 own their K/V, 5-9 share it, as E2B's 0-14 / 15-34);
+  ones) cut to --layers (default 10: layers 0-4 own their K/V, 5-9 share it, as E2B's 0-14 / 15-34).
+  TensorFold's cpu kernels (rope, write_kv, the exact attention) take heads of at most 256, so E2B's
+  global heads of 512 stop it at the first round: --gemma-global-head-dim 256 measures the shape
+  with the global layers' heads at 256 (both engines on that file);
 - nemotron_h (8b): Nemotron-H 8B's layer widths: hidden 4096, Mamba2 128 heads of 64 with 8
   groups, state 128, conv 4; attention 32 heads / 8 KV heads of 128 (no rope); relu^2 MLP 21504;
   the 8B's 52-layer pattern (M-M-M-M*-...) cut to --pattern (default "M-M*-": 2 Mamba2, 2 MLP, 1
@@ -57,7 +60,7 @@ REAL = dict(initializer_range=0.02, max_position_embeddings=8192)
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
 
-def gemma4_sizes(layers: int) -> dict:
+def gemma4_sizes(layers: int, global_head_dim: int = 512) -> dict:
     """E2B's text model cut to `layers` (a multiple of 5: 4 sliding then 1 global); the last layers
     share K/V in E2B's proportion (20 of 35), leaving a whole 5-layer group that owns its K/V (so
     the last own layers are sliding then global, as llama.cpp's reuse rule expects)."""
@@ -65,7 +68,7 @@ def gemma4_sizes(layers: int) -> dict:
         raise SystemExit("--layers for gemma4: a multiple of 5, at least 10 (E2B: 35)")
     own = max(5, round(layers * 15 / 35 / 5) * 5)
     return dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=layers, num_attention_heads=8,
-                num_key_value_heads=1, head_dim=256, global_head_dim=512, num_global_key_value_heads=None,
+                num_key_value_heads=1, head_dim=256, global_head_dim=global_head_dim, num_global_key_value_heads=None,
                 attention_k_eq_v=False, sliding_window=512, hidden_size_per_layer_input=256,
                 use_double_wide_mlp=True, num_kv_shared_layers=layers - own, final_logit_softcapping=30.0,
                 layer_types=([SLIDING] * 4 + [GLOBAL]) * (layers // 5), rms_norm_eps=1e-6, **REAL)
@@ -101,7 +104,8 @@ def family_sizes(family: str, args) -> tuple[str, dict]:
     if args.shape == "tiny":
         return "tiny", dict(TINY[family])
     if family == "gemma4":
-        return f"e2b-{args.layers}", gemma4_sizes(args.layers)
+        wide = "" if args.gemma_global_head_dim == 512 else f"-g{args.gemma_global_head_dim}"
+        return f"e2b-{args.layers}{wide}", gemma4_sizes(args.layers, args.gemma_global_head_dim)
     if family == "nemotron_h":
         return f"8b-{args.pattern}", nemotron_sizes(args.pattern)
     return "glm5-small", dict(GLM_SMALL)
@@ -302,7 +306,7 @@ def worker(family: str, args) -> dict:
 
 def run_worker(family: str, mix: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", family, "--mixes", mix]
-    for flag in ("shape", "layers", "pattern", "threads", "tokens", "prefill_tokens", "repeats", "block_size",
+    for flag in ("shape", "layers", "gemma_global_head_dim", "pattern", "threads", "tokens", "prefill_tokens", "repeats", "block_size",
                  "cache_gib", "cache_dir"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--profile"] * args.profile + ["--no-peer"] * args.no_peer
@@ -362,6 +366,8 @@ def main(argv=None) -> None:
     p.add_argument("--families", default="gemma4,nemotron_h,glm_moe_dsa")
     p.add_argument("--shape", default="real", choices=["real", "tiny"], help="real: the shapes above")
     p.add_argument("--layers", type=int, default=10, help="gemma4's layers (E2B: 35)")
+    p.add_argument("--gemma-global-head-dim", type=int, default=512,
+                   help="gemma4's global layers' head size (E2B's: 512; the cpu kernels take at most 256)")
     p.add_argument("--pattern", default="M-M*-", help="nemotron_h's layer pattern (the 8B's: 52 layers)")
     p.add_argument("--mixes", default="q8_0", help="GGUF block types, comma-separated (q8_0, q4_0)")
     p.add_argument("--threads", type=int, default=2)

@@ -494,9 +494,12 @@ def _gemma4_hub_config(out_dir: str) -> None:
         config = json.load(f)
     text = config["text_config"]
     shapes = {tuple(sorted(layer.items())) for layer in text.pop("per_layer_config").values()}
-    (shape,) = shapes  # every global layer alike
+    if len(shapes) > 1:
+        raise ValueError(f"global layers of different shapes: {shapes}")
+    shape = dict(shapes.pop()) if shapes else {}  # none: transformers leaves out what equals the default
     # E2B's config says null where the global layers keep the sliding layers' KV head count
-    text.update(global_head_dim=dict(shape)["head_dim"], num_global_key_value_heads=dict(shape).get("num_key_value_heads"))
+    text.update(global_head_dim=shape.get("head_dim", text["head_dim"]),
+                num_global_key_value_heads=shape.get("num_key_value_heads"))
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -37,12 +37,19 @@ def dot_bits(width: int) -> int:
 
 
 def exact_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [R, H, D] . keys [L, D] -> [R, H, L] float32: each dot product exact (step 1), rounded once."""
+    """q [R, H, D] . keys [L, D] -> [R, H, L] float32: each dot product exact (step 1), rounded once.
+
+    Each side is scaled back by its own power of two before the matmul, not the [R, H, L] result
+    after it: a term is then q_int k_int 2^(e_q + e_k - 2 bits + 2) and a partial sum an integer
+    below 2^53 times that same power, every one a normal float64 (float32 exponents keep it
+    within 2^-310 .. 2^310), so the matmul is exact in any order and equals the integer dot
+    scaled once, bit for bit, without building the [R, H, L] powers."""
     bits = dot_bits(q.shape[-1])
     q_int, q_exp = to_fixed(q, bits)  # [R, H, D], [R, H]
     k_int, k_exp = to_fixed(keys, bits)  # [L, D], [L]
-    dots = torch.matmul(q_int, k_int.T)  # [R, H, L], integers below 2^53: exact
-    return (dots * pow2(q_exp[..., None] + k_exp - 2 * bits + 2)).float()
+    q_grid = q_int.mul_(pow2(q_exp - bits + 1).unsqueeze(-1))  # exact: q on its grid
+    k_grid = k_int.mul_(pow2(k_exp - bits + 1).unsqueeze(-1))
+    return torch.matmul(q_grid, k_grid.T).float()  # [R, H, L]
 
 
 def write_latent(cache, kv: torch.Tensor, index_keys: torch.Tensor | None, slots: torch.Tensor) -> None:
