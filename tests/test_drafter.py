@@ -155,7 +155,7 @@ def test_a_miss_that_replays_rows_costs_them():
     assert budget.depth(a, 1, 1, 3, replay=(20, 32)) == 0  # 21+ rows again after a miss
 
 
-def test_probes_back_off_while_they_miss_and_new_requests_start_from_the_record():
+def test_probes_back_off_and_new_requests_start_from_the_record():
     budget = DraftBudget(max_depth=3, shared_prior=True)
     assert budget.acceptance().p == 0.5
     waits = []
@@ -172,7 +172,9 @@ def test_probes_back_off_while_they_miss_and_new_requests_start_from_the_record(
     assert budget.acceptance().p < 0.2  # eight misses: a new request starts expecting none
     a = budget.acceptance()
     a.watch([5], probing=True)
-    budget.appended(a, [5])  # a hit: probe again soon
-    assert budget.probe_interval == PROBE_FIRST and a.p > budget.history.p - 1e-9
-    budget.record(Acceptance(), 2, 0)
-    assert budget.idle_rounds == 0
+    budget.appended(a, [5])  # a hit raises the request's p; the wait stands until drafts run again
+    assert budget.probe_interval == PROBE_MAX and a.p > budget.history.p - 1e-9
+    budget.record(a, 2, 0)
+    assert budget.idle_rounds == 0 and budget.probe_interval == PROBE_MAX
+    budget.record(a, 2, 1)  # accepted drafts ran: probe soon once they stop
+    assert budget.probe_interval == PROBE_FIRST

@@ -29,7 +29,9 @@ times MIN_ROUNDS serial rounds).
 Exploring when drafts cost something to make (MTP). A request that runs no drafts gives no
 evidence, so while nobody drafts the budget probes: every `probe_interval` rounds one request
 (the likeliest to accept) makes its first draft as a shadow (a catch-up and no verify row, so a
-miss costs no replay); a miss doubles the interval up to PROBE_MAX, a hit resets it. New
+miss costs no replay); each probe doubles the interval up to PROBE_MAX (a hit that does not
+bring drafting back, where the costs say even accepted drafts barely pay, is no reason to probe
+more), and accepted drafts that run reset it. New
 requests start from the drafter-wide record (decayed over every request's evidence) instead of
 1/2, so a server whose text the layer does not predict stays at depth 0 from a request's first
 round. Drafts never change a token (the engine keeps only drafts equal to the keyed draws):
@@ -179,7 +181,7 @@ class DraftBudget:
         return self.history.seeded() if self.shared_prior else Acceptance()
 
     def record(self, acceptance: Acceptance, drafted: int, accepted: int) -> None:
-        """A verified run of a request's drafts."""
+        """A verified run of a request's drafts (accepted ones: probing starts over)."""
         if drafted:
             acceptance.record(drafted, accepted)
             self.history.record(drafted, accepted)
@@ -188,15 +190,15 @@ class DraftBudget:
                 self.probe_interval = PROBE_FIRST
 
     def appended(self, acceptance: Acceptance, tokens: list[int]) -> None:
-        """The reply took `tokens`: a shadow proposal that settles counts as evidence (a probe's
-        outcome also sets the next probe's wait)."""
+        """The reply took `tokens`: a shadow proposal that settles counts as evidence (a settled
+        probe doubles the next one's wait)."""
         probing = acceptance.probing
         run = acceptance.appended(tokens)
         if run is None:
             return
         self.history.record(*run)
-        if probing:
-            self.probe_interval = PROBE_FIRST if run[1] else min(2 * self.probe_interval, PROBE_MAX)
+        if probing:  # a hit that brings drafting back resets the wait (record()); else it grows
+            self.probe_interval = min(2 * self.probe_interval, PROBE_MAX)
 
     # -- what drafting costs ----------------------------------------------------------------
 
