@@ -16,7 +16,8 @@ what the budget buys. The variants alternate, --repeats times, and the table sho
 of each.
 
 Table 3 (--mtp DIR, a checkpoint with an MTP layer, e.g. tools/train_mtp.py's): serial vs
-n-gram vs MTP drafting (draft budget on, and every draft run: "mtp whole"), greedy, one request
+n-gram vs MTP drafting (draft budget on, and every draft run: "mtp whole", and one draft a round
+run every round: "mtp 1 whole"), greedy, one request
 at a time, on the prompts in DIR/mtp_prompts.json (the continuations the tiny layer was trained
 on: "own") and on as many fresh random prompts ("unseen"); acceptance per draft position. Speed
 is reply tokens over wall time per request (8-token prompts: nearly all decode), since the MTP
@@ -300,7 +301,8 @@ def mtp_table(args) -> None:
     base = dict(context=1024, kv_cache_gib=0.1, dtype=args.dtype)
     variants = {"serial": EngineConfig(drafting=False, **base), "serial again": EngineConfig(drafting=False, **base),
                 "ngram": EngineConfig(drafter="ngram", **base), "mtp": EngineConfig(drafter="mtp", **base),
-                "mtp whole": EngineConfig(drafter="mtp", draft_budget=False, **base)}
+                "mtp whole": EngineConfig(drafter="mtp", draft_budget=False, **base),
+                "mtp 1 whole": EngineConfig(drafter="mtp", draft_budget=False, max_draft=1, **base)}
     # The first engine a process builds ran 5-10% slower than later ones on the machine measured
     # (a second serial engine, "serial again", shows what is left: the noise floor): a throwaway
     # one goes first (kept: its memory is not handed to the next).

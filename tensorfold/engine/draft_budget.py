@@ -21,7 +21,9 @@ of round, from what the engine measures as it serves. One rule, no tensors.
 
 A request adding d drafts to a round of R rows at position s expects 1 + p_1 + p_1 p_2 + ... tokens
 for t(R + d) + catch-up + (d - 1) draft steps + E[replay] seconds, where serial decoding gets 1
-token for t(R); it runs the d with the best ratio, and none unless that ratio beats 1 by MARGIN.
+token for t(R); it runs the d with the best ratio, and none unless that ratio beats 1 by MARGIN
+(MODEL_MARGIN where a model drafts: its pass time is a second measured cost, as noisy as the
+rows' on a busy machine, and a wrong "yes" costs a pass every round).
 Until two row counts of its round's sequence count have been seen, rows count as free: every
 proposal runs whole (which also measures them; a drafter that pays for its proposals first
 times MIN_ROUNDS serial rounds).
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 COST_WINDOW = 16      # rounds kept per row count
 MIN_ROUNDS = 3        # rounds of a size before its time is trusted
 MARGIN = 0.03         # expected gain a draft must promise over serial decoding
+MODEL_MARGIN = 0.10   # the same where each draft is a pass of a drafting model (MTP)
 DECAY = 0.9           # weight of older acceptance evidence per verified or shadow run
 PRIOR = (1.0, 1.0)    # (accepted, rejected) pseudo-counts: p starts at 1/2
 PROBE_FIRST = 4       # rounds without drafts before the first probe
@@ -225,13 +228,13 @@ class DraftBudget:
             return 0
         step = self.drafting_seconds(sequences) if model_drafts else 0.0  # the first draft's pass too
         depth = self.depth(acceptance, sequences, rows, available, step, explore=model_drafts,
-                           first_draft_seconds=step, replay=replay)
+                           first_draft_seconds=step, replay=replay, margin=MODEL_MARGIN if model_drafts else MARGIN)
         acceptance.resting = (REST if depth == 0 and self.cost.curve(sequences) is not None else 0, acceptance.version)
         return depth
 
     def depth(self, acceptance: Acceptance, sequences: int, rows: int, available: int,
               draft_step_seconds: float = 0.0, explore: bool = False, first_draft_seconds: float = 0.0,
-              replay: tuple[int, int] | None = None) -> int:
+              replay: tuple[int, int] | None = None, margin: float = MARGIN) -> int:
         """Drafts to run, out of `available` proposed, for a request in a round of `sequences`
         decoding sequences that holds `rows` rows without its drafts. first_draft_seconds /
         draft_step_seconds: what the first draft and each further one cost to make (0 for prompt
@@ -246,7 +249,7 @@ class DraftBudget:
         serial = curve(rows)
         expected = reach = 1.0  # tokens expected; the chance every draft so far is accepted
         replays = 0.0           # expected seconds of rows computed again after a miss
-        best_depth, best = 0, 1.0 + MARGIN
+        best_depth, best = 0, 1.0 + margin
         for d in range(1, top + 1):
             p = acceptance.p_at(d - 1)
             if replay is not None:
@@ -266,7 +269,7 @@ class DraftBudget:
         """Whether drafts could pay at all here (were every one accepted): probing is useless
         where even that loses."""
         return self.depth(Acceptance(1.0, 0.0), sequences, rows, self.max_depth, draft_step_seconds,
-                          first_draft_seconds=first_draft_seconds) > 0
+                          first_draft_seconds=first_draft_seconds, margin=MODEL_MARGIN) > 0
 
     def probe_due(self) -> bool:
         """Count a round without drafts; whether this one should probe."""
