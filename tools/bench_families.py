@@ -40,7 +40,8 @@ layer runs in Python, its mixer and feed-forward are timed too). The rest of a r
 embedding, the head, the draw and the engine's own Python. Each (family, mix) runs in a child
 process; before it, a second child checks that llama.cpp loads the file and evaluates a token (it
 aborts the process on a shape it cannot build), and the peer column says why where it does not.
-Targets (issue 35): decode >= 1.2x llama.cpp, prefill >= 1.0x.
+Targets (issue 35): decode >= 1.2x llama.cpp, prefill >= 1.0x. On a CPU shared with other work,
+--threads 1: with two, each parallel region waits for a descheduled thread (docs/benchmarks.md).
 """
 import argparse
 import json
@@ -306,8 +307,8 @@ def worker(family: str, args) -> dict:
 
 def run_worker(family: str, mix: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", family, "--mixes", mix]
-    for flag in ("shape", "layers", "gemma_global_head_dim", "pattern", "threads", "tokens", "prefill_tokens", "repeats", "block_size",
-                 "cache_gib", "cache_dir"):
+    for flag in ("shape", "layers", "gemma_global_head_dim", "pattern", "threads", "tokens", "prefill_tokens",
+                 "repeats", "block_size", "cache_gib", "cache_dir"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--profile"] * args.profile + ["--no-peer"] * args.no_peer
     done = subprocess.run(cmd, capture_output=True, text=True)
