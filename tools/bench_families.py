@@ -46,6 +46,7 @@ Targets (issue 35): decode >= 1.2x llama.cpp, prefill >= 1.0x. On a CPU shared w
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -113,27 +114,34 @@ def family_sizes(family: str, args) -> tuple[str, dict]:
 
 
 def checkpoint(family: str, args) -> tuple[str, str]:
-    """(the shape's name, the GGUF in args.mix), each made once in args.cache_dir."""
+    """(the shape's name, the GGUF in args.mix), each made once in args.cache_dir (the random-weight
+    directory can be deleted once its GGUFs exist; it is made again, seed 0, for a new mix)."""
     from tools.tiny_checkpoint import make_tiny_checkpoint, write_tiny_gguf
 
     name, sizes = family_sizes(family, args)
     folder = os.path.join(args.cache_dir, f"{family}-{name}")
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        print(f"making {folder} (random weights, once)", file=sys.stderr, flush=True)
-        make_tiny_checkpoint(folder + ".part", family, **sizes)
-        os.replace(folder + ".part", folder)
     gguf = os.path.join(folder, f"model-{args.mix}.gguf")
-    if not os.path.exists(gguf):
-        print(f"writing {gguf}", file=sys.stderr, flush=True)
-        if family == "gemma4":
-            from tools.gemma4_gguf import write_gemma4_gguf
-            write_gemma4_gguf(folder, args.mix, gguf + ".part")
-        elif family == "glm_moe_dsa":
-            from tools.glm_gguf import write_glm_gguf
-            write_glm_gguf(folder, args.mix, gguf + ".part")
-        else:
-            write_tiny_gguf(folder, args.mix, gguf + ".part")
-        os.replace(gguf + ".part", gguf)
+    if os.path.exists(gguf):
+        return name, gguf
+    if not os.path.exists(os.path.join(folder, "model.safetensors")):  # new, or deleted to save disk
+        print(f"making {folder} (random weights, seed 0)", file=sys.stderr, flush=True)
+        shutil.rmtree(folder + ".part", ignore_errors=True)
+        make_tiny_checkpoint(folder + ".part", family, **sizes)
+        for kept in os.listdir(folder) if os.path.isdir(folder) else []:
+            if kept.endswith(".gguf"):  # files written before from the same seed's weights
+                os.replace(os.path.join(folder, kept), os.path.join(folder + ".part", kept))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(folder + ".part", folder)
+    print(f"writing {gguf}", file=sys.stderr, flush=True)
+    if family == "gemma4":
+        from tools.gemma4_gguf import write_gemma4_gguf
+        write_gemma4_gguf(folder, args.mix, gguf + ".part")
+    elif family == "glm_moe_dsa":
+        from tools.glm_gguf import write_glm_gguf
+        write_glm_gguf(folder, args.mix, gguf + ".part")
+    else:
+        write_tiny_gguf(folder, args.mix, gguf + ".part")
+    os.replace(gguf + ".part", gguf)
     return name, gguf
 
 
