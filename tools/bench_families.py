@@ -322,7 +322,9 @@ def run_worker(family: str, mix: str, args) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
-        return {"family": family, "mix": mix, "error": f"worker exit {done.returncode}"}
+        said = [line for line in done.stderr.splitlines() if "Error" in line.split(":")[0]]
+        return {"family": family, "mix": mix,
+                "error": f"worker exit {done.returncode}" + (f": {said[-1].strip()[:160]}" if said else "")}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
