@@ -247,9 +247,9 @@ class Engine:
             idle = [r for r in idle if not self._acceptance[r.req_id].shadow]
             probe = max(idle, key=lambda r: self._acceptance[r.req_id].p_at(0), default=None)
             step = self.budget.drafting_seconds(sequences)
+            self.budget.probed()  # due again after the wait, whether or not this one runs
             if probe is not None and self.budget.worth_probing(sequences, rows, step, step):
                 wanted = [(probe, 1)]
-                self.budget.probed()
         if not wanted:
             return
         proposals = self.mtp_drafter.propose(wanted)
