@@ -188,3 +188,16 @@ def test_a_missing_tensor_is_a_startup_error_naming_it(gemma):
     del ckpt.tensors[name]
     with pytest.raises(CheckpointError, match="layers.3.layer_scalar"):
         build_model(ckpt, torch.float32, cpu_ops)
+
+
+def test_heads_wider_than_the_native_kernels_are_a_startup_error(tmp_path, smollm2_tokenizer):
+    """Released Gemma 4 checkpoints have global heads of 512; the native kernels take 256: the
+    load says so, naming the width and the way out, instead of failing in the first round."""
+    from tensorfold.backends import native_problem
+    from tensorfold.engine.engine import Engine, EngineConfig
+    from tools.tiny_checkpoint import make_tiny_checkpoint
+    if native_problem():
+        pytest.skip(native_problem())
+    model = make_tiny_checkpoint(str(tmp_path), "gemma4", tokenizer=smollm2_tokenizer, global_head_dim=512)
+    with pytest.raises(CheckpointError, match="attention heads of 512 dims: the native-.* kernels take at most 256"):
+        Engine(model, EngineConfig())

@@ -30,6 +30,7 @@ NAME = f"native-{_cpu.isa()}"
 # The KV cache keeps a record of its V rows' exponents (LayerKV.v_exp), which write_kv fills and
 # the attention reads: its first pass (the maxima) then reads K alone, not K and V.
 V_EXPONENT_RECORD = True
+MAX_HEAD_DIM = 256  # the C++ rope, K/V write and attention take heads up to this width
 
 
 @dataclass(frozen=True)

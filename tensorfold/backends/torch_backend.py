@@ -9,6 +9,7 @@ from tensorfold.backends.base import Allocation, BlockGroup, Loaded
 from tensorfold.backends.probes import narrowed, probe_ops
 from tensorfold.backends.runner import ModelRunner
 from tensorfold.models.cache import ModelCache, group_blocks
+from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.loader import build_model, load_checkpoint, quantize_checkpoint
 from tensorfold.models.tokenizer import Tokenizer
 from tensorfold.models.vision_tower import vision_info
@@ -58,6 +59,7 @@ class TorchBackend:
         # The MTP layer only where drafting may use it.
         self.model = model = self.build(checkpoint, dtype, mtp=config.drafting and config.drafter != "ngram",
                                         vision=config.vision)
+        check_head_dims(model, self.ops)
         checkpoint.tensors = {}  # the model holds its own (converted) copies
         _return_freed_heap()     # the loading's scratch (dequantized or unpacked blocks)
         formats = model.weight_formats()
@@ -109,6 +111,17 @@ class TorchBackend:
         return {"backend": self.name, "ops": self.ops.NAME, "device": str(self.device),
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "weights": self.model.weight_formats()}
+
+
+def check_head_dims(model, ops) -> None:
+    """Attention heads wider than the op set's kernels take (ops.MAX_HEAD_DIM, where it has one)
+    are a startup error, not a failure in the first round (Gemma 4's global heads are 512 wide)."""
+    limit = getattr(ops, "MAX_HEAD_DIM", None)
+    wide = sorted({spec.mixer.head_dim for spec in model.specs
+                   if limit and getattr(spec.mixer, "head_dim", 0) > limit})
+    if wide:
+        raise CheckpointError(f"attention heads of {', '.join(map(str, wide))} dims: the {ops.NAME} kernels take at "
+                              f"most {limit} (TENSORFOLD_CPU_OPS=torch runs the torch reference ops, which take any)")
 
 
 def _return_freed_heap() -> None:
