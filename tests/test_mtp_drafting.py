@@ -242,7 +242,7 @@ def test_a_paused_stretch_catches_up_to_what_a_fresh_run_writes(checkpoints):
     paused = scripted(path, lambda n: 0 if n < 12 else 3, probes=False)
     req = paused.requests[paused.add_request(prompts[1], greedy())]
     lags = []
-    while req.stats.drafted == 0:
+    while req.stats.drafted == 0 and paused.has_work():
         paused.step()
         lags.append(paused.mtp_drafter.lag(req))
     assert max(lags) >= 12 and paused.mtp_drafter.lag(req) <= 4  # the resume caught the stretch up
@@ -250,10 +250,10 @@ def test_a_paused_stretch_catches_up_to_what_a_fresh_run_writes(checkpoints):
         paused.step()
     fresh = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
     always = fresh.requests[fresh.add_request(prompts[1], greedy())]
-    while fresh.mtp_drafter.num_written(always) < paused.mtp_drafter.num_written(req):
+    while fresh.mtp_drafter.num_written(always) < paused.mtp_drafter.num_written(req) and fresh.has_work():
         fresh.step()
     keys = written_keys(paused, req)
-    assert len(keys) > 20 and torch.equal(keys, written_keys(fresh, always)[:len(keys)])
+    assert always.status.value == "running" and len(keys) > 20 and torch.equal(keys, written_keys(fresh, always)[:len(keys)])
 
 
 @pytest.mark.parametrize("why", ["budget", "draft false"])
@@ -299,3 +299,24 @@ def test_on_text_it_does_not_predict_the_mtp_layer_goes_quiet(checkpoints):
         assert req.output_ids == serial.generate(prompt, greedy()).token_ids
         if i >= 3:  # measured: 1-3 passes (a probe or two, the end's catch-up) in 41 rounds
             assert engine.runner.mtp.num_forwards - before <= 6 and req.stats.drafted <= 3, (i, rounds)
+
+
+def test_a_long_lag_is_caught_up_anyway(checkpoints, monkeypatch):
+    """The held hidden states stay bounded: a request lagging past MAX_LAG rows is caught up
+    after the round (here MAX_LAG 5), and what that writes is what a fresh run writes."""
+    from tensorfold.engine import mtp_drafter
+    _, path, prompts = checkpoints
+    monkeypatch.setattr(mtp_drafter, "MAX_LAG", 5)
+    engine = scripted(path, lambda n: 0, probes=False)
+    req = engine.requests[engine.add_request(prompts[2], greedy())]
+    lags = []
+    for _ in range(20):
+        engine.step()
+        lags.append(engine.mtp_drafter.lag(req))
+    assert max(lags) <= 6 and engine.runner.mtp.held(req.req_id)[0] >= req.num_computed_tokens - 7
+    fresh = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
+    always = fresh.requests[fresh.add_request(prompts[2], greedy())]
+    while fresh.mtp_drafter.num_written(always) < engine.mtp_drafter.num_written(req) and fresh.has_work():
+        fresh.step()
+    keys = written_keys(engine, req)
+    assert always.status.value == "running" and len(keys) >= 20 and torch.equal(keys, written_keys(fresh, always)[:len(keys)])
