@@ -1,7 +1,8 @@
 """How many drafts a request runs in a round: the depth with the most expected tokens per second
 of round, from what the engine measures as it serves. One rule, no tensors.
 
-- Row cost: the seconds of a decode round (no prompt rows) by its sequences and rows, the fastest
+- Row cost: the seconds of a decode round (no prompt rows; scheduling through acceptance, the
+  per-round work a draft saves) by its sequences and rows, the fastest
   of the last COST_WINDOW rounds of each size (the least disturbed by other work on the
   machine), read between row counts by linear interpolation and past them by the last two
   counts' slope.
@@ -26,15 +27,15 @@ token for t(R); it runs the d with the best ratio, and none unless that ratio be
 rows' on a busy machine, and a wrong "yes" costs a pass every round).
 Until two row counts of its round's sequence count have been seen, rows count as free: every
 proposal runs whole (which also measures them; a drafter that pays for its proposals first
-times MIN_ROUNDS serial rounds).
+times MIN_ROUNDS serial rounds). A choice of none stands for REST rounds while the request's
+evidence does not change (choose()).
 
 Exploring when drafts cost something to make (MTP). A request that runs no drafts gives no
 evidence, so while nobody drafts the budget probes: every `probe_interval` rounds one request
 (the likeliest to accept) makes its first draft as a shadow (a catch-up and no verify row, so a
 miss costs no replay); each probe doubles the interval up to PROBE_MAX (a hit that does not
 bring drafting back, where the costs say even accepted drafts barely pay, is no reason to probe
-more), and accepted drafts that run reset it. New
-requests start from the drafter-wide record (decayed over every request's evidence) instead of
+more), and accepted drafts that run reset it. New requests start from the drafter-wide record (decayed over every request's evidence) instead of
 1/2, so a server whose text the layer does not predict stays at depth 0 from a request's first
 round. Drafts never change a token (the engine keeps only drafts equal to the keyed draws):
 this decides speed, not replies.
