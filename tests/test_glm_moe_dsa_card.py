@@ -13,16 +13,9 @@ import jsonschema
 import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import PreTrainedTokenizerFast
 
-from tensorfold.api.prompt import Prompts
-from tensorfold.api.request import ServerDefaults, parse_chat_request
+from card_cases import ASK, WEATHER, FamilyTemplate, assistant_turn, check_forced_calls, chunks_of, parse as parse_with
 from tensorfold.chat.cards import EFFORTS, load_cards, select_card
-from tensorfold.chat.reply_parser import ReplyParser
-from tensorfold.chat.served import served_model
-from tensorfold.chat.template import ChatTemplate
 from tensorfold.engine.engine import EngineConfig
 from tensorfold.grammar.compiler import GrammarCompiler
 from tensorfold.grammar.constraint import GrammarConstraint
@@ -30,16 +23,12 @@ from tensorfold.grammar.tool_call import tool_call_spec
 from tensorfold.models.tokenizer import Tokenizer
 from tensorfold.server import ServeSettings
 from serving import serving
-from tools.tiny_checkpoint import GLM_FAMILY_TOKENS, TEMPLATES, family_tokenizer, make_tiny_checkpoint
+from tools.tiny_checkpoint import GLM_FAMILY_TOKENS, family_tokenizer, make_tiny_checkpoint
 
-with open(f"{TEMPLATES}/glm_moe_dsa.jinja", encoding="utf-8") as f:
-    TEMPLATE = f.read()
+FAMILY = FamilyTemplate("glm_moe_dsa", "GlmMoeDsaForCausalLM", GLM_FAMILY_TOKENS + ["<|endoftext|>"], "<|endoftext|>")
+TEMPLATE, render, transformers_render, prompt_of = (FAMILY.text, FAMILY.render, FAMILY.transformers_render,
+                                                    FAMILY.prompt_of)
 CARD = load_cards()["glm_moe_dsa"]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city, «now»",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                                    "metric": {"type": "boolean"}, "hours": {"type": "array"}},
-                   "required": ["city"]}}}
 CONVERSATION = [
     {"role": "system", "content": "Be brief. "},
     {"role": "user", "content": "Weather in Zürich?"},
@@ -51,33 +40,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "Rainy, 12 °C.", "reasoning_content": "Summarise."},
     {"role": "user", "content": "Thanks!"},
 ]
-
-
-def hf_tokenizer() -> HFTokenizer:
-    specials = GLM_FAMILY_TOKENS + ["<|endoftext|>"]
-    tok = HFTokenizer(WordLevel({"<unk>": 0, **{t: i + 1 for i, t in enumerate(specials)}}, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    tok.add_special_tokens(specials)
-    return tok
-
-
-def transformers_render(messages, tools=None, **kwargs) -> str:
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=hf_tokenizer(), unk_token="<unk>",
-                                        eos_token="<|endoftext|>", chat_template=TEMPLATE)
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
-
-
-def render(messages, tools=None, **kwargs) -> str:
-    return ChatTemplate(TEMPLATE, eos_token="<|endoftext|>").render(messages, tools=tools, template_kwargs=kwargs)
-
-
-def prompt_of(body: dict) -> str:
-    tok = hf_tokenizer()
-    tokenizer = Tokenizer(tok, bos_token_id=None, eos_token_ids=(tok.token_to_id("<|endoftext|>"),))
-    served = served_model("GlmMoeDsaForCausalLM", TEMPLATE, {"eos_token": "<|endoftext|>"}, {}, tokenizer)
-    prompts = Prompts(served, None, ("tiny",), default_max_tokens=1)
-    greq = parse_chat_request({"model": "tiny", **body}, ServerDefaults())
-    return prompts.render(greq, greq.tools.shown() if greq.tools is not None else None)
 
 
 def test_the_card_is_chosen_for_glm_templates():
@@ -147,24 +109,19 @@ REPLY = ("The user wants Paris weather.</think>Let me check."
 
 
 def parse(text, chunks=None, tools=(WEATHER,), thinking=True):
-    parser = ReplyParser(CARD, list(tools), thinking=thinking)
-    deltas = [parser.push(piece) for piece in chunks or [text]] + [parser.finish()]
-    return ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas),
-            [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls])
+    return parse_with(CARD, text, chunks, tools, thinking)
 
 
 @pytest.mark.parametrize("size", [0, 1, 3, 7])
 def test_a_reply_parses_into_reasoning_content_and_typed_calls_whole_and_streamed(size):
-    chunks = [REPLY[i:i + size] for i in range(0, len(REPLY), size)] if size else None
-    assert parse(REPLY, chunks) == ("The user wants Paris weather.", "Let me check.",
+    assert parse(REPLY, chunks_of(REPLY, size)) == ("The user wants Paris weather.", "Let me check.",
                                     [("get_weather", {"city": "Paris", "days": 3, "metric": False,
                                                       "hours": [9, 21]})])
     # a string parameter keeps its text (a number-looking city stays a string); a call with no
     # arguments; blanks between pairs (GLM-4.5's newlines) are allowed
     two = ("</think><tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> 42 </arg_value>\n</tool_call>"
            "<tool_call>get_weather</tool_call>")
-    chunks = [two[i:i + size] for i in range(0, len(two), size)] if size else None
-    assert parse(two, chunks) == ("", "", [("get_weather", {"city": " 42 "}), ("get_weather", {})])
+    assert parse(two, chunks_of(two, size)) == ("", "", [("get_weather", {"city": " 42 "}), ("get_weather", {})])
 
 
 def test_malformed_or_unoffered_calls_stay_content_and_an_unclosed_think_call_is_the_reply():
@@ -183,11 +140,7 @@ def test_malformed_or_unoffered_calls_stay_content_and_an_unclosed_think_call_is
 def test_the_next_turn_extends_this_turns_prompt_and_reply():
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]}
     prompt = prompt_of(body)
-    reasoning, content, calls = parse(REPLY)
-    assistant = {"role": "assistant", "content": content, "reasoning_content": reasoning,
-                 "tool_calls": [{"id": "c0", "type": "function",
-                                 "function": {"name": name, "arguments": json.dumps(arguments)}}
-                                for name, arguments in calls]}
+    assistant = assistant_turn(parse(REPLY))
     follow = {**body, "messages": body["messages"] + [assistant, {"role": "tool", "tool_call_id": "c0",
                                                                   "content": "sun"}]}
     assert prompt_of(follow) == prompt + REPLY + "<|observation|><tool_response>sun</tool_response><|assistant|><think>"
@@ -247,24 +200,6 @@ def srv(tmp_path_factory, smollm2_tokenizer):
         yield s
 
 
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# bounded values (a string value is any text up to a "<", which a random model need not write)
-FORECAST = {"type": "function", "function": {
-    "name": "get_forecast", "description": "The forecast for some days",
-    "parameters": {"type": "object", "properties": {"days": {"type": "integer"}, "metric": {"type": "boolean"}},
-                   "required": ["days"]}}}
-
-
-def streamed_calls(srv, body) -> dict:
-    pieces = {}
-    for chunk in srv.client.chat.completions.create(**body, stream=True):
-        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            entry = pieces.setdefault(delta.index, {"name": "", "arguments": ""})
-            entry["name"] += delta.function.name or ""
-            entry["arguments"] += delta.function.arguments or ""
-    return pieces
-
-
 def test_the_served_card_and_end_tokens(srv):
     assert srv.server.service.served.card.name == "glm_moe_dsa"
     tok = srv.engine.tokenizer
@@ -272,27 +207,8 @@ def test_the_served_card_and_end_tokens(srv):
 
 
 def test_forced_calls_over_http_stream_as_whole(srv):
-    """Thinking off (the prompt's think block is closed). A draw whose reply ran out of tokens before
-    its call ended is skipped; the others call the one function offered (beside another: the named
-    choice), streamed as whole."""
-    model = srv.client.models.list().data[0].id
-    for choice in ("required", {"type": "function", "function": {"name": "get_forecast"}}):
-        called = 0
-        for seed in range(1, 7):
-            tools = [FORECAST] if choice == "required" else [WEATHER, FORECAST]
-            body = dict(model=model, messages=ASK, tools=tools, tool_choice=choice, max_tokens=40,
-                        temperature=1.0, seed=seed, reasoning_effort="none")
-            whole = srv.client.chat.completions.create(**body)
-            message = whole.choices[0].message
-            if whole.choices[0].finish_reason == "length" and not message.tool_calls:
-                continue
-            assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
-            (call,) = message.tool_calls
-            assert call.function.name == "get_forecast" and message.content is None
-            assert set(json.loads(call.function.arguments)) <= {"days", "metric"}
-            assert streamed_calls(srv, body) == {0: {"name": "get_forecast", "arguments": call.function.arguments}}
-            called += 1
-        assert called >= 2, choice
+    """A forced call comes with no content beside it."""
+    check_forced_calls(srv.client, max_tokens=40, no_content=True)
 
 
 def test_a_json_grammar_starts_after_a_thinking_budgets_close(srv):

@@ -6,39 +6,23 @@ same way transformers' apply_chat_template does; request efforts reach it under 
 medium without one; none turns thinking off); a reply in its format parses into reasoning and
 typed calls, and the next turn's prompt extends this turn's prompt and reply."""
 import json
-import os
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import PreTrainedTokenizerFast
 
+from card_cases import CHATML_SPECIALS, WEATHER, FamilyTemplate, assistant_turn, chunks_of, parse as parse_with
 from tensorfold.api.errors import ApiError
-from tensorfold.api.prompt import Prompts
-from tensorfold.api.request import ServerDefaults, parse_chat_request
 from tensorfold.chat.cards import EFFORTS, load_cards, select_card
-from tensorfold.chat.reply_parser import ReplyParser
-from tensorfold.chat.served import served_model
 from tensorfold.chat.template import ChatTemplate, TemplateError
-from tensorfold.models.tokenizer import Tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-with open(os.path.join(ROOT, "tools", "templates", "qwen3_5.jinja"), encoding="utf-8") as f:
-    TEMPLATE = f.read()
+FAMILY = FamilyTemplate("qwen3_5", "Qwen3_5MoeForCausalLM", CHATML_SPECIALS, "<|im_end|>")
+TEMPLATE, render, transformers_render, serving, prompt_of = (FAMILY.text, FAMILY.render, FAMILY.transformers_render,
+                                                             FAMILY.serving, FAMILY.prompt_of)
 CARDS = load_cards()
 ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration",
                  "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
-# The tiny checkpoints' special tokens (tools/tiny_checkpoint.py adds them to SmolLM2's vocabulary).
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 XHIGH_LINE = "Reasoning effort: xhigh."
 LOW_LINE = "Reasoning effort: low."
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city, «now»",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                                    "metric": {"type": "boolean"}, "hours": {"type": "array"}},
-                   "required": ["city"]}}}
 CONVERSATION = [
     {"role": "system", "content": "Be brief. "},
     {"role": "user", "content": "Weather in Zürich?"},
@@ -52,40 +36,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "Rainy, 12 °C.", "reasoning_content": "Summarise."},
     {"role": "user", "content": "Thanks!"},
 ]
-
-
-def hf_tokenizer() -> HFTokenizer:
-    vocab = {"<unk>": 0, **{token: i + 1 for i, token in enumerate(SPECIAL)}}
-    tok = HFTokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    tok.add_special_tokens(SPECIAL)
-    return tok
-
-
-def transformers_render(messages, tools=None, **kwargs) -> str:
-    """The oracle: transformers' apply_chat_template, as tools/tiny_checkpoint.py's tokenizer uses it."""
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=hf_tokenizer(), unk_token="<unk>", eos_token="<|im_end|>",
-                                        chat_template=TEMPLATE)
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                         **kwargs)
-
-
-def render(messages, tools=None, **kwargs) -> str:
-    return ChatTemplate(TEMPLATE, eos_token="<|im_end|>").render(messages, tools=tools, template_kwargs=kwargs)
-
-
-def serving(architecture="Qwen3_5MoeForCausalLM", reasoning_effort=None):
-    """The served model and the prompt builder of a tiny qwen3_5-family checkpoint."""
-    tokenizer = Tokenizer(hf_tokenizer(), bos_token_id=None, eos_token_ids=(2,))
-    served = served_model(architecture, TEMPLATE, {"eos_token": "<|im_end|>"}, {}, tokenizer,
-                          reasoning_effort=reasoning_effort)
-    return served, Prompts(served, None, ("tiny",), default_max_tokens=1)  # render() reads no engine info
-
-
-def prompt_of(body: dict, architecture="Qwen3_5MoeForCausalLM", reasoning_effort=None) -> str:
-    _, prompts = serving(architecture, reasoning_effort)
-    greq = parse_chat_request({"model": "tiny", **body}, ServerDefaults())
-    return prompts.render(greq, greq.tools.shown() if greq.tools is not None else None)
 
 
 # -- the card ---------------------------------------------------------------------------------------
@@ -246,10 +196,7 @@ REPLY = ("The user wants Paris weather.\n</think>\n\nLet me check.\n\n"
 
 
 def parse(text, chunks=None):
-    parser = ReplyParser(CARDS["qwen3_5"], [WEATHER], thinking=True)
-    deltas = [parser.push(piece) for piece in chunks or [text]] + [parser.finish()]
-    return ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas),
-            [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls])
+    return parse_with(CARDS["qwen3_5"], text, chunks)
 
 
 def test_a_reply_parses_into_reasoning_content_and_typed_calls():
@@ -257,17 +204,13 @@ def test_a_reply_parses_into_reasoning_content_and_typed_calls():
     assert whole == ("The user wants Paris weather.\n", "Let me check.",
                      [("get_weather", {"city": "Paris", "days": 3, "metric": False, "hours": [9, 21]})])
     assert parse(REPLY, chunks=list(REPLY)) == whole
-    assert parse(REPLY, chunks=[REPLY[i:i + 7] for i in range(0, len(REPLY), 7)]) == whole
+    assert parse(REPLY, chunks=chunks_of(REPLY, 7)) == whole
 
 
 def test_the_next_turn_extends_this_turns_prompt_and_reply():
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]}
     prompt = prompt_of(body)
-    reasoning, content, calls = parse(REPLY)
-    assistant = {"role": "assistant", "content": content, "reasoning_content": reasoning,
-                 "tool_calls": [{"id": "c0", "type": "function",
-                                 "function": {"name": name, "arguments": json.dumps(arguments)}}
-                                for name, arguments in calls]}
+    assistant = assistant_turn(parse(REPLY))
     follow = {**body, "messages": body["messages"] + [assistant, {"role": "tool", "tool_call_id": "c0", "content": "sun"}]}
     assert prompt_of(follow).startswith(prompt + REPLY + "<|im_end|>\n<|im_start|>user\n<tool_response>\nsun\n")
 
