@@ -37,6 +37,7 @@
 #include "exact64.h"
 #include "exact.h"
 #include "kernels.h"
+#include "recurrent.h"
 #include "vec16.h"
 
 #if defined(__AVX__)
@@ -49,8 +50,10 @@ namespace {
 constexpr int STATE_BITS = 22;            // delta_net.STATE_BITS
 constexpr int NORM_BITS = 20;             // reference.NORM_BITS
 constexpr double L2_EPS = 1e-6;           // delta_net.NORM_EPS
-constexpr double SOFTPLUS_THRESHOLD = 20.0;
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;
+using recurrent::conv_tap;
+using recurrent::silu_inplace;
+using recurrent::softplus32;
 
 template <typename V> inline V load(const void* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
 template <typename V> inline void store(void* p, const V& v) { std::memcpy(p, &v, sizeof v); }
@@ -103,32 +106,6 @@ struct Columns<1> {
 };
 template <typename F, typename U> inline U magnitude_bits(F x) { return load<U>(&x) & 0x7FFFFFFFu; }
 template <typename U> inline U max_bits(U a, U b) { return a > b ? a : b; }
-
-// softplus32: log64(1 + exp64(min(y, 20))) in float64, rounded once; y above 20 is itself.
-inline float softplus32(float y) {
-  const double y64 = y;
-  const double c = y64 > SOFTPLUS_THRESHOLD ? SOFTPLUS_THRESHOLD : y64;  // clamp_max: NaN stays NaN
-  const double soft = log64(1.0 + exp64(c));
-  return static_cast<float>(y64 > SOFTPLUS_THRESHOLD ? y64 : soft);
-}
-
-// silu32 of n floats in place: t = exp_neg(-|g|), (g >= 0 ? g : g t) / (1 + t). tmp: n floats.
-// (Eight lanes at a time as a compiler vector: the same operations, a blend for the branch.)
-inline void silu_inplace(float* g, float* tmp, float* t, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) tmp[i] = -std::fabs(g[i]);
-  exp_neg_shifted(tmp, 0.0f, t, n);  // exp_neg(-|g| - 0): -|g| - 0 is -|g| bit for bit
-  int64_t i = 0;
-#if defined(__GNUC__)
-  typedef float f32x8 __attribute__((vector_size(32)));
-  const f32x8 zero = f32x8{} + 0.0f, one = f32x8{} + 1.0f;
-  for (; i + 8 <= n; i += 8) {
-    const f32x8 gi = load<f32x8>(g + i), ti = load<f32x8>(t + i);
-    const f32x8 factor = gi >= zero ? one : ti;
-    store(g + i, (gi * factor) / (one + ti));
-  }
-#endif
-  for (; i < n; ++i) g[i] = (g[i] * (g[i] >= 0.0f ? 1.0f : t[i])) / (1.0f + t[i]);  // g * 1 is g
-}
 
 // max |x| of a row as a float (lanes.h: max_abs's integer max of the bits, eight lanes at a time).
 inline float max_magnitude(const float* x, int64_t n) {
@@ -391,15 +368,6 @@ inline void q_dot_int(const float* S, int64_t dk, const float* q_scale, const in
 }
 #endif
 
-// One tap of the conv over a row: acc = x w (the first tap), else acc + x w (x widened exactly).
-template <typename X>
-inline void conv_tap(const X* x, const float* w, float* acc, int64_t n, bool first) {
-  if (first)
-    for (int64_t i = 0; i < n; ++i) acc[i] = to_f32(x[i]) * w[i];
-  else
-    for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + to_f32(x[i]) * w[i];
-}
-
 // Everything one call reads and writes (kernels.h: delta_net).
 struct Call {
   const void* qkv;
@@ -598,68 +566,19 @@ void delta_net_impl(const Call& c) {
   const int64_t rows = c.row_starts[c.num_seqs], C = c.channels(), K = c.taps, W = K - 1, H = c.heads;
   const int64_t dk = c.dk, KH = c.key_heads;
   const T* qkv = static_cast<const T*>(c.qkv);
-  std::vector<int64_t> seq_of_row(rows);
-  for (int64_t s = 0; s < c.num_seqs; ++s)
-    for (int64_t r = c.row_starts[s]; r < c.row_starts[s + 1]; ++r) seq_of_row[r] = s;
-  // Every starting state is read before any is written. The conv windows: copied here. The ssm
-  // states: each item reads its columns of its sequence's start before it writes, so only a block
-  // that one sequence starts from and another writes needs a copy first (module.cpp refuses a block
-  // two sequences write, so no other order matters).
-  std::vector<float> windows(c.num_seqs * W * C, 0.0f);
-  std::vector<const float*> starts(c.num_seqs, nullptr);
+  // Every starting state is read before any is written (recurrent.h).
   const int64_t state_elements = H * dk * c.dv;
-  for (int64_t s = 0; s < c.num_seqs; ++s) {
-    if (c.row_starts[s + 1] == c.row_starts[s] || c.state_in[s] < 0) continue;
-    if (W > 0) std::memcpy(windows.data() + s * W * C, c.conv + c.state_in[s] * W * C, W * C * sizeof(float));
-    starts[s] = c.ssm + c.state_in[s] * state_elements;
-  }
-  std::vector<std::pair<int64_t, int64_t>> read;  // (block, sequence) of every starting state
-  for (int64_t s = 0; s < c.num_seqs; ++s)
-    if (starts[s] != nullptr) read.push_back({c.state_in[s], s});
-  std::sort(read.begin(), read.end());
-  std::vector<char> copy(c.num_seqs, 0);
-  bool any_copy = false;
-  for (int64_t r = 0; r < rows && !read.empty(); ++r) {
-    const int64_t slot = c.state_out[r];
-    if (slot < 0) continue;
-    for (auto it = std::lower_bound(read.begin(), read.end(), std::make_pair(slot, int64_t{-1}));
-         it != read.end() && it->first == slot; ++it)
-      if (it->second != seq_of_row[r]) copy[it->second] = any_copy = true;
-  }
-  std::vector<float> copies;
-  if (any_copy) {
-    copies.resize(c.num_seqs * state_elements);
-    for (int64_t s = 0; s < c.num_seqs; ++s)
-      if (copy[s]) {
-        std::memcpy(copies.data() + s * state_elements, starts[s], state_elements * sizeof(float));
-        starts[s] = copies.data() + s * state_elements;
-      }
-  }
-  // Row u of sequence s's padded inputs (its window, then its rows) as floats into dst.
-  auto padded_row = [&](int64_t s, int64_t u, float* dst) {
-    if (u < W) {
-      std::memcpy(dst, windows.data() + (s * W + u) * C, C * sizeof(float));
-    } else {
-      const T* x = qkv + (c.row_starts[s] + u - W) * c.qkv_stride;
-      for (int64_t ch = 0; ch < C; ++ch) dst[ch] = to_f32(x[ch]);
-    }
-  };
-  // The windows after each row state_out names.
-  if (W > 0) {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (c.state_out[r] < 0) continue;
-      const int64_t s = seq_of_row[r], t = r - c.row_starts[s];
-      float* dst = c.conv + c.state_out[r] * W * C;
-      for (int64_t i = 0; i < W; ++i) padded_row(s, t + 1 + i, dst + i * C);
-    }
-  }
+  const recurrent::Starts st(c.num_seqs, c.row_starts, c.state_in, c.state_out, c.conv, c.ssm, W, C, state_elements);
+  const std::vector<int64_t>& seq_of_row = st.seq_of_row;
+  const std::vector<float>& windows = st.windows;
+  recurrent::write_windows(st, c.row_starts, c.state_out, c.conv, qkv, c.qkv_stride, W, C);
   // Phase A, row by row: conv, SiLU, norms and grids, gates.
   thread_local Workspace<float> floats;
   thread_local Workspace<int32_t> ints;
   float* f = floats.get(static_cast<size_t>(rows * (C + 2 * H)));
   int32_t* i32 = ints.get(static_cast<size_t>(rows * KH * (2 * dk + 2)));
   const Rows rw{f,   f + rows * C, f + rows * (C + H), i32, i32 + rows * KH * dk, i32 + 2 * rows * KH * dk,
-                i32 + rows * KH * (2 * dk + 1), starts.data()};
+                i32 + rows * KH * (2 * dk + 1), st.states.data()};
   const float q_scale = static_cast<float>(std::sqrt(static_cast<double>(dk)));  // f32(key_dim ** 0.5)
   const bool parallel_rows = c.threads > 1 && rows > 1 && rows * C >= PARALLEL_ELEMENTS;
 #pragma omp parallel num_threads(c.threads) if (parallel_rows)

@@ -35,6 +35,7 @@
 #include "exact64.h"
 #include "exact.h"
 #include "mamba2.h"
+#include "recurrent.h"
 #include "vec16.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -50,9 +51,11 @@ namespace {
 
 constexpr int STATE_BITS = 22;  // delta_net.STATE_BITS (grid_dot's)
 constexpr int NORM_BITS = 20;   // reference.NORM_BITS
-constexpr double SOFTPLUS_THRESHOLD = 20.0;
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // phase A and the norm split rows over threads above this
 constexpr int ITEM_COLUMNS = 16;                // a work item's columns: 64 bytes of each state row
+using recurrent::conv_tap;
+using recurrent::silu_inplace;
+using recurrent::softplus32;
 
 template <typename V> inline V load(const void* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
 template <typename V> inline void store(void* p, const V& v) { std::memcpy(p, &v, sizeof v); }
@@ -86,26 +89,10 @@ struct Lanes<1> {
   static U max(U a, U b) { return a > b ? a : b; }
 };
 
-// softplus32 (delta_net.softplus32): log64(1 + exp64(min(y, 20))) in float64, rounded once; y
-// above 20 is itself.
-inline float softplus32(float y) {
-  const double y64 = y;
-  const double c = y64 > SOFTPLUS_THRESHOLD ? SOFTPLUS_THRESHOLD : y64;  // clamp_max: NaN stays NaN
-  const double soft = log64(1.0 + exp64(c));
-  return static_cast<float>(y64 > SOFTPLUS_THRESHOLD ? y64 : soft);
-}
-
 // torch.clamp(x, lo, hi) of float32 x: min(max(x, lo), hi), NaN stays NaN.
 inline float clamp(float x, float lo, float hi) {
   const float up = x < lo ? lo : x;
   return up > hi ? hi : up;
-}
-
-// silu32 of n floats in place: t = exp_neg(-|g|), (g >= 0 ? g : g t) / (1 + t). tmp, t: n floats.
-inline void silu_inplace(float* g, float* tmp, float* t, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) tmp[i] = -std::fabs(g[i]);
-  exp_neg_shifted(tmp, 0.0f, t, n);  // exp_neg(-|g| - 0): -|g| - 0 is -|g| bit for bit
-  for (int64_t i = 0; i < n; ++i) g[i] = (g[i] * (g[i] >= 0.0f ? 1.0f : t[i])) / (1.0f + t[i]);  // g * 1 is g
 }
 
 // max |x| of n floats (the integer max of the magnitudes' bits: a NaN ranks above inf, as amax).
@@ -128,14 +115,6 @@ inline float inverse_norm(const float* x, int64_t n, float divisor, float eps) {
   float var = scale32(static_cast<float>(ss), 2 * (e - NORM_BITS + 1));
   var = var / divisor;
   return 1.0f / std::sqrt(var + eps);
-}
-
-template <typename X>
-inline void conv_tap(const X* x, const float* w, float* acc, int64_t n, bool first) {
-  if (first)
-    for (int64_t i = 0; i < n; ++i) acc[i] = to_f32(x[i]) * w[i];
-  else
-    for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + to_f32(x[i]) * w[i];
 }
 
 // Everything one call reads and writes (mamba2.h: mamba2).
@@ -333,57 +312,12 @@ void mamba2_impl(const Call& c) {
   const int64_t rows = c.row_starts[c.num_seqs], C = c.channels(), K = c.taps, W = K - 1, H = c.heads;
   const int64_t N = c.state_size, G = c.groups;
   const T* xbc = static_cast<const T*>(c.xbc);
-  std::vector<int64_t> seq_of_row(rows);
-  for (int64_t s = 0; s < c.num_seqs; ++s)
-    for (int64_t r = c.row_starts[s]; r < c.row_starts[s + 1]; ++r) seq_of_row[r] = s;
-  // Every starting state is read before any is written (delta_net.cpp's rule and steps).
-  std::vector<float> windows(c.num_seqs * W * C, 0.0f);
-  std::vector<const float*> starts(c.num_seqs, nullptr);
+  // Every starting state is read before any is written (recurrent.h).
   const int64_t state_elements = H * N * c.head_dim;
-  for (int64_t s = 0; s < c.num_seqs; ++s) {
-    if (c.row_starts[s + 1] == c.row_starts[s] || c.state_in[s] < 0) continue;
-    if (W > 0) std::memcpy(windows.data() + s * W * C, c.conv + c.state_in[s] * W * C, W * C * sizeof(float));
-    starts[s] = c.ssm + c.state_in[s] * state_elements;
-  }
-  std::vector<std::pair<int64_t, int64_t>> read;  // (block, sequence) of every starting state
-  for (int64_t s = 0; s < c.num_seqs; ++s)
-    if (starts[s] != nullptr) read.push_back({c.state_in[s], s});
-  std::sort(read.begin(), read.end());
-  std::vector<char> copy(c.num_seqs, 0);
-  bool any_copy = false;
-  for (int64_t r = 0; r < rows && !read.empty(); ++r) {
-    const int64_t slot = c.state_out[r];
-    if (slot < 0) continue;
-    for (auto it = std::lower_bound(read.begin(), read.end(), std::make_pair(slot, int64_t{-1}));
-         it != read.end() && it->first == slot; ++it)
-      if (it->second != seq_of_row[r]) copy[it->second] = any_copy = true;
-  }
-  std::vector<float> copies;
-  if (any_copy) {
-    copies.resize(c.num_seqs * state_elements);
-    for (int64_t s = 0; s < c.num_seqs; ++s)
-      if (copy[s]) {
-        std::memcpy(copies.data() + s * state_elements, starts[s], state_elements * sizeof(float));
-        starts[s] = copies.data() + s * state_elements;
-      }
-  }
-  // The conv windows after each row state_out names: the padded inputs' rows t + 1 .. t + K - 1.
-  if (W > 0) {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (c.state_out[r] < 0) continue;
-      const int64_t s = seq_of_row[r], t = r - c.row_starts[s];
-      float* dst = c.conv + c.state_out[r] * W * C;
-      for (int64_t i = 0; i < W; ++i) {
-        const int64_t u = t + 1 + i;
-        if (u < W) {
-          std::memcpy(dst + i * C, windows.data() + (s * W + u) * C, C * sizeof(float));
-        } else {
-          const T* x = xbc + (c.row_starts[s] + u - W) * c.xbc_stride;
-          for (int64_t ch = 0; ch < C; ++ch) dst[i * C + ch] = to_f32(x[ch]);
-        }
-      }
-    }
-  }
+  const recurrent::Starts st(c.num_seqs, c.row_starts, c.state_in, c.state_out, c.conv, c.ssm, W, C, state_elements);
+  const std::vector<int64_t>& seq_of_row = st.seq_of_row;
+  const std::vector<float>& windows = st.windows;
+  recurrent::write_windows(st, c.row_starts, c.state_out, c.conv, xbc, c.xbc_stride, W, C);
   // Phase A, row by row: conv + bias, SiLU, the time steps and decays, C on its grid.
   thread_local std::vector<float> floats;
   thread_local std::vector<double> grids;
@@ -392,7 +326,7 @@ void mamba2_impl(const Call& c) {
   grids.resize(static_cast<size_t>(rows * G * N));
   exps.resize(static_cast<size_t>(rows * G));
   float* f = floats.data();
-  const Rows rw{f, f + rows * C, f + rows * (C + H), grids.data(), exps.data(), starts.data()};
+  const Rows rw{f, f + rows * C, f + rows * (C + H), grids.data(), exps.data(), st.states.data()};
   const int64_t I = c.width();
   const bool parallel_rows = c.threads > 1 && rows > 1 && rows * C >= PARALLEL_ELEMENTS;
 #pragma omp parallel num_threads(c.threads) if (parallel_rows)
