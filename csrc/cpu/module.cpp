@@ -10,6 +10,7 @@
 #include "binding.h"
 #include "exact64.h"
 #include "kernels.h"
+#include "latent_attention.h"
 #include "layer.h"
 #include "mamba2.h"
 #include "mamba2_layer.h"
@@ -553,6 +554,76 @@ std::tuple<torch::Tensor, torch::Tensor> draw_rows(const torch::Tensor& x, const
   return {tokens, status};
 }
 
+// The rows of a latent-attention call (latent_attention and dsa_select): q [rows, heads, dim] as
+// float32, a contiguous paged cache [blocks, block_size, dim], positions, tables and row_starts as
+// the C++ paged attention takes them, checked.
+struct LatentRows {
+  torch::Tensor q, pos, tab, starts;
+  int cache_code;
+  int64_t num_seqs() const { return tab.size(0); }
+};
+
+LatentRows latent_rows(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& positions,
+                       const torch::Tensor& tables, const torch::Tensor& row_starts, const char* what) {
+  check_cpu(q, what);
+  check_cpu(cache, what);
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == q.size(2), what,
+              ": q [rows, heads, dim] and a contiguous cache [blocks, block_size, dim] expected");
+  LatentRows r{q.to(torch::kFloat32).contiguous(), positions.to(torch::kInt64).contiguous(),
+               tables.to(torch::kInt64).contiguous(), row_starts.to(torch::kInt64).contiguous(),
+               dtype_code(cache, what)};
+  TORCH_CHECK(r.tab.dim() == 2 && r.starts.numel() == r.tab.size(0) + 1 && r.pos.numel() == q.size(0), what,
+              ": one table row per sequence and one position per row expected");
+  check_rows(r.starts.data_ptr<int64_t>(), r.num_seqs(), q.size(0), r.pos.data_ptr<int64_t>(),
+             r.tab.data_ptr<int64_t>(), r.tab.size(1), cache.size(1), cache.size(0));
+  return r;
+}
+
+// latent_attention.latent_attention for the rows of several sequences over a latent cache
+// [blocks, block_size, latent + rope]; selected: None or int32 [rows, top_k] (dsa_select's).
+torch::Tensor latent_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& positions,
+                               const torch::Tensor& tables, const torch::Tensor& row_starts, double scale,
+                               int64_t latent, const c10::optional<torch::Tensor>& selected) {
+  const LatentRows r = latent_rows(q, cache, positions, tables, row_starts, "latent_attention");
+  TORCH_CHECK(latent > 0 && latent <= q.size(2), "latent_attention: 0 < latent <= dim expected");
+  torch::Tensor sel;
+  int64_t top_k = 0;
+  if (selected) {
+    check_cpu(*selected, "latent_attention: selected");
+    TORCH_CHECK(selected->scalar_type() == torch::kInt32 && selected->dim() == 2 && selected->size(0) == q.size(0),
+                "latent_attention: selected int32 [rows, top_k] expected");
+    sel = selected->contiguous();
+    top_k = sel.size(1);
+  }
+  auto out = torch::empty({q.size(0), q.size(1), latent}, r.q.options());
+  if (out.numel() > 0)
+    tf::latent_attention(r.cache_code, r.q.data_ptr<float>(), cache.data_ptr(), r.pos.data_ptr<int64_t>(),
+                         r.tab.data_ptr<int64_t>(), r.tab.size(1), r.starts.data_ptr<int64_t>(), r.num_seqs(),
+                         selected ? sel.data_ptr<int32_t>() : nullptr, top_k, q.size(1), q.size(2), latent,
+                         cache.size(1), static_cast<float>(scale), out.data_ptr<float>(), threads());
+  return out;
+}
+
+// latent_attention.indexer_scores + select_top_keys for the rows of several sequences over the
+// indexer's keys [blocks, block_size, dim]: int32 [rows, top_k], chosen positions ascending, -1 pads.
+torch::Tensor dsa_select(const torch::Tensor& q, const torch::Tensor& weights, const torch::Tensor& keys,
+                         const torch::Tensor& positions, const torch::Tensor& tables, const torch::Tensor& row_starts,
+                         double scale, int64_t top_k) {
+  const LatentRows r = latent_rows(q, keys, positions, tables, row_starts, "dsa_select");
+  check_cpu(weights, "dsa_select: weights");
+  TORCH_CHECK(weights.scalar_type() == torch::kFloat32 && weights.dim() == 2 && weights.size(0) == q.size(0) &&
+                  weights.size(1) == q.size(1) && top_k > 0,
+              "dsa_select: float32 weights [rows, heads] and top_k > 0 expected");
+  auto wc = weights.contiguous();
+  auto out = torch::empty({q.size(0), top_k}, r.pos.options().dtype(torch::kInt32));
+  if (q.size(0) > 0)
+    tf::dsa_select(r.cache_code, r.q.data_ptr<float>(), wc.data_ptr<float>(), keys.data_ptr(),
+                   r.pos.data_ptr<int64_t>(), r.tab.data_ptr<int64_t>(), r.tab.size(1), r.starts.data_ptr<int64_t>(),
+                   r.num_seqs(), q.size(1), q.size(2), keys.size(1), static_cast<float>(scale), top_k,
+                   out.data_ptr<int32_t>(), threads());
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -727,6 +798,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "state in place",
           py::arg("x"), py::arg("residual"), py::arg("next_norm"), py::arg("conv_state"), py::arg("ssm_state"),
           py::arg("state_in"), py::arg("state_out"), py::arg("row_starts"));
+  m.def("latent_attention", &latent_attention,
+        "latent_attention.latent_attention of the rows of several sequences over the latent cache in one call",
+        py::arg("q"), py::arg("cache"), py::arg("positions"), py::arg("tables"), py::arg("row_starts"),
+        py::arg("scale"), py::arg("latent"), py::arg("selected") = py::none());
+  m.def("dsa_select", &dsa_select,
+        "the DSA indexer's top_k keys per row (indexer_scores + select_top_keys): int32 [rows, top_k], -1 pads",
+        py::arg("q"), py::arg("weights"), py::arg("keys"), py::arg("positions"), py::arg("tables"),
+        py::arg("row_starts"), py::arg("scale"), py::arg("top_k"));
   m.def("paged_attention", &paged_attention,
         "exact attention of the rows of several sequences: row_starts [S + 1], tables [S, width]; window 0: none",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("tables"),

@@ -16,6 +16,7 @@ from tensorfold.kernels.paged_attention import paged_decode_attention_ref as pag
 from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.delta_net import delta_net, gated_rms_norm  # noqa: F401
+from tensorfold.kernels.latent_attention import attention_by_sequence as latent_attention, dsa_select  # noqa: F401
 from tensorfold.kernels import quant_gemm, reference
 from tensorfold.kernels.reference import linear_padded
 from tensorfold.kernels.reference import (add_rms_norm, apply_rope, gelu_tanh_and_mul, pad_rows,  # noqa: F401

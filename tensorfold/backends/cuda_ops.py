@@ -40,6 +40,7 @@ import torch
 
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
+from tensorfold.kernels.latent_attention import attention_by_sequence as latent_attention, dsa_select  # noqa: F401
 from tensorfold.kernels.mamba2_triton import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
 from tensorfold.kernels.moe import group_by_expert, route_sigmoid  # noqa: F401
 from tensorfold.kernels.moe_triton import combine, route

@@ -71,6 +71,23 @@ def mamba2(xbc, dt, state, batch, params):
 
 mamba2_gated_norm = _cpu.mamba2_gated_norm  # kernels/mamba2.gated_group_norm's signature and bits
 
+def latent_attention(query, cache, batch, scale, selection):
+    """Latent attention (MLA) of all rows of a ForwardBatch over one layer's latent cache
+    (models/cache.LayerLatent) in one call: kernels/latent_attention.attention_by_sequence's
+    signature and bits; selection: dsa_select's (None: every earlier key)."""
+    return _cpu.latent_attention(query, cache.kv, batch.positions, batch.block_tables, batch.row_starts_tensor,
+                                 scale, cache.latent_dim, selection)
+
+
+def dsa_select(q, weights, cache, batch, scale, top_k):
+    """The DSA indexer's choice for all rows of a ForwardBatch in one call (kernels/latent_attention.
+    dsa_select's signature and bits): int32 [rows, top_k], or None where no row sees more than top_k keys."""
+    positions = batch.positions
+    if positions.numel() == 0 or int(positions.max()) < top_k:
+        return None
+    return _cpu.dsa_select(q, weights, cache.index_keys, positions, batch.block_tables, batch.row_starts_tensor, scale,
+                           top_k)
+
 
 def route(logits, top_k, normalize):
     """kernels/moe.route's choice and weights (C++)."""

@@ -121,3 +121,62 @@ def select_top_keys(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -
     order = torch.sort(scores.masked_fill(~seen, float("-inf")), dim=-1, descending=True, stable=True).indices
     chosen = torch.zeros_like(seen).scatter_(1, order[:, :top_k], True)
     return chosen & seen
+
+
+# ---- the op set's calls: every row of a ForwardBatch over one layer's latent cache ------------------
+# A selection is each row's chosen positions, int32 [rows, top_k] ascending with -1 pads (a row that
+# sees top_k keys or fewer lists them all), or None where every row sees top_k keys or fewer: what
+# dsa_select gives and latent_attention takes, the same in every op set.
+
+def dsa_select(q: torch.Tensor, weights: torch.Tensor, cache, batch, scale: float, top_k: int) -> torch.Tensor | None:
+    """The indexer's choice for a batch's rows: q [rows, heads, dim], weights [rows, heads] float32,
+    over cache.index_keys (models/cache.LayerLatent); per sequence, indexer_scores then
+    select_top_keys (the torch op set's form)."""
+    positions = batch.positions
+    if positions.numel() == 0 or int(positions.max()) < top_k:
+        return None
+    out = torch.full((positions.shape[0], top_k), -1, dtype=torch.int32, device=positions.device)
+    for seq in batch.sequences:
+        if seq.end == seq.start:
+            continue
+        rows = slice(seq.start, seq.end)
+        length = int(positions[rows].max()) + 1
+        keys = gather(cache.index_keys, seq.block_table, length)
+        chosen = select_top_keys(indexer_scores(q[rows], weights[rows], keys, scale), positions[rows], top_k)
+        out[rows] = chosen_positions(chosen, top_k)
+    return out
+
+
+def chosen_positions(chosen: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[R, L] bool (at most top_k set a row) -> int32 [R, top_k]: the set positions ascending, -1 pads."""
+    num_keys = chosen.shape[-1]
+    key_pos = torch.arange(num_keys, device=chosen.device).expand_as(chosen)
+    ordered = torch.where(chosen, key_pos, num_keys).sort(dim=-1).values[:, :top_k]
+    ordered = torch.nn.functional.pad(ordered, (0, top_k - ordered.shape[1]), value=num_keys)
+    return ordered.masked_fill_(ordered == num_keys, -1).to(torch.int32)
+
+
+def selection_mask(selection: torch.Tensor, positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """A selection's rows as [R, num_keys] bool (entries past a row's position ignored)."""
+    sel = selection.long()
+    valid = (sel >= 0) & (sel <= positions[:, None])
+    mask = torch.zeros((sel.shape[0], num_keys + 1), dtype=torch.bool, device=sel.device)
+    mask.scatter_(1, torch.where(valid, sel, num_keys), True)
+    return mask[:, :num_keys]
+
+
+def attention_by_sequence(query: torch.Tensor, cache, batch, scale: float,
+                          selection: torch.Tensor | None) -> torch.Tensor:
+    """A batch's rows: query [rows, heads, latent + rope] over cache.kv (models/cache.LayerLatent) ->
+    [rows, heads, latent] float32, one latent_attention per sequence (the torch op set's form)."""
+    out = torch.empty((query.shape[0], query.shape[1], cache.latent_dim), dtype=torch.float32, device=query.device)
+    for seq in batch.sequences:
+        if seq.end == seq.start:
+            continue
+        rows = slice(seq.start, seq.end)
+        positions = batch.positions[rows]
+        length = int(positions.max()) + 1
+        keys = gather(cache.kv, seq.block_table, length)
+        selected = None if selection is None else selection_mask(selection[rows], positions, length)
+        out[rows] = latent_attention(query[rows], keys, positions, scale, cache.latent_dim, selected)
+    return out

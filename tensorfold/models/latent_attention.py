@@ -155,22 +155,14 @@ class LatentAttention:
         index_keys = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
         kernels.write_latent(cache, torch.cat([latent, k_rope], dim=-1), index_keys, batch.slot_mapping)
         selections = self._selections(x, q_resid, cos, sin, batch, cache)
-        out = torch.empty((num_rows, s.num_heads, s.kv_lora_rank), dtype=torch.float32, device=x.device)
-        for i, seq in enumerate(batch.sequences):
-            if seq.end == seq.start:
-                continue
-            rows = slice(seq.start, seq.end)
-            positions = batch.positions[rows]
-            keys = kernels.gather(cache.kv, seq.block_table, int(positions.max()) + 1)
-            out[rows] = kernels.latent_attention(query[rows], keys, positions, s.scale, s.kv_lora_rank,
-                                                 selections[i] if selections is not None else None)
+        out = ops.latent_attention(query, cache, batch, s.scale, selections)  # [num_rows, heads, kv_lora] float32
         out = out.to(x.dtype)
         heads = [self.absorb_v[h](out[:, h].contiguous()) for h in range(s.num_heads)]  # [num_rows, v] each
         return self.o(torch.cat(heads, dim=-1))
 
     def _selections(self, x, q_resid, cos, sin, batch: ForwardBatch, cache: LayerLatent):
-        """Each sequence's [rows, keys] selection (None: every earlier key): this layer's indexer's,
-        remembered for the shared layers after it, or the source layer's."""
+        """The rows' selection (kernels/latent_attention.dsa_select's form; None: every earlier key):
+        this layer's indexer's, remembered for the shared layers after it, or the source layer's."""
         s = self.spec
         if self.indexer is not None:
             found = self.indexer.select(x, q_resid, cos, sin, batch, cache)
@@ -183,7 +175,8 @@ class LatentAttention:
 
 class Indexer:
     """The DSA indexer (the module docstring): its keys go to the cache beside the latent; its
-    scores choose each row's keys (kernels/latent_attention.indexer_scores, select_top_keys)."""
+    scores choose each row's keys (the op set's dsa_select: kernels/latent_attention.indexer_scores,
+    select_top_keys, or their native and Triton forms)."""
 
     def __init__(self, spec: IndexerSpec, w: WeightReader, rope_dim: int):
         self.spec, self.ops, self.rope_dim = spec, w.ops, rope_dim
@@ -207,20 +200,9 @@ class Indexer:
         k = layer_norm(self.wk(x), self.k_norm, self.k_norm_bias, INDEX_NORM_EPS)
         return self._rope(k[:, None], cos, sin)[:, 0]
 
-    def select(self, x, q_resid, cos, sin, batch: ForwardBatch, cache: LayerLatent) -> list:
+    def select(self, x, q_resid, cos, sin, batch: ForwardBatch, cache: LayerLatent):
         s = self.spec
         num_rows = x.shape[0]
         q = self._rope(self.wq_b(q_resid).view(num_rows, s.num_heads, s.head_dim), cos, sin)
         weights = self.weights_proj(x.float()).float() * f32(self.head_weight)  # [rows, heads]
-        found = []
-        for seq in batch.sequences:
-            rows = slice(seq.start, seq.end)
-            positions = batch.positions[rows]
-            length = int(positions.max()) + 1 if seq.end > seq.start else 0
-            if length <= s.top_k:  # every row sees top_k keys or fewer: it takes them all
-                found.append(None)
-                continue
-            keys = kernels.gather(cache.index_keys, seq.block_table, length)
-            scores = kernels.indexer_scores(q[rows], weights[rows], keys, self.scale)
-            found.append(kernels.select_top_keys(scores, positions, s.top_k))
-        return found
+        return self.ops.dsa_select(q, weights, cache, batch, self.scale, s.top_k)

@@ -1,0 +1,86 @@
+"""GLM-5's latent attention and DSA indexer as native kernels (csrc/cpu/latent_attention.cpp:
+_cpu.latent_attention, _cpu.dsa_select through native_ops) against the torch op set's
+(kernels/latent_attention.attention_by_sequence, dsa_select), bit for bit.
+
+GLM-5's widths (kv_lora 512, rope 64, 16 and 64 heads, indexer keys of 128) and tiny and odd ones;
+block tables out of order; a batch of a prefill, a chunk continuing a sequence and decode rows;
+indexer keys copied so that scores tie (the lower position wins); float32 and bfloat16 caches;
+1 and 2 threads; every row alone equals the row in the batch.
+"""
+import pytest
+import torch
+
+from latent_cases import GLM5, GLM5_WIDE, ODD, TINY, make_case, single_rows
+from tensorfold.backends import native_problem
+from tensorfold.kernels import latent_attention as ref
+
+pytestmark = pytest.mark.skipif(native_problem() is not None, reason=str(native_problem()))
+if native_problem() is None:
+    from tensorfold.backends import native_ops
+
+SCALE = 0.0721  # the attention's
+RUNS = [(0, 37), (90, 1), (20, 6), (5, 1)]  # a prefill, a decode row, a chunk mid-sequence, an early decode row
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _same(a, b):
+    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape,top_k", [(TINY, 8), (ODD, 5), (GLM5, 16)], ids=["tiny", "odd", "glm5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_dsa_select_and_latent_attention_are_the_references_bits(shape, top_k, dtype, threads):
+    cache, batch, query, index_q, weights = make_case(shape, RUNS, seed=top_k + shape.heads, dtype=dtype)
+    index_scale = shape.index_dim ** -0.5
+    want_sel = ref.dsa_select(index_q, weights, cache, batch, index_scale, top_k)
+    got_sel = native_ops.dsa_select(index_q, weights, cache, batch, index_scale, top_k)
+    assert want_sel is not None and got_sel.dtype == torch.int32 and torch.equal(got_sel, want_sel)
+    for selection in (None, want_sel):
+        want = ref.attention_by_sequence(query, cache, batch, SCALE, selection)
+        got = native_ops.latent_attention(query, cache, batch, SCALE, selection)
+        assert torch.equal(got, want)
+
+
+def test_ties_go_to_the_lower_position():
+    cache, batch, _, index_q, weights = make_case(TINY, [(0, 30)], seed=3)
+    flat = cache.index_keys.view(-1, TINY.index_dim)
+    table = batch.sequences[0].block_table
+    slot = [int(table[p // TINY.block_size]) * TINY.block_size + p % TINY.block_size for p in range(30)]
+    for p in range(30):  # every key the same: every score ties
+        flat[slot[p]] = flat[slot[0]]
+    got = native_ops.dsa_select(index_q, weights, cache, batch, 0.25, 6)
+    assert got[-1].tolist() == list(range(6)) and torch.equal(got, ref.dsa_select(index_q, weights, cache, batch, 0.25, 6))
+    assert got[3].tolist() == [0, 1, 2, 3, -1, -1]  # a row that sees 6 keys or fewer takes them all
+
+
+@pytest.mark.parametrize("shape,top_k", [(ODD, 5), (GLM5, 16)], ids=["odd", "glm5"])
+def test_a_row_alone_gets_its_bits_in_the_batch(shape, top_k):
+    cache, batch, query, index_q, weights = make_case(shape, RUNS, seed=7)
+    selection = native_ops.dsa_select(index_q, weights, cache, batch, 0.1, top_k)
+    whole = native_ops.latent_attention(query, cache, batch, SCALE, selection)
+    for r, alone in single_rows(batch, shape.block_size):
+        sel = native_ops.dsa_select(index_q[r:r + 1], weights[r:r + 1], cache, alone, 0.1, top_k)
+        if sel is not None:
+            assert torch.equal(sel[0], selection[r])
+        assert torch.equal(native_ops.latent_attention(query[r:r + 1], cache, alone, SCALE, sel)[0], whole[r])
+
+
+def test_glm5_64_heads_at_decode():
+    cache, batch, query, index_q, weights = make_case(GLM5_WIDE, [(300, 1), (70, 2)], seed=11, ties=False)
+    selection = ref.dsa_select(index_q, weights, cache, batch, 0.0884, 64)
+    assert torch.equal(native_ops.dsa_select(index_q, weights, cache, batch, 0.0884, 64), selection)
+    assert torch.equal(native_ops.latent_attention(query, cache, batch, SCALE, selection),
+                       ref.attention_by_sequence(query, cache, batch, SCALE, selection))
+
+
+def test_no_selection_below_top_k():
+    cache, batch, _, index_q, weights = make_case(TINY, [(0, 5), (2, 3)], seed=5)
+    assert native_ops.dsa_select(index_q, weights, cache, batch, 0.25, 8) is None
+    assert ref.dsa_select(index_q, weights, cache, batch, 0.25, 8) is None
