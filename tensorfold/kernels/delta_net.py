@@ -25,11 +25,13 @@ the exact rule forbids); the conv, the norms and the gates are computed for all 
 
 States live in the cache per block (models/cache.RecurrentState). The op reads and writes the
 slots the batch names (ForwardBatch.state_slots): each sequence's starting state, and for each
-row the block (if any) its state is written to; it knows nothing of block sizes or tables.
+row the block (if any) its state is written to; it knows nothing of block sizes or tables
+(kernels/recurrent.py, shared with Mamba2).
 """
 import torch
 
 from tensorfold.exact import float32, float64, grid
+from tensorfold.kernels import recurrent
 from tensorfold.kernels.reference import l2_norm, rms_norm, sigmoid32, silu32
 
 STATE_BITS = 22           # each column of S, and k and q, kept to 22 bits below their largest element
@@ -120,37 +122,13 @@ def delta_net(qkv, a, b, state, batch, params) -> torch.Tensor:
     written to block state_out[row] where that is not -1 (ForwardBatch.state_slots). Returns
     [rows, H, dv] in qkv's dtype (before the gated norm)."""
     state_in, state_out = batch.state_slots(state.block_size)
-    taps = state.conv.shape[1]
-    mixed = torch.empty(qkv.shape, dtype=torch.float32, device=qkv.device)
-    # Every starting state is read before any is written (a block one sequence writes may be
-    # another's start only across calls, never within one: kernels may run sequences at once).
-    windows, live = [], []
-    for i in range(len(batch.sequences)):
-        src = int(state_in[i])
-        windows.append(state.conv[src].clone() if src >= 0 else state.conv.new_zeros(state.conv.shape[1:]))
-        live.append(state.ssm[src].clone() if src >= 0 else state.ssm.new_zeros(state.ssm.shape[1:]))
-    for seq, window in zip(batch.sequences, windows):
-        padded = torch.cat([window, qkv[seq.start:seq.end].float()])
-        mixed[seq.start:seq.end] = conv_silu(qkv[seq.start:seq.end], window, params.conv_weight)
-        for t in range(seq.end - seq.start):  # the conv's last K - 1 inputs after each written row
-            dst = int(state_out[seq.start + t])
-            if dst >= 0:
-                state.conv[dst] = padded[t + 1:t + 1 + taps]
+    windows, live = recurrent.starting_states(state, state_in, len(batch.sequences))
+    mixed = recurrent.convolve(qkv, windows, batch, state, state_out,
+                               lambda rows, window: conv_silu(rows, window, params.conv_weight))
     q, k, v, decay, beta = prepare(mixed, a, b, params)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    lengths = [seq.end - seq.start for seq in batch.sequences]
-    live = torch.stack(live) if live else None
-    for t in range(max(lengths, default=0)):  # position t of every sequence that has one, at once
-        active = [i for i, n in enumerate(lengths) if n > t]
-        at = torch.tensor([batch.sequences[i].start + t for i in active], dtype=torch.int64)
-        every = len(active) == len(lengths)
-        sub = live if every else live[active]
-        out[at] = delta_step(sub, q[at], k[at], v[at], decay[at], beta[at])
-        if not every:
-            live[active] = sub
-        for j, row in enumerate(at.tolist()):
-            if int(state_out[row]) >= 0:
-                state.ssm[int(state_out[row])] = sub[j]
+    recurrent.scan(live, batch, state, state_out, out,
+                   lambda sub, at: delta_step(sub, q[at], k[at], v[at], decay[at], beta[at]))
     return out.to(qkv.dtype)
 
 

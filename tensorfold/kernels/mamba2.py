@@ -32,6 +32,7 @@ reads and writes the slots the batch names (ForwardBatch.state_slots), as kernel
 import torch
 
 from tensorfold.exact import float32
+from tensorfold.kernels import recurrent
 from tensorfold.kernels.delta_net import grid_dot, softplus32
 from tensorfold.kernels.reference import rms_norm, silu32
 
@@ -86,39 +87,14 @@ def mamba2(xbc: torch.Tensor, dt: torch.Tensor, state, batch, params) -> torch.T
     written to block state_out[row] where that is not -1 (ForwardBatch.state_slots). Returns y
     [rows, H, P] float32 (with the D skip, before the gated norm)."""
     state_in, state_out = batch.state_slots(state.block_size)
-    taps = state.conv.shape[1]
-    mixed = torch.empty(xbc.shape, dtype=torch.float32, device=xbc.device)
-    # Every starting state is read before any is written (a block one sequence writes may be
-    # another's start only across calls, never within one).
-    windows, live = [], []
-    for i in range(len(batch.sequences)):
-        src = int(state_in[i])
-        windows.append(state.conv[src].clone() if src >= 0 else state.conv.new_zeros(state.conv.shape[1:]))
-        live.append(state.ssm[src].clone() if src >= 0 else state.ssm.new_zeros(state.ssm.shape[1:]))
-    for seq, window in zip(batch.sequences, windows):
-        padded = torch.cat([window, xbc[seq.start:seq.end].float()])
-        mixed[seq.start:seq.end] = conv_silu(xbc[seq.start:seq.end], window, params.conv_weight, params.conv_bias)
-        for t in range(seq.end - seq.start):  # the conv's last K - 1 inputs after each written row
-            dst = int(state_out[seq.start + t])
-            if dst >= 0:
-                state.conv[dst] = padded[t + 1:t + 1 + taps]
+    windows, live = recurrent.starting_states(state, state_in, len(batch.sequences))
+    mixed = recurrent.convolve(xbc, windows, batch, state, state_out,
+                               lambda rows, window: conv_silu(rows, window, params.conv_weight, params.conv_bias))
     x, b, c = split_heads(mixed, params)
     step, decay = time_steps(dt, params)
     x_dt = x * step[..., None]
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    lengths = [seq.end - seq.start for seq in batch.sequences]
-    live = torch.stack(live) if live else None
-    for t in range(max(lengths, default=0)):  # position t of every sequence that has one, at once
-        active = [i for i, n in enumerate(lengths) if n > t]
-        at = torch.tensor([batch.sequences[i].start + t for i in active], dtype=torch.int64, device=x.device)
-        every = len(active) == len(lengths)
-        sub = live if every else live[active]
-        out[at] = ssm_step(sub, x_dt[at], b[at], c[at], decay[at])
-        if not every:
-            live[active] = sub
-        for j, row in enumerate(at.tolist()):
-            if int(state_out[row]) >= 0:
-                state.ssm[int(state_out[row])] = sub[j]
+    recurrent.scan(live, batch, state, state_out, out, lambda sub, at: ssm_step(sub, x_dt[at], b[at], c[at], decay[at]))
     return out + x * params.d[:, None]
 
 
