@@ -45,11 +45,17 @@ def parse_args(argv=None):
     p.add_argument("--no-drafts", action="store_true", help="turn speculative decoding off server-wide")
     p.add_argument("--vision", action="store_true",
                    help="load a vision-language checkpoint's vision tower (Qwen3.5): chat image_url parts and "
-                        "Responses input_image as data: URLs; without it such a checkpoint serves text only")
+                        "Responses input_image as data: URLs (http(s) URLs with --image-urls); without it such a "
+                        "checkpoint serves text only")
     p.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_bytes, help="--vision: bytes per image")
     p.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels,
                    help="--vision: width x height per image, as sent")
     p.add_argument("--max-images", type=int, default=ImageLimits.max_images, help="--vision: images per request")
+    p.add_argument("--image-urls", action="store_true",
+                   help="--vision: fetch http(s) image URLs (chat image_url, Responses input_image) from this "
+                        "server, within --max-image-bytes and --image-url-timeout; off: only data: URLs")
+    p.add_argument("--image-url-timeout", type=float, default=ImageLimits.url_timeout_s, metavar="SECONDS",
+                   help="--image-urls: a request's fetches end within this (connect, redirects, the body)")
     p.add_argument("--drafter", default="auto", choices=["auto", "mtp", "ngram"],
                    help="where drafts come from: the checkpoint's multi-token-prediction layer (mtp; an error "
                         "without one), prompt lookup (ngram), or auto: mtp where the checkpoint has it, else ngram")
@@ -107,6 +113,8 @@ def settings_from(args, backend: str = "cpu"):
         raise SystemExit("--tp-timeout must be positive")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         raise SystemExit("--num-draft-tokens must be at least 1 (--no-drafts turns drafting off)")
+    if not args.image_url_timeout > 0:
+        raise SystemExit("--image-url-timeout must be positive")
     if args.parallel == "auto":
         parallel = 8
     else:
@@ -131,7 +139,8 @@ def settings_from(args, backend: str = "cpu"):
                          api_key=args.api_key or os.environ.get("TENSORFOLD_API_KEY") or None,
                          response_store=args.response_store, builtin_tools=args.builtin_tools,
                          reasoning_key_file=args.reasoning_key_file, engine=engine,
-                         image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images))
+                         image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images,
+                                                    args.image_urls, args.image_url_timeout))
 
 
 class JsonLogFormatter(logging.Formatter):

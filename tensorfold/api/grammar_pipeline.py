@@ -57,24 +57,25 @@ class GrammarPipeline:
             return tool_call_spec(self.served.card, greq.tools.shown())
         return greq.grammar
 
-    def submit(self, prepared: Prepared, spec: GrammarSpec, start: Start) -> Sink:
-        """Start the request under its grammar now, or hold it until the grammar compiles."""
+    def submit(self, prepared: Prepared, spec: GrammarSpec, start: Start, sink: Sink | None = None) -> Sink:
+        """Start the request under its grammar now, or hold it until the grammar compiles; `sink`:
+        the request's held one, where it already waited (for its image URLs)."""
         if not GrammarCompiler.available():
             raise ApiError("structured output needs xgrammar on the server: pip install xgrammar", param=spec.field)
         compiled = self.compiler.cached(spec)
         if compiled is not None:  # no hop to the worker thread for a grammar already compiled
-            return start(prepared, self.constraint(prepared, compiled), 0.0)
+            return start(prepared, self.constraint(prepared, compiled), 0.0, sink)
         future = self.compiler.compile_async(spec)
         try:
             compiled, seconds = future.result(timeout=QUICK_COMPILE_S)
         except FutureTimeout:
-            sink = EventStream(held=True) if prepared.greq.stream else DeferredResponse()
+            sink = sink or (EventStream(held=True) if prepared.greq.stream else DeferredResponse())
             self.pending.append(PendingGrammar(prepared, spec, future, sink))
             future.add_done_callback(lambda _: self.wake())
             return sink
         except GrammarCompileError as e:
             raise _compile_error(spec, e) from None
-        return start(prepared, self.constraint(prepared, compiled), seconds)
+        return start(prepared, self.constraint(prepared, compiled), seconds, sink)
 
     def start_compiled(self, start: Start) -> None:
         """Start the requests whose grammar finished compiling (or answer them with a 400)."""

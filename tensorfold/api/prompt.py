@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tensorfold.api import replies
 from tensorfold.api.errors import ApiError
-from tensorfold.api.images import ImageLimits, image_parts, read_images
+from tensorfold.api.images import ImageLimits, image_parts, read_images, urls_to_fetch
 from tensorfold.api.request import GenerationRequest, check_prompt_ids
 from tensorfold.chat.messages import render_chat
 from tensorfold.chat.reply_parser import ReplyParser
@@ -45,8 +45,9 @@ class Prompts:
         self.model_names = model_names
         self.default_max_tokens = default_max_tokens or info.default_max_tokens
 
-    def prepare(self, greq: GenerationRequest, fmt_class=None) -> Prepared:
-        """Render and tokenize, check the window, make the reply's format and parser."""
+    def prepare(self, greq: GenerationRequest, fmt_class=None, fetched: dict | None = None) -> Prepared:
+        """Render and tokenize, check the window, make the reply's format and parser; `fetched`:
+        the bytes of the request's http(s) image URLs (image_urls), fetched first."""
         card = self.served.card
         shown = greq.tools.shown() if greq.tools is not None else None
         if shown and (card is None or card.tool_format is None):
@@ -54,21 +55,32 @@ class Prompts:
                            "format, so it cannot be offered tools; start the server with --model-card NAME for "
                            "a card that does", param="tools")
         prompt_ids, thinking = self.ids(greq, shown)
-        prompt_ids, images = self.place_images(greq, prompt_ids)
+        prompt_ids, images = self.place_images(greq, prompt_ids, fetched)
         params = self.fit_window(greq, len(prompt_ids))
-        fmt = (fmt_class or replies.FORMATS[greq.kind])(greq.model or self.model_names[0])
+        fmt = self.format(greq, fmt_class)
         parser = ReplyParser(card if greq.kind == "chat" else None, shown,
                              parallel_tool_calls=greq.tools.parallel if greq.tools else True,
                              thinking=thinking, call_id_prefix=f"call_{fmt.id[-12:]}")
         return Prepared(greq, fmt, prompt_ids, params, parser, thinking, images)
 
-    def place_images(self, greq: GenerationRequest, prompt_ids: list[int]) -> tuple[list[int], tuple]:
+    def format(self, greq: GenerationRequest, fmt_class=None) -> replies.ReplyFormat:
+        """The reply's format: the route's (fmt_class), else the request kind's."""
+        return (fmt_class or replies.FORMATS[greq.kind])(greq.model or self.model_names[0])
+
+    def image_urls(self, greq: GenerationRequest) -> list[str]:
+        """The http(s) image URLs to fetch before prepare() (--vision with --image-urls)."""
+        if self.info.vision is None or greq.kind != "chat":
+            return []
+        return urls_to_fetch(greq.messages, self.image_limits)
+
+    def place_images(self, greq: GenerationRequest, prompt_ids: list[int],
+                     fetched: dict | None = None) -> tuple[list[int], tuple]:
         """The prompt with each image's pad expanded to its merged patches, and the image spans
         (the request's image parts were accepted only where the engine has a tower: --vision)."""
         vision = self.info.vision
         if vision is None or greq.kind != "chat" or not image_parts(greq.messages):
             return prompt_ids, ()
-        images = read_images(greq.messages, self.image_limits, vision.preprocess)
+        images = read_images(greq.messages, self.image_limits, vision.preprocess, fetched)
         try:
             return expand(prompt_ids, vision.pad_id, images)
         except ValueError as e:

@@ -17,6 +17,7 @@ from tensorfold.api.delivery import Delivery
 from tensorfold.api.errors import ApiError
 from tensorfold.api.grammar_pipeline import GrammarPipeline
 from tensorfold.api.prompt import Prompts
+from tensorfold.api.image_fetch import ImageFetches
 from tensorfold.api.images import ImageLimits
 from tensorfold.api.request import (GenerationRequest, ServerDefaults, check_prompt_ids,
                                     parse_chat_request, parse_completion_request)
@@ -53,6 +54,7 @@ class Service:
         self.prompts = Prompts(served, self.info, model_names, default_max_tokens, image_limits)
         self.grammar = GrammarPipeline(served, self.info.vocab_size, lambda: self.wake())
         self.delivery = Delivery(engine, served, self.counters, self.latencies)
+        self.fetches = ImageFetches(lambda: self.wake())
 
     # the live requests and the served model's parts, as the tests and tools read them
 
@@ -204,14 +206,26 @@ class Service:
     def _generate(self, greq: GenerationRequest, fmt_class=None):
         if greq.ignored_fields:
             log.info("ignoring unknown request fields: %s", ", ".join(greq.ignored_fields))
-        prepared = self.prompts.prepare(greq, fmt_class)
+        urls = self.prompts.image_urls(greq)
+        if urls:  # fetched off the serving thread (api/image_fetch.py); the request waits, held
+            limits = self.prompts.image_limits
+            return self.fetches.submit(greq, fmt_class, urls, limits.max_bytes, limits.url_timeout_s)
+        return self._start(greq, fmt_class)
+
+    def _start(self, greq: GenerationRequest, fmt_class=None, fetched: dict | None = None, sink=None):
+        """Prepare and start a request (its image URLs fetched, its sink held, where it waited)."""
+        prepared = self.prompts.prepare(greq, fmt_class, fetched)
         spec = self.grammar.spec(greq)
         if spec is None:
-            return self.delivery.start(prepared, self.grammar.budget(prepared))
-        return self.grammar.submit(prepared, spec, self.delivery.start)
+            return self.delivery.start(prepared, self.grammar.budget(prepared), sink=sink)
+        return self.grammar.submit(prepared, spec, self.delivery.start, sink)
 
     def tick(self) -> bool:
         """One engine round; True while work remains."""
+        if self.fetches.pending:
+            self.fetches.start_fetched(
+                self._start, lambda greq, fmt_class, e: self.prompts.format(greq, fmt_class).api_error(e),
+                lambda greq, fmt_class, message: self.prompts.format(greq, fmt_class).error_response(500, message))
         if self.grammar.pending:
             self.grammar.start_compiled(self.delivery.start)
         return self.delivery.round()
