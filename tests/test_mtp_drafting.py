@@ -66,29 +66,20 @@ def sampled(seed, n=NEW_TOKENS):
 def test_mtp_layer_equals_its_training_form(checkpoints):
     """The served MTP layer's logits (fed the served model's hidden states) against the
     transformers-built layer tools/train_mtp.py trained, on one of its sequences."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    from tools.train_mtp import MTPLayer, text_model
+    from tools.train_mtp import text_model, trained_layer
 
     _, path, prompts = checkpoints
     engine = Engine(path, EngineConfig(drafter="mtp", **BASE))
     model, cache = engine.backend.model, engine.backend.cache
     seq = prompts[0] + engine.generate(prompts[0], greedy(24)).token_ids
-    config = AutoConfig.from_pretrained(path)
-    config.text_config._attn_implementation = "eager"
-    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    layer = MTPLayer(config.text_config, config.text_config.layer_types.index("full_attention"))
-    layer.load_state_dict({k[4:]: v for k, v in load_file(os.path.join(path, "model.safetensors")).items()
-                           if k.startswith("mtp.")})
+    hf, layer = trained_layer(path)
     n = len(seq) - 1
     with torch.no_grad():
         base = text_model(hf)
         ids = torch.tensor([seq])
         hidden = base(input_ids=ids).last_hidden_state
-        rope = base.rotary_emb(hidden[:, :n], torch.arange(n).view(1, 1, n).expand(3, 1, n))
-        mask = torch.full((n, n), float("-inf")).triu(1).view(1, 1, n, n)
-        expected = hf.get_output_embeddings()(layer(base.embed_tokens(ids)[:, 1:], hidden[:, :n], rope, mask))[0]
+        context = layer.form.context(base, hidden[:, :n], n)
+        expected = hf.get_output_embeddings()(layer(base.embed_tokens(ids)[:, 1:], hidden[:, :n], context))[0]
 
     def rows(ids, start=0):
         pos = torch.arange(start, start + len(ids))
@@ -96,7 +87,7 @@ def test_mtp_layer_equals_its_training_form(checkpoints):
                             torch.arange(len(ids)))
     _, ours_hidden = model.forward(rows(seq), cache, hidden=True)
     torch.testing.assert_close(ours_hidden, hidden[0], atol=1e-3, rtol=0)
-    got, _ = model.mtp.forward(ours_hidden[:n], rows(seq[1:]), cache.layer(len(model.layers)))
+    got, _ = model.mtp.forward(ours_hidden[:n], rows(seq[1:]), [cache.layer(len(model.layers))])
     torch.testing.assert_close(got, expected, atol=5e-3, rtol=0)
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
 

@@ -20,7 +20,8 @@ from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 class MTPRunner:
     def __init__(self, model, cache):
         self.mtp, self.device = model.mtp, model.device
-        self.kv = cache.layer(len(model.layers))  # the MTP layer's part: the cache's last layer
+        # the MTP layer's parts: the cache's layers after the model's
+        self.caches = [cache.layer(len(model.layers) + i) for i in range(len(model.mtp.layers))]
         self.block_size = cache.block_size
         self._held: dict[str, HeldRows] = {}
         self._chain: dict[str, tuple[int, torch.Tensor, int]] = {}  # req_id -> (position, h' [hidden], draft)
@@ -55,7 +56,7 @@ class MTPRunner:
         rows = [self._held[ask.req_id].rows(ask.start_position, len(ask.token_ids)) for ask in asks]
         pieces = [(ask.start_position, ask.token_ids, ask.block_ids) for ask in asks]
         batch = self._batch(pieces, [i for i, ask in enumerate(asks) if ask.want_draft])
-        logits, out = self.mtp.forward(torch.cat(rows), batch, self.kv)
+        logits, out = self.mtp.forward(torch.cat(rows), batch, self.caches)
         self.num_forwards += 1
         for ask in asks:
             self._held[ask.req_id].drop_before(ask.start_position + len(ask.token_ids) - 1)
@@ -84,7 +85,7 @@ class MTPRunner:
             # the token at p + s + 1; it drafts the token at p + s + 2.
             pieces = [(ask.position + step, [proposals[ask.req_id][-1]], ask.block_ids) for ask, _ in live]
             batch = self._batch(pieces, list(range(len(live))))
-            logits, out = self.mtp.forward(torch.stack([h for _, h in live]), batch, self.kv)
+            logits, out = self.mtp.forward(torch.stack([h for _, h in live]), batch, self.caches)
             self.num_forwards += 1
             for i, ((ask, _), draft) in enumerate(zip(live, logits.argmax(dim=-1).tolist())):
                 proposals[ask.req_id].append(draft)

@@ -15,7 +15,7 @@ from tensorfold.models.cache import ModelCache
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.forward_batch import ForwardBatch
-from tensorfold.models.mtp import PREFIX as MTP_PREFIX, MultiTokenPredictor
+from tensorfold.models.mtp import MTPSpec, MultiTokenPredictor
 from tensorfold.models.rope import RopeTables
 from tensorfold.models.spec import LayerSpec
 from tensorfold.models.weights import WeightReader
@@ -46,16 +46,15 @@ class Model:
         self.embed, self.lm_head = _embedding_and_head(w, embed, args)
         self._run = [ops.fuse(layer) or layer.forward for layer in self.layers]
 
-    def add_mtp(self, spec: LayerSpec, tensors: dict, blocks: dict, norm_offset: float, num_layers: int) -> None:
-        """Build the checkpoint's MTP layer (under mtp.) on this model's embedding, head and rope
-        tables; its K/V becomes the cache's last layer."""
+    def add_mtp(self, spec: MTPSpec, tensors: dict, blocks: dict, norm_offset: float) -> None:
+        """Build the checkpoint's MTP layer (models/mtp.py, under its family's names) on this
+        model's embedding, head and rope tables; its layers' caches follow the model's."""
         w = WeightReader(tensors, self.dtype, self.device, self.ops, norm_offset=norm_offset)
-        self.mtp = MultiTokenPredictor(spec, w.under(MTP_PREFIX), self.rope_tables, blocks, self.embed, self.lm_head,
-                                       num_layers)
+        self.mtp = MultiTokenPredictor(spec, w, self.rope_tables, blocks, self.embed, self.lm_head)
 
     def cache_specs(self) -> list:
         """Each layer's cache kind (models/cache.py), in layer order; the MTP layer's last."""
-        return [layer.cache_spec for layer in self.layers] + ([self.mtp.cache_spec] if self.mtp else [])
+        return [layer.cache_spec for layer in self.layers] + (self.mtp.cache_specs if self.mtp else [])
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                        v_exponents: bool = False) -> ModelCache:

@@ -8,23 +8,24 @@ mlp_layer_types says), then a mixture of experts (models/moe.py) with sigmoid no
 (e_score_correction_bias, n_group / topk_group, routed_scaling_factor, norm_topk_prob) and
 n_shared_experts shared experts added ungated. Norms are plain RMSNorms (x * w).
 
-The next-n (MTP) layers a real checkpoint holds after the last decoder layer
-(model.layers.{num_hidden_layers}.) are not served yet: skipped at load, with a log line.
+The next-n (MTP) layer a real checkpoint holds after the last decoder layer (num_nextn_predict_layers
+of them, as model.layers.{num_hidden_layers}.) is the family's MTP layer (models/mtp.py, GLM_NEXTN's
+names): enorm, hnorm, eh_proj over [enorm(embed), hnorm(h)], one decoder layer as the others (latent
+attention with a DSA indexer of its own, the MoE), shared_head.norm; its shared_head.head and
+embed_tokens are copies of the model's head and embedding and are not read. It drafts where the
+drafter asks for it (--drafter mtp / auto), and is skipped with a log line otherwise.
 """
-import logging
 import math
-import re
 from dataclasses import replace
 
 from tensorfold.models.blocks import BLOCKS
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, RopeConfig
-from tensorfold.models.decoder import Model
 from tensorfold.models.latent_attention import IndexerSpec, LatentAttention, LatentAttentionSpec
 from tensorfold.models.moe import MoE, MoESpec, SigmoidRouting
+from tensorfold.models.mtp import MTPNames, MTPSpec
 from tensorfold.models.spec import Family, LayerSpec, MLPSpec
 
-log = logging.getLogger("tensorfold.models")
 MLP_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
 LAYER_TYPES = ("indexed_attention",)
@@ -50,23 +51,45 @@ def layer_specs(args: ModelArgs) -> list[LayerSpec]:
     _check_types(hf.get("layer_types") or list(LAYER_TYPES) * n, LAYER_TYPES, "layer_types", n)
     mlp_types = _check_types(_mlp_types(hf, n), MLP_TYPES, "mlp_layer_types", n)
     indexer_types = _check_types(_indexer_types(hf, n), INDEXER_TYPES, "indexer_types", n)
-    rope, scale = _rope_and_scale(args)
-    q_lora = hf.get("q_lora_rank")
-    indexer = IndexerSpec(int(option(hf, "index_n_heads")), int(option(hf, "index_head_dim")),
-                          int(option(hf, "index_topk")))
     specs, source = [], None
     for i in range(n):
         full = indexer_types[i] == "full"
         if not full and source is None:
             raise CheckpointError(f"config.json: indexer_types[{i}] is 'shared' and no 'full' layer comes before it")
-        mixer = LatentAttentionSpec(
-            i, args.num_heads, int(q_lora) if q_lora else None, need(hf, "kv_lora_rank"), need(hf, "qk_nope_head_dim"),
-            need(hf, "qk_rope_head_dim"), need(hf, "v_head_dim"), rope, args.max_position, scale,
-            indexer=indexer if full else None, selection_source=None if full else source)
         source = i if full else source
-        specs.append(LayerSpec(mixer, _moe(hf) if mlp_types[i] == "sparse" else MLPSpec(args.intermediate_size),
-                               args.rms_norm_eps))
+        specs.append(_layer(args, i, source, sparse=mlp_types[i] == "sparse"))
     return specs
+
+
+def _layer(args: ModelArgs, i: int, source: int, sparse: bool) -> LayerSpec:
+    """Layer i: latent attention with its own indexer (source == i) or source's choice, then the MoE
+    (sparse) or the dense MLP."""
+    hf = args.hf
+    rope, scale = _rope_and_scale(args)
+    q_lora = hf.get("q_lora_rank")
+    indexer = IndexerSpec(int(option(hf, "index_n_heads")), int(option(hf, "index_head_dim")),
+                          int(option(hf, "index_topk")))
+    full = source == i
+    mixer = LatentAttentionSpec(
+        i, args.num_heads, int(q_lora) if q_lora else None, need(hf, "kv_lora_rank"), need(hf, "qk_nope_head_dim"),
+        need(hf, "qk_rope_head_dim"), need(hf, "v_head_dim"), rope, args.max_position, scale,
+        indexer=indexer if full else None, selection_source=None if full else source)
+    return LayerSpec(mixer, _moe(hf) if sparse else MLPSpec(args.intermediate_size), args.rms_norm_eps)
+
+
+def mtp_layer(args: ModelArgs) -> MTPSpec:
+    """The next-n layer after the decoder's num_hidden_layers: its own DSA indexer (as DeepSeek-V3.2's),
+    the MoE past the dense first layers."""
+    hf, n = args.hf, args.num_layers
+    declared = int(hf.get("num_nextn_predict_layers") or 0)
+    names = MTPNames(f"model.layers.{n}.", "enorm.weight", "hnorm.weight", "eh_proj.weight", ("",),
+                     "shared_head.norm.weight", f"next-n (MTP) layers {list(range(n, n + max(declared, 1)))}",
+                     ignored=("shared_head.head.weight", "embed_tokens.weight"), chain_before_norm=True)
+    if not declared:
+        return MTPSpec(names, (), 0)
+    types = hf.get("mlp_layer_types")  # as the last decoder layer's, else past first_k_dense_replace
+    sparse = types[-1] == "sparse" if types else n >= int(option(hf, "first_k_dense_replace"))
+    return MTPSpec(names, (_layer(args, n, n, sparse=sparse),), declared)
 
 
 def _check_types(types: list, served: tuple, key: str, num_layers: int) -> list:
@@ -131,18 +154,5 @@ def _moe(hf: dict) -> MoESpec:
                    shared_gated=False, shared_prefix="shared_experts.")
 
 
-class GlmMoeDsaModel(Model):
-    """models/decoder.Model; the next-n (MTP) layers after the last decoder layer are said in the
-    log and not read."""
-
-    def __init__(self, args: ModelArgs, specs: list, tensors: dict, *rest, **kwargs):
-        layer = re.compile(r"model\.layers\.(\d+)\.")
-        extra = {int(m.group(1)) for name in tensors if (m := layer.match(name)) and int(m.group(1)) >= len(specs)}
-        if extra:
-            count = sum(1 for name in tensors if (m := layer.match(name)) and int(m.group(1)) in extra)
-            log.info("skipped %d tensors of the next-n (MTP) layers %s (not served yet)", count, sorted(extra))
-        super().__init__(args, specs, tensors, *rest, **kwargs)
-
-
 BLOCKS_GLM = {**BLOCKS, LatentAttentionSpec: LatentAttention, MoESpec: MoE}
-FAMILY = Family("glm_moe_dsa", layer_specs, BLOCKS_GLM, model=GlmMoeDsaModel)
+FAMILY = Family("glm_moe_dsa", layer_specs, BLOCKS_GLM, mtp_layer=mtp_layer)

@@ -9,7 +9,7 @@ from tensorfold.models.checkpoint import Checkpoint, CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.progress import LoadProgress
 from tensorfold.models.decoder import Model
-from tensorfold.models.mtp import PREFIX as MTP_PREFIX, has_mtp
+from tensorfold.models.mtp import has_mtp
 from tensorfold.models.registry import model_family
 from tensorfold.models.vision_tower import build_vision_tower, vision_info
 from tensorfold.models.weights import WeightReader
@@ -84,9 +84,12 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     family = model_family(ckpt.architecture, ckpt.path)
     served = served_tensors(ckpt.tensors, family)
-    with_mtp = mtp and group is None and family.mtp_layer is not None and has_mtp(served, args.hf)
-    if not with_mtp:
-        served = {n: t for n, t in served.items() if not n.startswith(MTP_PREFIX)}
+    mtp_spec = family.mtp_layer(args) if family.mtp_layer is not None else None
+    with_mtp = mtp and group is None and has_mtp(mtp_spec, served)
+    if mtp_spec is not None:
+        served = _mtp_tensors(served, mtp_spec, with_mtp, "loaded" if with_mtp else
+                              "not asked for" if not mtp else "tensor parallel" if group is not None else
+                              "the config declares none" if not mtp_spec.declared else "none in the checkpoint")
     tensors = LoadProgress(served)
     reader, blocks = WeightReader, family.blocks
     if group is not None:
@@ -95,13 +98,26 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     model = (family.model or Model)(args, family.layer_specs(args), tensors, dtype, ops, device, blocks,
                                     family.norm_offset, reader)
     if with_mtp:
-        model.add_mtp(family.mtp_layer(args), tensors, family.blocks, family.norm_offset,
-                      int(args.hf["mtp_num_hidden_layers"]))
+        model.add_mtp(mtp_spec, tensors, family.blocks, family.norm_offset)
     if vision:  # the tower reads the checkpoint's own names (the text model's served set skips them)
         model.vision = build_vision_tower(ckpt, dtype, ops, device)
         model.vision.preprocess = vision_info(ckpt).preprocess  # the image cache preprocesses on a miss
     tensors.finish()
     return model
+
+
+def _mtp_tensors(served: dict, spec, keep: bool, why: str) -> dict:
+    """The served tensors without the MTP layer's (unless `keep`), and without the copies of the
+    model's own it stores (MTPNames.ignored); said in the log."""
+    names = spec.names
+    ignored = {names.prefix + n for n in names.ignored}
+    dropped = {n for n in served if n.startswith(names.prefix) and (not keep or n in ignored)}
+    log = logging.getLogger("tensorfold.models")
+    if not keep and dropped:
+        log.info("skipped %d tensors under %s (%s: %s)", len(dropped), names.prefix, names.label, why)
+    elif dropped:
+        log.info("%s: the model's own embedding and head serve it (%s not read)", names.label, ", ".join(sorted(dropped)))
+    return {n: t for n, t in served.items() if n not in dropped}
 
 
 def served_tensors(tensors: dict, family) -> dict:

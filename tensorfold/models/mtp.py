@@ -1,21 +1,36 @@
-"""The multi-token-prediction layer some checkpoints ship beside their decoder (Qwen3.5/3.6's
-`mtp.*`): a small model of its own on the same seams, which the MTP drafter runs to propose the
-tokens after the next one.
+"""The multi-token-prediction layer some checkpoints ship beside their decoder: a small model of
+its own on the same seams, which the MTP drafter runs to propose the tokens after the next one.
 
 Given the target model's final hidden state at position j (after its final norm, as the model
 returns it) and the embedding of the token at j + 1, it predicts the token at j + 2:
 
     x = fc([norm_e(embed(t[j+1])), norm_h(h[j])])     # [rows, 2 * hidden] -> [rows, hidden]
-    x = decoder layer (gated attention + MLP or MoE) at position j, over its own paged K/V
+    x = its decoder layers at position j, over their own caches
     h' = norm(x);  logits = lm_head(h')                # the target's embedding and head, shared
 
-h' stands in for the target's h[j + 1] when it drafts further (the drafter's chained steps).
-Its one attention layer keeps its own paged K/V (cache kind PagedKV, allocated as one more
-layer of the model's cache, under the same block ids): slot j holds the row of (h[j], t[j+1]).
-The layer runs on the model's op set, so its rows are batch invariant like the target's and
-its drafts a pure function of the tokens; drafts never change a reply either way (the engine
-keeps only drafts equal to the keyed draws).
+Each family stores it under names of its own (MTPNames), read by this one class:
+
+    qwen3_5      mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.0.*, norm}
+                 (Qwen3.5/3.6: one gated-attention decoder layer)
+    glm_moe_dsa  model.layers.{L}.{enorm, hnorm, eh_proj, <a decoder layer>, shared_head.norm},
+                 L = num_hidden_layers (GLM-5 / DeepSeek-V3's next-n layer: latent attention
+                 with its DSA indexer and MoE; shared_head.head and embed_tokens are copies of
+                 the model's head and embedding, not read)
+    nemotron_h   mtp.layers.{0..k-1}.* single-block layers in the config's MTP pattern (Nemotron
+                 3: attention, then MoE), enorm / hnorm / eh_proj on the first, final_layernorm
+                 on the last
+
+h' stands in for the target's h[j + 1] when it drafts further (the drafter's chained steps); a
+family whose layer was trained chaining the state before its final norm (DeepSeek's form, which
+GLM-5's serving follows) chains that instead (MTPNames.chain_before_norm). Each of its layers
+keeps its own cache (a per-position kind: paged K/V, the latent cache; a feed-forward-only
+layer none), allocated as further layers of the model's cache under the same block ids: slot j
+holds the row of (h[j], t[j+1]). The layers run on the model's op set, so their rows are batch
+invariant like the target's and the drafts a pure function of the tokens; drafts never change a
+reply either way (the engine keeps only drafts equal to the keyed draws).
 """
+from dataclasses import dataclass
+
 import torch
 
 from tensorfold.models.blocks import DecoderLayer
@@ -25,45 +40,86 @@ from tensorfold.models.rope import RopeTables
 from tensorfold.models.spec import LayerSpec
 from tensorfold.models.weights import WeightReader
 
-PREFIX = "mtp."
+PREFIX = "mtp."  # Qwen3.5's and Nemotron-H's (the decoder's names: models/qwen3_5.tensor_name, nemotron_h's)
 
 
-def has_mtp(tensors: dict, hf: dict) -> bool:
-    """Whether the checkpoint holds MTP weights its config declares."""
-    return int(hf.get("mtp_num_hidden_layers") or 0) > 0 and any(n.startswith(PREFIX) for n in tensors)
+@dataclass(frozen=True)
+class MTPNames:
+    """Where a family keeps its MTP weights: every name below is under `prefix`. `layers`: each
+    decoder layer's own prefix; `ignored`: tensors stored there that are copies of the model's
+    own (its embedding, its head), left unread."""
+    prefix: str
+    norm_embedding: str
+    norm_hidden: str
+    fc: str
+    layers: tuple[str, ...]
+    norm: str
+    label: str = "multi-token-prediction layers"  # how the log names them
+    ignored: tuple[str, ...] = ()
+    chain_before_norm: bool = False
+
+
+@dataclass(frozen=True)
+class MTPSpec:
+    """A family's MTP layer for a config: its names, and its layers' specs (empty where the
+    config declares none: `declared` 0)."""
+    names: MTPNames
+    layers: tuple[LayerSpec, ...]
+    declared: int  # the config's count (mtp_num_hidden_layers, num_nextn_predict_layers)
+
+
+def has_mtp(spec: MTPSpec | None, tensors) -> bool:
+    """Whether the config declares an MTP layer and the checkpoint holds weights under its prefix."""
+    return (spec is not None and spec.declared > 0
+            and any(n.startswith(spec.names.prefix) for n in tensors))
 
 
 class MultiTokenPredictor:
-    def __init__(self, spec: LayerSpec, w: WeightReader, rope_tables: RopeTables, blocks: dict, embed, lm_head,
-                 num_layers: int = 1):
-        if num_layers != 1:
-            raise CheckpointError(f"mtp_num_hidden_layers is {num_layers}; one MTP layer is served")
-        self.spec, self.ops, self.dtype, self.eps = spec, w.ops, w.dtype, spec.norm_eps
-        self.norm_embedding = w.norm("pre_fc_norm_embedding.weight")
-        self.norm_hidden = w.norm("pre_fc_norm_hidden.weight")
-        self.fc = w.linear("fc.weight")  # [hidden, 2 * hidden]: the embedding half first
-        self.layer = DecoderLayer(spec, w.under("layers.0."), rope_tables, blocks)
-        self.norm = w.norm("norm.weight")
+    def __init__(self, spec: MTPSpec, w: WeightReader, rope_tables: RopeTables, blocks: dict, embed, lm_head):
+        """w: the model's reader (names under spec.names.prefix are read)."""
+        names = spec.names
+        if spec.declared != 1:
+            raise CheckpointError(f"{names.prefix}: {spec.declared} {names.label} declared; one is served")
+        w = w.under(names.prefix)
+        self.spec, self.names, self.ops, self.dtype = spec, names, w.ops, w.dtype
+        self.eps = spec.layers[0].norm_eps
+        self.norm_embedding = w.norm(names.norm_embedding)
+        self.norm_hidden = w.norm(names.norm_hidden)
+        self.fc = w.linear(names.fc)  # [hidden, 2 * hidden]: the embedding half first
+        self.layers = [DecoderLayer(s, w.under(p), rope_tables, blocks) for s, p in zip(spec.layers, names.layers)]
+        for layer, prefix in zip(self.layers, names.layers):
+            if getattr(layer.cache_spec, "recurrent", False):
+                raise CheckpointError(f"{w.prefix}{prefix}: a recurrent layer in the MTP layer is not served "
+                                      "(its drafted rows would have to be rewound)")
+        self.norm = w.norm(names.norm)
         self.embed, self.lm_head = embed, lm_head
-        self._run = self.ops.fuse(self.layer) or self.layer.forward
+        self._run = [self.ops.fuse(layer) or layer.forward for layer in self.layers]
 
     @property
-    def cache_spec(self):
-        return self.layer.cache_spec
+    def cache_specs(self) -> list:
+        """Each of its layers' cache kind (None: keeps nothing), after the model's layers'."""
+        return [layer.cache_spec for layer in self.layers]
 
     def gemms(self) -> dict:
-        return {"mtp.fc": self.fc, **{f"mtp.layers.0.{k}": v for k, v in self.layer.gemms().items()}}
+        named = {"mtp.fc": self.fc}
+        for i, layer in enumerate(self.layers):
+            named.update({f"mtp.layers.{i}.{k}": v for k, v in layer.gemms().items()})
+        return named
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [rows, hidden]: h[j] per row; batch.input_ids: t[j + 1]; batch.positions: j.
-        Returns (logits [len(batch.logits_rows), vocab] fp32, h' [rows, hidden])."""
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, caches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [rows, hidden]: h[j] per row; batch.input_ids: t[j + 1]; batch.positions: j;
+        caches: each layer's part of the cache. Returns (logits [len(batch.logits_rows), vocab]
+        fp32, h' [rows, hidden]: what a chained step reads as h)."""
         ops, eps = self.ops, self.eps
         embedded = ops.rms_norm(self.embed(batch.input_ids).to(self.dtype), self.norm_embedding, eps)
         hidden = ops.rms_norm(hidden.to(self.dtype), self.norm_hidden, eps)
         residual = self.fc(torch.cat([embedded, hidden], dim=-1))  # [rows, hidden]
-        x = ops.rms_norm(residual, self.layer.input_norm, eps)
-        _, residual = self._run(x, residual, None, batch, kv)
+        x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        last = len(self.layers) - 1
+        for i, (run, cache) in enumerate(zip(self._run, caches)):
+            next_norm = self.layers[i + 1].input_norm if i < last else None
+            x, residual = run(x, residual, next_norm, batch, cache)
         out = ops.rms_norm(residual, self.norm, eps)  # [rows, hidden]
         logits = self.lm_head(out[batch.logits_rows]).float() if batch.logits_rows.numel() else out.new_zeros(0)
-        return logits, out
+        return logits, residual if self.names.chain_before_norm else out

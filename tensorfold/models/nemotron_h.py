@@ -13,14 +13,19 @@ The pattern is `hybrid_override_pattern` (the Hub's configs: "M-M*-E...") or `la
 (transformers' configs: mamba / linear_attention, attention / full_attention, mlp, moe); any
 other letter or name is a startup error naming it. The Hub's checkpoints name tensors under
 `backbone.` with the experts one by one, transformers' under `model.` with them stacked
-([E, I, H], split at load); both are read, under the decoder's names (tensor_name). The
-multi-token-prediction layers (mtp.*) are skipped with a log line.
+([E, I, H], split at load); both are read, under the decoder's names (tensor_name).
+
+The multi-token-prediction layers (Nemotron 3's mtp.layers.{0..k-1}.*, num_nextn_predict_layers 1)
+are the family's MTP layer (models/mtp.py, NEMOTRON_H_MTP's names): single-block layers in the
+config's MTP pattern (mtp_hybrid_override_pattern, e.g. "*E", or mtp_layers_block_type, e.g.
+['attention', 'moe']; attention and MoE layers are served, each cache kind per position), the
+first with enorm / hnorm / eh_proj, the last with final_layernorm; the model's embedding and head.
+They draft where the drafter asks for them, else they are skipped with a log line.
 
 The MoE's routing (kernels/moe.route_sigmoid) and its sum are exact as the Qwen MoE's are: the
 choice from the row alone with ties to the lower index, weights summed in rank order, experts'
 outputs added in ascending expert index from 0 in float32.
 """
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +35,10 @@ from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.mamba2 import Mamba2, Mamba2Spec
 from tensorfold.models.moe import float32_linear
+from tensorfold.models.mtp import PREFIX as MTP_PREFIX, MTPNames, MTPSpec
 from tensorfold.models.spec import AttentionSpec, Family, LayerSpec
 from tensorfold.models.weights import WeightReader
 
-log = logging.getLogger("tensorfold.models")
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # hybrid_override_pattern's letters
 NAMES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION,
@@ -86,14 +91,45 @@ def layer_specs(args: ModelArgs) -> list[LayerSpec]:
     for key, served in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if option(hf, key) != served:
             raise CheckpointError(f"config.json: {key} {option(hf, key)!r} is not served (served: {served})")
-    if int(hf.get("num_nextn_predict_layers") or 0):
-        log.info("nemotron_h: %d multi-token-prediction layers not served (skipped)", hf["num_nextn_predict_layers"])
     eps = float(option(hf, "layer_norm_epsilon"))
     made = {MAMBA: lambda: LayerSpec(_mamba(hf), None, eps),
             ATTENTION: lambda: LayerSpec(_attention(args), None, eps),
             MLP: lambda: LayerSpec(None, ReluSquaredMLPSpec(args.intermediate_size), eps),
             MOE: lambda: LayerSpec(None, _moe(hf), eps)}
     return [made[kind]() for kind in kinds]
+
+
+def mtp_layer(args: ModelArgs) -> MTPSpec:
+    """The MTP layer's single-block layers in the config's MTP pattern (attention or MoE each)."""
+    hf = args.hf
+    declared = int(hf.get("num_nextn_predict_layers") or 0)
+    kinds = _mtp_kinds(hf) if declared else []
+    names = MTPNames(MTP_PREFIX, "layers.0.enorm.weight", "layers.0.hnorm.weight", "layers.0.eh_proj.weight",
+                     tuple(f"layers.{i}." for i in range(len(kinds))), f"layers.{len(kinds) - 1}.final_layernorm.weight")
+    if not declared:
+        return MTPSpec(names, (), 0)
+    eps = float(option(hf, "layer_norm_epsilon"))
+    made = {ATTENTION: lambda: LayerSpec(_attention(args), None, eps), MOE: lambda: LayerSpec(None, _moe(hf), eps),
+            MLP: lambda: LayerSpec(None, ReluSquaredMLPSpec(args.intermediate_size), eps)}
+    return MTPSpec(names, tuple(made[kind]() for kind in kinds), declared)
+
+
+def _mtp_kinds(hf: dict) -> list[str]:
+    """The MTP layers' kinds: mtp_layers_block_type (transformers') or mtp_hybrid_override_pattern
+    (the Hub's), else transformers' default (attention, then MoE)."""
+    if hf.get("mtp_layers_block_type"):
+        names = list(hf["mtp_layers_block_type"])
+        where = "mtp_layers_block_type"
+    else:
+        pattern = hf.get("mtp_hybrid_override_pattern") or "*E"
+        names = [PATTERN.get(letter, letter) for letter in pattern]
+        where = "mtp_hybrid_override_pattern"
+    kinds = [NAMES.get(name, name) for name in names]
+    for i, kind in enumerate(kinds):
+        if kind not in (ATTENTION, MOE, MLP):
+            raise CheckpointError(f"config.json: {where}[{i}] is {names[i]!r}; an MTP layer serves attention, "
+                                  "moe and mlp blocks")
+    return kinds
 
 
 def _mamba(hf: dict) -> Mamba2Spec:
@@ -219,9 +255,13 @@ class NemotronMoE:
 def tensor_name(name: str) -> str | None:
     """A checkpoint tensor under the decoder's names: backbone. as model., the embedding and final
     norm as embed_tokens and norm, a layer's one norm as its input norm, and its mixer's tensors
-    under self_attn. (attention), mlp. (MLP, MoE) or mixer. (Mamba2); MTP layers skipped."""
-    if name.startswith(("mtp.", "model.mtp.", "backbone.mtp.")):
-        return None
+    under self_attn. (attention), mlp. (MLP, MoE) or mixer. (Mamba2); the MTP layers' the same way
+    under mtp.layers.N. (their enorm, hnorm, eh_proj and final_layernorm as they are)."""
+    for prefix in ("model.mtp.", "backbone.mtp."):
+        if name.startswith(prefix):
+            name = name[len(prefix) - len("mtp."):]
+    if name.startswith("mtp.layers."):
+        return _block_name("mtp.layers.", name[len("mtp.layers."):])
     if name.startswith("backbone."):
         name = "model." + name[len("backbone."):]
     if name == "model.embeddings.weight":
@@ -230,8 +270,13 @@ def tensor_name(name: str) -> str | None:
         return "model.norm.weight"
     if not name.startswith("model.layers."):
         return name
-    layer, rest = name[len("model.layers."):].split(".", 1)
-    prefix = f"model.layers.{layer}."
+    return _block_name("model.layers.", name[len("model.layers."):])
+
+
+def _block_name(layers: str, rest: str) -> str:
+    """A block's tensor `layers` + "N.<rest>" under the decoder's names."""
+    layer, rest = rest.split(".", 1)
+    prefix = f"{layers}{layer}."
     if rest == "norm.weight":
         return prefix + "input_layernorm.weight"
     if rest.startswith("mixer."):
@@ -241,8 +286,8 @@ def tensor_name(name: str) -> str | None:
             return prefix + "self_attn." + inner
         if first in FFN_NAMES:
             return prefix + "mlp." + inner
-    return name
+    return prefix + rest
 
 
 BLOCKS_NEMOTRON_H = {**BLOCKS, Mamba2Spec: Mamba2, ReluSquaredMLPSpec: ReluSquaredMLP, NemotronMoESpec: NemotronMoE}
-FAMILY = Family("nemotron_h", layer_specs, BLOCKS_NEMOTRON_H, tensor_name=tensor_name)
+FAMILY = Family("nemotron_h", layer_specs, BLOCKS_NEMOTRON_H, tensor_name=tensor_name, mtp_layer=mtp_layer)

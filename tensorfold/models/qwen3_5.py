@@ -20,6 +20,7 @@ from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.linear_attention import GatedDeltaNet, LinearAttentionSpec
 from tensorfold.models.moe import MoE, MoESpec
+from tensorfold.models.mtp import PREFIX as MTP_PREFIX, MTPNames, MTPSpec
 from tensorfold.models.spec import AttentionSpec, Family, LayerSpec, MLPSpec
 
 log = logging.getLogger("tensorfold.models")
@@ -73,13 +74,20 @@ def _ffn(args: ModelArgs, i: int):
     return MLPSpec(args.intermediate_size)
 
 
-def mtp_layer(args: ModelArgs) -> LayerSpec:
+QWEN3_5_MTP = MTPNames(MTP_PREFIX, "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "fc.weight",
+                       ("layers.0.",), "norm.weight")
+
+
+def mtp_layer(args: ModelArgs) -> MTPSpec:
     """The MTP layer: gated full attention and the model's feed-forward kind (MoE for the MoEs)."""
     hf = args.hf
+    declared = int(hf.get("mtp_num_hidden_layers") or 0)
+    if not declared:
+        return MTPSpec(QWEN3_5_MTP, (), 0)
     ffn = (MoESpec(int(hf["num_experts"]), int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"]),
                    int(hf.get("shared_expert_intermediate_size") or 0), bool(hf.get("norm_topk_prob", True)))
            if int(hf.get("num_experts") or 0) else MLPSpec(args.intermediate_size))
-    return LayerSpec(_gated_attention(args), ffn, args.rms_norm_eps)
+    return MTPSpec(QWEN3_5_MTP, (LayerSpec(_gated_attention(args), ffn, args.rms_norm_eps),), declared)
 
 
 def tensor_name(name: str) -> str | None:

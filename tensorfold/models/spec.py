@@ -71,15 +71,16 @@ class Family:
     x * (1 + w)); added once at load.
     model: the decoder class, for a family with model-level parts of its own (Gemma 4's scaled
     embedding, per-layer inputs and soft-capped logits); None: models/decoder.Model.
-    mtp_layer: the spec of the family's multi-token-prediction layer (models/mtp.py), for a
-    family whose checkpoints may ship one; None: MTP weights are never loaded."""
+    mtp_layer: the family's multi-token-prediction layer for a config (models/mtp.MTPSpec: its
+    names, its layers' specs, how many the config declares), for a family whose checkpoints may
+    ship one; None: MTP weights are never loaded."""
     name: str
     layer_specs: Callable[[ModelArgs], list[LayerSpec]]
     blocks: dict              # spec type -> block class (models/blocks.BLOCKS, plus its own)
     tensor_name: Callable[[str], str | None] = keep_name
     norm_offset: float = 0.0
     model: type | None = None
-    mtp_layer: Callable[[ModelArgs], LayerSpec] | None = None
+    mtp_layer: Callable[[ModelArgs], object] | None = None
 
 
 def dense_attention_layers(args: ModelArgs, qk_norm: bool = False) -> list[LayerSpec]:
