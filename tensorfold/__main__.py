@@ -111,6 +111,11 @@ def settings_from(args, backend: str = "cpu"):
         raise SystemExit("--tp: the mlx backend runs on one device (use --backend cpu or cuda)")
     if args.tp_timeout <= 0:
         raise SystemExit("--tp-timeout must be positive")
+    if args.tp > 1 and args.vision:
+        raise SystemExit("--vision: the vision tower runs on one rank only (drop --tp or --vision)")
+    if args.tp > 1 and args.drafter == "mtp":
+        raise SystemExit("--drafter mtp: the MTP layer runs on one rank only (with --tp, drafts come from "
+                         "n-grams: --drafter ngram or auto)")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         raise SystemExit("--num-draft-tokens must be at least 1 (--no-drafts turns drafting off)")
     if not args.image_url_timeout > 0:

@@ -166,6 +166,15 @@ def test_a_split_that_does_not_divide_the_heads_is_refused_before_loading(tiny_l
         Engine(tiny_llama, EngineConfig(tp=3))
 
 
+def test_parts_that_run_on_one_rank_are_refused_with_tp():
+    from tensorfold.__main__ import parse_args, settings_from
+    with pytest.raises(SystemExit, match="--vision: the vision tower runs on one rank only"):
+        settings_from(parse_args(["--tp", "2", "--vision"]))
+    with pytest.raises(SystemExit, match="--drafter mtp: the MTP layer runs on one rank only"):
+        settings_from(parse_args(["--tp", "2", "--drafter", "mtp"]))
+    assert settings_from(parse_args(["--tp", "2"])).engine.tp == 2
+
+
 def chat(s, content: str, **extra) -> dict:
     r = post(s, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": content}],
                                          "max_tokens": 12, **extra})
