@@ -27,6 +27,9 @@ What runs where, and why:
   as closely as two float GEMMs do; quantized ones agree bitwise. On CPU tensors (the tests, in
   the interpreter) dense linear is the cpu backend's GEMM, so the op sets are compared on equal
   GEMMs there.
+- GLM-5's latent attention and DSA indexer (latent_attention, dsa_select): Triton
+  (kernels/latent_attention_triton.py: one launch for the attention of every row, one for the
+  indexer's scores, then a stable sort per row), bitwise kernels/latent_attention.py.
 - Nemotron-H's Mamba2 mixing and its gated group norm (mamba2, mamba2_gated_norm): Triton
   (kernels/mamba2_triton.py: the conv, then the scan per (sequence, head, columns), two launches
   a layer), bitwise kernels/mamba2.py.
@@ -40,7 +43,7 @@ import torch
 
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
-from tensorfold.kernels.latent_attention import attention_by_sequence as latent_attention, dsa_select  # noqa: F401
+from tensorfold.kernels.latent_attention_triton import dsa_select, latent_attention  # noqa: F401
 from tensorfold.kernels.mamba2_triton import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
 from tensorfold.kernels.moe import group_by_expert, route_sigmoid  # noqa: F401
 from tensorfold.kernels.moe_triton import combine, route
