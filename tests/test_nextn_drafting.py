@@ -186,3 +186,29 @@ def test_the_drafter_choice(family):
     assert Engine(trained, EngineConfig(drafter="ngram", **BASE)).backend.model.mtp is None
     with pytest.raises(CheckpointError, match="--drafter mtp needs a multi-token-prediction layer"):
         Engine(base, EngineConfig(drafter="mtp", **BASE))
+
+
+def test_a_glm_gguf_with_its_next_n_block_drafts(tmp_path, one_thread, smollm2_tokenizer):
+    """A glm-dsa GGUF (q8_0) written with its next-n block (blk.L.nextn.eh_proj, enorm, hnorm,
+    shared_head_norm, shared_head_head, embed_tokens and the block's decoder layer;
+    nextn_predict_layers 1) serves it as the MTP layer: drafted == serial, drafts accepted."""
+    from tensorfold.models.gguf_file import _Reader
+    from tools.glm_gguf import GLM_GGUF_SIZES, write_glm_gguf
+
+    base = make_tiny_checkpoint(str(tmp_path / "glm"), "glm_moe_dsa", tokenizer=smollm2_tokenizer, **GLM_GGUF_SIZES)
+    trained = str(tmp_path / "glm_mtp")
+    train(base, trained, num_seqs=4, log=lambda *_: None)
+    path = write_glm_gguf(trained, "q8_0")
+    layers = json.load(open(os.path.join(base, "config.json")))["num_hidden_layers"]
+    names = {t.name for t in _Reader(path).tensors}
+    assert {f"blk.{layers}.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} <= names
+    with open(os.path.join(trained, "mtp_prompts.json")) as f:
+        prompts = json.load(f)[:2]
+    params = [greedy(24), sampled(5, 24)]
+    expected = [token_sha(r.output_ids) for r in run(Engine(path, EngineConfig(drafting=False, **BASE)),
+                                                      prompts, params)]
+    engine = Engine(path, EngineConfig(draft_budget=False, **BASE))
+    assert engine.drafter_name == "mtp"
+    reqs = run(engine, prompts, params)
+    assert [token_sha(r.output_ids) for r in reqs] == expected
+    assert reqs[0].stats.accepted_by_position[0] > 0

@@ -44,7 +44,11 @@ def write_glm_gguf(hf_dir: str, mix: str = "q8_0", out_path: str | None = None) 
     layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
     kv_lora, nope, rope, v = hf["kv_lora_rank"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
     writer = gguf.GGUFWriter(out_path or os.path.join(hf_dir, f"tiny-glm-{mix}.gguf"), "glm-dsa")
-    writer.add_block_count(layers)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    # the next-n block (model.layers.{layers}.*, a trained one: tools/train_mtp.py) where the directory has one
+    nextn = int(hf.get("num_nextn_predict_layers") or 0) if any(
+        n.startswith(f"model.layers.{layers}.") for n in tensors) else 0
+    writer.add_block_count(layers + nextn)
     writer.add_context_length(hf["max_position_embeddings"])
     writer.add_embedding_length(hf["hidden_size"])
     writer.add_feed_forward_length(hf["intermediate_size"])
@@ -71,16 +75,16 @@ def write_glm_gguf(hf_dir: str, mix: str = "q8_0", out_path: str | None = None) 
     if option(hf, "norm_topk_prob"):
         writer.add_expert_weights_norm(True)
     writer.add_rope_dimension_count(rope)
-    writer.add_nextn_predict_layers(0)
+    writer.add_nextn_predict_layers(nextn)
     writer.add_indexer_head_count(int(option(hf, "index_n_heads")))
     writer.add_indexer_key_length(int(option(hf, "index_head_dim")))
     writer.add_indexer_top_k(int(option(hf, "index_topk")))
     _add_tokenizer(writer, hf_dir, hf["vocab_size"])
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM_DSA, layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM_DSA, layers + nextn)
     spec = LatentAttentionSpec(0, heads, None, kv_lora, nope, rope, v, None, 0, 0.0)
     out, experts = {}, {}  # gguf name -> (tensor, in blocks?)
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+    for name, t in tensors.items():
         t = t.float()
         if name.endswith("kv_b_proj.weight"):  # llama.cpp's split: per head, the key part transposed
             parts = absorbed_parts(t, spec)

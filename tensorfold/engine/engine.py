@@ -411,7 +411,7 @@ def _drafter_name(config: EngineConfig, loaded) -> str:
         raise ValueError(f"drafter {config.drafter!r}: expected one of {', '.join(DRAFTERS)}")
     has_mtp = loaded.mtp_layers > 0
     if config.drafter == "mtp" and config.drafting and not has_mtp:
-        raise CheckpointError(f"{loaded.checkpoint.path}: --drafter mtp needs a multi-token-prediction layer (mtp.* "
-                              "weights and mtp_num_hidden_layers in config.json) that this backend runs; this "
-                              "checkpoint or backend has none (use --drafter ngram or auto)")
+        raise CheckpointError(f"{loaded.checkpoint.path}: --drafter mtp needs a multi-token-prediction layer (Qwen3.5's "
+                              "mtp.*, GLM-5's next-n layer, Nemotron 3's mtp.layers.*, with its count in config.json) "
+                              "that this backend runs; this checkpoint or backend has none (use --drafter ngram or auto)")
     return "mtp" if config.drafting and config.drafter != "ngram" and has_mtp else "ngram"

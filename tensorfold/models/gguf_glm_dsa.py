@@ -19,7 +19,12 @@ What llama.cpp's converter (GlmMoeDsaModel, on DeepseekV2Model) writes, and how 
   ffn_gate_inp, exp_probs_b.bias     the router and its correction bias
   ffn_{gate,up,down}_exps [E, out, in] -> experts.E.*_proj (a row range each); *_shexp -> shared_experts
   norms              as they are (no offset in this family)
-Blocks past block_count - nextn_predict_layers (the next-n / MTP block) are skipped.
+The next-n (MTP) block past block_count - nextn_predict_layers is read as the Hugging Face
+checkpoint's model.layers.{L}.*: its decoder layer's tensors as any layer's (an indexer of its own,
+the MoE), and nextn.eh_proj, nextn.enorm, nextn.hnorm, nextn.shared_head_norm as eh_proj, enorm,
+hnorm, shared_head.norm (nextn.embed_tokens and nextn.shared_head_head, copies of the model's own,
+are accepted where the file has them and dropped). A file without the
+block's tensors declares it all the same; the server then drafts with ngram.
 """
 from typing import Any
 
@@ -76,6 +81,8 @@ def glm_config(path: str, meta: dict[str, Any], arch_name: str, tensor_names: se
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if blocks > layers:  # the next-n block(s) (models/glm_moe_dsa.mtp_layer)
+        config["num_nextn_predict_layers"] = blocks - layers
     if layers and not indexed[0]:
         raise CheckpointError(f"{path}: blk.0 has no DSA indexer (indexer.attn_k); a layer without one reuses an "
                               "earlier layer's choice, and none comes before it")
@@ -174,12 +181,28 @@ def glm_rules(path: str, config: dict[str, Any], tensor_names: set[str]):
                            "mlp.shared_experts.up_proj.weight": (shared, hidden),
                            "mlp.shared_experts.down_proj.weight": (hidden, shared)})
 
+    nextn = {"nextn.eh_proj.weight": same("eh_proj.weight", (hidden, 2 * hidden)),
+             "nextn.enorm.weight": same("enorm.weight", (hidden,), False),
+             "nextn.hnorm.weight": same("hnorm.weight", (hidden,), False),
+             "nextn.shared_head_norm.weight": same("shared_head.norm.weight", (hidden,), False),
+             # copies of the model's embedding and head: accepted, dropped (the model's own serve)
+             "nextn.embed_tokens.weight": _Rule(((vocab, hidden),), lambda w: {}),
+             "nextn.shared_head_head.weight": _Rule(((vocab, hidden),), lambda w: {})}
+    nextn_shapes = {"eh_proj.weight": (hidden, 2 * hidden), "enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+                    "shared_head.norm.weight": (hidden,)}
+    layers = len(c["mlp_layer_types"])
+    kinds = list(zip(c["mlp_layer_types"], c["indexer_types"]))
+    kinds += [(c["mlp_layer_types"][-1] if layers else "sparse", "full")] * c.get("num_nextn_predict_layers", 0)
     layer_rules = []
-    for n, (ffn_type, index_type) in enumerate(zip(c["mlp_layer_types"], c["indexer_types"])):
+    for n, (ffn_type, index_type) in enumerate(kinds):
         full = index_type == "full"
         ffn, ffn_shapes = (moe, moe_shapes) if ffn_type == "sparse" else (mlp, mlp_shapes)
-        layer_rules.append({**attn, **(indexer if full else {}), **ffn})
+        extra, extra_shapes = (nextn, nextn_shapes) if n >= layers else ({}, {})
+        layer_rules.append({**attn, **(indexer if full else {}), **ffn, **extra})
+        if n >= layers and not any(name.startswith(f"blk.{n}.") for name in tensor_names):
+            continue  # a next-n block declared, its tensors left out of the file
         kv_b_shapes = whole_shapes if f"blk.{n}.attn_kv_b.weight" in tensor_names else split_shapes
-        for name, shape in {**attn_shapes, **kv_b_shapes, **(indexer_shapes if full else {}), **ffn_shapes}.items():
+        for name, shape in {**attn_shapes, **kv_b_shapes, **(indexer_shapes if full else {}), **ffn_shapes,
+                            **extra_shapes}.items():
             expected[f"model.layers.{n}.{name}"] = shape
     return global_rules, layer_rules, expected
