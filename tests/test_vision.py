@@ -12,7 +12,7 @@ from PIL import Image
 
 from test_exactness import assert_equal_solo, at_once, complete, serving, tiny_engine
 from tensorfold.api.images import ImageLimits
-from tensorfold.backends import cpu_ops
+from tensorfold.backends import backend_ops, cpu_ops
 from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.models.vision_tower import build_vision_tower
 from tensorfold.sampling.params import SamplingParams
@@ -75,6 +75,19 @@ def test_tower_matches_transformers_and_each_image_alone(tiny_vl, hf):
             ref = hf.model.visual(torch.from_numpy(px), grid_thw=torch.tensor([grid])).pooler_output
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
         assert torch.equal(ours, tower.encode(px, grid))
+
+
+def test_native_tower_encodes_an_image_beside_others_with_its_bits_alone(tiny_vl, hf):
+    """encode_many (the image cache's misses of a round, together): each image's bits are its own."""
+    tensors = {n: p.detach() for n, p in hf.named_parameters()}
+    ckpt = type("Ckpt", (), {"config": hf.config.to_dict(), "tensors": tensors, "path": tiny_vl})
+    tower = build_vision_tower(ckpt, torch.float32, backend_ops("cpu"), "cpu")
+    pre = Preprocess.from_checkpoint(tiny_vl, {})
+    images = [patches(png(w, h, seed), pre) for seed, (w, h) in enumerate([(64, 64), (100, 40), (200, 150)])]
+    alone = [tower.encode(px, grid) for px, grid in images]
+    for order in ([0, 1, 2], [2, 0, 1]):
+        for i, emb in zip(order, tower.encode_many([images[i] for i in order])):
+            assert torch.equal(emb, alone[i])
 
 
 def test_rope_positions_equal_transformers_rope_index(hf):

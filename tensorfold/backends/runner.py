@@ -72,7 +72,7 @@ class ModelRunner:
     def _place_images(self, plan: StepPlan, batch: ForwardBatch) -> None:
         """Every row's M-RoPE positions, and the image embeddings of the pad rows this round
         feeds (vision/placement.py); rows of requests without images keep (p, p, p)."""
-        t_pos, h_pos, w_pos, rows, parts = [], [], [], [], []
+        t_pos, h_pos, w_pos, rows, fed = [], [], [], [], []
         start_row = 0
         for req in plan.requests:
             num = len(req.token_ids)
@@ -85,9 +85,11 @@ class ModelRunner:
                 first, last = max(span.offset, req.start_position), min(span.end, end)
                 if first < last:
                     rows += range(start_row + first - req.start_position, start_row + last - req.start_position)
-                    parts.append(self.images.embeddings(span.image)[first - span.offset:last - span.offset])
+                    fed.append((span, first - span.offset, last - span.offset))
             start_row += num
         device = self.model.device
         batch.rope_positions = torch.tensor([t_pos, h_pos, w_pos], dtype=torch.int64, device=device)
-        if rows:
+        if rows:  # the round's images encoded together where not kept (the tower is batch invariant)
+            embeddings = self.images.embeddings_of([span.image for span, _, _ in fed])
+            parts = [e[a:b] for e, (_, a, b) in zip(embeddings, fed)]
             batch.image_rows = (torch.tensor(rows, dtype=torch.int64, device=device), torch.cat(parts))

@@ -9,11 +9,19 @@
     PatchMerger  LN per patch, each merge block's 2x2 patches (adjacent in the patch order)
                  concatenated, fc1, GELU (erf form), fc2 -> the text model's width
 
-Every image is encoded alone: its attention is ordinary attention over its own patches (no
-mask, no cache), run on the op set's exact attention (every row sees every key), and every
-other step is per row, so an image's embeddings are a function of its pixels only, whatever
-else is encoded beside it. GEMMs are the op set's LinearWeights; LayerNorm, GELU's tanh form and
-rope are the project's; GELU's erf is a float64 series of our own (no libm).
+Images encoded together (encode_many) share the GEMMs: their patches are rows of one batch. An
+image's attention is ordinary attention over its own patches only (no mask, no cache), run on
+the op set's exact attention (every row sees every key); every other step is per row (the op
+set's GEMMs are batch invariant by contract, the norms reduce each row alone with an exact sum),
+so an image's embeddings are a function of its pixels only, whatever is encoded beside it.
+
+On every op set: GEMMs are its LinearWeights, rope its apply_rope and attention its
+paged_attention (the Triton kernels on the cuda op set, bitwise the references); LayerNorm
+(reference.layer_norm: an exact integer sum, then single float32 steps), GELU's tanh form (the
+project's exp) and GELU's erf (a float64 series of our own, no libm) are the torch references,
+shared by the op sets as cuda_ops shares its elementwise ones: each step one IEEE operation, so
+the same bits on any device. The rope angles' cos and sin are taken on the CPU, as rope_table's
+are, and moved: the device's libm never decides a bit.
 """
 import math
 from dataclasses import dataclass
@@ -32,6 +40,7 @@ PREFIX = "model.visual."
 LN_EPS = 1e-6
 ATTENTION_BLOCK = 32   # rows per block of the scratch K/V an image's attention reads
 ERF_TERMS = 96         # Taylor terms of erf on [-4, 4]; |erf| rounds to 1 in float32 beyond
+MAX_ENCODE_PATCHES = 16384  # patches per encode_many call at most (a caller splits larger sets)
 
 
 @dataclass(frozen=True)
@@ -98,12 +107,15 @@ class VisionBlock:
     def gemms(self) -> dict:
         return {"qkv": self.qkv, "proj": self.proj, "fc1": self.fc1, "fc2": self.fc2}
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """x [n, hidden]: the patches of one or more images, image i's rows starts[i]:starts[i + 1]."""
         s, ops = self.spec, self.ops
         n = x.shape[0]
         qkv = self.qkv(layer_norm(x, *self.norm1, LN_EPS)).view(n, 3, s.num_heads, s.head_dim)
         q, k = ops.apply_rope(qkv[:, 0].contiguous(), cos, sin), ops.apply_rope(qkv[:, 1].contiguous(), cos, sin)
-        x = x + self.proj(_attention(ops, q, k, qkv[:, 2].contiguous()).reshape(n, -1))
+        v = qkv[:, 2].contiguous()
+        attn = torch.cat([_attention(ops, q[a:b], k[a:b], v[a:b]) for a, b in zip(starts, starts[1:])])
+        x = x + self.proj(attn.reshape(n, -1))
         h = self.fc1(layer_norm(x, *self.norm2, LN_EPS))
         return x + self.fc2(gelu_tanh32(h.float()).to(h.dtype))
 
@@ -147,23 +159,37 @@ class VisionTower:
             out.update({f"visual.blocks.{i}.{k}": v for k, v in block.gemms().items()})
         return out
 
-    @torch.inference_mode()
     def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> torch.Tensor:
         """One image's patches [t * h * w, 3 * T * P * P] (vision/image.patches) -> its merged
         patch embeddings [t * h * w / merge^2, out_hidden]."""
+        return self.encode_many([(pixels, grid)])[0]
+
+    @torch.inference_mode()
+    def encode_many(self, images: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """Several images' (patches, grid) -> each one's merged patch embeddings, the bits
+        encode() gives it alone: the patches are rows of one batch, attention is per image."""
         s = self.spec
-        t, h, w = grid
-        if t != 1:
-            raise ValueError("one frame per image")
-        rows, cols = _patch_coordinates(h, w, s.merge_size)
-        x = torch.from_numpy(pixels).to(device=self.device, dtype=self.dtype)
-        x = self.patch_embed(x) + self._position_embeddings(rows, cols, h, w)  # [n, hidden]
-        cos, sin = self._rope(rows, cols)
+        starts, pos, cos, sin = [0], [], [], []
+        for pixels, (t, h, w) in images:
+            if t != 1:
+                raise ValueError("one frame per image")
+            rows, cols = _patch_coordinates(h, w, s.merge_size)
+            pos.append(self._position_embeddings(rows, cols, h, w))
+            c, si = self._rope(rows, cols)
+            cos.append(c)
+            sin.append(si)
+            starts.append(starts[-1] + h * w)
+        x = torch.from_numpy(np.concatenate([px for px, _ in images])).to(device=self.device, dtype=self.dtype)
+        x = self.patch_embed(x) + torch.cat(pos)  # [n, hidden]
+        cos, sin = torch.cat(cos), torch.cat(sin)  # [n, head_dim]
         for block in self.blocks:
-            x = block.forward(x, cos, sin)
+            x = block.forward(x, cos, sin, starts)
+        # merge groups are whole and in order inside each image: the rows' reshape keeps them apart
         x = layer_norm(x, *self.merger_norm, LN_EPS).reshape(-1, s.hidden_size * s.merge_size ** 2)
         y = self.merger_fc1(x)
-        return self.merger_fc2(gelu_erf32(y.float()).to(y.dtype))  # [n / merge^2, out_hidden]
+        out = self.merger_fc2(gelu_erf32(y.float()).to(y.dtype))  # [n / merge^2, out_hidden]
+        merge = s.merge_size ** 2
+        return list(out.split([(b - a) // merge for a, b in zip(starts, starts[1:])]))
 
     def _position_embeddings(self, rows: torch.Tensor, cols: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """The learned side x side table resampled bilinearly (align_corners) to the h x w grid at
@@ -182,11 +208,12 @@ class VisionTower:
         return out.to(self.dtype)
 
     def _rope(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, head_dim]: per patch (row angles, column angles) twice (rotate_half's halves)."""
+        """cos, sin [n, head_dim]: per patch (row angles, column angles) twice (rotate_half's halves),
+        taken on the CPU (as rope_table's: the same bits whatever the device), then moved."""
         r = torch.outer(rows.float(), self.inv_freq)
         c = torch.outer(cols.float(), self.inv_freq)
-        angles = torch.cat([r, c, r, c], dim=-1).to(self.device)
-        return angles.cos(), angles.sin()
+        angles = torch.cat([r, c, r, c], dim=-1)
+        return angles.cos().to(self.device), angles.sin().to(self.device)
 
 
 def _patch_coordinates(h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
