@@ -36,12 +36,16 @@ What runs where, and why:
 - silu_and_mul, sigmoid_and_mul, gelu_tanh_and_mul, relu_squared, softcap, pad_rows, rope_table,
   and Nemotron-H's routing (route_sigmoid): the torch reference ops on CUDA tensors, shared by both
   op sets rather than mirrored (elementwise: invariant on a GPU as they are).
+- the vision tower (models/vision_tower.py) calls this set's Linear, apply_rope and paged_attention
+  (each image's patches over a scratch cache) and, like the DSA indexer, the references'
+  layer_norm (an exact integer sum, then single float32 steps), GELU's tanh form and its own
+  float64 erf series on CUDA tensors: the same bits on any device; tests/test_vision_triton.py.
 """
 import functools
 
 import torch
 
-from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.backends.linear_weight import LinearWeight, per_head as linear_heads  # noqa: F401
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
 from tensorfold.kernels.latent_attention_triton import dsa_select, latent_attention  # noqa: F401
 from tensorfold.kernels.mamba2_triton import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401
