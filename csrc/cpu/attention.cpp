@@ -124,7 +124,7 @@ inline void exponents4(const bf16* const* rows, int64_t d, int* out) {
 // when the rounding lifted the largest element to the next power of two.
 template <typename T>
 void on_grid(const T* x, T* out, int64_t n, int bits) {
-  double y[256];
+  double y[MAX_HEAD_DIM];  // n <= MAX_HEAD_DIM (kernels.h; checked by the bindings)
   for (int64_t i = 0; i < n; ++i) y[i] = to_f32(x[i]);
   int e = exponent(max_abs(x, n));
   for (int pass = 0; pass < 2; ++pass) {
@@ -456,7 +456,7 @@ inline void prefetch_keys(const int64_t* ahead, int64_t j, int64_t n, int64_t he
 
 template <typename T>
 const T* zero_row() {  // stands in for the keys past a chunk's last in a group of four
-  static const T zeros[256] = {};
+  static const T zeros[MAX_HEAD_DIM] = {};
   return zeros;
 }
 
@@ -663,7 +663,7 @@ void attention_items(const T* q, const Cache<C>& cache, T* out, const int64_t* p
       for (int64_t i = 0; i < num_split; ++i) {
         ItemState& s = split_items[i];
         prepare(s, q, d, positions, group, heads, window, (threads + num_split - 1) / num_split);
-        double widened[256];
+        double widened[MAX_HEAD_DIM];
         for (int64_t lane = 0; lane < s.lanes; ++lane) {  // the order dots_x4 reads q in for rows of C
           widening_order<C>(s.q.data() + lane * d, widened, d);
           std::copy_n(widened, d, s.q.data() + lane * d);
@@ -733,7 +733,7 @@ void store_on_grid(const T* x, C* out, int64_t n, int bits) {
   if constexpr (std::is_same_v<T, C>) {
     on_grid(x, out, n, bits);
   } else {
-    C narrowed[256];
+    C narrowed[MAX_HEAD_DIM];
     for (int64_t i = 0; i < n; ++i) narrowed[i] = from_f32<C>(to_f32(x[i]));
     on_grid(narrowed, out, n, bits);
   }

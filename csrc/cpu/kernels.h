@@ -75,6 +75,12 @@ void silu_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride
 void sigmoid_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out,
                      int64_t rows, int64_t width, int threads);
 
+// The widest attention head that rope, write_kv, paged_attention and the fused DecoderLayer take
+// (their bindings check it; fixed-size row buffers are this long): kernels/paged_attention.py's
+// MAX_HEAD_DIM, where the bound is worked out. q.k sums head_dim products of |q_int| <= 2^22 and
+// |k_int| < 2^22 on one grid: 512 of them stay below 2^53, exact in float64 in any order.
+constexpr int64_t MAX_HEAD_DIM = 512;
+
 // The cache has a dtype of its own, `cache_dtype` (same codes): a bfloat16 cache may serve float32
 // activations and the reverse.
 // k, v [tokens, kv_heads, head_dim] of `dtype` (tokens k_stride / v_stride apart) into the cache

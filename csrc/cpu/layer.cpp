@@ -151,8 +151,10 @@ DecoderLayer::DecoderLayer(const std::vector<torch::Tensor>& qkv, const std::vec
   const auto& s = shape_;
   TORCH_CHECK(s.num_heads > 0 && s.num_kv_heads > 0 && s.hidden > 0 && s.window >= 0,
               "DecoderLayer: positive num_heads, num_kv_heads, hidden and a window >= 0 expected");
-  TORCH_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0 && s.head_dim <= 256 && s.num_heads % s.num_kv_heads == 0,
-              "DecoderLayer: head_dim must be even and at most 256, num_heads a multiple of num_kv_heads");
+  TORCH_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0 && s.head_dim <= tf::MAX_HEAD_DIM &&
+                  s.num_heads % s.num_kv_heads == 0,
+              "DecoderLayer: head_dim must be even and at most ", tf::MAX_HEAD_DIM,
+              ", num_heads a multiple of num_kv_heads");
   TORCH_CHECK(s.rope_dim > 0 && s.rope_dim % 2 == 0 && s.rope_dim <= s.head_dim,
               "DecoderLayer: rope_dim must be even, positive and at most head_dim");
   const auto dtype = post_norm.scalar_type();

@@ -171,7 +171,8 @@ torch::Tensor rope_impl(const torch::Tensor& x, const torch::Tensor& cos, const 
   const int code = dtype_code(x, "rope");
   TORCH_CHECK(x.dim() == 3, "rope: x [tokens, heads, head_dim] expected, got ", x.sizes());
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
-  TORCH_CHECK(d % 2 == 0 && d <= 256, "rope: head_dim must be even and at most 256, got ", d);
+  TORCH_CHECK(d % 2 == 0 && d <= tf::MAX_HEAD_DIM, "rope: head_dim must be even and at most ", tf::MAX_HEAD_DIM,
+              ", got ", d);
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
                   cos.sizes() == torch::IntArrayRef({tokens, d}) && sin.sizes() == cos.sizes(),
               "rope: cos and sin must be float32 [tokens, head_dim]");
@@ -243,7 +244,7 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "write_kv: caches must be contiguous and of one shape and dtype");
   const int64_t kv_heads = k_cache.size(2), d = k_cache.size(3);
-  TORCH_CHECK(d <= 256, "write_kv: head_dim must be at most 256");
+  TORCH_CHECK(d <= tf::MAX_HEAD_DIM, "write_kv: head_dim must be at most ", tf::MAX_HEAD_DIM, ", got ", d);
   // k and v in their own dtype when the kernels take it (the kernel rounds them to the cache's),
   // else converted to the cache's dtype here
   const auto kv_type = k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16
@@ -272,7 +273,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                   k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q [rows, heads, head_dim] and contiguous caches of one shape and dtype expected");
   const int64_t heads = q.size(1), d = q.size(2), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && d <= 256 && heads % kv_heads == 0, "paged_attention: head shapes disagree");
+  TORCH_CHECK(k_cache.size(3) == d && heads % kv_heads == 0, "paged_attention: head shapes disagree");
+  TORCH_CHECK(d <= tf::MAX_HEAD_DIM, "paged_attention: head_dim must be at most ", tf::MAX_HEAD_DIM, ", got ", d);
   auto qc = q.contiguous();
   auto pos = positions.to(torch::kInt64).contiguous();
   auto tab = tables.to(torch::kInt64).contiguous();

@@ -17,7 +17,6 @@ namespace {
 constexpr int NORM_BITS = 20;
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // below this a call runs on one thread
 constexpr int64_t SILU_BLOCK = 256;             // elements of a row per exp_neg batch
-constexpr int64_t MAX_HEAD_DIM = 256;           // rope's head vectors (the bindings refuse wider)
 
 // reference.rms_norm of one row: squares on the row's grid, an exact sum, float32 sqrt/div.
 // Sixteen elements at a time where AVX-512 is compiled in, the same roundings lane by lane
@@ -122,7 +121,7 @@ void rope_impl(const T* x, int64_t x_stride, int64_t head_stride, T* out, const 
   const bool parallel = threads > 1 && tokens > 1 && tokens * heads * d >= PARALLEL_ELEMENTS;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t t = 0; t < tokens; ++t) {
-    T normed[MAX_HEAD_DIM];  // head_dim <= MAX_HEAD_DIM (checked by the bindings)
+    T normed[MAX_HEAD_DIM];  // head_dim <= MAX_HEAD_DIM (kernels.h; checked by the bindings)
     for (int64_t h = 0; h < heads; ++h) {
       const T* row = x + t * x_stride + h * head_stride;
       if (norm_weight != nullptr) {  // qwen3: the head's norm, rounded to the dtype, then rope
