@@ -84,3 +84,24 @@ def test_no_selection_below_top_k():
     cache, batch, _, index_q, weights = make_case(TINY, [(0, 5), (2, 3)], seed=5)
     assert native_ops.dsa_select(index_q, weights, cache, batch, 0.25, 8) is None
     assert ref.dsa_select(index_q, weights, cache, batch, 0.25, 8) is None
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
+def test_linear_heads_is_each_heads_own_gemm(kind, threads):
+    """native_ops.linear_heads (one call) == each head's LinearWeight called alone, bitwise."""
+    from tensorfold.kernels.quant_gemm import from_legacy
+
+    g = torch.Generator().manual_seed(4)
+    heads, rows, n, k = 5, 7, 48, 64
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    if kind == "q8_0":
+        mats = [from_legacy("q8_0", torch.randint(-127, 128, (n, k), generator=g),
+                            (torch.rand(n, k // 32, generator=g) * 0.01).half()) for _ in range(heads)]
+    else:
+        mats = [torch.randn(n, k, generator=g).to(dtype) for _ in range(heads)]
+    weights = [native_ops.Linear.of(m) for m in mats]
+    x = torch.randn(rows, heads, k + 3, generator=g).to(dtype)[..., 3:]  # a strided view, as the model's
+    got = native_ops.linear_heads(x, weights)
+    assert got.shape == (rows, heads, n)
+    for h, w in enumerate(weights):
+        assert torch.equal(got[:, h], w(x[:, h].contiguous()))

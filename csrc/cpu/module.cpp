@@ -556,6 +556,41 @@ std::tuple<torch::Tensor, torch::Tensor> draw_rows(const torch::Tensor& x, const
   return {tokens, status};
 }
 
+// One GEMM per head in one call: x [rows, heads, k] -> [rows, heads, n] (a view of [heads, rows, n]),
+// head h times packed[h] (all quantized from pack_quant, or all dense from pack_weight, of [n, k]),
+// each as quant_linear / linear_packed computes it (the quantized ones in one parallel region).
+torch::Tensor linear_heads(const torch::Tensor& x, const std::vector<torch::Tensor>& packed, bool quantized,
+                           int64_t n, int64_t k) {
+  check_cpu(x, "linear_heads: x");
+  const int code = dtype_code(x, "linear_heads");
+  const int64_t heads = static_cast<int64_t>(packed.size());
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == heads && x.size(2) == k, "linear_heads: x [rows, ", heads, ", ", k,
+              "] expected, got ", x.sizes());
+  for (const auto& p : packed)
+    TORCH_CHECK(p.is_contiguous() && (quantized ? p.scalar_type() == torch::kUInt8 &&
+                                                      tf::quant_packed_matches(p.data_ptr<uint8_t>(), p.numel(), n, k)
+                                                : p.scalar_type() == x.scalar_type() &&
+                                                      p.numel() == tf::packed_numel(code, n, k)),
+                "linear_heads: a packed weight does not match [", n, ", ", k, "] and x's dtype");
+  auto xt = x.transpose(0, 1).contiguous();  // [heads, rows, k]
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({heads, rows, n}, x.options());
+  if (out.numel() == 0) return out.transpose(0, 1);
+  const int64_t es = x.element_size();
+  auto* xp = static_cast<char*>(xt.data_ptr());
+  auto* op = static_cast<char*>(out.data_ptr());
+  if (quantized) {
+    std::vector<tf::QuantJob> jobs;
+    for (int64_t h = 0; h < heads; ++h)
+      jobs.push_back({xp + h * rows * k * es, packed[h].data_ptr<uint8_t>(), op + h * rows * n * es, rows, n, k});
+    tf::quant_linears(code, jobs.data(), heads, threads());
+  } else {
+    for (int64_t h = 0; h < heads; ++h)
+      tf::linear(code, xp + h * rows * k * es, packed[h].data_ptr(), op + h * rows * n * es, rows, n, k, threads());
+  }
+  return out.transpose(0, 1);
+}
+
 // The rows of a latent-attention call (latent_attention and dsa_select): q [rows, heads, dim] as
 // float32, a contiguous paged cache [blocks, block_size, dim], positions, tables and row_starts as
 // the C++ paged attention takes them, checked.
@@ -800,6 +835,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "state in place",
           py::arg("x"), py::arg("residual"), py::arg("next_norm"), py::arg("conv_state"), py::arg("ssm_state"),
           py::arg("state_in"), py::arg("state_out"), py::arg("row_starts"));
+  m.def("linear_heads", &linear_heads,
+        "one GEMM per head: x [rows, heads, k] -> [rows, heads, n], head h by packed[h] (all quantized or all dense)",
+        py::arg("x"), py::arg("packed"), py::arg("quantized"), py::arg("n"), py::arg("k"));
   m.def("latent_attention", &latent_attention,
         "latent_attention.latent_attention of the rows of several sequences over the latent cache in one call",
         py::arg("q"), py::arg("cache"), py::arg("positions"), py::arg("tables"), py::arg("row_starts"),

@@ -14,7 +14,7 @@ from tensorfold.kernels.paged_attention import attention_by_sequence
 from tensorfold.kernels.paged_attention import paged_attention_ref as paged_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import paged_decode_attention_ref as paged_decode_attention  # noqa: F401
 from tensorfold.kernels.paged_attention import write_kv_ref
-from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.backends.linear_weight import LinearWeight, per_head as linear_heads  # noqa: F401
 from tensorfold.kernels.delta_net import delta_net, gated_rms_norm  # noqa: F401
 from tensorfold.kernels.latent_attention import attention_by_sequence as latent_attention, dsa_select  # noqa: F401
 from tensorfold.kernels import quant_gemm, reference

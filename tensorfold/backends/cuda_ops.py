@@ -45,7 +45,7 @@ import functools
 
 import torch
 
-from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.backends.linear_weight import LinearWeight, per_head as linear_heads  # noqa: F401
 from tensorfold.kernels.delta_net_triton import delta_net, gated_rms_norm  # noqa: F401
 from tensorfold.kernels.latent_attention_triton import dsa_select, latent_attention  # noqa: F401
 from tensorfold.kernels.mamba2_triton import gated_group_norm as mamba2_gated_norm, mamba2  # noqa: F401

@@ -68,6 +68,12 @@ def count_formats(weights) -> dict[str, int]:
     return formats
 
 
+def per_head(x: torch.Tensor, weights: list) -> torch.Tensor:
+    """x [rows, heads, K] -> [rows, heads, N]: head h times weights[h], one call each (the op sets'
+    linear_heads where they have no batched form)."""
+    return torch.stack([w(x[:, h].contiguous()) for h, w in enumerate(weights)], dim=1)
+
+
 class LinearWeight:
     """Base of every op set's weight type; subclasses define pack() and multiply()."""
     quantized = staticmethod(quantized)

@@ -13,7 +13,8 @@ import torch
 
 from tensorfold import _cpu
 from tensorfold.backends.huge_pages import arena
-from tensorfold.backends.linear_weight import LinearWeight
+from tensorfold.backends.linear_weight import LinearWeight, per_head
+from tensorfold.kernels import paged_attention
 from tensorfold.kernels.paged_attention import pad_block_tables
 # elementwise, on torch ops that round each step (invariant as they are): Gemma's GeGLU and soft cap,
 # Nemotron-H's relu^2
@@ -30,7 +31,7 @@ NAME = f"native-{_cpu.isa()}"
 # The KV cache keeps a record of its V rows' exponents (LayerKV.v_exp), which write_kv fills and
 # the attention reads: its first pass (the maxima) then reads K alone, not K and V.
 V_EXPONENT_RECORD = True
-MAX_HEAD_DIM = 256  # the C++ rope, K/V write and attention take heads up to this width
+MAX_HEAD_DIM = paged_attention.MAX_HEAD_DIM  # the C++ rope, K/V write and attention take heads up to this width
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,17 @@ class Linear(LinearWeight):
         if packed is None or not packed.quantized:
             raise TypeError("rows() reads a one-part quantized weight (dense tables are looked up as tensors)")
         return _cpu.quant_rows(packed.data, ids, packed.n, packed.k)
+
+
+def linear_heads(x: torch.Tensor, weights: list) -> torch.Tensor:
+    """x [rows, heads, K] -> [rows, heads, N], head h times weights[h] (latent attention's absorbed
+    projections) in one call where every weight is one packed part of one format and shape without a
+    bias (the quantized ones in one parallel region); each head's bits are its own GEMM's."""
+    parts = [w.single for w in weights]
+    if any(p is None for p in parts) or any(w.bias is not None for w in weights) or \
+            len({(p.n, p.k, p.quantized) for p in parts}) != 1:
+        return per_head(x, weights)
+    return _cpu.linear_heads(x, [p.data for p in parts], parts[0].quantized, parts[0].n, parts[0].k)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,7 +5,8 @@ attention): the block class, its spec, its cache kind (models/cache.LatentKV).
     kv       kv_a(x) = [c_raw, k_rope]; c = rms_norm(c_raw); rope on q_rope and k_rope
              (interleaved pairs, as the reference: taken apart into halves, then the half-split rope)
     cache    [c, k_rope] per position, and the indexer's key: nothing per head
-    absorb   q_latent_h = W_uk_h^T q_nope_h (kv_b's key rows of head h, one GEMM per head), so
+    absorb   q_latent_h = W_uk_h^T q_nope_h (kv_b's key rows of head h; the op set's linear_heads:
+             one GEMM per head, in one call), so
              score_h(t) = [q_latent_h, q_rope_h] . [c_t, k_rope_t] and the attention runs on the
              latent: o_latent_h = softmax-weighted sum of c_t; out_h = W_uv_h o_latent_h; the
              per-head matrices are llama.cpp's attn_k_b / attn_v_b (absorbed_parts: split from a
@@ -149,16 +150,15 @@ class LatentAttention:
         latent = ops.rms_norm(kv[:, :s.kv_lora_rank].contiguous(), self.kv_a_norm, LATENT_NORM_EPS)
         k_rope = ops.apply_rope(deinterleave(kv[:, None, s.kv_lora_rank:]).contiguous(), cos, sin)[:, 0]
         q_rope = ops.apply_rope(deinterleave(q[..., s.nope_dim:]).contiguous(), cos, sin)
-        q_latent = torch.stack([self.absorb_k[h](q[:, h, :s.nope_dim].contiguous()) for h in range(s.num_heads)],
-                               dim=1)  # [num_rows, heads, kv_lora]
+        q_latent = ops.linear_heads(q[..., :s.nope_dim], self.absorb_k)  # [num_rows, heads, kv_lora]
         query = torch.cat([q_latent, q_rope], dim=-1)  # [num_rows, heads, kv_lora + rope]
         index_keys = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
         kernels.write_latent(cache, torch.cat([latent, k_rope], dim=-1), index_keys, batch.slot_mapping)
         selections = self._selections(x, q_resid, cos, sin, batch, cache)
         out = ops.latent_attention(query, cache, batch, s.scale, selections)  # [num_rows, heads, kv_lora] float32
         out = out.to(x.dtype)
-        heads = [self.absorb_v[h](out[:, h].contiguous()) for h in range(s.num_heads)]  # [num_rows, v] each
-        return self.o(torch.cat(heads, dim=-1))
+        heads = ops.linear_heads(out, self.absorb_v)  # [num_rows, heads, v]
+        return self.o(heads.reshape(num_rows, -1))
 
     def _selections(self, x, q_resid, cos, sin, batch: ForwardBatch, cache: LayerLatent):
         """The rows' selection (kernels/latent_attention.dsa_select's form; None: every earlier key):
