@@ -41,7 +41,7 @@ long dot_sum = 0;
 for (int d = 0; d < head_dim; ++d) {
   long qi = to_grid(q[q_first + d], qe, TF_QK_BITS);
   long ki = to_grid(float(k_cache[kv_first + d]), ke, TF_QK_BITS);
-  dot_sum += qi * ki;  // |qi ki| <= 2^44, head_dim <= 256: < 2^52
+  dot_sum += qi * ki;  // |qi ki| < 2^44, head_dim <= 512 (paged_attention.MAX_HEAD_DIM): < 2^53
 }
 float score = float32_of_int(dot_sum, qe + ke - 2 * (TF_QK_BITS - 1));
 score = score * scale;

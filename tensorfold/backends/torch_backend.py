@@ -8,6 +8,7 @@ from tensorfold.backends import keeps_v_exponents
 from tensorfold.backends.base import Allocation, BlockGroup, Loaded
 from tensorfold.backends.probes import narrowed, probe_ops
 from tensorfold.backends.runner import ModelRunner
+from tensorfold.kernels.paged_attention import MAX_HEAD_DIM
 from tensorfold.models.cache import ModelCache, group_blocks
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.loader import build_model, load_checkpoint, quantize_checkpoint
@@ -114,14 +115,14 @@ class TorchBackend:
 
 
 def check_head_dims(model, ops) -> None:
-    """Attention heads wider than the op set's kernels take (ops.MAX_HEAD_DIM, where it has one)
-    are a startup error, not a failure in the first round (Gemma 4's global heads are 512 wide)."""
-    limit = getattr(ops, "MAX_HEAD_DIM", None)
-    wide = sorted({spec.mixer.head_dim for spec in model.specs
-                   if limit and getattr(spec.mixer, "head_dim", 0) > limit})
+    """Attention heads wider than the op set's kernels take (ops.MAX_HEAD_DIM where it has one,
+    else the exact rule's kernels/paged_attention.MAX_HEAD_DIM = 512, which serves Gemma 4's
+    global heads) are a startup error, not a failure in the first round."""
+    limit = getattr(ops, "MAX_HEAD_DIM", MAX_HEAD_DIM)
+    wide = sorted({spec.mixer.head_dim for spec in model.specs if getattr(spec.mixer, "head_dim", 0) > limit})
     if wide:
         raise CheckpointError(f"attention heads of {', '.join(map(str, wide))} dims: the {ops.NAME} kernels take at "
-                              f"most {limit} (TENSORFOLD_CPU_OPS=torch runs the torch reference ops, which take any)")
+                              f"most {limit} (q.k is exact in float64 up to {MAX_HEAD_DIM} dims)")
 
 
 def _return_freed_heap() -> None:

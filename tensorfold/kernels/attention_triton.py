@@ -118,7 +118,8 @@ def _kv_step(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, start, hi
                                 key_ok, HEAD_DIM, HALF)
     v_even, v_odd = _load_pairs(v_cache_ptr, page * stride_vb + slot * stride_vs + kv_head * stride_vh,
                                 key_ok, HEAD_DIM, HALF)
-    dots = tl.dot(q_even, tl.trans(k_even.to(tl.float64)))  # exact: integers on one grid, < 2^53
+    # exact: integers on one grid; each half's dot < 2^52 and their sum < 2^53 for HEAD_DIM <= 512
+    dots = tl.dot(q_even, tl.trans(k_even.to(tl.float64)))
     dots += tl.dot(q_odd, tl.trans(k_odd.to(tl.float64)))
     scores = dots.to(tl.float32) * tl.cast(scale, tl.float32)  # the exact dot rounded once, times f32 scale
     seen = keys[None, :] <= pos[:, None]
@@ -286,8 +287,9 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if split_size % block_n or block_n < 16 or block_m < 16 or split_size > SPLIT_SIZE:
         raise ValueError(f"split_size {split_size} must be a multiple of block_n {block_n} (>= 16) "
                          f"and at most {SPLIT_SIZE}")
-    if head_dim > 256 or head_dim % 2:
-        raise ValueError(f"head_dim {head_dim}: must be even and at most 256 (q.k in float64's exact range)")
+    if head_dim > ref.MAX_HEAD_DIM or head_dim % 2:
+        raise ValueError(f"head_dim {head_dim}: must be even and at most {ref.MAX_HEAD_DIM} "
+                         "(q.k in float64's exact range)")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"{name} is {t.dtype}: the kernel reads float32 or bfloat16")

@@ -12,6 +12,16 @@ The arithmetic (tensorfold/exact has the rule; attention_triton.py does the same
 1. q is put on its grid per call; the score q.k is then an exact dot product (every product is
    a multiple of one power of two and the total stays below 2^53: exact in float64, or as an
    int64 on MLX), rounded once to float32, times float32(scale) in float32.
+   The bound, for heads up to MAX_HEAD_DIM = 512 (Gemma 4's global layers): q_int is q / 2^(e-21)
+   rounded, e = exponent(max|q|), so max|q| / 2^(e-21) lies in [2^21, 2^22) and rounds to at
+   most 2^22 (a value within half a step of 2^22 rounds up to it): |q_int| <= 2^22. A stored k
+   is a fixed point of on_grid: its elements are multiples of 2^(E-21) for E = exponent(max|k|),
+   and max|k| < 2^(E+1), so |k_int| <= 2^22 - 1 (a k that rounded up to 2^(E+1) sits on the grid
+   of its new exponent, where it is 2^21). Each product is at most 2^22 (2^22 - 1) < 2^44, so
+   any partial sum of 512 of them, in any order or split (halves, lanes, even/odd dims), is an
+   integer multiple of 2^(e_q + E - 42) of magnitude below 2^53: exactly a float64, and an int64.
+   Even at the grid's extremes (every |q_int| = 2^22, every |k_int| = 2^22 - 1) nothing rounds;
+   1024 dims could reach 2^54 and would not be exact, so wider heads are refused here.
 2. m = the row's largest visible score (exact); p = exp_neg(score - m), 0 for keys the row does
    not see (past its position, or before its sliding window).
 3. With e_j the exponent of v_j and E the largest e_j the row sees, the weight of key j is
@@ -33,7 +43,8 @@ import torch
 from tensorfold.exact.float32 import exp_neg, f32
 from tensorfold.exact.grid import exponent, on_grid, pow2, round_even, to_fixed
 
-QK_BITS = 22      # |q_int|, |k_int| <= 2^22: a product <= 2^44, head_dim <= 256 -> < 2^53
+QK_BITS = 22      # |q_int| <= 2^22, |k_int| < 2^22: a product < 2^44, head_dim <= 512 -> < 2^53
+MAX_HEAD_DIM = 512  # the widest head whose q.k stays exact (step 1); every op set's attention takes it
 V_BITS = 20       # |v_int| <= 2^20
 W_BITS = 24       # |w_int| <= 2^24: w * v <= 2^44, SPLIT_SIZE keys -> <= 2^53
 L_BITS = 30       # denominator terms p * 2^30: exact for < 2^23 keys in float64, int64 beyond
@@ -96,6 +107,8 @@ def _attend(q: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_ca
             v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
     """q [S, R, H, D] at positions [S, R] over tables [S, NB] -> [S, R, H, D] in q's dtype."""
     num_seqs, rows, num_heads, head_dim = q.shape
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim}: at most {MAX_HEAD_DIM} (q.k in float64's exact range)")
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     keys = tables.shape[1] * k_cache.shape[1]
