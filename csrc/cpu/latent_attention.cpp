@@ -23,6 +23,10 @@
 
 #include "exact.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace tf {
 namespace {
 
@@ -35,6 +39,27 @@ constexpr int KB = 4;                  // keys per dot block
 constexpr int64_t INDEX_CHUNK = 256;   // keys per indexer work item
 
 typedef double v8d __attribute__((vector_size(64)));
+
+inline v8d load8(const double* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v8d>(_mm512_loadu_pd(p));
+#else
+  v8d v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+#endif
+}
+
+// c + a * b. Every use multiplies and adds integers whose results stay below 2^53 (exact), so a
+// fused multiply-add gives the bits of the two roundings it replaces (as dot64.h's do).
+inline v8d mul_add(v8d a, v8d b, v8d c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v8d>(_mm512_fmadd_pd(reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(b),
+                                               reinterpret_cast<__m512d>(c)));
+#else
+  return c + a * b;
+#endif
+}
 
 // latent_attention.dot_bits: bits per element of an exact dot of `width` terms.
 int dot_bits(int64_t width) {
@@ -65,10 +90,10 @@ inline void dot_block(const double* const* x, const double* const* y, int64_t n,
     for (int b = 0; b < KB; ++b) acc[a][b] = v8d{};
   for (int64_t d = 0; d < n; d += 8) {
     v8d xv[HB], yv[KB];
-    for (int a = 0; a < HB; ++a) std::memcpy(&xv[a], x[a] + d, sizeof(v8d));
-    for (int b = 0; b < KB; ++b) std::memcpy(&yv[b], y[b] + d, sizeof(v8d));
+    for (int a = 0; a < HB; ++a) xv[a] = load8(x[a] + d);
+    for (int b = 0; b < KB; ++b) yv[b] = load8(y[b] + d);
     for (int a = 0; a < HB; ++a)
-      for (int b = 0; b < KB; ++b) acc[a][b] += xv[a] * yv[b];
+      for (int b = 0; b < KB; ++b) acc[a][b] = mul_add(xv[a], yv[b], acc[a][b]);
   }
   for (int a = 0; a < HB; ++a)
     for (int b = 0; b < KB; ++b) {
@@ -82,7 +107,8 @@ inline void dot_block(const double* const* x, const double* const* y, int64_t n,
 struct SeqKeys {
   std::vector<int32_t> index;     // position -> row of the grids, -1 where not read
   std::vector<int64_t> position;  // row of the grids -> position
-  std::vector<double> k, v;       // [n, k_stride] the dot grid, [n, v_stride] the value grid
+  std::vector<double> k;          // [n, k_stride] the dot grid
+  std::vector<double> v;          // the value grid in tiles of 16 dims: [v_stride / 16, n, 16]
   std::vector<int> k_exp, v_exp;
 };
 
@@ -115,7 +141,14 @@ void convert_keys(std::vector<SeqKeys>& seqs, const T* cache, const int64_t* tab
     const int64_t i = jobs[g].second;
     const T* row = cache_row(cache, tables + jobs[g].first * width, sk.position[i], block_size, dim);
     sk.k_exp[i] = to_grid(row, dim, k_stride, bits, sk.k.data() + i * k_stride);
-    if (v_stride > 0) sk.v_exp[i] = to_grid(row, latent, v_stride, V_BITS, sk.v.data() + i * v_stride);
+    if (v_stride > 0) {
+      thread_local std::vector<double> v_row;
+      v_row.resize(v_stride);
+      sk.v_exp[i] = to_grid(row, latent, v_stride, V_BITS, v_row.data());
+      const int64_t n = static_cast<int64_t>(sk.position.size());
+      for (int64_t t = 0; t < v_stride / 16; ++t)
+        std::memcpy(sk.v.data() + (t * n + i) * 16, v_row.data() + t * 16, 16 * sizeof(double));
+    }
   }
 }
 
@@ -205,15 +238,14 @@ void latent_item(const LatentCall& c, const SeqKeys& sk, int64_t r, int64_t h0, 
     for (int64_t d = 0; d < vs; d += 16) {
       v8d acc[HB][2];
       for (int a = 0; a < HB; ++a) acc[a][0] = acc[a][1] = v8d{};
+      const double* tile = sk.v.data() + d / 16 * static_cast<int64_t>(sk.position.size()) * 16;
       for (int64_t j = c0; j < c1; ++j) {
-        const double* vr = sk.v.data() + keys[j] * vs + d;
-        v8d v0, v1;
-        std::memcpy(&v0, vr, sizeof(v8d));
-        std::memcpy(&v1, vr + 8, sizeof(v8d));
+        const double* vr = tile + keys[j] * 16;  // 16 dims of key j, beside the other keys' (tile layout)
+        const v8d v0 = load8(vr), v1 = load8(vr + 8);
         for (int a = 0; a < HB; ++a) {
-          const double wa = a < hb ? w[a * n + j] : 0.0;
-          acc[a][0] += v0 * wa;
-          acc[a][1] += v1 * wa;
+          const v8d wa = v8d{} + (a < hb ? w[a * n + j] : 0.0);
+          acc[a][0] = mul_add(v0, wa, acc[a][0]);
+          acc[a][1] = mul_add(v1, wa, acc[a][1]);
         }
       }
       for (int a = 0; a < hb; ++a)
