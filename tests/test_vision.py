@@ -77,6 +77,14 @@ def test_tower_matches_transformers_and_each_image_alone(tiny_vl, hf):
         assert torch.equal(ours, tower.encode(px, grid))
 
 
+def test_erf_in_pieces_is_the_whole_series_and_close_to_erf():
+    from tensorfold.models.vision_tower import ERF_PIECE, _erf_series, erf64
+    x = torch.cat([torch.randn(3 * ERF_PIECE + 5, generator=torch.Generator().manual_seed(0)) * 3,
+                   torch.linspace(-6, 6, 4001), torch.tensor([0.0, -0.0, 4.0, -4.0, float("inf"), -float("inf")])]).float()
+    assert torch.equal(erf64(x.view(-1, 7)).view(-1), _erf_series(x))  # pieces: the same bits
+    torch.testing.assert_close(erf64(x).float(), torch.erf(x), atol=1.2e-7, rtol=0)
+
+
 def test_native_tower_encodes_an_image_beside_others_with_its_bits_alone(tiny_vl, hf):
     """encode_many (the image cache's misses of a round, together): each image's bits are its own."""
     tensors = {n: p.detach() for n, p in hf.named_parameters()}

@@ -1,10 +1,13 @@
 """Image encode time per megapixel (random weights) and the image cache's hit path.
 
     python tools/bench_vision.py [--shape tiny|real] [--depth N] [--side PIXELS] [--ops native|torch]
+                                 [--images N]
 
 tiny: the test checkpoint's tower (1 block, width 32). real: Qwen3.5's tower widths (width 1152,
 16 heads, MLP 4304, patch 16, 2x2 merge, out 2048), `--depth` blocks of its 27 (the time per
 block is printed, so the whole tower's is depth-scaled). The image is side x side pixels.
+--images N (N > 1): also N different images of that size encoded one by one against one
+encode_many call (the image cache's misses of a round, encoded together), whose bits must be equal.
 """
 import argparse
 import io
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--side", type=int, default=512)
     ap.add_argument("--ops", default="native", choices=["native", "torch"])
+    ap.add_argument("--images", type=int, default=1)
     args = ap.parse_args()
     if args.ops == "native":
         from tensorfold.backends import native_ops as ops
@@ -56,9 +60,7 @@ def main() -> None:
     spec = VisionSpec.from_hf(dict(SHAPES[args.shape], depth=args.depth))
     tower = random_tower(spec, ops)
     pre = Preprocess(min_pixels=64 * 64, max_pixels=4096 * 4096)
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (args.side, args.side, 3), dtype=np.uint8)).save(buf, "PNG")
-    data = buf.getvalue()
+    data = _png(args.side, 0)
     started = time.perf_counter()
     pixels, grid = patches(data, pre)
     prep_s = time.perf_counter() - started
@@ -79,6 +81,25 @@ def main() -> None:
           f"{grid[1] * grid[2] // 4} tokens")
     print(f"preprocess {prep_s * 1e3:.1f} ms; encode {encode_s:.3f} s = {encode_s / mp:.3f} s/MP "
           f"({encode_s / args.depth:.3f} s per block incl. embed+merger); cache hit {hit_us:.1f} us")
+    if args.images > 1:
+        inputs = [patches(_png(args.side, seed), pre) for seed in range(args.images)]
+        alone_s = together_s = float("inf")
+        for _ in range(5):  # alternating, each form's fastest (a shared machine's noise)
+            started = time.perf_counter()
+            alone = [tower.encode(px, g) for px, g in inputs]
+            alone_s = min(alone_s, time.perf_counter() - started)
+            started = time.perf_counter()
+            together = tower.encode_many(inputs)
+            together_s = min(together_s, time.perf_counter() - started)
+        same = all(torch.equal(a, b) for a, b in zip(alone, together))
+        print(f"{args.images} images: one by one {alone_s:.3f} s, together {together_s:.3f} s "
+              f"({alone_s / together_s:.2f}x; fastest of 5, alternating); bitwise equal: {same}")
+
+
+def _png(side: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
 
 
 if __name__ == "__main__":
