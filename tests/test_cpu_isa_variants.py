@@ -219,6 +219,16 @@ for dtype in (torch.float32, torch.bfloat16):
     y, z, w = torch.randn(5, 116, generator=g), torch.randn(5, 116, generator=g).to(dtype), torch.randn(116, generator=g)
     assert torch.equal(cpu.mamba2_gated_norm(y, z, w.to(dtype), 4, 1e-5, dtype),
                        mamba2_ref.gated_group_norm(y, z, w.to(dtype), 4, 1e-5, dtype)), "mamba2_gated_norm"
+from latent_cases import ODD, make_case  # GLM-5's latent attention and the indexer's choice
+from tensorfold.kernels import latent_attention as latent_ref
+for dtype in (torch.float32, torch.bfloat16):
+    cache, batch, query, index_q, weights = make_case(ODD, [(0, 21), (40, 1)], seed=3, dtype=dtype)
+    where = (batch.positions, batch.block_tables, batch.row_starts_tensor)
+    sel = latent_ref.dsa_select(index_q, weights, cache, batch, 0.2, 5)
+    assert torch.equal(cpu.dsa_select(index_q, weights, cache.index_keys, *where, 0.2, 5), sel), "dsa_select"
+    for chosen in (None, sel):
+        assert torch.equal(cpu.latent_attention(query, cache.kv, *where, 0.07, ODD.latent, chosen),
+                           latent_ref.attention_by_sequence(query, cache, batch, 0.07, chosen)), "latent_attention"
 print("bitwise")
 """
 
