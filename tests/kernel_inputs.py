@@ -50,3 +50,19 @@ def tiny_bf16(gen: torch.Generator, *shape) -> torch.Tensor:
     pick = torch.rand(shape, generator=gen)
     v = torch.where(pick < 0.05, subnormal, torch.where(pick < 0.1, sign * 0.0, normal))
     return v.bfloat16()
+
+
+# The grid's extremes (kernels/paged_attention.py, step 1): a float32 q element of Q_TOP rounds to
+# q_int = 2^22 (the most q_int can be), a stored K element of K_TOP is k_int = 2^22 - 1 exactly
+# (the most a stored k_int can be), a V element of V_TOP is v_int = 2^20 - 1; bfloat16 holds
+# BF16_TOP, its largest value below 2, whose grid integers are the largest that dtype reaches.
+Q_TOP, K_TOP, V_TOP, BF16_TOP = 2 - 2.0 ** -23, 2 - 2.0 ** -21, 2 - 2.0 ** -19, 2 - 2.0 ** -7
+
+
+def at_the_top(gen: torch.Generator, shape, magnitude: float, dtype=torch.float32) -> torch.Tensor:
+    """Every element of magnitude `magnitude` (BF16_TOP in bfloat16), signs drawn, except the first
+    vector (along dim 0), all positive: with q and k both at the top its dot products are the
+    largest the grid allows (every product the largest, all of one sign)."""
+    sign = torch.randint(0, 2, shape, generator=gen) * 2.0 - 1.0
+    sign[0] = 1.0
+    return (sign * (BF16_TOP if dtype == torch.bfloat16 else magnitude)).to(dtype).to(DEVICE)

@@ -13,14 +13,14 @@ different exponents.
 
 import torch
 
-from kernel_inputs import DEVICE, NAN, gpu  # first: sets TRITON_INTERPRET without a GPU
+from kernel_inputs import DEVICE, K_TOP, NAN, Q_TOP, V_TOP, at_the_top, gpu  # first: sets TRITON_INTERPRET without a GPU
 
 import pytest  # noqa: E402
 
 from tensorfold.kernels import attention_triton as attention  # noqa: E402
 from tensorfold.exact import float32, grid  # noqa: E402
-from tensorfold.kernels.paged_attention import (paged_attention_ref, paged_decode_attention_ref,  # noqa: E402
-                                                write_kv_ref)
+from tensorfold.kernels.paged_attention import (MAX_HEAD_DIM, QK_BITS, paged_attention_ref,  # noqa: E402
+                                                paged_decode_attention_ref, write_kv_ref)
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 TILES = dict(block_m=16, block_n=16, split_size=32)  # tiny tiles: rows span 1 to 3 splits
@@ -163,6 +163,57 @@ def test_cache_vectors_sit_on_their_grid(draw):
     q = draw.randn(1, 6, 16)
     with pytest.raises(ValueError, match="at most 512"):
         attention.paged_attention(q, k, v, torch.tensor([5]), block_table, 0.25, split_size=1024)
+
+
+# ---- heads of 512 (Gemma 4's global layers): the widest whose q.k is exact ----
+
+WIDEST = MAX_HEAD_DIM
+
+
+def test_qk_sum_is_exact_at_512_at_the_grid_extremes():
+    """The reference's q.k (float64 matmul of q on its grid and the stored k) equals the exact
+    integer dot at 512 dims with every product at the grid's largest (|q_int| = 2^22 where the
+    largest element rounds up to it, 2^22 - 1 elsewhere; every stored |k_int| = 2^22 - 1, the
+    most a stored k can be): 2^53 - 2^31 at most. At 1024 dims the same inputs leave float64's
+    exact range, which is why wider heads are refused."""
+    for dims, exact in ((WIDEST, True), (2 * WIDEST, False)):
+        q = torch.full((1, 1, dims), K_TOP)
+        q[..., 0] = Q_TOP  # rounds up to 2^22 on q's grid
+        k = torch.full((1, 1, 1, dims), torch.nan)
+        v = k.clone()
+        write_kv_ref(k, v, torch.full((1, 1, dims), K_TOP), torch.ones(1, 1, dims), torch.tensor([0]))
+        q_int, q_exp = grid.to_fixed(q, QK_BITS)
+        k_int, k_exp = grid.to_fixed(k[0, 0], QK_BITS)
+        assert float(q_int.max()) == 2 ** 22 and float(k_int.abs().max()) == 2 ** 22 - 1 and int(k_exp) == 0
+        want = int((q_int.to(torch.int64) * k_int.to(torch.int64)).sum())  # exact in int64
+        got = torch.matmul(q_int * grid.pow2(q_exp - QK_BITS + 1).unsqueeze(-1), k[0, 0].double().T)
+        got_int = int(got * 2.0 ** (2 * (QK_BITS - 1)))  # the products' unit, 2^-42 here
+        assert (got_int == want) == exact, (dims, got_int, want)
+    assert want > 2 ** 53 > 2 ** 53 - 2 ** 31 >= (2 ** 22) * (2 ** 22 - 1) * WIDEST
+
+
+@pytest.mark.parametrize("extremes", [False, True], ids=["random", "grid-extremes"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32cache", "bf16cache"])
+def test_kernel_equals_reference_at_512(draw, kv_dtype, extremes):
+    """Heads of 512: decode, verify and prefill rows, sliding and not, bitwise the reference; at
+    the grid's extremes every q.k product is the largest (signs agreeing on every other key)."""
+    k, v, block_table = make_cache(draw, num_blocks=4, page=8, head_dim=WIDEST, dtype=kv_dtype)
+    q = draw.randn(8, 6, WIDEST)
+    if extremes:  # every slot rewritten: K and V at their top, every other key all positive as q is
+        top_k = at_the_top(draw.gen, (32, 2, WIDEST), K_TOP, kv_dtype)
+        top_k[::2] = top_k[::2].abs()
+        write_kv_ref(k, v, top_k, at_the_top(draw.gen, (32, 2, WIDEST), V_TOP, kv_dtype),
+                     torch.arange(32, device=DEVICE))
+        q = at_the_top(draw.gen, (8, 6, WIDEST), Q_TOP).abs()
+    for rows, start, window in ((1, 31, None), (3, 20, 13), (8, 0, None)):
+        positions = torch.arange(start, start + rows, device=DEVICE)
+        got = attend(q[:rows], k, v, positions, block_table, window)
+        want = attend_ref(q[:rows], k, v, positions, block_table, window)
+        assert torch.equal(got, want), f"{draw}: rows {rows} at {start}: max diff {(got - want).abs().max()}"
+    wide = torch.zeros(1, 8, 2, WIDEST + 2, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim 514: must be even and at most 512"):
+        attention.paged_attention(draw.randn(1, 6, WIDEST + 2), wide, wide, torch.tensor([0], device=DEVICE),
+                                  block_table[:1], 0.25)
 
 
 def test_exp_polynomial_is_accurate():

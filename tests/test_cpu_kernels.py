@@ -10,7 +10,7 @@ their torch steps too.
 import pytest
 import torch
 
-from kernel_inputs import NAN
+from kernel_inputs import K_TOP, NAN, Q_TOP, V_TOP, at_the_top
 from tensorfold.backends import native_problem
 from tensorfold.exact import float64
 from tensorfold.kernels import paged_attention as attention_ref
@@ -151,7 +151,7 @@ def _rope_inputs(draw, tokens, heads, head_dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 9, 64), (5, 3, 128), (17, 2, 256)])
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 9, 64), (5, 3, 128), (17, 2, 256), (3, 2, 512)])
 def test_rope_and_qk_norm_rope(draw, threads, dtype, tokens, heads, head_dim):
     x, cos, sin = _rope_inputs(draw, tokens, heads, head_dim, dtype)
     want = reference.apply_rope(x, cos, sin)
@@ -205,7 +205,7 @@ def test_silu_reference_is_silu(draw):
 # ---- cache write and attention ------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 def test_write_kv_puts_each_vector_on_its_grid(draw, threads, dtype, kv_dtype, head_dim):
     """k, v of the activations' dtype into a cache of its own dtype: rounded to it, then on the grid."""
     blocks, block_size, kv_heads, tokens = 6, 16, 2, 70
@@ -289,9 +289,10 @@ RECORDS = (False, True)
 
 
 # (heads, kv_heads, head_dim, window, block_size): GQA, windows, the vector widths' head sizes,
-# one (80) that takes the plain loops for part of the work, and a block size not a power of two
+# one (80) that takes the plain loops for part of the work, a block size not a power of two, and
+# Gemma 4's global heads of 512 (the widest, paged_attention.MAX_HEAD_DIM)
 ATTENTION_SHAPES = [(9, 3, 64, None, 16), (4, 4, 128, None, 16), (2, 1, 256, 7, 16), (6, 2, 64, 40, 16),
-                    (4, 2, 80, None, 12)]
+                    (4, 2, 80, None, 12), (4, 2, 512, 40, 16)]
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
@@ -359,6 +360,40 @@ def test_attention_rejects_a_position_past_its_table(draw):
                              0.125, 0)
 
 
+@pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
+def test_heads_of_512_at_the_grid_extremes(draw, threads, dtype, kv_dtype):
+    """Gemma 4's global heads (512, paged_attention.MAX_HEAD_DIM) with every q.k product the
+    largest the grid allows (|q_int| = 2^22, |k_int| = 2^22 - 1: where q's and a key's signs agree,
+    every partial sum climbs to 2^53 - 2^31) and V at its top too: the cache write, a prefill
+    chunk, a verify run and decode rows long enough to be split over their keys all equal the
+    references bitwise."""
+    head_dim, heads, kv_heads, block_size, blocks = attention_ref.MAX_HEAD_DIM, 4, 2, 16, 24
+    tokens = blocks * block_size  # 384 keys: a decode row past SPLIT_KEYS (256) is split
+    k = at_the_top(draw.gen, (tokens, kv_heads, head_dim), K_TOP, dtype)
+    v = at_the_top(draw.gen, (tokens, kv_heads, head_dim), V_TOP, dtype)
+    k[::5] = k[::5].abs()  # every fifth key all positive: the largest score, many times
+    slots = torch.randperm(tokens, generator=draw.gen)  # token t in slot slots[t]
+    want_k = torch.full((blocks, block_size, kv_heads, head_dim), NAN, dtype=kv_dtype)
+    want_v, got_k, got_v = want_k.clone(), want_k.clone(), want_k.clone()
+    record = torch.full((blocks, block_size, kv_heads), 999, dtype=torch.int16)
+    attention_ref.write_kv_ref(want_k, want_v, k, v, slots)
+    _cpu.write_kv(got_k, got_v, k, v, slots, v_exp=record)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), str(draw)
+    if kv_dtype == torch.float32 and dtype == torch.float32:  # the stored k_int: 2^22 - 1, unrounded
+        assert float(want_k.abs().max()) == K_TOP
+    q = at_the_top(draw.gen, (tokens, heads, head_dim), Q_TOP, dtype)
+    q[::2] = q[::2].abs()
+    table = torch.arange(blocks)  # position p reads slot p (token t sits at slots[t])
+    for start, end in ((0, 40), (200, 204), (383, 384), (300, 301)):  # prefill, verify, decode (split)
+        rows = q[start:end]
+        positions = torch.arange(start, end)
+        want = attention_ref.paged_attention_ref(rows, want_k, want_v, positions, table, head_dim ** -0.5)
+        for recorded in RECORDS:
+            got = _cpu.paged_attention(rows, got_k, got_v, positions, table.view(1, -1), torch.tensor([0, end - start]),
+                                       head_dim ** -0.5, 0, v_exp=record if recorded else None, out=poisoned(want))
+            assert_bitwise(got, want, draw, f"rows [{start}, {end}), record {recorded}")
+
+
 # ---- the keyed sampler's vocabulary-wide steps -------------------------------------------------
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -410,9 +445,9 @@ def test_sample_keys_and_top_keys_equal_the_torch_steps(draw, threads):
 
 # (heads, kv_heads, head_dim, window) of the split rows: the query heads of a KV head go through
 # the direct kernels four at a time (groups of 3, 1, 8 and 5 lanes per row; a 4-row verify run
-# has 4x as many), bfloat16 rows of 64 and 128 in 32-element blocks, 80 in 16-element ones
+# has 4x as many), bfloat16 rows of 64, 128 and 512 in 32-element blocks, 80 in 16-element ones
 SPLIT_SHAPES = [(9, 3, 64, None), (9, 3, 64, 700), (9, 3, 80, None), (4, 4, 128, None), (8, 1, 128, 300),
-                (10, 2, 64, None)]
+                (10, 2, 64, None), (4, 1, 512, None)]
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)

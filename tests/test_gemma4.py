@@ -11,17 +11,21 @@ each with a seed whose greedy tokens no float rounding can flip:
 - chunked prefill (chunks of 1, 3, 16, 64) == token by token, bitwise, beside another sequence;
 - over a real loopback server: drafted == serial, concurrent == solo, a cached prefix == fresh, a
   preempted reply == its uninterrupted run;
+- global heads of 512 (the released checkpoints'): the native op set's logits and token_sha are the
+  torch references' bit for bit, near transformers', greedy tokens equal; wider heads are refused;
 - the new elementwise ops against float64, options not served and missing tensors as startup errors.
 """
 import json
 import os
+import types
 
 import pytest
 import torch
 
 import family_cases as cases
 from test_models import _rows
-from tensorfold.backends import backend_ops, cpu_ops
+from test_native_backend import greedy_run
+from tensorfold.backends import backend_ops, cpu_ops, native_problem
 from tensorfold.kernels.reference import gelu_tanh_and_mul, softcap, tanh32
 from tensorfold.models.cache import SharedKV
 from tensorfold.models.checkpoint import CheckpointError
@@ -190,14 +194,50 @@ def test_a_missing_tensor_is_a_startup_error_naming_it(gemma):
         build_model(ckpt, torch.float32, cpu_ops)
 
 
-def test_heads_wider_than_the_native_kernels_are_a_startup_error(tmp_path, smollm2_tokenizer):
-    """Released Gemma 4 checkpoints have global heads of 512; the native kernels take 256: the
-    load says so, naming the width and the way out, instead of failing in the first round."""
-    from tensorfold.backends import native_problem
+@pytest.fixture(scope="module")
+def wide_gemma(tmp_path_factory, smollm2_tokenizer):
+    """gemma4 with global heads of 512, as the released checkpoints (E2B, E4B) have them."""
+    seed = well_separated_seed("gemma4", smollm2_tokenizer, global_head_dim=512)
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("gemma4_wide")), "gemma4", seed=seed,
+                                tokenizer=smollm2_tokenizer, global_head_dim=512)
+
+
+def attention_references(native):
+    """The native op set with the ops Gemma 4's attention makes (rms_norm_rope for q and k, the V
+    norm, the cache write, the attention) swapped for their torch references: the oracle of the
+    wide-head kernels inside the model (the native GEMMs are their references' bits already,
+    test_native_backend, and the reference GEMM would make this slow)."""
+    ops = {name: getattr(native, name) for name in dir(native) if not name.startswith("_")}
+    ops.update({name: getattr(cpu_ops, name) for name in ("rms_norm", "rms_norm_rope", "write_kv", "attention")},
+               NAME="native, attention on the torch references")
+    return types.SimpleNamespace(**ops)
+
+
+@pytest.mark.skipif(native_problem() is not None, reason=str(native_problem()))
+def test_global_heads_of_512_serve_on_the_native_op_set(wide_gemma):
+    """The released checkpoints' global heads are 512 wide (paged_attention.MAX_HEAD_DIM, the
+    widest whose q.k stays exact): the native kernels serve them with the torch references' bits
+    (every forward's logits and the token_sha, with a float32 and a bfloat16 cache), within
+    tolerance of transformers in float64, and an engine on the native op set starts with its
+    probes passing and decodes transformers' greedy 32 tokens."""
+    native = backend_ops("cpu")
+    assert native.NAME.startswith("native-")  # what the engine below serves on too
+    model = build_model(load_hf_dir(wide_gemma), torch.float32, native)
+    assert {s.mixer.head_dim for s in model.specs} == {16, 512}
+    oracle = build_model(load_hf_dir(wide_gemma), torch.float32, attention_references(native))
+    prompts = [list(range(100, 140)), [7, 9, 11]]  # 40 tokens: past the window (16)
+    for kv_dtype in (torch.float32, torch.bfloat16):
+        got, got_sha = greedy_run(model, prompts, steps=4, kv_dtype=kv_dtype)
+        want, want_sha = greedy_run(oracle, prompts, steps=4, kv_dtype=kv_dtype)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)) and got_sha == want_sha, kv_dtype
+    cases.check_prefill_logits(model, cases.hf_model(wide_gemma, torch.float64), ATOL)
+    cases.check_greedy_32_tokens(wide_gemma, cases.hf_model(wide_gemma, torch.float32))
+
+
+def test_heads_wider_than_the_exact_bound_are_a_startup_error(tmp_path, smollm2_tokenizer):
+    """Past 512 dims q.k could leave float64's exact range: the load says so, naming the width,
+    instead of failing in the first round."""
     from tensorfold.engine.engine import Engine, EngineConfig
-    from tools.tiny_checkpoint import make_tiny_checkpoint
-    if native_problem():
-        pytest.skip(native_problem())
-    model = make_tiny_checkpoint(str(tmp_path), "gemma4", tokenizer=smollm2_tokenizer, global_head_dim=512)
-    with pytest.raises(CheckpointError, match="attention heads of 512 dims: the native-.* kernels take at most 256"):
+    model = make_tiny_checkpoint(str(tmp_path), "gemma4", tokenizer=smollm2_tokenizer, global_head_dim=1024)
+    with pytest.raises(CheckpointError, match="attention heads of 1024 dims: the .* kernels take at most 512"):
         Engine(model, EngineConfig())

@@ -129,13 +129,23 @@ def test_default_engine_serves_a_bfloat16_cache_in_exact_mode():
         Engine(None, EngineConfig(kv_dtype="float16", probe=False))
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.fixture(scope="module")
+def tiny_qwen3_wide(tmp_path_factory, smollm2_tokenizer):
+    """qwen3 with heads of 512 (paged_attention.MAX_HEAD_DIM, Gemma 4's global width): the fused
+    layer's widest rope, per-head norm, cache write and attention."""
+    from tools.tiny_checkpoint import make_tiny_checkpoint
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_qwen3_wide")), "qwen3", tokenizer=smollm2_tokenizer,
+                                head_dim=512)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_qwen3_wide"])
 @pytest.mark.parametrize("dtype,kv_dtype", KV_PAIRS, ids=KV_IDS)
 def test_one_call_per_layer_equals_the_op_by_op_layer(request, arch, dtype, kv_dtype):
     """The fused layer (native_ops.fuse: one _cpu.DecoderLayer call per layer) against the same kernels called op by op by the
     model: the same logits, and the same cache contents."""
     native = backend_ops("cpu")
     fused = build_model(load_hf_dir(request.getfixturevalue(arch)), dtype, native)
+    assert all(run != layer.forward for run, layer in zip(fused._run, fused.layers))  # every layer one native call
     unfused = types.SimpleNamespace(**{n: getattr(native, n) for n in dir(native) if not n.startswith("_")})
     unfused.fuse = lambda layer: None
     op_by_op = build_model(load_hf_dir(request.getfixturevalue(arch)), dtype, unfused)

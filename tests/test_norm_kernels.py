@@ -120,7 +120,7 @@ def test_add_rms_norm_bitwise(draw, dtype, n):
     assert_bitwise(draw, "fused vs unfused kernels", normed, norm.rms_norm(want_h, w, EPS))
 
 
-@pytest.mark.parametrize("head_dim", [16, 128])
+@pytest.mark.parametrize("head_dim", [16, 128, 512])  # 512: Gemma 4's global heads
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_and_fused_qk_norm_rope_bitwise(draw, dtype, head_dim):
     half = head_dim // 2
