@@ -105,3 +105,21 @@ def test_linear_heads_is_each_heads_own_gemm(kind, threads):
     assert got.shape == (rows, heads, n)
     for h, w in enumerate(weights):
         assert torch.equal(got[:, h], w(x[:, h].contiguous()))
+
+
+def test_extreme_exponents_keep_the_references_bits():
+    """Queries near float32's smallest normals, keys near its largest, a subnormal and a zero key:
+    the grids' powers of two stay exact in float64, as the reference's."""
+    cache, batch, query, index_q, weights = make_case(TINY, [(0, 12), (20, 1)], seed=8)
+    kv = cache.kv.view(-1, TINY.dim)
+    kv[:8] *= 1e30
+    kv[9] = 1e-44
+    kv[10] = 0.0
+    query[:6] *= 1e-30
+    index_q[3] *= 1e-35
+    cache.index_keys.view(-1, TINY.index_dim)[:5] *= 1e35
+    selection = ref.dsa_select(index_q, weights, cache, batch, 0.25, 6)
+    assert torch.equal(native_ops.dsa_select(index_q, weights, cache, batch, 0.25, 6), selection)
+    for chosen in (None, selection):
+        assert torch.equal(native_ops.latent_attention(query, cache, batch, SCALE, chosen),
+                           ref.attention_by_sequence(query, cache, batch, SCALE, chosen))
