@@ -240,3 +240,18 @@ def test_gpu_attention_model_size(draw):
     for row in (0, 150, 299):
         alone = attention.paged_attention(q[row:row + 1], k, v, positions[row:row + 1], block_table, 128 ** -0.5)
         assert torch.equal(alone[0], full[row]), f"{draw}: row {row}"
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_attention_heads_of_512(draw):
+    """Gemma 4 E2B's global layers (8 heads over 1 KV head of 512), compiled: the kernel's wide
+    tiles (q's and the sums' halves [16, 256] float64) keep the reference's bits."""
+    k, v, block_table = make_cache(draw, num_blocks=64, page=16, kv_heads=1, head_dim=WIDEST, dtype=torch.bfloat16)
+    q = draw.randn(40, 8, WIDEST, dtype=torch.bfloat16)
+    positions = torch.arange(960, 1000, device=DEVICE)
+    full = attention.paged_attention(q, k, v, positions, block_table, 1.0, None)
+    want = paged_attention_ref(q.cpu(), k.cpu(), v.cpu(), positions.cpu(), block_table.cpu(), 1.0, None)
+    assert torch.equal(full.cpu(), want), f"{draw}"
+    alone = attention.paged_attention(q[-1:], k, v, positions[-1:], block_table, 1.0)
+    assert torch.equal(alone[0], full[-1]), f"{draw}"
