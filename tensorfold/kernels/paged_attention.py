@@ -21,7 +21,8 @@ The arithmetic (tensorfold/exact has the rule; attention_triton.py does the same
    any partial sum of 512 of them, in any order or split (halves, lanes, even/odd dims), is an
    integer multiple of 2^(e_q + E - 42) of magnitude below 2^53: exactly a float64, and an int64.
    Even at the grid's extremes (every |q_int| = 2^22, every |k_int| = 2^22 - 1) nothing rounds;
-   1024 dims could reach 2^54 and would not be exact, so wider heads are refused here.
+   1024 dims could reach 2^54 and would not be exact, so wider heads are refused here. Nothing
+   else depends on the width: step 3's sums run per element over keys, rope is elementwise.
 2. m = the row's largest visible score (exact); p = exp_neg(score - m), 0 for keys the row does
    not see (past its position, or before its sliding window).
 3. With e_j the exponent of v_j and E the largest e_j the row sees, the weight of key j is
