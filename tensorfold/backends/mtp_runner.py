@@ -111,7 +111,7 @@ class MTPRunner:
             ends.append(len(ids) - 1)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(slots), sequences,
-                            as_tensor([ends[i] for i in drawing]))
+                            as_tensor([ends[i] for i in drawing]), positions_end=max(positions, default=-1) + 1)
 
 
 class HeldRows:

@@ -67,7 +67,8 @@ class ModelRunner:
             logits_rows += range(start_row + num - len(req.rows), start_row + num)
         return ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slots),
                             sequences, as_tensor(logits_rows),
-                            [(as_tensor(s), t) for s, t in groups] if plan.requests and groups else [])
+                            [(as_tensor(s), t) for s, t in groups] if plan.requests and groups else [],
+                            positions_end=max(positions, default=-1) + 1)
 
     def _place_images(self, plan: StepPlan, batch: ForwardBatch) -> None:
         """Every row's M-RoPE positions, and the image embeddings of the pad rows this round

@@ -26,6 +26,7 @@ from tensorfold.models.moe import MoESpec
 from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
 from tensorfold.kernels.reference import rope_table
+from tensorfold.models.rope import FIRST_ROWS
 from tensorfold.mlx import delta_net, moe, ops
 
 
@@ -70,14 +71,22 @@ def state_slots(tables: list[np.ndarray], positions: list[np.ndarray], block_siz
 
 
 class RopeRows:
-    """A rope table (the torch reference's float32 values) and its rows gathered per batch."""
+    """A rope table (the torch reference's float32 values) and its rows gathered per batch; made
+    as far as the positions so far need, doubling (models/rope.RopeTable's rule: the same bits)."""
 
     def __init__(self, spec: AttentionSpec):
-        inv_freq, scale = rope_inv_freq(spec.rope, spec.rope_dim)
-        cos, sin = rope_table(inv_freq, scale, spec.max_position)
+        self.inv_freq, self.scale = rope_inv_freq(spec.rope, spec.rope_dim)
+        self.max_position = spec.max_position
+        self._make(min(FIRST_ROWS, self.max_position))
+
+    def _make(self, rows: int) -> None:
+        cos, sin = rope_table(self.inv_freq, self.scale, rows)
         self.cos, self.sin = ops.from_torch(cos), ops.from_torch(sin)
 
     def at(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:
+        end = int(positions.max()) + 1 if positions.size else 0
+        if end > self.cos.shape[0]:
+            self._make(min(max(end, 2 * self.cos.shape[0]), self.max_position))
         index = mx.array(positions)
         return self.cos[index], self.sin[index]
 

@@ -34,6 +34,9 @@ class ForwardBatch:
     # whose input is an image embedding instead of their token's: (rows [n] int64, [n, hidden]).
     rope_positions: torch.Tensor | None = None
     image_rows: tuple | None = None
+    # One past the largest position, as the host knows it (the rope tables grow to it); None: read
+    # from the positions (a device sync where they live on a GPU).
+    positions_end: int | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     def in_group(self, g: int) -> "ForwardBatch":
@@ -47,7 +50,8 @@ class ForwardBatch:
         slots, tables = self.groups[g - 1]
         sequences = [SequenceRows(seq.start, seq.end, table) for seq, table in zip(self.sequences, tables)]
         return ForwardBatch(self.input_ids, self.positions, slots, sequences, self.logits_rows,
-                            rope_positions=self.rope_positions, image_rows=self.image_rows, _memo=self._memo)
+                            rope_positions=self.rope_positions, image_rows=self.image_rows,
+                            positions_end=self.positions_end, _memo=self._memo)
 
     def memo(self, key, make):
         """make() once per forward and key: what every layer of the forward reads alike (rope rows,
@@ -63,11 +67,19 @@ class ForwardBatch:
         return self.memo(id(table), lambda: self._rope_rows(table))
 
     def _rope_rows(self, table) -> tuple[torch.Tensor, torch.Tensor]:
+        table.cover(self._positions_end())
         if self.rope_positions is None or table.axes is None:
             return table.cos[self.positions], table.sin[self.positions]
         pick = table.axes.view(1, 1, -1).expand(1, self.positions.numel(), -1)  # [1, num_rows, head_dim]
         return (table.cos[self.rope_positions].gather(0, pick).squeeze(0),
                 table.sin[self.rope_positions].gather(0, pick).squeeze(0))
+
+    def _positions_end(self) -> int:
+        end = self.positions_end if self.positions_end is not None else \
+            int(self.positions.max()) + 1 if self.positions.numel() else 0
+        if self.rope_positions is not None and self.rope_positions.numel():
+            end = max(end, int(self.rope_positions.max()) + 1)
+        return end
 
     def state_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where a recurrent layer reads and writes its state (models/cache.RecurrentState), as
