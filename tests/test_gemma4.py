@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import family_cases as cases
-from test_models import _rows
 from test_native_backend import greedy_run
 from tensorfold.backends import backend_ops, cpu_ops, native_problem
 from tensorfold.kernels.reference import gelu_tanh_and_mul, softcap, tanh32
@@ -108,19 +107,7 @@ def test_chunked_prefill_is_bitwise_token_by_token(gemma):
 
 
 def test_the_op_sets_agree(gemma):
-    """The compiled op set (C++ norms, rope, attention, GEMM) and the torch references give the
-    same greedy tokens; each is exact on its own (the other tests)."""
-    prompt = list(range(100, 140))
-    replies = []
-    for ops in ("cpu", "torch"):
-        model = _model(gemma, ops)
-        cache, ids = model.allocate_cache(8, BLOCK, torch.float32), list(prompt)
-        for step in range(8):
-            start = 0 if step == 0 else len(ids) - 1
-            logits = model.forward(_rows([[0, 1, 2, 3]], [(0, ids[start:], start, False)]), cache)
-            ids.append(int(logits[-1].argmax()))
-        replies.append(ids[len(prompt):])
-    assert replies[0] == replies[1]
+    cases.check_op_sets_agree(lambda ops: _model(gemma, ops))
 
 
 # ---- over HTTP ---------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import pytest
 import torch
 
 import family_cases as cases
-from test_models import _rows
 from tensorfold.backends import backend_ops, cpu_ops
 from tensorfold.kernels.moe import route_sigmoid
 from tensorfold.models.cache import Mamba2State, PagedKV
@@ -115,19 +114,7 @@ def test_chunked_prefill_is_bitwise_token_by_token(nemotron):
 
 
 def test_the_op_sets_agree(nemotron):
-    """The compiled op set (C++ GEMM, norms, attention) and the torch references give the same
-    greedy tokens; each is exact on its own (the other tests)."""
-    prompt = list(range(100, 140))
-    replies = []
-    for ops in ("cpu", "torch"):
-        model = _model(nemotron, ops)
-        cache, ids = model.allocate_cache(8, BLOCK, torch.float32), list(prompt)
-        for step in range(8):
-            start = 0 if step == 0 else len(ids) - 1
-            logits = model.forward(_rows([[0, 1, 2, 3]], [(0, ids[start:], start, False)]), cache)
-            ids.append(int(logits[-1].argmax()))
-        replies.append(ids[len(prompt):])
-    assert replies[0] == replies[1]
+    cases.check_op_sets_agree(lambda ops: _model(nemotron, ops))
 
 
 # ---- over HTTP ---------------------------------------------------------------------------------
