@@ -4,9 +4,6 @@ training form, drafted == serial bitwise (greedy and sampled, solo and four at o
 run or drafting paused and resumed), the MTP K/V after a paused stretch's catch-up and after a
 prefix hit is what an always-caught-up fresh run writes, on text the layer does not predict the
 MTP layer stops running, acceptance is above a measured floor, and --drafter's errors are clear."""
-import json
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,101 +15,29 @@ from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.engine.draft_budget import DraftBudget  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig, Load  # noqa: E402
 from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
-from tensorfold.models.forward_batch import ForwardBatch, SequenceRows  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
-from tools.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from tools.train_mtp import train  # noqa: E402
-
-BASE = dict(context=1024, kv_cache_gib=0.05, block_size=16)
-NEW_TOKENS = 40  # tools/train_mtp.py's continuation length: the memorised stretch
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+import mtp_cases as mtp  # noqa: E402
+from engine_cases import run  # noqa: E402
+from mtp_cases import BASE, greedy, one_thread, sampled, trained_checkpoints  # noqa: E402,F401 (one_thread: a fixture)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(one_thread, tmp_path_factory, smollm2_tokenizer):
     """(the tiny qwen3_5 without MTP, the same with a trained MTP layer, its training prompts)."""
-    base = make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3_5")), "qwen3_5", seed=0,
-                                tokenizer=smollm2_tokenizer, family=True)
-    trained = str(tmp_path_factory.mktemp("qwen3_5_mtp"))
-    train(base, trained, log=lambda *_: None)
-    with open(os.path.join(trained, "mtp_prompts.json")) as f:
-        prompts = json.load(f)
-    return base, trained, prompts
-
-
-def run(engine, prompts, params):
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    reqs = [engine.requests[i] for i in ids]
-    while engine.has_work():
-        engine.step()
-    return reqs
-
-
-def greedy(n=NEW_TOKENS):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def sampled(seed, n=NEW_TOKENS):
-    return SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=n, ignore_eos=True)
+    return trained_checkpoints(tmp_path_factory, smollm2_tokenizer, "qwen3_5")
 
 
 def test_mtp_layer_equals_its_training_form(checkpoints):
-    """The served MTP layer's logits (fed the served model's hidden states) against the
-    transformers-built layer tools/train_mtp.py trained, on one of its sequences."""
-    from tools.train_mtp import text_model, trained_layer
-
     _, path, prompts = checkpoints
-    engine = Engine(path, EngineConfig(drafter="mtp", **BASE))
-    model, cache = engine.backend.model, engine.backend.cache
-    seq = prompts[0] + engine.generate(prompts[0], greedy(24)).token_ids
-    hf, layer = trained_layer(path)
-    n = len(seq) - 1
-    with torch.no_grad():
-        base = text_model(hf)
-        ids = torch.tensor([seq])
-        hidden = base(input_ids=ids).last_hidden_state
-        context = layer.form.context(base, hidden[:, :n], n)
-        expected = hf.get_output_embeddings()(layer(base.embed_tokens(ids)[:, 1:], hidden[:, :n], context))[0]
-
-    def rows(ids, start=0):
-        pos = torch.arange(start, start + len(ids))
-        return ForwardBatch(torch.tensor(ids), pos, pos, [SequenceRows(0, len(ids), torch.tensor([0, 1, 2]))],
-                            torch.arange(len(ids)))
-    _, ours_hidden = model.forward(rows(seq), cache, hidden=True)
-    torch.testing.assert_close(ours_hidden, hidden[0], atol=1e-3, rtol=0)
-    got, _ = model.mtp.forward(ours_hidden[:n], rows(seq[1:]), [cache.layer(len(model.layers))])
-    torch.testing.assert_close(got, expected, atol=5e-3, rtol=0)
-    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    mtp.check_served_layer_equals_training_form(path, prompts)
 
 
 def test_drafted_equals_serial_solo_and_batched(checkpoints):
-    """Greedy and sampled, one at a time and four at once, every draft verified (draft_budget
-    off): the replies equal the serial ones bitwise, and greedy drafts are accepted."""
+    """Greedy and sampled, one at a time and four at once (measured: 11-12 of 11-12 first drafts
+    accepted on the memorised continuations, later positions 0-5 of 11)."""
     _, path, prompts = checkpoints
-    prompts = prompts[:4]
-    params = [greedy(), greedy(), sampled(1), sampled(2)]
-    serial = Engine(path, EngineConfig(drafting=False, **BASE))
-    expected = [token_sha(r.output_ids) for r in run(serial, prompts, params)]
-    drafted = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
-    assert drafted.drafter_name == "mtp" and drafted.max_draft == 3
-    solo = [run(drafted, [p], [sp])[0] for p, sp in zip(prompts, params)]
-    assert [token_sha(r.output_ids) for r in solo] == expected
-    batched = run(drafted, prompts, params)
-    assert [token_sha(r.output_ids) for r in batched] == expected
-    for reqs in (solo, batched):
-        for r in reqs[:2]:
-            first_drafted, first_accepted = r.stats.drafted_by_position[0], r.stats.accepted_by_position[0]
-            # Measured: 11-12 of 11-12 first drafts accepted on the memorised continuations
-            # (later positions 0-5 of 11: chained drafts read the layer's own hidden state).
-            assert first_accepted >= 0.5 * first_drafted > 0, r.stats
-        assert sum(r.stats.drafted for r in reqs[2:]) > 0  # sampled rows ran drafts too (rejected)
+    drafted = mtp.check_drafted_equals_serial(path, prompts[:4], [greedy(), greedy(), sampled(1), sampled(2)])
+    assert drafted.max_draft == 3
 
 
 def mtp_keys(engine, prompt, params, num_steps: int):

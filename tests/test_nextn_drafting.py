@@ -20,32 +20,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import mtp_cases as mtp  # noqa: E402
+from engine_cases import run  # noqa: E402
+from mtp_cases import BASE, greedy, one_thread, sampled, trained_checkpoints  # noqa: E402,F401 (one_thread: a fixture)
 from test_mtp_drafting import ScriptedBudget  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import cpu_ops  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.models.cache import LayerLatent  # noqa: E402
 from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
-from tensorfold.models.forward_batch import ForwardBatch, SequenceRows  # noqa: E402
 from tensorfold.models.hf_dir import load_hf_dir  # noqa: E402
 from tensorfold.models.loader import build_model  # noqa: E402
-from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from tools.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
-from tools.train_mtp import text_model, train, trained_layer  # noqa: E402
+from tools.train_mtp import train  # noqa: E402
 
-BASE = dict(context=1024, kv_cache_gib=0.05, block_size=16)
-NEW_TOKENS = 40  # tools/train_mtp.py's continuation length: the memorised stretch
 # A tensor of each family's MTP layer, by its checkpoint name
 MTP_TENSOR = {"glm_moe_dsa": "model.layers.3.eh_proj.weight",
               "nemotron_h": "mtp.layers.1.mixer.gate.weight"}
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=["glm_moe_dsa", "nemotron_h"])
@@ -53,80 +44,20 @@ def family(request, one_thread, tmp_path_factory, smollm2_tokenizer):
     """(arch, the tiny checkpoint without next-n weights, the same with a trained next-n layer,
     its training prompts)."""
     arch = request.param
-    base = make_tiny_checkpoint(str(tmp_path_factory.mktemp(arch)), arch, seed=0, tokenizer=smollm2_tokenizer,
-                                family=True)
-    trained = str(tmp_path_factory.mktemp(arch + "_mtp"))
-    train(base, trained, num_seqs=8, log=lambda *_: None)
-    with open(os.path.join(trained, "mtp_prompts.json")) as f:
-        prompts = json.load(f)
+    base, trained, prompts = trained_checkpoints(tmp_path_factory, smollm2_tokenizer, arch, num_seqs=8)
     return arch, base, trained, prompts
 
 
-def run(engine, prompts, params):
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    reqs = [engine.requests[i] for i in ids]
-    while engine.has_work():
-        engine.step()
-    return reqs
-
-
-def greedy(n=NEW_TOKENS):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def sampled(seed, n=NEW_TOKENS):
-    return SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=n, ignore_eos=True)
-
-
 def test_the_served_layer_equals_its_training_form(family):
-    """The served MTP layer's logits, fed the served model's hidden states, against the
-    transformers-built layer tools/train_mtp.py trained, over one of its sequences."""
     _, _, path, prompts = family
-    engine = Engine(path, EngineConfig(drafter="mtp", **BASE))
-    model, cache = engine.backend.model, engine.backend.cache
-    seq = prompts[0] + engine.generate(prompts[0], greedy(24)).token_ids
-    hf, layer = trained_layer(path)
-    n = len(seq) - 1
-    with torch.no_grad():
-        base = text_model(hf)
-        ids = torch.tensor([seq])
-        hidden = base(input_ids=ids).last_hidden_state
-        context = layer.form.context(base, hidden[:, :n], n)
-        expected = hf.get_output_embeddings()(layer(hf.get_input_embeddings()(ids)[:, 1:], hidden[:, :n], context))[0]
-
-    def rows(ids):
-        pos = torch.arange(len(ids))
-        return ForwardBatch(torch.tensor(ids), pos, pos, [SequenceRows(0, len(ids), torch.tensor([0, 1, 2]))],
-                            torch.arange(len(ids)))
-    _, ours_hidden = model.forward(rows(seq), cache, hidden=True)
-    torch.testing.assert_close(ours_hidden, hidden[0], atol=1e-3, rtol=0)
-    got, _ = model.mtp.forward(ours_hidden[:n], rows(seq[1:]), engine.runner.mtp.caches)
-    torch.testing.assert_close(got, expected, atol=5e-3, rtol=0)
-    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    mtp.check_served_layer_equals_training_form(path, prompts)
 
 
 def test_drafted_equals_serial_solo_and_concurrent(family):
-    """Greedy and sampled, one at a time and three at once, every draft verified (draft_budget
-    off): the serial replies bitwise, and the greedy first drafts accepted."""
+    """Greedy and sampled, one at a time and three at once (measured: every first draft
+    accepted on the memorised continuations, 11-17 of 11-17; the second position 4-6, the third 0-1)."""
     _, _, path, prompts = family
-    prompts = prompts[:3]
-    params = [greedy(), greedy(), sampled(1)]
-    expected = [token_sha(r.output_ids) for r in run(Engine(path, EngineConfig(drafting=False, **BASE)),
-                                                      prompts, params)]
-    drafted = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
-    assert drafted.drafter_name == "mtp"
-    solo = [run(drafted, [p], [sp])[0] for p, sp in zip(prompts, params)]
-    assert [token_sha(r.output_ids) for r in solo] == expected
-    concurrent = run(drafted, prompts, params)
-    assert [token_sha(r.output_ids) for r in concurrent] == expected
-    for reqs in (solo, concurrent):
-        for r in reqs[:2]:
-            drafted_first, accepted_first = r.stats.drafted_by_position[0], r.stats.accepted_by_position[0]
-            # Measured: every first draft accepted on the memorised continuations (11-17 of
-            # 11-17); the second position 4-6, the third 0-1 (chained drafts read the layer's
-            # own hidden state).
-            assert accepted_first >= 0.5 * drafted_first > 0, r.stats
-        assert reqs[2].stats.drafted > 0  # the sampled one ran drafts too
+    mtp.check_drafted_equals_serial(path, prompts[:3], [greedy(), greedy(), sampled(1)])
 
 
 def mtp_rows(engine, req):
