@@ -64,3 +64,13 @@ def draw():
     """Fresh random inputs with a printable seed (kernel tests; tests/kernel_inputs.py)."""
     from kernel_inputs import Draw
     return Draw()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Kernel tests run at one and at two torch threads (a native op's bits must not depend on them)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -28,14 +28,6 @@ KV_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (t
 KV_IDS = ["f32", "bf16", "f32-bf16cache", "bf16-f32cache"]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def randn(draw, *shape, dtype=torch.float32, scale=1.0):
     return draw.randn(*shape, dtype=dtype, scale=scale).cpu()
 

@@ -30,14 +30,6 @@ if native_problem() is None:
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @dataclass
 class Layer:
     params: DeltaNetParams

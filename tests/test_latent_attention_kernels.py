@@ -22,14 +22,6 @@ SCALE = 0.0721  # the attention's
 RUNS = [(0, 37), (90, 1), (20, 6), (5, 1)]  # a prefill, a decode row, a chunk mid-sequence, an early decode row
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _same(a, b):
     return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
 

@@ -24,6 +24,7 @@ from tensorfold.backends import backend_ops  # noqa: E402
 from tensorfold.models.quantize import quantize  # noqa: E402
 from tensorfold.models.vision_tower import build_vision_tower  # noqa: E402
 from tensorfold.vision.image import Preprocess, patches  # noqa: E402
+from test_cuda_backend import spy  # noqa: E402
 from test_vision import png  # noqa: E402
 from tools.tiny_checkpoint import make_tiny_vision_checkpoint  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
@@ -52,16 +53,6 @@ def tower_of(tiny, ops, device, quantized: bool = False):
                    for n, t in tensors.items()}
     ckpt = type("Ckpt", (), {"config": hf.config.to_dict(), "tensors": tensors, "path": path})
     return build_vision_tower(ckpt, torch.float32, ops, device)
-
-
-def spy(monkeypatch, module, names) -> dict[str, int]:
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        def counted(*args, _fn=getattr(module, name), _name=name, **kwargs):
-            calls[_name] += 1
-            return _fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def test_triton_tower_matches_transformers_and_the_native_op_set(tiny, monkeypatch):
