@@ -10,7 +10,9 @@ import torch
 
 from engine_cases import run
 from tensorfold.api.replies import token_sha
+from tensorfold.engine.draft_budget import DraftBudget
 from tensorfold.engine.engine import Engine, EngineConfig
+from tensorfold.models.cache import LayerLatent
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 from tensorfold.sampling.params import SamplingParams
 from tools.tiny_checkpoint import make_tiny_checkpoint
@@ -92,3 +94,63 @@ def check_drafted_equals_serial(path: str, prompts: list, params: list) -> Engin
             assert accepted_first >= 0.5 * drafted_first > 0, r.stats
         assert sum(r.stats.drafted for r in reqs[2:]) > 0
     return drafted
+
+
+class ScriptedBudget(DraftBudget):
+    """A draft budget whose n-th choice is script(n) (capped at what is available), probing
+    whenever due: the budget only decides speed, so every script must leave the replies, and the
+    MTP cache, what serial and always-drafting runs give. The scripts pause drafting for
+    stretches of rounds and resume it."""
+
+    def __init__(self, max_depth: int, script, probes: bool = True):
+        super().__init__(max_depth, shared_prior=True)
+        self.script, self.calls, self.probes = script, 0, probes
+
+    def depth(self, acceptance, sequences, rows, available, *args, **kwargs):
+        self.calls += 1
+        return min(self.script(self.calls - 1), available)
+
+    def worth_probing(self, *args) -> bool:
+        return self.probes
+
+
+def scripted(path: str, script, probes: bool = True) -> Engine:
+    engine = Engine(path, EngineConfig(drafter="mtp", **BASE))
+    engine.budget = engine.mtp_drafter.budget = ScriptedBudget(engine.max_draft, script, probes)
+    return engine
+
+
+def mtp_rows(engine, req) -> list[torch.Tensor]:
+    """The MTP layers' cache rows at the positions the drafter counts as written (a latent cache:
+    the compressed KV with its roped key, and the indexer's key; paged K/V: K and V)."""
+    bs = engine.pool.block_size
+    slots = [req.block_ids[p // bs] * bs + p % bs for p in range(engine.mtp_drafter.num_written(req))]
+    parts = []
+    for part in engine.runner.mtp.caches:
+        if part is None:
+            continue
+        tensors = (part.kv, part.index_keys) if isinstance(part, LayerLatent) else (part.k, part.v)
+        parts += [t.flatten(0, 1)[slots].clone() for t in tensors if t is not None]
+    return parts
+
+
+def check_paused_stretch_catches_up(path: str, prompt: list) -> None:
+    """Twelve rounds without drafts leave the MTP cache twelve rows behind; the resume pass writes
+    them at once (the layer's chunked prefill), bitwise what an engine catching up every round
+    wrote."""
+    paused = scripted(path, lambda n: 0 if n < 12 else 3, probes=False)
+    req = paused.requests[paused.add_request(prompt, greedy())]
+    lags = []
+    while req.stats.drafted == 0 and paused.has_work():
+        paused.step()
+        lags.append(paused.mtp_drafter.lag(req))
+    assert max(lags) >= 12 and paused.mtp_drafter.lag(req) <= 4  # the resume caught the stretch up
+    for _ in range(3):
+        paused.step()
+    fresh = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
+    always = fresh.requests[fresh.add_request(prompt, greedy())]
+    while fresh.mtp_drafter.num_written(always) < paused.mtp_drafter.num_written(req) and fresh.has_work():
+        fresh.step()
+    ours, theirs = mtp_rows(paused, req), mtp_rows(fresh, always)
+    assert always.status.value == "running" and len(ours[0]) > 20
+    assert all(torch.equal(a, b[:len(a)]) for a, b in zip(ours, theirs))

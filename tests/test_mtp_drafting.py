@@ -12,13 +12,12 @@ from tensorfold.__main__ import parse_args, settings_from  # noqa: E402
 from tensorfold.api.counters import Counters, metrics_text  # noqa: E402
 from tensorfold.api.metrics import Latencies  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
-from tensorfold.engine.draft_budget import DraftBudget  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig, Load  # noqa: E402
 from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
 import mtp_cases as mtp  # noqa: E402
 from engine_cases import run  # noqa: E402
-from mtp_cases import BASE, greedy, one_thread, sampled, trained_checkpoints  # noqa: E402,F401 (one_thread: a fixture)
+from mtp_cases import BASE, greedy, one_thread, sampled, scripted, trained_checkpoints  # noqa: E402,F401 (one_thread: a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -53,30 +52,6 @@ def written_keys(engine, req):
     kv, bs = engine.backend.cache.layer(len(engine.backend.model.layers)), engine.pool.block_size
     slots = [req.block_ids[p // bs] * bs + p % bs for p in range(engine.mtp_drafter.num_written(req))]
     return kv.k.flatten(0, 1)[slots].clone()
-
-
-class ScriptedBudget(DraftBudget):
-    """A draft budget whose n-th choice is script(n) (capped at what is available), probing
-    whenever due: the budget only decides speed, so every script must leave the replies, and the
-    MTP K/V, what serial and always-drafting runs give. The scripts here pause drafting for
-    stretches of rounds and resume it."""
-
-    def __init__(self, max_depth: int, script, probes: bool = True):
-        super().__init__(max_depth, shared_prior=True)
-        self.script, self.calls, self.probes = script, 0, probes
-
-    def depth(self, acceptance, sequences, rows, available, *args, **kwargs):
-        self.calls += 1
-        return min(self.script(self.calls - 1), available)
-
-    def worth_probing(self, *args) -> bool:
-        return self.probes
-
-
-def scripted(path, script, probes: bool = True):
-    engine = Engine(path, EngineConfig(drafter="mtp", **BASE))
-    engine.budget = engine.mtp_drafter.budget = ScriptedBudget(engine.max_draft, script, probes)
-    return engine
 
 
 def pause_then_draft(n):  # 10 rounds' choices without drafts, then 5 with, and so on
@@ -152,24 +127,8 @@ def test_paused_and_resumed_drafting_equals_serial(checkpoints):
 
 
 def test_a_paused_stretch_catches_up_to_what_a_fresh_run_writes(checkpoints):
-    """Twelve rounds without drafts leave the MTP layer's K/V twelve rows behind; the resume
-    pass writes them all at once, bitwise what an engine catching up every round wrote."""
     _, path, prompts = checkpoints
-    paused = scripted(path, lambda n: 0 if n < 12 else 3, probes=False)
-    req = paused.requests[paused.add_request(prompts[1], greedy())]
-    lags = []
-    while req.stats.drafted == 0 and paused.has_work():
-        paused.step()
-        lags.append(paused.mtp_drafter.lag(req))
-    assert max(lags) >= 12 and paused.mtp_drafter.lag(req) <= 4  # the resume caught the stretch up
-    for _ in range(3):
-        paused.step()
-    fresh = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
-    always = fresh.requests[fresh.add_request(prompts[1], greedy())]
-    while fresh.mtp_drafter.num_written(always) < paused.mtp_drafter.num_written(req) and fresh.has_work():
-        fresh.step()
-    keys = written_keys(paused, req)
-    assert always.status.value == "running" and len(keys) > 20 and torch.equal(keys, written_keys(fresh, always)[:len(keys)])
+    mtp.check_paused_stretch_catches_up(path, prompts[1])
 
 
 @pytest.mark.parametrize("why", ["budget", "draft false"])

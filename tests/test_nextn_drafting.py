@@ -23,11 +23,9 @@ torch = pytest.importorskip("torch")
 import mtp_cases as mtp  # noqa: E402
 from engine_cases import run  # noqa: E402
 from mtp_cases import BASE, greedy, one_thread, sampled, trained_checkpoints  # noqa: E402,F401 (one_thread: a fixture)
-from test_mtp_drafting import ScriptedBudget  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import cpu_ops  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
-from tensorfold.models.cache import LayerLatent  # noqa: E402
 from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
 from tensorfold.models.hf_dir import load_hf_dir  # noqa: E402
 from tensorfold.models.loader import build_model  # noqa: E402
@@ -60,43 +58,9 @@ def test_drafted_equals_serial_solo_and_concurrent(family):
     mtp.check_drafted_equals_serial(path, prompts[:3], [greedy(), greedy(), sampled(1)])
 
 
-def mtp_rows(engine, req):
-    """The MTP layer's cache rows at the positions the drafter counts as written (the latent
-    cache: the compressed KV with its roped key, and the indexer's key; paged K/V: K and V)."""
-    bs = engine.pool.block_size
-    slots = [req.block_ids[p // bs] * bs + p % bs for p in range(engine.mtp_drafter.num_written(req))]
-    parts = []
-    for part in engine.runner.mtp.caches:
-        if part is None:
-            continue
-        tensors = (part.kv, part.index_keys) if isinstance(part, LayerLatent) else (part.k, part.v)
-        parts += [t.flatten(0, 1)[slots].clone() for t in tensors if t is not None]
-    return parts
-
-
 def test_a_one_pass_catch_up_writes_what_row_by_row_does(family):
-    """Twelve rounds without drafts leave the MTP cache twelve rows behind; the resume pass writes
-    them at once (the layer's chunked prefill), bitwise what an engine catching up every round
-    wrote."""
     _, _, path, prompts = family
-    paused = Engine(path, EngineConfig(drafter="mtp", **BASE))
-    paused.budget = paused.mtp_drafter.budget = ScriptedBudget(paused.max_draft, lambda n: 0 if n < 12 else 3,
-                                                               probes=False)
-    req = paused.requests[paused.add_request(prompts[1], greedy())]
-    lags = []
-    while req.stats.drafted == 0 and paused.has_work():
-        paused.step()
-        lags.append(paused.mtp_drafter.lag(req))
-    assert max(lags) >= 12 and paused.mtp_drafter.lag(req) <= 4
-    for _ in range(3):
-        paused.step()
-    fresh = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
-    always = fresh.requests[fresh.add_request(prompts[1], greedy())]
-    while fresh.mtp_drafter.num_written(always) < paused.mtp_drafter.num_written(req) and fresh.has_work():
-        fresh.step()
-    ours, theirs = mtp_rows(paused, req), mtp_rows(fresh, always)
-    assert always.status.value == "running" and len(ours[0]) > 20
-    assert all(torch.equal(a, b[:len(a)]) for a, b in zip(ours, theirs))
+    mtp.check_paused_stretch_catches_up(path, prompts[1])
 
 
 def test_a_missing_next_n_tensor_is_a_startup_error_naming_it(family):
