@@ -31,11 +31,7 @@
 namespace tf {
 namespace {
 
-constexpr int QK_BITS = 22;
-constexpr int V_BITS = 20;
-constexpr int W_BITS = 24;
-constexpr int L_BITS = 30;
-constexpr int64_t SPLIT_SIZE = 512;
+using namespace attention_grid;  // QK_BITS, V_BITS, W_BITS, L_BITS, SPLIT_SIZE (kernels.h)
 
 // exponent(max_abs(row)) of four rows of d elements at once: the per-row maxima folded together
 // (the same integer maxima in another order, so the same exponents as max_abs gives); AVX-512 and

@@ -81,6 +81,17 @@ void sigmoid_and_mul(int dtype, const void* gate, const void* up, int64_t in_str
 // |k_int| < 2^22 on one grid: 512 of them stay below 2^53, exact in float64 in any order.
 constexpr int64_t MAX_HEAD_DIM = 512;
 
+// The exact attention's grids (kernels/paged_attention.py): K/V and q bits, the softmax weights'
+// and denominator's fixed points, keys per exact float64 chunk of the weighted sum. Shared by the
+// paged attention (attention.cpp) and the latent attention (latent_attention.cpp).
+namespace attention_grid {
+constexpr int QK_BITS = 22;
+constexpr int V_BITS = 20;
+constexpr int W_BITS = 24;
+constexpr int L_BITS = 30;
+constexpr int64_t SPLIT_SIZE = 512;
+}  // namespace attention_grid
+
 // The cache has a dtype of its own, `cache_dtype` (same codes): a bfloat16 cache may serve float32
 // activations and the reverse.
 // k, v [tokens, kv_heads, head_dim] of `dtype` (tokens k_stride / v_stride apart) into the cache

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "exact.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -30,10 +31,10 @@
 namespace tf {
 namespace {
 
-constexpr int V_BITS = 20;             // paged_attention.V_BITS
-constexpr int W_BITS = 24;             // paged_attention.W_BITS
-constexpr int L_BITS = 30;             // paged_attention.L_BITS
-constexpr int64_t SPLIT_SIZE = 512;    // keys per exact float64 chunk of the weighted sum
+using attention_grid::L_BITS;      // the paged attention's grids (kernels.h)
+using attention_grid::SPLIT_SIZE;
+using attention_grid::V_BITS;
+using attention_grid::W_BITS;
 constexpr int HB = 4;                  // heads per dot block
 constexpr int KB = 4;                  // keys per dot block
 constexpr int64_t INDEX_CHUNK = 256;   // keys per indexer work item
