@@ -1,15 +1,10 @@
-// The exact quantized GEMM: kernels/quant_gemm.py's steps, bitwise its torch reference.
+// The exact quantized GEMM: kernels/quant_gemm.py's steps, bitwise its torch reference, on the
+// packed weights of quant_gemm.h (packed by quant_pack.cpp).
 //
-// Weights are packed once (pack_quant) from the reference's form (signed codes c, integer scales
-// S with exponents E, optional minimums M 2^F) into column groups of 16. A group is one run of
-// records, one per block of 32 (what a thread streams front to back): the codes as unsigned
-// bytes u = c + offset (4-bit types two to a byte), then the 16 columns' scales, either as the
-// float16 bits the file stored (q8_0, q4_0, q4_1: S 2^E is a float16's significand and exponent,
-// decoded in registers; the bytes per weight are the file's) or wide (S int32, E - top int8,
-// M, F - top; the K-quants, whose S is the super-block scale times a sub-block one). Activations are quantized per row and block to int8 against a
-// power of two. A block's dot is an integer (sum u xq - offset sum xq); each term an integer
-// times a power of two, shifted onto the output's grid and summed in int64. Integer arithmetic
-// throughout, so threads, tiling and the other rows cannot change a bit.
+// Activations are quantized per row and block to int8 as llama.cpp's Q8 blocks round them. A
+// block's dot is an integer (sum u xq - offset sum xq); each term an integer times a power of
+// two, shifted onto the output's grid and summed in int64. Integer arithmetic throughout, so
+// threads, tiling and the other rows cannot change a bit.
 //
 // With AVX-512 VNNI the block dots of 16 columns are 8 vpdpbusd (u8 x s8 -> int32), and the
 // terms are shifted in int64 lanes; with AVX2, vpmaddubsw and vpmaddwd on 8 columns at a time;
@@ -26,6 +21,7 @@
 #include "kernels.h"
 #include "lanes.h"
 #include "prefetch.h"
+#include "quant_gemm.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -38,8 +34,8 @@
 namespace tf {
 namespace {
 
-constexpr int BLOCK = 32;
-constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
+using namespace quant;
+
 // How far ahead of the record in use a group's loop asks for the next ones (about 2 KiB, whole
 // records). A thread streams its groups' records front to back, but the hardware prefetcher stops
 // at each 4 KiB page: without this, one-stream decode of the default model (dtype auto) ran
@@ -48,103 +44,6 @@ constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
 constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr float X_MAX = 127.0f;     // |xq| <= 127
 constexpr float F16_MAX = 65504.0f;  // float16 scales saturate here
-constexpr int64_t MAGIC = 0x544651554e540004;  // "TFQUNT" v4
-
-struct QKind {
-  int sub;         // weights per scale S
-  int term_bits;   // T
-  bool has_min;
-  int offset;      // u = c + offset is a byte
-  bool nibbles;    // u < 16: two codes to a byte
-  int code_bits;   // u < 2^code_bits
-};
-// In quant_gemm.KINDS order: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k.
-constexpr QKind KINDS[] = {{32, 41, false, 128, false, 8}, {32, 41, false, 8, true, 4}, {32, 41, true, 0, true, 4},
-                           {32, 44, true, 0, true, 4},     {32, 45, true, 0, false, 5}, {16, 46, false, 32, false, 6}};
-
-inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
-
-// How a packed weight keeps its scales (Header::form): WIDE, the reference's integers S, E - top,
-// M, F - top per block of 32; F16, the float16 bits the file stored (the 32-weight types: S 2^E is
-// a float16's significand and exponent); SUPER, the K-quants' super-block form (q4_k, q6_k): per
-// 256 weights of a column the float16 d (and dmin) and the 6-bit (q6_k: 8-bit) sub-block scales,
-// so that S = dm sc and M = -(dminm m) are formed in registers, and q6_k's codes as a nibble plane
-// and a plane of their top two bits: the file's bytes per weight.
-enum Form { WIDE = 0, F16 = 1, SUPER = 2 };
-constexpr int SUPER_BLOCKS = 8;     // blocks of 32 per K-quant super-block
-constexpr int Q4K = 3, Q6K = 5;     // the kinds with a SUPER form
-
-// Where things sit in a packed weight: the header, then group g's records (one per block of 32,
-// front to back; SUPER: one per super-block, a head of scales then its eight blocks' codes), then
-// top [groups][16] int32 (the largest E or F of each column), then lows [groups][2] int32: the
-// group's smallest E - top and F - top over its nonzero scales and minimums (0 where none), which
-// tell a row tile whether any of its terms can have a negative shift (group_rows).
-struct Layout {
-  QKind kind;
-  int form;
-  int64_t groups, blocks, per, code_bytes;     // per: scales per block (32 / sub)
-  int64_t min_at, sexp_at, mexp_at, record;    // offsets inside a record; record: its bytes (SUPER: per block, on average)
-  int64_t super_head = 0, super_block = 0, super_bytes = 0;  // SUPER: a head's bytes, a block's, a super-block's
-  int64_t top, lows, total;
-  Layout(int kind_id, int form_, int64_t N, int64_t K) : kind(KINDS[kind_id]), form(form_) {
-    groups = (N + GROUP - 1) / GROUP;
-    blocks = K / BLOCK;
-    per = BLOCK / kind.sub;
-    code_bytes = kind.nibbles ? GROUP * BLOCK / 2 : GROUP * BLOCK;
-    sexp_at = mexp_at = min_at = 0;
-    if (form == SUPER) {
-      // q4_k head: d [16] u16, dmin [16] u16, the 12 scale bytes as planes [12][16]; q6_k head:
-      // d [16] u16, sc [16 sub-blocks][16] int8; a q6_k block: its low nibbles (as q4's codes),
-      // then their top two bits [2][64] (quad q's in bits 2 (q % 4) of row q / 4).
-      const bool q6 = kind_id == Q6K;
-      super_head = q6 ? 2 * GROUP + 16 * GROUP : 4 * GROUP + 12 * GROUP;
-      code_bytes = GROUP * BLOCK / 2;
-      super_block = q6 ? code_bytes + GROUP * BLOCK / 4 : code_bytes;
-      super_bytes = super_head + SUPER_BLOCKS * super_block;
-      record = super_bytes / SUPER_BLOCKS;
-    } else if (form == F16) {  // d [16] u16, then m [16] u16
-      min_at = code_bytes + 2 * GROUP;
-      record = code_bytes + 2 * GROUP * (kind.has_min ? 2 : 1);
-    } else {    // S [per][16] i32, E - top [16] i8, then M [16] i32, F - top [16] i8
-      sexp_at = code_bytes + 4 * GROUP * per;
-      min_at = sexp_at + GROUP;
-      mexp_at = min_at + 4 * GROUP;
-      record = kind.has_min ? mexp_at + GROUP : min_at;
-    }
-    top = 64 + align64(groups * blocks * record);
-    lows = top + align64(groups * GROUP * 4);
-    total = lows + align64(groups * 2 * 4);
-  }
-};
-
-struct Header {
-  int64_t magic, kind, N, K, form;
-};
-
-// A float16 (its bits) as dm 2^de, dm its integer significand (quant_gemm.significand).
-inline void significand16(uint16_t bits, int32_t* dm, int32_t* de) {
-  const int32_t frac = bits & 0x3FF;
-  const int exp = (bits >> 10) & 0x1F;
-  const int32_t magnitude = exp > 0 ? (frac | 0x400) : frac;
-  *dm = (bits >> 15) ? -magnitude : magnitude;
-  *de = exp > 0 ? exp - 25 : -24;
-}
-
-// The float16 whose significand() is (dm, de), or -1 when there is none.
-inline int32_t float16_bits(int32_t dm, int32_t de) {
-  const int32_t mag = dm < 0 ? -dm : dm, sign = dm < 0 ? 0x8000 : 0;
-  if (mag == 0) return de == -24 ? 0 : -1;
-  if (mag < 0x400) return de == -24 ? sign | mag : -1;      // subnormal
-  if (mag < 0x800 && de + 25 >= 1 && de + 25 <= 31) return sign | ((de + 25) << 10) | (mag - 0x400);
-  return -1;
-}
-
-// Where code u of column j (0..15) at k (0..31) of a block sits: quads of 4 consecutive k per
-// column, 16 columns to a 64-byte row; 4-bit codes hold quad q + 4 in the high nibble of quad q.
-inline int64_t code_index(bool nibbles, int j, int k) {
-  const int quad = k / 4, i = k % 4;
-  return ((nibbles ? quad % 4 : quad) * GROUP + j) * 4 + i;
-}
 
 int log2_ceil(int64_t n) {
   int l = 0;
@@ -255,34 +154,6 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   row->kmax = kmax;
 }
 
-// Block b of group g: its record (SUPER: the block's codes inside its super-block's record).
-inline const uint8_t* record_at(const uint8_t* packed, const Layout& L, int64_t g, int64_t b) {
-  if (L.form == SUPER)
-    return packed + 64 + (g * (L.blocks / SUPER_BLOCKS) + b / SUPER_BLOCKS) * L.super_bytes + L.super_head +
-           (b % SUPER_BLOCKS) * L.super_block;
-  return packed + 64 + (g * L.blocks + b) * L.record;
-}
-
-// SUPER: the head of the super-block whose block b's codes are at `rec`.
-inline const uint8_t* super_head(const uint8_t* rec, const Layout& L, int64_t b) {
-  return rec - L.super_head - (b % SUPER_BLOCKS) * L.super_block;
-}
-
-// q4_k's 6-bit scale and minimum of sub-block i (0..7) from column j's 12 scale bytes, kept as
-// planes of 16 columns (byte t of column j at planes[16 t + j]), as GGUF packs them: bytes 0-3
-// and 4-7 the low 6 bits of sc_0..3 and m_0..3, their top 2 bits the bits 4-5 of sc_4..7 and
-// m_4..7, whose low 4 bits are the nibbles of bytes 8-11 (sc low, m high).
-inline void k_scale(const uint8_t* planes, int j, int i, int32_t* sc, int32_t* m) {
-  const auto byte = [&](int t) { return static_cast<int32_t>(planes[16 * t + j]); };
-  if (i < 4) {
-    *sc = byte(i) & 63;
-    *m = byte(i + 4) & 63;
-  } else {
-    *sc = (byte(i + 4) & 15) | ((byte(i - 4) >> 6) << 4);
-    *m = (byte(i + 4) >> 4) | ((byte(i) >> 6) << 4);
-  }
-}
-
 // How far ahead of record_at a group's first row tile asks for records: PREFETCH_BYTES in whole
 // records (past the group's last block, the next group's first, which the task streams next); 0
 // (nothing) for the later row tiles, which find the group in cache.
@@ -295,67 +166,6 @@ inline const uint8_t* streamed_record(const uint8_t* packed, const Layout& L, in
   const uint8_t* rec = record_at(packed, L, g, b);
   if (ahead > 0) prefetch_lines(rec + ahead, L.record);
   return rec;
-}
-
-struct ColumnScales {
-  int32_t s[2], sexp, min, mexp;  // S per half, E - top, M, F - top
-};
-
-// Column j's scales in block b (codes at rec) as the reference's integers.
-inline ColumnScales column_scales(const uint8_t* rec, const Layout& L, int64_t b, int j, int32_t top) {
-  ColumnScales c{{0, 0}, 0, 0, 0};
-  if (L.form == SUPER) {
-    const uint8_t* head = super_head(rec, L, b);
-    const int i = static_cast<int>(b % SUPER_BLOCKS);
-    uint16_t bits;
-    int32_t dm;
-    std::memcpy(&bits, head + 2 * j, 2);
-    significand16(bits, &dm, &c.sexp);
-    c.sexp -= top;
-    if (L.per == 2) {  // q6_k: sub-blocks 2i and 2i + 1
-      for (int h = 0; h < 2; ++h) c.s[h] = dm * static_cast<int8_t>(head[2 * GROUP + 16 * (2 * i + h) + j]);
-      return c;
-    }
-    int32_t sc, m, mm;
-    k_scale(head + 4 * GROUP, j, i, &sc, &m);
-    c.s[0] = dm * sc;
-    std::memcpy(&bits, head + 2 * GROUP + 2 * j, 2);
-    significand16(bits, &mm, &c.mexp);
-    c.mexp -= top;
-    c.min = -(mm * m);
-    return c;
-  }
-  if (L.form == F16) {
-    uint16_t bits;
-    std::memcpy(&bits, rec + L.code_bytes + 2 * j, 2);
-    significand16(bits, &c.s[0], &c.sexp);
-    c.sexp -= top;
-    if (L.kind.has_min) {
-      std::memcpy(&bits, rec + L.min_at + 2 * j, 2);
-      significand16(bits, &c.min, &c.mexp);
-      c.mexp -= top;
-    }
-    return c;
-  }
-  for (int h = 0; h < L.per; ++h) std::memcpy(&c.s[h], rec + L.code_bytes + 4 * (h * GROUP + j), 4);
-  c.sexp = static_cast<int8_t>(rec[L.sexp_at + j]);
-  if (L.kind.has_min) {
-    std::memcpy(&c.min, rec + L.min_at + 4 * j, 4);
-    c.mexp = static_cast<int8_t>(rec[L.mexp_at + j]);
-  }
-  return c;
-}
-
-// Code u = c + offset of column j at k (0..31) in the block whose codes are at rec.
-inline int code_at(const uint8_t* rec, const Layout& L, int j, int k) {
-  const bool nibbles = L.kind.nibbles || L.form == SUPER;
-  const uint8_t byte = rec[code_index(nibbles, j, k)];
-  int u = nibbles ? (k / 4 >= 4 ? byte >> 4 : byte & 0x0F) : byte;
-  if (L.form == SUPER && L.per == 2) {  // q6_k: the top two bits
-    const int quad = k / 4;
-    u |= ((rec[L.code_bytes + (quad / 4) * 64 + j * 4 + k % 4] >> (2 * (quad % 4))) & 3) << 4;
-  }
-  return u;
 }
 
 // Rows [r0, r1) of the output against column group g, in plain C++: acc[r][j] the int64 sums.
@@ -991,7 +801,7 @@ void by_row_tiles(int64_t r0, int64_t r1, const Run& run) {
 void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1,
                 int64_t g, int shift0, const int32_t* top, int64_t* acc) {
 #if defined(TF_QUANT_VNNI) || defined(TF_QUANT_AVX2)
-  const int32_t* lows = reinterpret_cast<const int32_t*>(packed + L.lows) + 2 * g;
+  [[maybe_unused]] const int32_t* lows = reinterpret_cast<const int32_t*>(packed + L.lows) + 2 * g;
   const auto tiles = [&](auto form, auto kind_id) {
     by_row_tiles(r0, r1, [&](auto tile_rows, int64_t r) {
       constexpr int R = decltype(tile_rows)::value;
@@ -1129,225 +939,7 @@ void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
   }
 }
 
-// Whether every scale of the weight is a float16's significand and exponent (so the packed form
-// can keep the float16 bits): the 32-weight types as GGUF stores them.
-bool f16_scales(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min, const int32_t* min_exp,
-                int64_t N, int64_t K) {
-  if (kind > 2) return false;
-  const int64_t count = N * (K / BLOCK);
-  for (int64_t i = 0; i < count; ++i) {
-    if (float16_bits(scale[i], scale_exp[i]) < 0) return false;
-    if (min != nullptr && float16_bits(min[i], min_exp[i]) < 0) return false;
-  }
-  return true;
-}
-
-// The values v[0..n) as f dm with one float16 significand dm at exponent e and every factor f in
-// [lo, hi] (lo <= 0 < hi): a K-quant super-block's S = dm sc (or M = -dminm m) as the file had it.
-// Any such dm gives the same products, so the first found serves: dm divides g = gcd(v), and the
-// file's own dm is g over a divisor of gcd(f), so few candidates are tried. False where none
-// exists (scales that did not come from a K-quant file).
-bool factor_scales(const int32_t* v, int n, int e, int lo, int hi, int32_t* dm, int32_t* f) {
-  int64_t g = 0;
-  for (int i = 0; i < n; ++i) g = std::gcd(g, static_cast<int64_t>(v[i] < 0 ? -static_cast<int64_t>(v[i]) : v[i]));
-  if (g == 0) {  // all zero: any float16 at e
-    for (int32_t cand : {0, 1024}) {
-      if (float16_bits(cand, e) < 0) continue;
-      *dm = cand;
-      std::fill_n(f, n, 0);
-      return true;
-    }
-    return false;
-  }
-  for (int64_t t = 1; t <= std::max(-lo, hi) && g / t > 0; ++t) {
-    if (g % t != 0) continue;
-    for (int sign : {1, -1}) {
-      const int64_t d = sign * (g / t);
-      if (float16_bits(static_cast<int32_t>(d), e) < 0) continue;
-      bool ok = true;
-      for (int i = 0; i < n && ok; ++i) {
-        f[i] = static_cast<int32_t>(v[i] / d);
-        ok = f[i] >= lo && f[i] <= hi;
-      }
-      if (ok) {
-        *dm = static_cast<int32_t>(d);
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
-// One column's super-block sb in the SUPER form: d's and dmin's float16 bits, the sub-block
-// factors (q4_k: sc and m, 8 each; q6_k: sc, 16). False where the scales do not factor so.
-struct SuperScales {
-  uint16_t d = 0, dmin = 0;
-  int32_t sc[16] = {}, m[8] = {};
-};
-
-bool super_scales_of(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
-                     const int32_t* min_exp, int64_t n, int64_t sb, int64_t K, SuperScales* out) {
-  const int64_t blocks = K / BLOCK, b0 = n * blocks + sb * SUPER_BLOCKS;
-  for (int i = 1; i < SUPER_BLOCKS; ++i)
-    if (scale_exp[b0 + i] != scale_exp[b0] || (min_exp != nullptr && min_exp[b0 + i] != min_exp[b0])) return false;
-  int32_t dm;
-  if (kind == Q6K) {
-    if (!factor_scales(scale + n * (K / 16) + sb * 16, 16, scale_exp[b0], -128, 127, &dm, out->sc)) return false;
-    out->d = static_cast<uint16_t>(float16_bits(dm, scale_exp[b0]));
-    return true;
-  }
-  if (!factor_scales(scale + b0, SUPER_BLOCKS, scale_exp[b0], 0, 63, &dm, out->sc)) return false;
-  out->d = static_cast<uint16_t>(float16_bits(dm, scale_exp[b0]));
-  int32_t neg;  // M = neg m with neg = -dminm
-  if (!factor_scales(min + b0, SUPER_BLOCKS, min_exp[b0], 0, 63, &neg, out->m)) return false;
-  if (float16_bits(-neg, min_exp[b0]) < 0) return false;
-  out->dmin = static_cast<uint16_t>(float16_bits(-neg, min_exp[b0]));
-  return true;
-}
-
-// Column j of a SUPER record's head (head: the record's start) from its super-block's scales.
-void write_super_head(int kind, const SuperScales& s, int j, uint8_t* head) {
-  std::memcpy(head + 2 * j, &s.d, 2);
-  if (kind == Q6K) {
-    for (int t = 0; t < 16; ++t) head[2 * GROUP + 16 * t + j] = static_cast<uint8_t>(static_cast<int8_t>(s.sc[t]));
-    return;
-  }
-  std::memcpy(head + 2 * GROUP + 2 * j, &s.dmin, 2);
-  uint8_t bytes[12];  // k_scale's packing, inverted
-  for (int i = 0; i < 4; ++i) {
-    bytes[i] = static_cast<uint8_t>((s.sc[i] & 63) | ((s.sc[i + 4] >> 4) << 6));
-    bytes[i + 4] = static_cast<uint8_t>((s.m[i] & 63) | ((s.m[i + 4] >> 4) << 6));
-    bytes[i + 8] = static_cast<uint8_t>((s.sc[i + 4] & 15) | ((s.m[i + 4] & 15) << 4));
-  }
-  for (int t = 0; t < 12; ++t) head[4 * GROUP + 16 * t + j] = bytes[t];
-}
-
-// Column n's codes, scales, and (SUPER) its super-blocks' heads into its group's records (t: its top).
-void pack_column(const Layout& L, int kind, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp,
-                 const int32_t* min, const int32_t* min_exp, uint8_t* packed, int64_t n, int64_t K, int32_t t) {
-  const QKind& kd = L.kind;
-  const int64_t g = n / GROUP, scales_per_row = K / kd.sub;
-  const int j = static_cast<int>(n % GROUP);
-  const bool nibbles = kd.nibbles || L.form == SUPER;
-  for (int64_t b = 0; b < L.blocks; ++b) {
-    uint8_t* rec = const_cast<uint8_t*>(record_at(packed, L, g, b));
-    const int8_t* c = codes + n * K + b * BLOCK;
-    uint8_t u[BLOCK];
-    for (int k = 0; k < BLOCK; ++k) u[k] = static_cast<uint8_t>(c[k] + kd.offset);
-    if (!nibbles) {
-      for (int q = 0; q < 8; ++q) std::memcpy(rec + code_index(false, j, 4 * q), u + 4 * q, 4);
-    } else {  // quad q's nibbles low, quad q + 4's high, in the four bytes at code_index(q)
-      for (int q = 0; q < 4; ++q) {
-        uint8_t quad[4];
-        for (int i = 0; i < 4; ++i) quad[i] = static_cast<uint8_t>((u[4 * q + i] & 15) | ((u[4 * q + 16 + i] & 15) << 4));
-        std::memcpy(rec + code_index(true, j, 4 * q), quad, 4);
-      }
-      if (L.form == SUPER && kind == Q6K) {  // code_at's top two bits: quad q's in bits 2 (q % 4) of row q / 4
-        for (int row = 0; row < 2; ++row) {
-          uint8_t bits[4] = {};
-          for (int q = 4 * row; q < 4 * row + 4; ++q)
-            for (int i = 0; i < 4; ++i) bits[i] |= static_cast<uint8_t>((u[4 * q + i] >> 4) << (2 * (q % 4)));
-          std::memcpy(rec + L.code_bytes + row * 64 + j * 4, bits, 4);
-        }
-      }
-    }
-    const int64_t nb = n * L.blocks + b;
-    if (L.form == SUPER) {
-      if (b % SUPER_BLOCKS == 0) {
-        SuperScales s;
-        super_scales_of(kind, scale, scale_exp, min, min_exp, n, b / SUPER_BLOCKS, K, &s);
-        write_super_head(kind, s, j, const_cast<uint8_t*>(super_head(rec, L, b)));
-      }
-    } else if (L.form == F16) {
-      const uint16_t d = static_cast<uint16_t>(float16_bits(scale[nb], scale_exp[nb]));
-      std::memcpy(rec + L.code_bytes + 2 * j, &d, 2);
-      if (kd.has_min) {
-        const uint16_t m = static_cast<uint16_t>(float16_bits(min[nb], min_exp[nb]));
-        std::memcpy(rec + L.min_at + 2 * j, &m, 2);
-      }
-    } else {
-      for (int hh = 0; hh < L.per; ++hh)
-        std::memcpy(rec + L.code_bytes + 4 * (hh * GROUP + j), &scale[n * scales_per_row + b * L.per + hh], 4);
-      rec[L.sexp_at + j] = static_cast<uint8_t>(static_cast<int8_t>(scale_exp[nb] - t));
-      if (kd.has_min) {
-        std::memcpy(rec + L.min_at + 4 * j, &min[nb], 4);
-        rec[L.mexp_at + j] = static_cast<uint8_t>(static_cast<int8_t>(min_exp[nb] - t));
-      }
-    }
-  }
-}
-
 }  // namespace
-
-// The form a weight packs in: SUPER for q4_k and q6_k whose scales factor as their file's do,
-// F16 for the 32-weight types with float16 scales, else WIDE.
-int quant_pack_form(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
-                    const int32_t* min_exp, int64_t N, int64_t K, int threads) {
-  if (f16_scales(kind, scale, scale_exp, min, min_exp, N, K)) return F16;
-  if ((kind != Q4K && kind != Q6K) || K % (BLOCK * SUPER_BLOCKS) != 0) return WIDE;
-  const int64_t per_row = K / (BLOCK * SUPER_BLOCKS);
-  int factors = 1;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N * per_row >= 4096) reduction(&& : factors)
-  for (int64_t n = 0; n < N; ++n) {
-    SuperScales s;
-    for (int64_t sb = 0; sb < per_row && factors; ++sb)
-      factors = factors && super_scales_of(kind, scale, scale_exp, min, min_exp, n, sb, K, &s);
-  }
-  return factors ? SUPER : WIDE;
-}
-
-int64_t quant_packed_bytes(int kind, int form, int64_t N, int64_t K) { return Layout(kind, form, N, K).total; }
-
-void pack_quant(int kind, int form, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp,
-                const int32_t* min, const int32_t* min_exp, uint8_t* packed, int64_t N, int64_t K, int threads) {
-  const Layout L(kind, form, N, K);
-  const QKind& kd = L.kind;
-  const Header h{MAGIC, kind, N, K, form};
-  std::memset(packed, 0, 64);
-  std::memcpy(packed, &h, sizeof(h));
-  int32_t* top = reinterpret_cast<int32_t*>(packed + L.top);
-  int32_t* lows = reinterpret_cast<int32_t*>(packed + L.lows);
-  const int64_t scales_per_row = K / kd.sub, group_bytes = L.blocks * L.record;
-  // the alignment padding after the records, the tops and the lows
-  std::memset(packed + 64 + L.groups * group_bytes, 0, L.top - 64 - L.groups * group_bytes);
-  std::memset(packed + L.top + L.groups * GROUP * 4, 0, L.lows - L.top - L.groups * GROUP * 4);
-  std::memset(packed + L.lows + L.groups * 2 * 4, 0, L.total - L.lows - L.groups * 2 * 4);
-  // Groups in parallel, each writing its own records (zeroed first: codes are or-ed in, and the
-  // padding columns stay zero), column tops and lows.
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (threads > 1 && L.groups > 1)
-  for (int64_t g = 0; g < L.groups; ++g) {
-    std::memset(packed + 64 + g * group_bytes, 0, group_bytes);
-    int32_t low[2] = {1 << 20, 1 << 20};
-    for (int j = 0; j < GROUP; ++j) {
-      const int64_t n = g * GROUP + j;
-      top[n] = 0;
-      if (n >= N) continue;
-      int t = -(1 << 20);
-      for (int64_t b = 0; b < L.blocks; ++b) {
-        t = std::max(t, scale_exp[n * L.blocks + b]);
-        if (kd.has_min) t = std::max(t, min_exp[n * L.blocks + b]);
-      }
-      top[n] = t;
-      for (int64_t b = 0; b < L.blocks; ++b) {  // a zero scale's or minimum's terms are 0 at any shift
-        bool any = false;
-        for (int64_t hh = 0; hh < L.per; ++hh) any = any || scale[n * scales_per_row + b * L.per + hh] != 0;
-        if (any) low[0] = std::min(low[0], scale_exp[n * L.blocks + b] - t);
-        if (kd.has_min && min[n * L.blocks + b] != 0) low[1] = std::min(low[1], min_exp[n * L.blocks + b] - t);
-      }
-      pack_column(L, kind, codes, scale, scale_exp, min, min_exp, packed, n, K, t);
-    }
-    for (int i = 0; i < 2; ++i) lows[2 * g + i] = low[i] == 1 << 20 ? 0 : low[i];
-  }
-}
-
-bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64_t K) {
-  if (bytes < static_cast<int64_t>(sizeof(Header))) return false;
-  const Header* h = reinterpret_cast<const Header*>(packed);
-  const bool form_ok = h->form == WIDE || h->form == F16 ||
-                       (h->form == SUPER && (h->kind == Q4K || h->kind == Q6K) && K % (BLOCK * SUPER_BLOCKS) == 0);
-  return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < 6 && form_ok &&
-         bytes == Layout(static_cast<int>(h->kind), static_cast<int>(h->form), N, K).total;
-}
 
 void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float* out, int64_t N, int64_t K) {
   const Header* h = reinterpret_cast<const Header*>(packed);
