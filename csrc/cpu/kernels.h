@@ -41,6 +41,12 @@ struct QuantJob {
   int64_t M, N, K;
 };
 void quant_linears(int dtype, const QuantJob* jobs, int64_t count, int threads);
+// Prompt rows' block dots on AMX-INT8 tiles (where the build and the CPU have them and the kernel
+// grants the tile state), else on AVX-512 VNNI: the same integers, so the same bits either way.
+// quant_amx_path: which the GEMM takes ("amx", or why not); set_quant_amx(false) keeps it off
+// (tests compare both), returning whether it was allowed before.
+const char* quant_amx_path();
+bool set_quant_amx(bool allowed);
 
 // One GEMM of either kind: `w` a dense packed weight (pack_weight) when `quant` is false, else a
 // packed quantized one.

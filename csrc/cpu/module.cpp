@@ -677,6 +677,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("ids"), py::arg("n"), py::arg("k"));
   m.def("quant_linear", &quant_linear, "kernels/quant_gemm.linear with a weight from pack_quant, of shape [n, k]",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("k"), out);
+  m.def("quant_amx_path", &tf::quant_amx_path, "\"amx\" where prompt rows' block dots run on AMX-INT8 tiles, else why not");
+  m.def("set_quant_amx", &tf::set_quant_amx, "allow (true) or forbid the AMX path; returns whether it was allowed",
+        py::arg("allowed"));
   m.def("pack_weight", &pack_weight, "weight [N, K] in the GEMM's tile layout (1-D)", py::arg("weight"));
   m.def("linear_packed", &linear_packed, "linear with a weight from pack_weight, of shape [n, k]", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("k"), out);

@@ -10,6 +10,7 @@
 // terms are shifted in int64 lanes; with AVX2, vpmaddubsw and vpmaddwd on 8 columns at a time;
 // elsewhere plain C++ over the same layout.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -26,6 +27,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TF_QUANT_VNNI 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TF_QUANT_AMX 1
+#endif
 #elif defined(__AVX2__)
 #include <immintrin.h>
 #define TF_QUANT_AVX2 1
@@ -43,6 +49,18 @@ using namespace quant;
 // Into L1: the L2 hint, which the dense GEMM takes, was slower here (one stream 179-200).
 constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr float X_MAX = 127.0f;     // |xq| <= 127
+constexpr int64_t TILE_ROWS = 16;    // an AMX tile's rows (the activation buffer's slack after the last row)
+constexpr int64_t ROWS_PER_PASS = 64;  // rows whose activations stay in cache while a group runs
+// The fewest rows of a pass that take the AMX tiles (where they are allowed): fewer rows run on
+// VNNI register tiles, which unpack a block once for up to 4 rows without a tile round trip.
+constexpr int64_t AMX_MIN_ROWS = 8;
+constexpr int64_t AMX_BLOCKS = 8;  // blocks whose dots a row tile keeps at once (8 KiB: in L1 till their terms)
+std::atomic<bool> amx_allowed{true};  // set_quant_amx
+// Which GEMM call a thread runs (quant_linears_impl counts them): a group made ready for the AMX tiles serves only
+// its own call, since a later weight may sit where a freed one was.
+std::atomic<uint64_t> gemm_calls{0};
+thread_local uint64_t current_call = 0;
+
 constexpr float F16_MAX = 65504.0f;  // float16 scales saturate here
 
 int log2_ceil(int64_t n) {
@@ -79,8 +97,9 @@ inline uint16_t float16_from(float f) {
 // m 2^k with k - kmax kept (kmax the row's largest k), the sums of xq per sub-block, and the
 // minimum term's float16(d sum xq) = sm 2^se (se - kmax kept).
 struct RowQ {
-  std::vector<int8_t> xq;
+  int8_t* xq = nullptr;  // blocks * 32 codes, in the batch's buffer: a GEMM's rows K apart (quant_linears_impl)
   std::vector<int32_t> m, kdelta, xsum, sm, sdelta;
+  std::vector<double> mf, smf;  // m 2^kdelta and sm 2^sdelta (exact), the vector kernels' row factors
   int kmax = 0;
   int kmin = 0, smin = 0;  // the smallest kdelta, sdelta of the blocks whose m, sm is not 0 (0 where none)
 };
@@ -123,19 +142,20 @@ void quantize_block(const T* v, float inverse, bool zero, int sub, int8_t* xq, i
 template <typename T>
 void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
   const int per = BLOCK / sub;
-  row->xq.resize(blocks * BLOCK);
   row->m.resize(blocks);
   row->kdelta.resize(blocks);
   row->xsum.resize(blocks * per);
   row->sm.resize(blocks);
   row->sdelta.resize(blocks);
+  row->mf.resize(blocks);
+  row->smf.resize(blocks);
   int kmax = -(1 << 20);
   for (int64_t b = 0; b < blocks; ++b) {
     const T* v = x + b * BLOCK;
     const float amax = max_abs(v, BLOCK);
     const bool zero = exponent(amax) < -120;  // below 2^-120 (127 / amax would overflow): a zero block
     const float d = zero ? 0.0f : amax / X_MAX, inverse = zero ? 0.0f : X_MAX / amax;
-    quantize_block(v, inverse, zero, sub, row->xq.data() + b * BLOCK, row->xsum.data() + b * per);
+    quantize_block(v, inverse, zero, sub, row->xq + b * BLOCK, row->xsum.data() + b * per);
     int32_t total = 0;
     for (int h = 0; h < per; ++h) total += row->xsum[b * per + h];
     // kdelta and sdelta hold k and se until kmax is known
@@ -150,6 +170,8 @@ void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
     row->sdelta[b] = std::max(row->sdelta[b] - kmax, -1000);
     if (row->m[b] != 0) row->kmin = std::min(row->kmin, row->kdelta[b]);
     if (row->sm[b] != 0) row->smin = std::min(row->smin, row->sdelta[b]);
+    row->mf[b] = static_cast<double>(row->m[b]) * pow2(row->kdelta[b]);
+    row->smf[b] = static_cast<double>(row->sm[b]) * pow2(row->sdelta[b]);
   }
   row->kmax = kmax;
 }
@@ -178,7 +200,7 @@ inline const uint8_t* streamed_record(const uint8_t* packed, const Layout& L, in
     for (int j = 0; j < GROUP; ++j) a[j] = 0;
     for (int64_t b = 0; b < L.blocks; ++b) {
       const uint8_t* rec = record_at(packed, L, g, b);
-      const int8_t* xq = row.xq.data() + b * BLOCK;
+      const int8_t* xq = row.xq + b * BLOCK;
       const int kd_b = row.kdelta[b] + shift0;
       for (int j = 0; j < GROUP; ++j) {
         const ColumnScales c = column_scales(rec, L, b, j, top[j]);
@@ -198,30 +220,7 @@ inline const uint8_t* streamed_record(const uint8_t* packed, const Layout& L, in
 }
 
 #if defined(TF_QUANT_VNNI)
-// The same with 16 columns to two registers of 64-bit lanes, the even columns and the odd ones
-// (even64): each term and its shift in a lane. Terms whose shift is negative (rare: a block far
-// below the row's largest) are added by on_grid, lane by lane, after the vector shift added
-// nothing for them; `may_be_negative` (the caller's bound) says whether any lane's can be, else
-// the lanes are not checked.
-inline void add_terms(__m512i* even, __m512i* odd, __m512i i_even, __m512i i_odd, __m512i s_even, __m512i s_odd,
-                      bool may_be_negative, int term_bits) {
-  *even = _mm512_add_epi64(*even, _mm512_sllv_epi64(i_even, s_even));  // a negative count reads as > 63: adds 0
-  *odd = _mm512_add_epi64(*odd, _mm512_sllv_epi64(i_odd, s_odd));
-  if (!may_be_negative) return;
-  const __mmask8 n_even = _mm512_cmplt_epi64_mask(s_even, _mm512_setzero_si512());
-  const __mmask8 n_odd = _mm512_cmplt_epi64_mask(s_odd, _mm512_setzero_si512());
-  if ((n_even | n_odd) == 0) return;
-  alignas(64) int64_t ints[16], shifts[16], fix[16];
-  _mm512_store_si512(ints, i_even);
-  _mm512_store_si512(ints + 8, i_odd);
-  _mm512_store_si512(shifts, s_even);
-  _mm512_store_si512(shifts + 8, s_odd);
-  const unsigned negative = n_even | (static_cast<unsigned>(n_odd) << 8);
-  for (int j = 0; j < 16; ++j)
-    fix[j] = (negative >> j & 1) && ints[j] != 0 ? on_grid(ints[j], static_cast<int>(shifts[j]), term_bits) : 0;
-  *even = _mm512_add_epi64(*even, _mm512_load_si512(fix));
-  *odd = _mm512_add_epi64(*odd, _mm512_load_si512(fix + 8));
-}
+// The same with 16 columns to a register, the terms carried exactly in float64 lanes (row_terms).
 
 // 16 float16 scales (their bits) as significands dm and shifts de - top (significand16).
 inline void decode_f16(const uint8_t* p, __m512i top, __m512i* dm, __m512i* shift) {
@@ -238,21 +237,6 @@ inline void decode_f16(const uint8_t* p, __m512i top, __m512i* dm, __m512i* shif
 
 inline __m512i load_i8x16(const uint8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// Sixteen int32 columns as two registers of 64-bit lanes: the even columns and the odd ones. A
-// block's int64 terms are kept in that order, because vpmuldq multiplies the low (even) int32 of
-// each 64-bit lane: the per-row products then need one shift (odd) and no widening.
-inline __m512i even64(__m512i v) { return _mm512_srai_epi64(_mm512_slli_epi64(v, 32), 32); }
-inline __m512i odd64(__m512i v) { return _mm512_srai_epi64(v, 32); }
-inline __m512i odd_low(__m512i v) { return _mm512_srli_epi64(v, 32); }  // the odd int32 as the low halves
-
-// Even and odd columns' int64 sums back into column order: acc[0..16).
-inline void store_columns(int64_t* acc, __m512i even, __m512i odd) {
-  const __m512i first = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);  // (8 + i: odd's lane i)
-  const __m512i second = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
-  _mm512_storeu_si512(acc, _mm512_permutex2var_epi64(even, first, odd));
-  _mm512_storeu_si512(acc + 8, _mm512_permutex2var_epi64(even, second, odd));
 }
 
 // q6_k's top two bits into its codes' nibbles u[0..8): quad q's in bits 2 (q % 4) of row q / 4 of `bits`.
@@ -303,34 +287,134 @@ inline void super_scales(const uint8_t* head, bool q6, __m512i top, int32_t (*su
   }
 }
 
+// Block b's 16 columns' codes u = c + offset as eight rows of 64 bytes: quad q (k = 4q..4q+3)
+// of every column in row q, which is vpdpbusd's operand and an AMX tile's B rows alike.
+template <int FORM, int KIND>
+inline void block_codes(const uint8_t* rec, const Layout& L, __m512i* u) {
+  constexpr bool NIBBLES = KINDS[KIND].nibbles || FORM == SUPER;
+  if constexpr (NIBBLES) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int q = 0; q < 4; ++q) {
+      const __m512i v = _mm512_loadu_si512(rec + q * 64);
+      u[q] = _mm512_and_si512(v, nib);
+      u[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+  } else {
+    for (int q = 0; q < 8; ++q) u[q] = _mm512_loadu_si512(rec + q * 64);
+  }
+  if constexpr (FORM == SUPER && KIND == Q6K) add_top_bits(rec + L.code_bytes, u);  // a nibble and two bits
+}
+
+// A block's scales for its 16 columns, shared by every row, as float64: S 2^(E - top + shift0)
+// per half of the block (q6_k has two), and M 2^(F - top + shift0) for the kinds with a minimum,
+// each as columns 0-7 and 8-15. Every one is an integer of at most 32 bits times a power of two
+// well inside float64's range, so exact.
+struct BlockScales {
+  __m512d s[2][2], mn[2];  // [half][columns 0-7, 8-15], [columns 0-7, 8-15]
+};
+
+// x 2^e, lane by lane, for int32 x and e (vscalefpd: exact, as nothing leaves float64's range).
+inline void scaled_pd(__m512i x, __m512i e, __m512d* out) {
+  const __m256i x_lo = _mm512_castsi512_si256(x), x_hi = _mm512_extracti64x4_epi64(x, 1);
+  const __m256i e_lo = _mm512_castsi512_si256(e), e_hi = _mm512_extracti64x4_epi64(e, 1);
+  out[0] = _mm512_scalef_pd(_mm512_cvtepi32_pd(x_lo), _mm512_cvtepi32_pd(e_lo));
+  out[1] = _mm512_scalef_pd(_mm512_cvtepi32_pd(x_hi), _mm512_cvtepi32_pd(e_hi));
+}
+
+// Group g's block b (codes at rec). SUPER records decode their super-block's scales at its first
+// block into sup / sup_sexp / sup_mexp, which the next seven blocks read.
+template <int FORM, int KIND>
+inline BlockScales block_scales(const uint8_t* rec, const Layout& L, int64_t b, __m512i topv, int shift0,
+                                int32_t (*sup)[GROUP], __m512i* sup_sexp, __m512i* sup_mexp) {
+  constexpr QKind KD = KINDS[KIND];
+  constexpr bool HAS_MIN = KD.has_min;
+  constexpr int PER = BLOCK / KD.sub;
+  __m512i s0, s1 = _mm512_setzero_si512(), mv = s1, sexp, mexp = s1;
+  if constexpr (FORM == SUPER) {  // the super-block's scales decoded at its first block
+    const int i = static_cast<int>(b % SUPER_BLOCKS);
+    if (i == 0) super_scales(super_head(rec, L, b), KIND == Q6K, topv, sup, sup_sexp, sup_mexp);
+    s0 = _mm512_load_si512(sup[KIND == Q6K ? 2 * i : i]);
+    if constexpr (KIND == Q6K) s1 = _mm512_load_si512(sup[2 * i + 1]);
+    if constexpr (HAS_MIN) mv = _mm512_load_si512(sup[SUPER_BLOCKS + i]);
+    sexp = *sup_sexp;
+    mexp = *sup_mexp;
+  } else if constexpr (FORM == F16) {
+    decode_f16(rec + L.code_bytes, topv, &s0, &sexp);
+    if constexpr (HAS_MIN) decode_f16(rec + L.min_at, topv, &mv, &mexp);
+  } else {
+    s0 = _mm512_loadu_si512(rec + L.code_bytes);
+    sexp = load_i8x16(rec + L.sexp_at);
+    if constexpr (HAS_MIN) {
+      mv = _mm512_loadu_si512(rec + L.min_at);
+      mexp = load_i8x16(rec + L.mexp_at);
+    }
+    if constexpr (PER == 2) s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);  // the second half's
+  }
+  BlockScales c;
+  const __m512i grid = _mm512_set1_epi32(shift0);
+  sexp = _mm512_add_epi32(sexp, grid);
+  scaled_pd(s0, sexp, c.s[0]);
+  if constexpr (PER == 2) scaled_pd(s1, sexp, c.s[1]);
+  if constexpr (HAS_MIN) scaled_pd(mv, _mm512_add_epi32(mexp, grid), c.mn);
+  return c;
+}
+
+// float64 lanes that hold integers times powers of two, rounded to int64 to nearest, ties to
+// even: on_grid's rounding of a term whose shift is negative, its value where it is not.
+inline __m512i round_pd(__m512d v) {
+  return _mm512_cvt_roundpd_epi64(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// One row's terms of a block for 16 columns, added to its int64 sums lo (columns 0-7) and hi
+// (8-15): dot0 the block's dots u . xq (PER == 2: the first half's, dot1 the second's), less
+// offset times the row's sums, times the columns' S 2^(E - top + shift0), times the row's
+// m 2^(k - kmax), rounded onto the grid; then, for the kinds with a minimum, M sm on the grid.
+//
+// Exact, though in float64: each term is the reference's integer (|I| < 2^T, T <= 46: the
+// kind's term_bits) times a power of two. Its factors are integers times powers of two and every
+// product and the halves' sum stay below 2^53 times their power of two, so no operation rounds
+// (exponents stay far inside float64's range), and the conversion's one rounding, to nearest even,
+// is on_grid's where the shift is negative. The same order of operations for every row.
+template <int KIND>
+inline void row_terms(__m512i dot0, __m512i dot1, const BlockScales& c, const RowQ& row, int64_t b, __m512i* lo,
+                      __m512i* hi) {
+  constexpr QKind KD = KINDS[KIND];
+  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
+  const int32_t* xsum = row.xsum.data() + b * PER;
+  const __m512d m = _mm512_set1_pd(row.mf[b]);
+  __m512d t[2];
+  const auto halves = [](__m512i v, __m512d* out) {  // int32 columns 0-7 and 8-15 as float64
+    out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(v));
+    out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
+  };
+  __m512d d0[2];
+  halves(OFFSET != 0 ? _mm512_sub_epi32(dot0, _mm512_set1_epi32(OFFSET * xsum[0])) : dot0, d0);
+  if constexpr (PER == 1) {
+    for (int h = 0; h < 2; ++h) t[h] = _mm512_mul_pd(_mm512_mul_pd(d0[h], c.s[0][h]), m);
+  } else {  // two halves of 16, each with its own scale: A0 S0 + A1 S1, then times m
+    __m512d d1[2];
+    halves(_mm512_sub_epi32(dot1, _mm512_set1_epi32(OFFSET * xsum[1])), d1);
+    for (int h = 0; h < 2; ++h)
+      t[h] = _mm512_mul_pd(_mm512_add_pd(_mm512_mul_pd(d0[h], c.s[0][h]), _mm512_mul_pd(d1[h], c.s[1][h])), m);
+  }
+  *lo = _mm512_add_epi64(*lo, round_pd(t[0]));
+  *hi = _mm512_add_epi64(*hi, round_pd(t[1]));
+  if constexpr (KD.has_min) {
+    const __m512d sm = _mm512_set1_pd(row.smf[b]);
+    *lo = _mm512_add_epi64(*lo, round_pd(_mm512_mul_pd(c.mn[0], sm)));
+    *hi = _mm512_add_epi64(*hi, round_pd(_mm512_mul_pd(c.mn[1], sm)));
+  }
+}
+
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
-// Each block dot runs as two independent vpdpbusd chains (an integer sum: any split gives the
+// Each block dot runs as four independent vpdpbusd chains (an integer sum: any split gives the
 // same value).
 template <int R, int FORM, int KIND>
 void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                   const int32_t* top, int64_t* acc) {
-  constexpr QKind KD = KINDS[KIND];  // the kind's traits as constants: no branch left in the block loop
-  constexpr bool NIBBLES = KD.nibbles || FORM == SUPER, HAS_MIN = KD.has_min;
-  constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
-  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
-  const int term_bits = L.kind.term_bits;
-  __m512i even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const int8_t* xq_rows[R];
-  const int32_t* kdelta[R];
-  const int32_t* xsums[R];
-  const int32_t* ms[R];
-  const int32_t* sms[R];
-  const int32_t* sdeltas[R];
-  for (int r = 0; r < R; ++r) {
-    xq_rows[r] = rows[r0 + r].xq.data();
-    kdelta[r] = rows[r0 + r].kdelta.data();
-    xsums[r] = rows[r0 + r].xsum.data();
-    ms[r] = rows[r0 + r].m.data();
-    sms[r] = rows[r0 + r].sm.data();
-    sdeltas[r] = rows[r0 + r].sdelta.data();
-  }
+  constexpr int PER = BLOCK / KINDS[KIND].sub;
+  __m512i lo[R], hi[R];  // columns 0-7 and 8-15
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
   const __m512i topv = _mm512_loadu_si512(top);
   const int64_t ahead = prefetch_distance(L, r0);
   alignas(64) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales)
@@ -338,93 +422,186 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m512i u[8];
-    if constexpr (NIBBLES) {
-      for (int q = 0; q < 4; ++q) {
-        const __m512i v = _mm512_loadu_si512(rec + q * 64);
-        u[q] = _mm512_and_si512(v, nib);
-        u[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      }
-    } else {
-      for (int q = 0; q < 8; ++q) u[q] = _mm512_loadu_si512(rec + q * 64);
-    }
-    if constexpr (TOP_BITS) add_top_bits(rec + L.code_bytes, u);
-    __m512i s0, sexp, mv = _mm512_setzero_si512(), mexp = mv;
-    __m512i s1 = _mm512_setzero_si512();
-    if constexpr (FORM == SUPER) {  // the super-block's scales decoded at its first block
-      const int i = static_cast<int>(b % SUPER_BLOCKS);
-      if (i == 0) super_scales(super_head(rec, L, b), KIND == Q6K, topv, sup, &sup_sexp, &sup_mexp);
-      s0 = _mm512_load_si512(sup[KIND == Q6K ? 2 * i : i]);
-      if constexpr (KIND == Q6K) s1 = _mm512_load_si512(sup[2 * i + 1]);
-      if constexpr (HAS_MIN) mv = _mm512_load_si512(sup[SUPER_BLOCKS + i]);
-      sexp = sup_sexp;
-      mexp = sup_mexp;
-    } else if constexpr (FORM == F16) {
-      decode_f16(rec + L.code_bytes, topv, &s0, &sexp);
-      if constexpr (HAS_MIN) decode_f16(rec + L.min_at, topv, &mv, &mexp);
-    } else {
-      s0 = _mm512_loadu_si512(rec + L.code_bytes);
-      sexp = load_i8x16(rec + L.sexp_at);
-      if constexpr (HAS_MIN) {
-        mv = _mm512_loadu_si512(rec + L.min_at);
-        mexp = load_i8x16(rec + L.mexp_at);
-      }
-    }
-    // vpmuldq's operands: the even columns' int32 are the low halves as loaded, the odd ones shift there
-    const __m512i s0_odd = odd_low(s0), m_odd = odd_low(mv);
-    __m512i s1_odd = s0_odd;
-    if constexpr (PER == 2) {  // the second half's scales (q6_k: sub-blocks of 16)
-      if constexpr (FORM != SUPER) s1 = _mm512_loadu_si512(rec + L.code_bytes + 4 * GROUP);
-      s1_odd = odd_low(s1);
-    }
-    // The block's column shifts as 64-bit lanes once for all rows; a row adds its own, and only a
-    // row whose shift can make a lane negative (rare) has its lanes checked. That bound needs the
-    // block's smallest column shift, a reduction shared by R rows; for one row it would cost as
-    // much as the check it saves, so a lone row's lanes are always checked (`R == 1 || ...`).
-    const __m512i sexp_even = even64(sexp), sexp_odd = odd64(sexp);
-    const __m512i mexp_even = even64(mexp), mexp_odd = odd64(mexp);
-    const int sexp_min = R > 1 ? _mm512_reduce_min_epi32(sexp) : 0;
-    const int mexp_min = R > 1 && HAS_MIN ? _mm512_reduce_min_epi32(mexp) : 0;
+    block_codes<FORM, KIND>(rec, L, u);
+    const BlockScales c = block_scales<FORM, KIND>(rec, L, b, topv, shift0, sup, &sup_sexp, &sup_mexp);
     for (int r = 0; r < R; ++r) {
-      const int32_t* xq = reinterpret_cast<const int32_t*>(xq_rows[r] + b * BLOCK);
-      const int32_t* xsum = xsums[r] + b * PER;
-      const int row_shift = kdelta[r][b] + shift0;
-      const __m512i kshift = _mm512_set1_epi64(row_shift);
+      const int32_t* xq = reinterpret_cast<const int32_t*>(rows[r0 + r].xq + b * BLOCK);
       // Quads c and c + 2 share a chain: four chains of two, summed per half (PER == 2) or whole.
       __m512i d[4];
-      for (int c = 0; c < 4; ++c) {
-        const int q = (c & 1) + (c >> 1) * 4;  // chains start at quads 0, 1, 4, 5
-        d[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[q], _mm512_set1_epi32(xq[q]));
-        d[c] = _mm512_dpbusd_epi32(d[c], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
+      for (int ch = 0; ch < 4; ++ch) {
+        const int q = (ch & 1) + (ch >> 1) * 4;  // chains start at quads 0, 1, 4, 5
+        d[ch] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[q], _mm512_set1_epi32(xq[q]));
+        d[ch] = _mm512_dpbusd_epi32(d[ch], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
       }
-      __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
-      const __m512i m = _mm512_set1_epi32(ms[r][b]);  // A m < 2^19 2^11: int32
-      __m512i i_even, i_odd;
-      if constexpr (PER == 1) {
-        __m512i dot = _mm512_add_epi32(h0, h1);
-        if constexpr (OFFSET != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(OFFSET * xsum[0]));
-        dot = _mm512_mullo_epi32(dot, m);
-        i_even = _mm512_mul_epi32(dot, s0);
-        i_odd = _mm512_mul_epi32(odd_low(dot), s0_odd);
-      } else {  // two halves of 16, each with its own scale
-        h0 = _mm512_mullo_epi32(_mm512_sub_epi32(h0, _mm512_set1_epi32(OFFSET * xsum[0])), m);
-        h1 = _mm512_mullo_epi32(_mm512_sub_epi32(h1, _mm512_set1_epi32(OFFSET * xsum[1])), m);
-        i_even = _mm512_add_epi64(_mm512_mul_epi32(h0, s0), _mm512_mul_epi32(h1, s1));
-        i_odd = _mm512_add_epi64(_mm512_mul_epi32(odd_low(h0), s0_odd), _mm512_mul_epi32(odd_low(h1), s1_odd));
-      }
-      add_terms(&even[r], &odd[r], i_even, i_odd, _mm512_add_epi64(sexp_even, kshift),
-                _mm512_add_epi64(sexp_odd, kshift), R == 1 || sexp_min + row_shift < 0, term_bits);
-      if constexpr (HAS_MIN) {
-        const __m512i xs = _mm512_set1_epi64(sms[r][b]);
-        const int min_shift = sdeltas[r][b] + shift0;
-        const __m512i mshift = _mm512_set1_epi64(min_shift);
-        add_terms(&even[r], &odd[r], _mm512_mul_epi32(mv, xs), _mm512_mul_epi32(m_odd, xs),
-                  _mm512_add_epi64(mexp_even, mshift), _mm512_add_epi64(mexp_odd, mshift),
-                  R == 1 || mexp_min + min_shift < 0, term_bits);
-      }
+      const __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
+      if constexpr (PER == 1)
+        row_terms<KIND>(_mm512_add_epi32(h0, h1), h1, c, rows[r0 + r], b, &lo[r], &hi[r]);
+      else
+        row_terms<KIND>(h0, h1, c, rows[r0 + r], b, &lo[r], &hi[r]);
     }
   }
-  for (int r = 0; r < R; ++r) store_columns(acc + r * GROUP, even[r], odd[r]);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_si512(acc + r * GROUP, lo[r]);
+    _mm512_storeu_si512(acc + r * GROUP + 8, hi[r]);
+  }
 }
+
+#if defined(TF_QUANT_AMX)
+// AMX-INT8: the block dots of 16 rows and 16 columns in one tile multiply (tdpbsud: s8 x u8 ->
+// int32), K the block's 32 (or a q6_k half's 16), so each C tile holds one block's dots exactly
+// as the vpdpbusd chains do; the terms then run per row as in group_vector.
+
+// The tile registers (literals in the intrinsics, which name them as text): per half of a block,
+// A (the rows' codes) in tmm0 / tmm1, B (the columns') in tmm2 / tmm3, C (the dots) in tmm4 / tmm5.
+constexpr int A0 = 0, B0 = 2, C0 = 4;  // (the tile config's indices)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this process may use the tile state: Linux grants it on request (arch_prctl), once.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+
+// A column group made ready once for all its row tiles (group_amx): its blocks' codes as B rows
+// (unpacked where they are nibbles; else the record's own), and their scales.
+struct alignas(64) CodeRows {
+  uint8_t v[8 * 64];
+};
+struct alignas(64) DotTile {
+  int32_t v[TILE_ROWS][GROUP];
+};
+struct AmxGroup {
+  uint64_t call = 0;  // which call, weight and group it was made for
+  const uint8_t* packed = nullptr;
+  int64_t g = -1;
+  std::vector<CodeRows> codes;
+  std::vector<const uint8_t*> b_rows;  // per block: its B rows
+  std::vector<BlockScales> scales;
+  std::vector<DotTile> dots;  // per block of a run (and half): a row tile's dots
+};
+
+template <int FORM, int KIND>
+void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0, const int32_t* top, AmxGroup* G) {
+  constexpr bool UNPACK = KINDS[KIND].nibbles || FORM == SUPER;  // else the record's codes are B's rows as stored
+  if (G->call == current_call && G->packed == packed && G->g == g) return;
+  G->call = current_call, G->packed = packed, G->g = g;
+  G->codes.resize(UNPACK ? L.blocks : 0);
+  G->b_rows.resize(L.blocks);
+  G->scales.resize(L.blocks);
+  G->dots.resize(AMX_BLOCKS * (BLOCK / KINDS[KIND].sub));
+  const __m512i topv = _mm512_loadu_si512(top);
+  const int64_t ahead = prefetch_distance(L, 0);
+  alignas(64) int32_t sup[16][GROUP];
+  __m512i sup_sexp = _mm512_setzero_si512(), sup_mexp = sup_sexp;
+  for (int64_t b = 0; b < L.blocks; ++b) {
+    const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
+    G->b_rows[b] = rec;
+    if constexpr (UNPACK) {
+      __m512i u[8];
+      block_codes<FORM, KIND>(rec, L, u);
+      for (int q = 0; q < 8; ++q) _mm512_store_si512(G->codes[b].v + 64 * q, u[q]);
+      G->b_rows[b] = G->codes[b].v;
+    }
+    G->scales[b] = block_scales<FORM, KIND>(rec, L, b, topv, shift0, sup, &sup_sexp, &sup_mexp);
+  }
+}
+
+// Rows [r0, r1) against group g into acc [r1 - r0][16], the rows' codes `stride` bytes apart, a
+// tile of 16 rows at a time (a last tile of fewer reads past the GEMM's rows into the buffer's
+// slack and keeps only its own). First every block's dots of the tile, on the tiles (tdpbsud: s8
+// rows x u8 columns, int32 sums; four blocks in flight, each C tile stored three blocks after its
+// multiply), then each row's terms over the blocks, its sums in registers.
+template <int FORM, int KIND>
+void group_amx(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1, int64_t g,
+               int shift0, const int32_t* top, int64_t stride, int64_t* acc) {
+  constexpr QKind KD = KINDS[KIND];
+  constexpr int PER = BLOCK / KD.sub;
+  static thread_local AmxGroup G;
+  prepare_group<FORM, KIND>(L, packed, g, shift0, top, &G);
+  TileConfig cfg;
+  for (int t = 0; t < 2; ++t) cfg.rows[A0 + t] = TILE_ROWS, cfg.colsb[A0 + t] = KD.sub;
+  for (int t = 0; t < 2; ++t) cfg.rows[B0 + t] = KD.sub / 4, cfg.colsb[B0 + t] = 64;
+  for (int t = 0; t < 4; ++t) cfg.rows[C0 + t] = TILE_ROWS, cfg.colsb[C0 + t] = 64;
+  _tile_loadconfig(&cfg);
+  DotTile* dots = G.dots.data();
+  alignas(64) int64_t sums[TILE_ROWS][GROUP];  // the tile's rows' sums between runs of blocks
+  for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
+    const int8_t* a = rows[t0].xq;
+    const int64_t n = std::min<int64_t>(TILE_ROWS, r1 - t0);
+    std::memset(sums, 0, sizeof(sums));
+    // Runs of AMX_BLOCKS blocks, whose dots stay in L1 between their multiplies and their terms.
+    for (int64_t b0 = 0; b0 < L.blocks; b0 += AMX_BLOCKS) {
+      const int64_t blocks = std::min(AMX_BLOCKS, L.blocks - b0);
+      if constexpr (PER == 1) {  // block b: A tmm0/1, B tmm2/3 by b % 2, C tmm 4 + b % 4
+        for (int64_t b = 0; b < blocks + 3; ++b) {
+          if (b < blocks) {
+            const uint8_t* bb = G.b_rows[b0 + b];
+            const int8_t* ab = a + (b0 + b) * BLOCK;
+            switch (b % 4) {
+              case 0: _tile_loadd(2, bb, 64); _tile_loadd(0, ab, stride); _tile_zero(4); _tile_dpbsud(4, 0, 2); break;
+              case 1: _tile_loadd(3, bb, 64); _tile_loadd(1, ab, stride); _tile_zero(5); _tile_dpbsud(5, 1, 3); break;
+              case 2: _tile_loadd(2, bb, 64); _tile_loadd(0, ab, stride); _tile_zero(6); _tile_dpbsud(6, 0, 2); break;
+              default: _tile_loadd(3, bb, 64); _tile_loadd(1, ab, stride); _tile_zero(7); _tile_dpbsud(7, 1, 3); break;
+            }
+          }
+          const int64_t s = b - 3;  // the block whose C tile is stored now
+          if (s < 0) continue;
+          switch (s % 4) {
+            case 0: _tile_stored(4, dots[s].v, 64); break;
+            case 1: _tile_stored(5, dots[s].v, 64); break;
+            case 2: _tile_stored(6, dots[s].v, 64); break;
+            default: _tile_stored(7, dots[s].v, 64); break;
+          }
+        }
+      } else {  // halves of 16: block b's in C tmm 4, 5 (b even) or 6, 7 (b odd); A and B by half
+        for (int64_t b = 0; b < blocks + 1; ++b) {
+          if (b < blocks) {
+            const uint8_t* bb = G.b_rows[b0 + b];
+            const int8_t* ab = a + (b0 + b) * BLOCK;
+            _tile_loadd(2, bb, 64);
+            _tile_loadd(3, bb + 4 * 64, 64);  // quads 4-7: k 16..31
+            _tile_loadd(0, ab, stride);
+            _tile_loadd(1, ab + 16, stride);
+            if (b % 2 == 0) {
+              _tile_zero(4); _tile_dpbsud(4, 0, 2); _tile_zero(5); _tile_dpbsud(5, 1, 3);
+            } else {
+              _tile_zero(6); _tile_dpbsud(6, 0, 2); _tile_zero(7); _tile_dpbsud(7, 1, 3);
+            }
+          }
+          const int64_t s = b - 1;
+          if (s < 0) continue;
+          if (s % 2 == 0) {
+            _tile_stored(4, dots[2 * s].v, 64); _tile_stored(5, dots[2 * s + 1].v, 64);
+          } else {
+            _tile_stored(6, dots[2 * s].v, 64); _tile_stored(7, dots[2 * s + 1].v, 64);
+          }
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const RowQ& row = rows[t0 + i];
+        __m512i lo = _mm512_load_si512(sums[i]), hi = _mm512_load_si512(sums[i] + 8);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);
+          const __m512i d1 = _mm512_load_si512(dots[PER * b + PER - 1].v[i]);
+          row_terms<KIND>(d0, d1, G.scales[b0 + b], row, b0 + b, &lo, &hi);
+        }
+        _mm512_store_si512(sums[i], lo);
+        _mm512_store_si512(sums[i] + 8, hi);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) std::memcpy(acc + (t0 - r0 + i) * GROUP, sums[i], sizeof(sums[i]));
+  }
+  _tile_release();
+}
+#endif
 
 #endif
 
@@ -643,7 +820,7 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     }
     for (int r = 0; r < R; ++r) {
       const RowQ& row = rows[r0 + r];
-      const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq.data() + b * BLOCK);
+      const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq + b * BLOCK);
       const int32_t* xsum = row.xsum.data() + b * PER;
       const int row_shift = row.kdelta[b] + shift0;
       const __m256i m = _mm256_set1_epi32(row.m[b]);
@@ -743,7 +920,7 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
         for (int q = 0; q < 8; ++q) u[q] = codes(q);
       for (int r = 0; r < R; ++r) {
         const RowQ& row = rows[r0 + r];
-        const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq.data() + b * BLOCK);
+        const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq + b * BLOCK);
         const int32_t* xsum = row.xsum.data() + b * PER;
         const __m256i m = _mm256_set1_epi32(row.m[b]);
         __m256i ints_even, ints_odd;
@@ -803,6 +980,11 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
 #if defined(TF_QUANT_VNNI) || defined(TF_QUANT_AVX2)
   [[maybe_unused]] const int32_t* lows = reinterpret_cast<const int32_t*>(packed + L.lows) + 2 * g;
   const auto tiles = [&](auto form, auto kind_id) {
+#if defined(TF_QUANT_AMX)
+    if (r1 - r0 >= AMX_MIN_ROWS && amx_allowed.load(std::memory_order_relaxed) && amx_granted())
+      return group_amx<decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r0, r1, g, shift0, top,
+                                                                         L.blocks * BLOCK, acc);
+#endif
     by_row_tiles(r0, r1, [&](auto tile_rows, int64_t r) {
       constexpr int R = decltype(tile_rows)::value;
 #if defined(TF_QUANT_AVX2)
@@ -850,12 +1032,13 @@ struct GemmJob {
   Layout L;
   int log_terms, shift0;
   int64_t row0;  // its rows' first index in the batch's activation blocks
+  int64_t code0;  // where its rows' int8 codes start in the batch's code buffer (M rows of K)
+  uint64_t call;  // the quant_linears call it belongs to (gemm_calls)
 };
 
 // Groups [g0, g1) of a job against all its rows, written to its out.
 template <typename T>
 void job_groups(const GemmJob& j, const RowQ* row_q, int64_t g0, int64_t g1) {
-  constexpr int64_t ROWS_PER_PASS = 64;  // rows whose activations stay in cache while a group runs
   const QuantJob& q = *j.job;
   const Layout& L = j.L;
   const uint8_t* packed = q.packed;
@@ -864,6 +1047,7 @@ void job_groups(const GemmJob& j, const RowQ* row_q, int64_t g0, int64_t g1) {
   const RowQ* rows = row_q + j.row0;
   T* out = static_cast<T*>(q.out);
   int64_t acc[ROWS_PER_PASS * GROUP];
+  current_call = j.call;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t cols = std::min<int64_t>(GROUP, q.N - g * GROUP);
     for (int64_t r0 = 0; r0 < q.M; r0 += ROWS_PER_PASS) {
@@ -892,15 +1076,18 @@ void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
   js.clear();
   tasks.clear();
   task_end.clear();
-  int64_t total_rows = 0, total_groups = 0;
+  int64_t total_rows = 0, total_groups = 0, total_codes = 0, widest = 0;
+  const uint64_t call = ++gemm_calls;
   for (int64_t i = 0; i < count; ++i) {
     const QuantJob& q = jobs[i];
     if (q.M == 0 || q.N == 0) continue;
     const Header* h = reinterpret_cast<const Header*>(q.packed);
     const Layout L(static_cast<int>(h->kind), static_cast<int>(h->form), q.N, q.K);
     const int log_terms = log2_ceil(L.blocks * (L.kind.has_min ? 2 : 1));
-    js.push_back({&q, L, log_terms, 62 - log_terms - L.kind.term_bits, total_rows});
+    js.push_back({&q, L, log_terms, 62 - log_terms - L.kind.term_bits, total_rows, total_codes, call});
     total_rows += q.M;
+    total_codes += q.M * q.K;
+    widest = std::max(widest, q.K);
     total_groups += L.groups;
   }
   // The rows' activation blocks, in buffers each calling thread keeps across calls (their vectors
@@ -908,6 +1095,12 @@ void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
   static thread_local std::vector<RowQ> rows;
   if (static_cast<int64_t>(rows.size()) < total_rows) rows.resize(total_rows);
   RowQ* row_q = rows.data();  // (inside the parallel region `rows` would name each thread's own)
+  // Their int8 codes in one buffer, a GEMM's rows K apart (tile loads read rows at a stride), and
+  // TILE_ROWS rows of slack after the last, which a tile of a GEMM's last rows may read past them.
+  static thread_local std::vector<int8_t> codes;
+  if (static_cast<int64_t>(codes.size()) < total_codes + TILE_ROWS * widest) codes.resize(total_codes + TILE_ROWS * widest);
+  for (const GemmJob& j : js)
+    for (int64_t r = 0; r < j.job->M; ++r) row_q[j.row0 + r].xq = codes.data() + j.code0 + r * j.job->K;
   // Tasks: a few per thread, taken dynamically, so a thread the OS parks takes fewer instead of
   // stalling all; each within one job.
   const int64_t wanted = threads > 1 ? 4 * threads : 1, per_task = std::max<int64_t>(1, total_groups / wanted);
@@ -963,6 +1156,17 @@ void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float*
     }
   }
 }
+
+const char* quant_amx_path() {
+#if defined(TF_QUANT_AMX)
+  if (!amx_granted()) return "off: the kernel refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)";
+  return amx_allowed.load() ? "amx" : "off: set_quant_amx(False)";
+#else
+  return "off: not built with AMX-INT8 (-march without amx-tile and amx-int8)";
+#endif
+}
+
+bool set_quant_amx(bool allowed) { return amx_allowed.exchange(allowed); }
 
 void quant_linear(int dtype, const void* x, const uint8_t* packed, void* out, int64_t M, int64_t N, int64_t K,
                   int threads) {
