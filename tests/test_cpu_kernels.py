@@ -622,6 +622,43 @@ def test_quant_linear_tiles_without_negative_shifts_equal_their_reference(draw, 
         assert_bitwise(_cpu.quant_linear(x[rows], packed, n, k), want[rows], draw, f"{kind}, rows {rows}")
 
 
+@pytest.fixture
+def amx_tiles():
+    """The AMX-INT8 path of the quantized GEMM, where this build and CPU have it (else a skip that
+    says why); the VNNI path is restored after."""
+    path = _cpu.quant_amx_path()
+    if path != "amx":
+        pytest.skip(f"no AMX-INT8 path to compare with VNNI here: {path}")
+    yield
+    _cpu.set_quant_amx(True)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("file_blocks", [False, True], ids=["generic", "file"])
+def test_quant_linear_on_amx_tiles_equals_vnni_and_its_reference(draw, threads, amx_tiles, kind, file_blocks):
+    """Prompt rows (8 or more) take AMX tiles of 16 rows, a run of 8 blocks at a time; fewer rows,
+    and every row with set_quant_amx(False), take the VNNI registers. Both are the reference's
+    integers: every row bitwise the same on either path, last tiles of 1..15 rows and a last run of
+    fewer blocks among them, a row alone (VNNI) as among 70 (AMX)."""
+    from test_quant_gemm import random_generic, random_k_file, random_x
+
+    from tensorfold.kernels import quant_gemm
+
+    if file_blocks and kind not in ("q4_k", "q6_k"):
+        pytest.skip("only q4_k and q6_k keep a file form of their own")
+    n, k = 45, 768  # 24 blocks: runs of 8, 8, 8; a last column group of 13
+    w = random_k_file(draw.gen, kind, n, k)[1] if file_blocks else random_generic(draw.gen, kind, n, k)
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    for rows in (8, 17, 33, 70):
+        x = random_x(draw.gen, rows, k)
+        want = quant_gemm.linear(x, w)
+        assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{kind}, {rows} rows, AMX")
+        _cpu.set_quant_amx(False)
+        assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{kind}, {rows} rows, VNNI")
+        _cpu.set_quant_amx(True)
+    assert_bitwise(_cpu.quant_linear(x[-1:], packed, n, k), want[-1:], draw, "the last row alone")
+
+
 def test_quant_linear_rejects_what_is_not_its_packed_weight():
     from test_quant_gemm import random_generic
 
