@@ -24,7 +24,7 @@
 #include "prefetch.h"
 #include "quant_gemm.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TF_QUANT_VNNI 1
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -451,9 +451,10 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
 // int32), K the block's 32 (or a q6_k half's 16), so each C tile holds one block's dots exactly
 // as the vpdpbusd chains do; the terms then run per row as in group_vector.
 
-// The tile registers (literals in the intrinsics, which name them as text): per half of a block,
-// A (the rows' codes) in tmm0 / tmm1, B (the columns') in tmm2 / tmm3, C (the dots) in tmm4 / tmm5.
-constexpr int A0 = 0, B0 = 2, C0 = 4;  // (the tile config's indices)
+// The tile registers, named by literals in the intrinsics (which paste them into the assembly
+// text): A (the rows' codes) tmm0 and tmm1, B (the columns') tmm2 and tmm3, C (the dots) tmm4..7;
+// group_amx says which block or half each holds. These are their indices in the tile config.
+constexpr int A0 = 0, B0 = 2, C0 = 4;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
