@@ -321,11 +321,26 @@ inline void scaled_pd(__m512i x, __m512i e, __m512d* out) {
   out[1] = _mm512_scalef_pd(_mm512_cvtepi32_pd(x_hi), _mm512_cvtepi32_pd(e_hi));
 }
 
-// Group g's block b (codes at rec). SUPER records decode their super-block's scales at its first
-// block into sup / sup_sexp / sup_mexp, which the next seven blocks read.
+// 16 float16s (their bits at p) as float64, columns 0-7 and 8-15 (exact: every float16, its
+// subnormals too, is a normal float32).
+inline void f16_pd(const uint8_t* p, __m512d* out) {
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  out[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+  out[1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1));
+}
+
+// A column group's 2^(shift0 - top) per column (columns 0-7, 8-15): what turns its float16
+// scales into block_scales' S 2^(E - top + shift0).
+inline void group_units(__m512i topv, int shift0, __m512d* units) {
+  scaled_pd(_mm512_set1_epi32(1), _mm512_sub_epi32(_mm512_set1_epi32(shift0), topv), units);
+}
+
+// Group g's block b (codes at rec); units: group_units. The float16 scales (F16) are the file's
+// d = S 2^E itself, so S 2^(E - top + shift0) = d units. SUPER records decode their super-block's
+// scales at its first block into sup / sup_sexp / sup_mexp, which the next seven blocks read.
 template <int FORM, int KIND>
 inline BlockScales block_scales(const uint8_t* rec, const Layout& L, int64_t b, __m512i topv, int shift0,
-                                int32_t (*sup)[GROUP], __m512i* sup_sexp, __m512i* sup_mexp) {
+                                const __m512d* units, int32_t (*sup)[GROUP], __m512i* sup_sexp, __m512i* sup_mexp) {
   constexpr QKind KD = KINDS[KIND];
   constexpr bool HAS_MIN = KD.has_min;
   constexpr int PER = BLOCK / KD.sub;
@@ -339,8 +354,14 @@ inline BlockScales block_scales(const uint8_t* rec, const Layout& L, int64_t b, 
     sexp = *sup_sexp;
     mexp = *sup_mexp;
   } else if constexpr (FORM == F16) {
-    decode_f16(rec + L.code_bytes, topv, &s0, &sexp);
-    if constexpr (HAS_MIN) decode_f16(rec + L.min_at, topv, &mv, &mexp);
+    BlockScales c;
+    f16_pd(rec + L.code_bytes, c.s[0]);
+    if constexpr (HAS_MIN) f16_pd(rec + L.min_at, c.mn);
+    for (int h = 0; h < 2; ++h) {
+      c.s[0][h] = _mm512_mul_pd(c.s[0][h], units[h]);
+      if constexpr (HAS_MIN) c.mn[h] = _mm512_mul_pd(c.mn[h], units[h]);
+    }
+    return c;
   } else {
     s0 = _mm512_loadu_si512(rec + L.code_bytes);
     sexp = load_i8x16(rec + L.sexp_at);
@@ -416,6 +437,8 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   __m512i lo[R], hi[R];  // columns 0-7 and 8-15
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
   const __m512i topv = _mm512_loadu_si512(top);
+  __m512d units[2];
+  group_units(topv, shift0, units);
   const int64_t ahead = prefetch_distance(L, r0);
   alignas(64) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales)
   __m512i sup_sexp = _mm512_setzero_si512(), sup_mexp = sup_sexp;
@@ -423,7 +446,7 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m512i u[8];
     block_codes<FORM, KIND>(rec, L, u);
-    const BlockScales c = block_scales<FORM, KIND>(rec, L, b, topv, shift0, sup, &sup_sexp, &sup_mexp);
+    const BlockScales c = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
     for (int r = 0; r < R; ++r) {
       const int32_t* xq = reinterpret_cast<const int32_t*>(rows[r0 + r].xq + b * BLOCK);
       // Quads c and c + 2 share a chain: four chains of two, summed per half (PER == 2) or whole.
@@ -499,6 +522,8 @@ void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0
   G->scales.resize(L.blocks);
   G->dots.resize(AMX_BLOCKS * (BLOCK / KINDS[KIND].sub));
   const __m512i topv = _mm512_loadu_si512(top);
+  __m512d units[2];
+  group_units(topv, shift0, units);
   const int64_t ahead = prefetch_distance(L, 0);
   alignas(64) int32_t sup[16][GROUP];
   __m512i sup_sexp = _mm512_setzero_si512(), sup_mexp = sup_sexp;
@@ -511,7 +536,7 @@ void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0
       for (int q = 0; q < 8; ++q) _mm512_store_si512(G->codes[b].v + 64 * q, u[q]);
       G->b_rows[b] = G->codes[b].v;
     }
-    G->scales[b] = block_scales<FORM, KIND>(rec, L, b, topv, shift0, sup, &sup_sexp, &sup_mexp);
+    G->scales[b] = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
   }
 }
 
