@@ -636,7 +636,7 @@ def amx_tiles():
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("file_blocks", [False, True], ids=["generic", "file"])
 def test_quant_linear_on_amx_tiles_equals_vnni_and_its_reference(draw, threads, amx_tiles, kind, file_blocks):
-    """Prompt rows (8 or more) take AMX tiles of 16 rows, a run of 8 blocks at a time; fewer rows,
+    """Passes of 16 rows or more take AMX tiles of 16 rows, a run of 8 blocks at a time; fewer rows,
     and every row with set_quant_amx(False), take the VNNI registers. Both are the reference's
     integers: every row bitwise the same on either path, last tiles of 1..15 rows and a last run of
     fewer blocks among them, a row alone (VNNI) as among 70 (AMX)."""
@@ -649,7 +649,7 @@ def test_quant_linear_on_amx_tiles_equals_vnni_and_its_reference(draw, threads, 
     n, k = 45, 768  # 24 blocks: runs of 8, 8, 8; a last column group of 13
     w = random_k_file(draw.gen, kind, n, k)[1] if file_blocks else random_generic(draw.gen, kind, n, k)
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
-    for rows in (8, 17, 33, 70):
+    for rows in (16, 17, 33, 70):
         x = random_x(draw.gen, rows, k)
         want = quant_gemm.linear(x, w)
         assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{kind}, {rows} rows, AMX")
