@@ -144,6 +144,7 @@ for dtype in (torch.float32, torch.bfloat16):
     gate, up = (torch.randn(5, 300, generator=g) * 4).to(dtype), torch.randn(5, 300, generator=g).to(dtype)
     assert torch.equal(cpu.silu_and_mul(gate, up), reference.silu_and_mul(gate, up)), "silu_and_mul"
     assert torch.equal(cpu.sigmoid_and_mul(gate, up), reference.sigmoid_and_mul(gate, up)), "sigmoid_and_mul"
+    assert torch.equal(cpu.gelu_tanh_and_mul(gate, up), reference.gelu_tanh_and_mul(gate, up)), "gelu_tanh_and_mul"
     k_cache = torch.zeros(8, 16, 3, 64, dtype=dtype)
     v_cache = k_cache.clone()
     attention_ref.write_kv_ref(k_cache, v_cache, torch.randn(128, 3, 64, generator=g).to(dtype),

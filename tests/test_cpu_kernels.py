@@ -153,7 +153,7 @@ def test_rope_and_qk_norm_rope(draw, threads, dtype, tokens, heads, head_dim):
     assert_bitwise(_cpu.rms_norm_rope(x, weight, 1e-6, cos, sin, out=poisoned(want)), want, draw, "rms_norm_rope")
 
 
-@pytest.mark.parametrize("op", ["silu_and_mul", "sigmoid_and_mul"])
+@pytest.mark.parametrize("op", ["silu_and_mul", "sigmoid_and_mul", "gelu_tanh_and_mul"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 1536), (3, 17), (33, 100)])
 def test_gate_and_mul_on_split_views(draw, threads, op, dtype, rows, width):
@@ -181,6 +181,7 @@ def test_row_ops_on_special_values(draw, dtype):
     assert same_bits(got_h.double(), want_h.double()) and same_bits(got.double(), want.double()), str(draw)
     assert same_bits(_cpu.silu_and_mul(x, res).double(), reference.silu_and_mul(x, res).double()), str(draw)
     assert same_bits(_cpu.sigmoid_and_mul(x, res).double(), reference.sigmoid_and_mul(x, res).double()), str(draw)
+    assert same_bits(_cpu.gelu_tanh_and_mul(x, res).double(), reference.gelu_tanh_and_mul(x, res).double()), str(draw)
     heads = x[:, :64].reshape(9, 1, 64).contiguous()
     cos, sin = _rope_inputs(draw, 9, 1, 64, dtype)[1:]
     want = reference.apply_rope(heads, cos, sin)

@@ -459,3 +459,32 @@ def test_the_cuda_op_sets_moe_block_equals_its_composition(draw):
     got = block.forward(x)
     assert same_bits(got, block.compose(x)), f"the fused block differs from its composition ({draw})"
     assert same_bits(torch.cat([block.forward(x[i:i + 1]) for i in range(11)]), got)
+
+
+def test_the_cuda_op_sets_gemma4_moe_block_equals_its_composition(draw):
+    """Gemma 4's experts (models/gemma4_moe.py: the router on its own input, per-expert scales,
+    GeGLU experts) through cuda_ops.fuse_moe against their composition on the same op set."""
+    from tensorfold.backends import backend_ops
+    from tensorfold.models.gemma4_moe import Gemma4MoE
+    from tensorfold.models.moe import MoESpec
+    from tensorfold.models.weights import WeightReader
+    ops = backend_ops("cuda")
+    spec = MoESpec(num_experts=8, top_k=2, intermediate_size=16, shared_intermediate_size=0, activation="gelu_tanh")
+    hidden = 32
+    tensors = {"router.proj.weight": draw.randn(8, hidden, scale=2.0),
+               "router.scale": 1 + draw.randn(hidden, scale=0.2),
+               "router.per_expert_scale": 1 + draw.randn(8, scale=0.3),
+               "pre_feedforward_layernorm_2.weight": 1 + draw.randn(hidden, scale=0.2),
+               "post_feedforward_layernorm_2.weight": 1 + draw.randn(hidden, scale=0.2)}
+    for e in range(8):
+        tensors.update({f"experts.{e}.gate_proj.weight": draw.randn(16, hidden, scale=0.3),
+                        f"experts.{e}.up_proj.weight": draw.randn(16, hidden, scale=0.3),
+                        f"experts.{e}.down_proj.weight": draw.randn(hidden, 16, scale=0.3)})
+    ctx = type("Context", (), {"norm_eps": 1e-6})
+    block = Gemma4MoE(spec, WeightReader(tensors, torch.float32, torch.device(DEVICE), ops), ctx)
+    assert block._fused is not None
+    h = draw.randn(11, hidden, scale=3.0)
+    x, routed_on = ops.rms_norm(h, block.pre_norm, 1e-6), block.router_input(h)
+    assert same_bits(block._fused(x, routed_on), block.compose(x, routed_on)), f"fused != composition ({draw})"
+    got = block.forward(h)
+    assert same_bits(torch.cat([block.forward(h[i:i + 1]) for i in range(11)]), got)

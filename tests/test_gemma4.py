@@ -1,11 +1,13 @@
-"""Gemma 4 (gemma4, gemma4_text) against transformers, and exact.
+"""Gemma 4 (gemma4, gemma4_text, and the MoE variant) against transformers, and exact.
 
 Tiny random checkpoints saved by transformers (tools/tiny_checkpoint.py): gemma4 with every option
 the real checkpoints turn on (sliding window 16, shorter than the prompts, so it slides; global
 layers with their own head size, KV heads and proportional rope; the last two layers sharing K/V
 with a double-wide MLP; values that are the keys on the global layers; per-layer inputs; soft-capped
 logits), gemma4_text with the other settings (v_proj everywhere, no sharing, no per-layer inputs),
-each with a seed whose greedy tokens no float rounding can flip:
+and gemma4_moe, the 26B-A4B layout (8 experts, 2 per token, beside every layer's MLP; values that
+are the keys, no per-layer inputs), each with a seed whose greedy tokens (and routes) no float
+rounding can flip:
 - prefill logits (three seeds of gemma4) and batched paged decode within float32 tolerance of
   transformers in float64, greedy 32 tokens equal, the startup probes pass;
 - chunked prefill (chunks of 1, 3, 16, 64) == token by token, bitwise, beside another sequence;
@@ -14,6 +16,8 @@ each with a seed whose greedy tokens no float rounding can flip:
 - global heads of 512 (the released checkpoints'): the native op set's logits and token_sha are the
   torch references' bit for bit, near transformers', greedy tokens equal; wider heads are refused;
 - the new elementwise ops against float64, options not served and missing tensors as startup errors.
+The MoE block's own checks (the fused block against its composition, batch invariance, the probes,
+quantized and GGUF files) are in tests/test_gemma4_moe.py.
 """
 import json
 import os
@@ -36,6 +40,7 @@ from tools.tiny_checkpoint import GEMMA4_ARCHS, make_tiny_checkpoint, well_separ
 
 ATOL = 1e-3  # logits up to ~10; this forward is within ~3e-4 of transformers in float64
 BLOCK = cases.BLOCK
+EAGER = dict(experts_implementation="eager")  # transformers' grouped_mm experts take no float64
 
 
 @pytest.fixture(scope="module", params=GEMMA4_ARCHS)
@@ -59,7 +64,7 @@ def _model(path, ops="cpu"):
 
 @pytest.fixture(scope="module")
 def hf_model64(gemma):
-    return cases.hf_model(gemma, torch.float64)
+    return cases.hf_model(gemma, torch.float64, **EAGER)
 
 
 def test_the_tiny_checkpoints_turn_their_options_on(gemma):
@@ -69,6 +74,14 @@ def test_the_tiny_checkpoints_turn_their_options_on(gemma):
     assert windows == {16, None} and {(s.head_dim, s.rope.rope_type) for s in specs} == {(16, "default"),
                                                                                        (32, "proportional")}
     kinds = [type(layer.cache_spec) for layer in model.layers]
+    experts = [layer.moe for layer in model.layers]
+    if "gemma4_moe" in gemma:  # every layer: the MLP and 8 experts of 32, 2 per token, GeGLU
+        assert SharedKV not in kinds and model.per_layer_inputs is None and specs[2].values_are_keys
+        assert all(type(e).__name__ == "Gemma4MoE" for e in experts)
+        assert {(s.moe.num_experts, s.moe.top_k, s.moe.intermediate_size, s.moe.activation) for s in model.specs} == {
+            (8, 2, 32, "gelu_tanh")}
+        return
+    assert experts == [None] * len(model.layers)
     if "gemma4_text" in gemma:
         assert SharedKV not in kinds and model.per_layer_inputs is None and not any(s.values_are_keys for s in specs)
     else:
@@ -85,7 +98,8 @@ def test_prefill_logits_match_transformers(gemma, hf_model64):
 @pytest.mark.parametrize("seed", [1, 2])
 def test_prefill_logits_match_transformers_other_seeds(seed, tmp_path, smollm2_tokenizer):
     path = make_tiny_checkpoint(str(tmp_path), "gemma4", seed=seed, tokenizer=smollm2_tokenizer)
-    cases.check_prefill_logits(_model(path), cases.hf_model(path, torch.float64), ATOL, seed=seed, length=50)
+    cases.check_prefill_logits(_model(path), cases.hf_model(path, torch.float64, **EAGER), ATOL, seed=seed,
+                               length=50)
 
 
 def test_batched_paged_decode_matches_transformers(gemma, hf_model64):
@@ -94,7 +108,7 @@ def test_batched_paged_decode_matches_transformers(gemma, hf_model64):
 
 
 def test_greedy_32_tokens_equal_transformers(gemma):
-    cases.check_greedy_32_tokens(gemma, cases.hf_model(gemma, torch.float32))
+    cases.check_greedy_32_tokens(gemma, cases.hf_model(gemma, torch.float32, **EAGER))
 
 
 # ---- chunked prefill == token by token, bitwise ------------------------------------------------
@@ -160,7 +174,8 @@ def _args(path, **changes):
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32), "enable_moe_block"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=None, moe_intermediate_size=32), "top_k_experts"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=32), "top_k_experts 5"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     (dict(hidden_activation="relu"), "hidden_activation"),
     (dict(layer_types=["sliding_attention", "chunked_attention"] * 3), "chunked_attention"),

@@ -97,10 +97,11 @@ def test_two_ranks_give_the_one_rank_tokens(checkpoint, request):
     assert got == want
 
 
-@pytest.mark.parametrize("arch", ["glm_moe_dsa", "nemotron_h", "gemma4"])
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "nemotron_h", "gemma4", "gemma4_moe"])
 def test_the_other_families_on_two_ranks(arch, tmp_path, smollm2_tokenizer):
-    """Latent attention with its indexer, Mamba2 and Gemma 4's own blocks take the default split
-    (their GEMMs split and gathered, the rest replicated), GLM's experts the expert split."""
+    """Latent attention with its indexer, Mamba2 and Gemma 4's own blocks (its MoE's experts too)
+    take the default split (their GEMMs split and gathered, the rest replicated), GLM's experts the
+    expert split."""
     from tools.tiny_checkpoint import make_tiny_checkpoint
     model = make_tiny_checkpoint(str(tmp_path), arch, tokenizer=smollm2_tokenizer)
     requests = [(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0)), (PROMPTS[3], SAMPLED)]

@@ -6,12 +6,18 @@ window, its per-layer pattern, the shared KV layer count, the per-layer input wi
 soft-cap, both rope bases and rope_freqs.weight (1 for each rotated frequency of the global layers'
 proportional rope, 1e30 for the rest); tensors under gguf's tensor map for gemma4, norms as stored
 (Gemma 4's norms multiply by their weight: the converter adds nothing), the layer scalar as
-blk.N.layer_output_scale.weight, the tied head left out.
+blk.N.layer_output_scale.weight, the tied head left out. A MoE directory (tools/tiny_checkpoint.py's
+gemma4_moe) adds the converter's expert metadata (expert_count, expert_used_count,
+expert_feed_forward_length) and tensors: router.proj as ffn_gate_inp.weight, router.scale as
+ffn_gate_inp.scale, router.per_expert_scale as ffn_down_exps.scale, the stacked experts as
+ffn_gate_up_exps / ffn_down_exps.weight [E, rows, K], the MoE's norms as pre_ffw_norm_2,
+post_ffw_norm_1 and post_ffw_norm_2.
 
 In blocks (`mix`: q8_0 or q4_0; f32 keeps every tensor float32) go the matrices `--quantize` puts
-in blocks (models/loader.QUANTIZABLE: the projections and the embedding), so a file and its
-directory quantized at load serve the same bits; the per-layer table, its projection and gates,
-norms and scalars stay float32.
+in blocks (models/loader.QUANTIZABLE: the projections, each expert's, and the embedding), so a file
+and its directory quantized at load serve the same bits; the per-layer table, its projection and
+gates, the router's projection (as llama.cpp's quantizer keeps ffn_gate_inp), norms and scalars
+stay float32.
 
     python tools/gemma4_gguf.py HF_DIR [--mix q8_0|q4_0|f32]
 """
@@ -24,6 +30,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MIXES = ("q8_0", "q4_0", "f32")  # f32: every tensor as float32
+STACKED = ("experts.gate_up_proj", "experts.down_proj")  # the MoE's experts, [E, rows, K] (no .weight suffix)
+ROUTER_SCALES = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}
 
 
 def write_gemma4_gguf(hf_dir: str, mix: str = "q8_0", out_path: str | None = None) -> str:
@@ -75,6 +83,10 @@ def write_gemma4_gguf(hf_dir: str, mix: str = "q8_0", out_path: str | None = Non
     writer.add_sliding_window_pattern(swa)
     writer.add_shared_kv_layers(shared)
     writer.add_embedding_length_per_layer_input(int(hf.get("hidden_size_per_layer_input") or 0))
+    if hf.get("enable_moe_block"):
+        writer.add_expert_count(hf["num_experts"])
+        writer.add_expert_used_count(hf["top_k_experts"])
+        writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     _add_tokenizer(writer, hf_dir, hf["vocab_size"])
 
     rotated = int(global_head_dim * ropes["full_attention"]["partial_rotary_factor"] / 2)
@@ -86,16 +98,20 @@ def write_gemma4_gguf(hf_dir: str, mix: str = "q8_0", out_path: str | None = Non
             continue
         name = name.replace("model.language_model.", "model.")
         t = t.float()
-        if name.endswith("layer_scalar"):
+        if name.endswith(tuple(ROUTER_SCALES)):  # the converter's .scale tensors (Gemma4Model.modify_tensors)
+            parts = name.split(".")  # model.layers.N.router.<scale>
+            gguf_name = f"blk.{parts[2]}.{ROUTER_SCALES['.'.join(parts[-2:])]}"
+        elif name.endswith("layer_scalar") or name.endswith(STACKED):
             gguf_name = names.get_name(name) + ".weight"
         else:
             gguf_name = names.get_name(name, try_suffixes=(".weight",))
         if gguf_name is None:
             raise ValueError(f"{name}: no gemma4 name in gguf's tensor map")
-        if mix != "f32" and t.dim() == 2 and name.endswith(QUANTIZABLE):
+        if mix != "f32" and (t.dim() == 2 and name.endswith(QUANTIZABLE) or name.endswith(STACKED)):
             if t.shape[-1] % 32:
                 raise ValueError(f"{name}: rows of {t.shape[-1]} are not whole blocks of 32")
-            writer.add_tensor(gguf_name, gguf_blocks(t, mix).numpy(), raw_dtype=QTYPES[mix])
+            blocks = gguf_blocks(t.reshape(-1, t.shape[-1]), mix)  # an expert's rows as its own matrix's
+            writer.add_tensor(gguf_name, blocks.reshape(*t.shape[:-1], -1).numpy(), raw_dtype=QTYPES[mix])
         else:
             writer.add_tensor(gguf_name, t.contiguous().numpy())
     return _finish_gguf(writer)

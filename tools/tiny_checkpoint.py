@@ -3,7 +3,8 @@
     python tools/tiny_checkpoint.py OUT_DIR [--arch ARCH] [--plain] [--seed N|separated]
                                     [--gguf q8_0|q4_0|q4_k_m]
     ARCH: llama, qwen3, the Qwen hybrids qwen3_5, qwen3_5_moe, qwen3_next (HYBRID_ARCHS), or
-          gemma4, gemma4_text (GEMMA4_ARCHS: every option of the real checkpoints, GEMMA4_OPTIONS),
+          gemma4, gemma4_text, gemma4_moe (GEMMA4_ARCHS: every option of the real checkpoints,
+          GEMMA4_OPTIONS; gemma4_moe the 26B-A4B layout, experts beside each MLP),
           nemotron_h (NEMOTRON_H_TINY: every layer kind, the Hub's layout),
           glm_moe_dsa (GLM_TINY: GLM-5's MLA + DSA indexer and noaux_tc MoE, every option on)
 
@@ -103,7 +104,8 @@ GLM_FAMILY_TOKENS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|
                      "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                      "</arg_value>", "<tool_response>", "</tool_response>"]
 FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_5",
-            "gemma4": "gemma4", "gemma4_text": "gemma4", "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm_moe_dsa"}
+            "gemma4": "gemma4", "gemma4_text": "gemma4", "gemma4_moe": "gemma4", "nemotron_h": "nemotron_h",
+            "glm_moe_dsa": "glm_moe_dsa"}
 FAMILY_TOKENS = {"qwen3": QWEN3_FAMILY_TOKENS, "qwen3_5": QWEN3_FAMILY_TOKENS, "gemma4": GEMMA4_FAMILY_TOKENS,
                  "nemotron_h": QWEN3_FAMILY_TOKENS,  # Nemotron 3's <think> and <tool_call> are single tokens too
                  "glm_moe_dsa": GLM_FAMILY_TOKENS}
@@ -136,7 +138,8 @@ HYBRID_GGUF_SIZES = dict(linear_key_head_dim=32, linear_value_head_dim=32)
 HYBRID_K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64, linear_key_head_dim=32,
                             linear_value_head_dim=32, linear_num_key_heads=8, linear_num_value_heads=8,
                             moe_intermediate_size=256, shared_expert_intermediate_size=256)
-GEMMA4_ARCHS = ("gemma4", "gemma4_text")
+GEMMA4_ARCHS = ("gemma4", "gemma4_text", "gemma4_moe")
+GEMMA4_HUB_LAYOUT = ("gemma4", "gemma4_moe")  # Gemma4ForConditionalGeneration, config.json as the Hub's
 ARCHS = ("llama", "qwen3") + HYBRID_ARCHS + GEMMA4_ARCHS + ("nemotron_h", "glm_moe_dsa")
 # GLM-5 (glm_moe_dsa) with every option its real checkpoints turn on, at tiny sizes: the q_lora path,
 # a compressed KV of 32 with an 8-dim roped key, a DSA indexer of 16 heads choosing 12 keys (fewer
@@ -171,7 +174,10 @@ NEMOTRON_H_GGUF_SIZES = dict(hybrid_override_pattern="M*EM*E", moe_shared_expert
 # global_head_dim / num_global_key_value_heads) adds the last two layers sharing K/V with a
 # double-wide MLP and global layers whose values are their keys (attention_k_eq_v); gemma4_text
 # (Gemma4ForCausalLM, config.json as transformers writes it: per_layer_config) keeps v_proj
-# everywhere, shares no K/V, and has no per-layer inputs.
+# everywhere, shares no K/V, and has no per-layer inputs; gemma4_moe (26B-A4B-like, the Hub's layout)
+# has global layers whose values are their keys, no per-layer inputs and no K/V sharing, and 8 experts
+# of 32 (2 per token) beside every layer's MLP, their router's scales and norms drawn at random
+# (init_gemma4_weights).
 GEMMA4_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
                    sliding_window=16, final_logit_softcapping=30.0,
@@ -184,6 +190,9 @@ GEMMA4_OPTIONS = {
     "gemma4": dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
                    use_double_wide_mlp=True, hidden_size_per_layer_input=8),
     "gemma4_text": dict(global_head_dim=32, attention_k_eq_v=False, hidden_size_per_layer_input=0),
+    "gemma4_moe": dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                       hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                       moe_intermediate_size=32),
 }
 # The hybrids' text model: layers 0-2 linear attention (Gated DeltaNet), layer 3 gated full attention.
 # Grouped value heads as the real ones (16 key heads, 32 or 48 value heads): 4 key, 8 value heads here.
@@ -283,15 +292,24 @@ def _gemma4_config(arch: str, params: dict, overrides: dict):
                         tie_word_embeddings=text["tie_word_embeddings"])
 
 
-def init_gemma4_weights(model, std: float = 0.2) -> None:
+def init_gemma4_weights(model, std: float = 0.2, router_std: float = 2.0) -> None:
     """Random values where transformers' init leaves constants: every RMSNorm weight (the output
-    is x_hat * w) 1 + N(0, std), each layer's scalar U(0.5, 1.5)."""
+    is x_hat * w; the MoE's pre/post_feedforward_layernorm_1/_2 too) and the router's input scale
+    1 + N(0, std), each layer's scalar and the router's per-expert scales U(0.5, 1.5); the router's
+    projection N(0, router_std), so its logits spread (about router_std apart) and the seeds
+    well_separated_seed tries route with clear gaps."""
+    import re
+
     import torch
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if re.search(r"norm(_\d)?\.weight$", name) or name.endswith("router.scale"):
                 param.copy_(1 + std * torch.randn_like(param))
+            elif name.endswith("router.per_expert_scale"):
+                param.copy_(0.5 + torch.rand_like(param))
+            elif name.endswith("router.proj.weight"):
+                param.copy_(router_std * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.copy_(0.5 + torch.rand_like(buffer))
@@ -324,7 +342,7 @@ def build_tiny_model(arch: str = "llama", seed: int = 0, tokenizer=None, **overr
     elif arch in GEMMA4_ARCHS:
         from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
         config = _gemma4_config(arch, params, overrides)
-        cls = Gemma4ForConditionalGeneration if arch == "gemma4" else Gemma4ForCausalLM
+        cls = Gemma4ForConditionalGeneration if arch in GEMMA4_HUB_LAYOUT else Gemma4ForCausalLM
     elif arch == "nemotron_h":
         from transformers import NemotronHConfig, NemotronHForCausalLM
         params = dict(NEMOTRON_H_TINY, **params)
@@ -428,7 +446,7 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
     model.save_pretrained(out_dir, safe_serialization=True, save_original_format=arch != "qwen3_5_moe")
     if arch in HYBRID_ARCHS:
         _hub_config(arch, out_dir)
-    if arch == "gemma4":
+    if arch in GEMMA4_HUB_LAYOUT:
         _gemma4_hub_config(out_dir)
     if arch == "nemotron_h":
         _nemotron_h_hub_config(out_dir)
@@ -538,6 +556,10 @@ def hybrid_margins(model, prompt_ids, new_tokens: int = 32) -> dict:
     hooks = [r.register_forward_hook(lambda m, args, out: route_gaps.append(
         sigmoid_gap(m, out[0]) if hasattr(m, "e_score_correction_bias") else gap(out[0], m.top_k)))
         for r in routers]
+    for r in (m for m in model.modules() if type(m).__name__ == "Gemma4TextRouter"):  # its logits: router.proj's
+        routers.append(r)
+        hooks.append(r.proj.register_forward_hook(lambda m, args, out, k=r.config.top_k_experts: route_gaps.append(
+            gap(out, k))))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

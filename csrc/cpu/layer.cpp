@@ -355,11 +355,12 @@ ExpertGroups group_by_expert(const torch::Tensor& chosen, int64_t experts) {
 }  // namespace
 
 // MoEBlock::forward's steps (models/moe.MoE.forward):
-//   logits = float(x @ router^T); chosen, w = moe_route(logits, top_k);
+//   logits = float(router_x @ router^T) (router_x: x unless given); chosen, w = moe_route(logits,
+//   top_k); with a per-expert scale, w_j = w_j * scale[chosen_j] (one float32 product);
 //   the (row, choice) pairs grouped by expert, ascending, rows ascending within an expert: xs = x's
-//   rows in that order; for each chosen expert e: y[e's pairs] = silu_and_mul(xs[e's pairs] @
-//   gate_up_e^T) @ down_e^T (each expert's GEMM is row-invariant: its rows' bits do not depend on
-//   which other tokens chose it);
+//   rows in that order; for each chosen expert e: y[e's pairs] = act_and_mul(xs[e's pairs] @
+//   gate_up_e^T) @ down_e^T, act SiLU or GELU's tanh form (each expert's GEMM is row-invariant: its
+//   rows' bits do not depend on which other tokens chose it);
 //   shared = silu_and_mul(x @ shared_gate_up^T) @ shared_down^T, gate = x @ shared_gate^T;
 //   (every gate_up and the shared gate as one batch of GEMMs, every down as another: a decode
 //   round forks twice for its experts, not twice per expert);
@@ -367,12 +368,19 @@ ExpertGroups group_by_expert(const torch::Tensor& chosen, int64_t experts) {
 MoEBlock::MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
                    const std::vector<torch::Tensor>& downs, const c10::optional<torch::Tensor>& shared_gate_up,
                    const c10::optional<torch::Tensor>& shared_down, const c10::optional<torch::Tensor>& shared_gate,
-                   const MoEShape& shape)
+                   const MoEShape& shape, const c10::optional<torch::Tensor>& expert_scale)
     : shape_(shape), code_(-1) {
   const auto& s = shape_;
   TORCH_CHECK(s.hidden > 0 && s.intermediate > 0 && s.shared_intermediate >= 0 && s.experts > 0 &&
                   s.experts <= (1 << 13) && 1 <= s.top_k && s.top_k <= s.experts,
               "MoEBlock: positive hidden and intermediate, 1 <= top_k <= experts <= 8192 expected");
+  TORCH_CHECK(s.activation == 0 || s.activation == 1, "MoEBlock: activation silu or gelu_tanh expected");
+  if (expert_scale) {
+    check_cpu(*expert_scale, "MoEBlock: expert_scale");
+    TORCH_CHECK(expert_scale->scalar_type() == torch::kFloat32 && expert_scale->numel() == s.experts,
+                "MoEBlock: expert_scale must be float32 with one value per expert (", s.experts, ")");
+    expert_scale_ = expert_scale->contiguous();
+  }
   TORCH_CHECK(static_cast<int64_t>(gate_ups.size()) == s.experts && static_cast<int64_t>(downs.size()) == s.experts,
               "MoEBlock: one gate_up and one down per expert expected");
   const bool shared = s.shared_intermediate > 0;
@@ -403,13 +411,20 @@ MoEBlock::MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>
   }
 }
 
-torch::Tensor MoEBlock::forward(const torch::Tensor& x) const {
+torch::Tensor MoEBlock::forward(const torch::Tensor& x, const c10::optional<torch::Tensor>& router_x) const {
   const auto& s = shape_;
   check_cpu(x, "MoEBlock.forward: x");
   const int code = dtype_code(x, "MoEBlock.forward: x");
   TORCH_CHECK(code_ < 0 || code == code_, "MoEBlock.forward: x must be in the dense weights' dtype");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == s.hidden && x.is_contiguous(), "MoEBlock.forward: contiguous x [tokens, ",
               s.hidden, "] expected, got ", x.sizes());
+  if (router_x) {
+    check_cpu(*router_x, "MoEBlock.forward: router_x");
+    TORCH_CHECK(router_x->scalar_type() == x.scalar_type() && router_x->sizes() == x.sizes() &&
+                    router_x->is_contiguous(),
+                "MoEBlock.forward: router_x must be contiguous, of x's shape and dtype");
+  }
+  const torch::Tensor& rx = router_x ? *router_x : x;
   const int64_t tokens = x.size(0), k = s.top_k, hidden = s.hidden, inter = s.intermediate, pairs = tokens * k;
   const int nt = threads();
   const size_t el = x.element_size();
@@ -417,8 +432,8 @@ torch::Tensor MoEBlock::forward(const torch::Tensor& x) const {
   auto out = empty({tokens, hidden});
   if (tokens == 0) return out;
   auto logits = empty({tokens, s.experts});
-  tf::matmul(code, x.data_ptr(), router_.packed.data_ptr(), router_.quant, logits.data_ptr(), tokens, s.experts, hidden,
-             nt);
+  tf::matmul(code, rx.data_ptr(), router_.packed.data_ptr(), router_.quant, logits.data_ptr(), tokens, s.experts,
+             hidden, nt);
   auto logits32 = logits.to(torch::kFloat32).contiguous();  // exact from bfloat16
   auto chosen = torch::empty({tokens, k}, x.options().dtype(torch::kInt64));
   auto weights = torch::empty({tokens, k}, x.options().dtype(torch::kFloat32));
@@ -426,6 +441,11 @@ torch::Tensor MoEBlock::forward(const torch::Tensor& x) const {
                 weights.data_ptr<float>(), nt);
 
   const int64_t* c = chosen.data_ptr<int64_t>();
+  if (expert_scale_.defined()) {
+    float* w = weights.data_ptr<float>();
+    const float* scale = expert_scale_.data_ptr<float>();
+    for (int64_t p = 0; p < pairs; ++p) w[p] = w[p] * scale[c[p]];
+  }
   const ExpertGroups groups = group_by_expert(chosen, s.experts);
   const std::vector<int64_t>& start = groups.start;
   const int64_t* at = groups.at.data_ptr<int64_t>();
@@ -457,10 +477,11 @@ torch::Tensor MoEBlock::forward(const torch::Tensor& x) const {
     downs.push_back({&shared_down_, shared_act.data_ptr(), shared.data_ptr(), tokens});
   }
   run_gemms(code, ups, nt);
-  tf::silu_and_mul(code, gu_p, gu_p + inter * el, 2 * inter, act.data_ptr(), pairs, inter, nt);
+  const auto act_and_mul = s.activation == 1 ? tf::gelu_tanh_and_mul : tf::silu_and_mul;
+  act_and_mul(code, gu_p, gu_p + inter * el, 2 * inter, act.data_ptr(), pairs, inter, nt);
   if (si > 0) {
     char* sgu = static_cast<char*>(shared_gate_up.data_ptr());
-    tf::silu_and_mul(code, sgu, sgu + si * el, 2 * si, shared_act.data_ptr(), tokens, si, nt);
+    act_and_mul(code, sgu, sgu + si * el, 2 * si, shared_act.data_ptr(), tokens, si, nt);
   }
   run_gemms(code, downs, nt);
   tf::moe_combine(code, y_p, at, c, weights.data_ptr<float>(), tokens, k,

@@ -30,10 +30,12 @@ struct LayerGemm {
 struct MoEShape {
   int64_t hidden, experts, top_k, intermediate, shared_intermediate;  // shared_intermediate 0: no shared expert
   bool normalize;                                                     // norm_topk_prob
+  int64_t activation;  // the experts' gate: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU: Gemma 4)
 };
 
-// Qwen3.6 / Qwen3-Next's MoE feed-forward in one call (models/moe.MoE.forward, the same bits):
-// router GEMM, route, tokens grouped by expert through each chosen expert's SwiGLU GEMMs, the
+// Qwen3.6 / Qwen3-Next's and Gemma 4's MoE feed-forward in one call (models/moe.MoE.forward, the
+// same bits): router GEMM, route, the weights times a per-expert scale where the block has one
+// (Gemma 4), tokens grouped by expert through each chosen expert's SwiGLU or GeGLU GEMMs, the
 // sigmoid-gated shared expert, and the sum in ascending expert order. Every GEMM weight is packed,
 // dense ones in one dtype (x's), quantized ones in any of the quantized kinds.
 class __attribute__((visibility("hidden"))) MoEBlock {
@@ -41,10 +43,11 @@ class __attribute__((visibility("hidden"))) MoEBlock {
   MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
            const std::vector<torch::Tensor>& downs, const c10::optional<torch::Tensor>& shared_gate_up,
            const c10::optional<torch::Tensor>& shared_down, const c10::optional<torch::Tensor>& shared_gate,
-           const MoEShape& shape);
+           const MoEShape& shape, const c10::optional<torch::Tensor>& expert_scale = c10::nullopt);
 
-  // x [tokens, hidden] -> [tokens, hidden], x's dtype.
-  torch::Tensor forward(const torch::Tensor& x) const;
+  // x [tokens, hidden] -> [tokens, hidden], x's dtype. router_x: the router's input where it is not
+  // x (Gemma 4 routes on its own norm of the residual), [tokens, hidden] in x's dtype.
+  torch::Tensor forward(const torch::Tensor& x, const c10::optional<torch::Tensor>& router_x = c10::nullopt) const;
 
   const MoEShape& shape() const { return shape_; }
   int dense_code() const { return code_; }
@@ -54,6 +57,7 @@ class __attribute__((visibility("hidden"))) MoEBlock {
   int code_;  // the dense weights' dtype code, -1 when every weight is quantized
   LayerGemm router_, shared_gate_up_, shared_down_, shared_gate_;
   std::vector<LayerGemm> gate_ups_, downs_;
+  torch::Tensor expert_scale_;  // float32 [experts], or undefined: none
 };
 
 // A layer's feed-forward: a SwiGLU MLP (gate_up [2 intermediate, hidden], down) or a mixture of

@@ -200,10 +200,11 @@ torch::Tensor rms_norm_rope(const torch::Tensor& x, const torch::Tensor& weight,
   return rope_impl(x, cos, sin, weight, eps, out);
 }
 
-// silu(gate) * up, or sigmoid(gate) * up (an attention's output gate).
-template <bool SIGMOID>
+// silu(gate) * up, sigmoid(gate) * up (an attention's output gate) or gelu_tanh(gate) * up (Gemma's GeGLU).
+enum GateKind { SILU, SIGMOID, GELU_TANH };
+template <GateKind KIND>
 torch::Tensor gate_and_mul(const torch::Tensor& gate, const torch::Tensor& up, const Out& out_arg) {
-  const char* name = SIGMOID ? "sigmoid_and_mul" : "silu_and_mul";
+  const char* name = KIND == SIGMOID ? "sigmoid_and_mul" : KIND == SILU ? "silu_and_mul" : "gelu_tanh_and_mul";
   check_cpu(gate, name);
   const int code = dtype_code(gate, name);
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
@@ -215,7 +216,8 @@ torch::Tensor gate_and_mul(const torch::Tensor& gate, const torch::Tensor& up, c
   }
   auto out = output(out_arg, gate.sizes(), gate, name);
   if (out.numel() > 0)
-    (SIGMOID ? tf::sigmoid_and_mul : tf::silu_and_mul)(code, g.data_ptr(), u.data_ptr(), g.stride(0), out.data_ptr(), g.size(0), g.size(1), threads());
+    (KIND == SIGMOID ? tf::sigmoid_and_mul : KIND == SILU ? tf::silu_and_mul : tf::gelu_tanh_and_mul)(
+        code, g.data_ptr(), u.data_ptr(), g.stride(0), out.data_ptr(), g.size(0), g.size(1), threads());
   return out;
 }
 
@@ -689,8 +691,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_rope", &apply_rope, "reference.apply_rope", py::arg("x"), py::arg("cos"), py::arg("sin"), out);
   m.def("rms_norm_rope", &rms_norm_rope, "reference.rms_norm_rope", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::arg("cos"), py::arg("sin"), out);
-  m.def("silu_and_mul", &gate_and_mul<false>, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
-  m.def("sigmoid_and_mul", &gate_and_mul<true>, "reference.sigmoid_and_mul", py::arg("gate"), py::arg("up"), out);
+  m.def("silu_and_mul", &gate_and_mul<SILU>, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
+  m.def("sigmoid_and_mul", &gate_and_mul<SIGMOID>, "reference.sigmoid_and_mul", py::arg("gate"), py::arg("up"), out);
+  m.def("gelu_tanh_and_mul", &gate_and_mul<GELU_TANH>, "reference.gelu_tanh_and_mul", py::arg("gate"), py::arg("up"),
+        out);
   m.def("write_kv", &write_kv, "paged_attention.write_kv_ref", py::arg("k_cache"), py::arg("v_cache"),
         py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("v_exp") = py::none());
   m.def("delta_net", &delta_net,
@@ -725,21 +729,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_route", &moe_route, "kernels/moe.route: the top k experts of each row and their weights",
         py::arg("logits"), py::arg("top_k"), py::arg("normalize"));
   py::class_<MoEBlock, std::shared_ptr<MoEBlock>>(m, "MoEBlock",
-                       "a mixture-of-experts feed-forward (router, routed SwiGLU experts, gated shared expert) "
-                       "in one call, built once at load from its packed weights, checked then")
+                       "a mixture-of-experts feed-forward (router, routed SwiGLU or GeGLU experts, a per-expert "
+                       "scale, gated shared expert) in one call, built once at load from its packed weights, "
+                       "checked then")
       .def(py::init([](const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
                        const std::vector<torch::Tensor>& downs, const Out& shared_gate_up, const Out& shared_down,
                        const Out& shared_gate, int64_t hidden, int64_t top_k, int64_t intermediate,
-                       int64_t shared_intermediate, bool normalize) {
+                       int64_t shared_intermediate, bool normalize, const std::string& activation,
+                       const Out& expert_scale) {
+             TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "MoEBlock: activation ", activation,
+                         " is not served (silu, gelu_tanh)");
              return MoEBlock(router, gate_ups, downs, shared_gate_up, shared_down, shared_gate,
                              {hidden, static_cast<int64_t>(gate_ups.size()), top_k, intermediate, shared_intermediate,
-                              normalize});
+                              normalize, activation == "gelu_tanh" ? 1 : 0},
+                             expert_scale);
            }),
            py::arg("router"), py::arg("gate_ups"), py::arg("downs"), py::arg("shared_gate_up") = py::none(),
            py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none(), py::kw_only(), py::arg("hidden"),
-           py::arg("top_k"), py::arg("intermediate"), py::arg("shared_intermediate") = 0, py::arg("normalize") = true)
-      .def("forward", &MoEBlock::forward, "x [tokens, hidden] -> the block's output, x's dtype", py::arg("x"))
-      .def("__call__", &MoEBlock::forward, "forward(x)", py::arg("x"))
+           py::arg("top_k"), py::arg("intermediate"), py::arg("shared_intermediate") = 0, py::arg("normalize") = true,
+           py::arg("activation") = "silu", py::arg("expert_scale") = py::none())
+      .def("forward", &MoEBlock::forward,
+           "x [tokens, hidden] -> the block's output, x's dtype; router_x: the router's input where not x",
+           py::arg("x"), py::arg("router_x") = py::none())
+      .def("__call__", &MoEBlock::forward, "forward(x, router_x)", py::arg("x"), py::arg("router_x") = py::none())
       .def_property_readonly("num_experts", [](const MoEBlock& b) { return b.shape().experts; })
       .def_property_readonly("top_k", [](const MoEBlock& b) { return b.shape().top_k; });
   py::class_<DecoderLayer>(m, "DecoderLayer",

@@ -1,4 +1,5 @@
-// Row-wise exact ops: RMSNorm (+ the residual add), rope (+ qwen3's per-head norm), SiLU-and-mul.
+// Row-wise exact ops: RMSNorm (+ the residual add), rope (+ qwen3's per-head norm), SiLU-, sigmoid- and
+// GELU(tanh)-and-mul.
 // Each line is one IEEE rounding in the order of kernels/reference.py; the one reduction (the sum
 // of squares) is an exact integer sum, so its order is free.
 #include <algorithm>
@@ -188,6 +189,42 @@ void silu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t ro
   }
 }
 
+// reference.gelu_tanh_and_mul (Gemma's GeGLU): u = x x; u = u C1; u = u x; u = u + x; u = u C2
+// (C1 = 0.044715, C2 = 2 sqrt(2/pi), each rounded to float32), then gelu = x sigmoid32(u) with
+// t = exp_neg(-|u|) and sigmoid32(u) = (u >= 0 ? 1 : t) / (1 + t) as in silu_impl; out = gelu up,
+// rounded to the dtype. Each step one float32 rounding, in reference.gelu_tanh32's order.
+template <typename T>
+void gelu_impl(const T* gate, const T* up, int64_t in_stride, T* out, int64_t rows, int64_t width, int threads) {
+  constexpr float C1 = static_cast<float>(0.044715), C2 = static_cast<float>(2 * 0.7978845608028654);
+  const bool parallel = threads > 1 && rows > 1 && rows * width >= PARALLEL_ELEMENTS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    float u[SILU_BLOCK], g[SILU_BLOCK], t[SILU_BLOCK];
+    const T* gate_row = gate + r * in_stride;
+    const T* up_row = up + r * in_stride;
+    T* out_row = out + r * width;
+    for (int64_t i0 = 0; i0 < width; i0 += SILU_BLOCK) {
+      const int64_t n = std::min(SILU_BLOCK, width - i0);
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = to_f32(gate_row[i0 + i]);
+        float v = x * x;
+        v = v * C1;
+        v = v * x;
+        v = v + x;
+        v = v * C2;
+        u[i] = v;
+        g[i] = -std::fabs(v);
+      }
+      exp_neg_shifted(g, 0.0f, t, n);  // exp_neg(-|u| - 0), and -|u| - 0 is -|u| bit for bit
+      for (int64_t i = 0; i < n; ++i) {
+        const float s = (u[i] >= 0.0f ? 1.0f : t[i]) / (1.0f + t[i]);
+        const float gelu = to_f32(gate_row[i0 + i]) * s;
+        out_row[i0 + i] = from_f32<T>(gelu * to_f32(up_row[i0 + i]));
+      }
+    }
+  }
+}
+
 template <typename T> const T* in(const void* p) { return static_cast<const T*>(p); }
 template <typename T> T* io(void* p) { return static_cast<T*>(p); }
 
@@ -233,6 +270,14 @@ void sigmoid_and_mul(int dtype, const void* gate, const void* up, int64_t in_str
     silu_impl<true>(in<float>(gate), in<float>(up), in_stride, io<float>(out), rows, width, threads);
   else
     silu_impl<true>(in<bf16>(gate), in<bf16>(up), in_stride, io<bf16>(out), rows, width, threads);
+}
+
+void gelu_tanh_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out, int64_t rows,
+                       int64_t width, int threads) {
+  if (dtype == 0)
+    gelu_impl(in<float>(gate), in<float>(up), in_stride, io<float>(out), rows, width, threads);
+  else
+    gelu_impl(in<bf16>(gate), in<bf16>(up), in_stride, io<bf16>(out), rows, width, threads);
 }
 
 }  // namespace tf

@@ -134,13 +134,15 @@ def fuse(layer):
 def fuse_moe(moe):
     """The MoE block with its tokens grouped by expert once (kernels/moe.group_by_expert) and the
     sum in one launch (moe_triton.combine) instead of an indexed add per expert: MoE.compose's
-    kernels and order, so its bits."""
+    kernels and order (Gemma 4's router input and per-expert scale included), so its bits."""
     return functools.partial(_moe_block, moe)
 
 
-def _moe_block(moe, x):
+def _moe_block(moe, x, router_x=None):
     spec, hidden = moe.spec, x.shape[1]
-    experts, weights = route(moe.router(x).float(), spec.top_k, spec.norm_topk_prob)
+    experts, weights = route(moe.router(x if router_x is None else router_x).float(), spec.top_k, spec.norm_topk_prob)
+    if moe.expert_scale is not None:  # Gemma 4's per-expert scale
+        weights = weights * moe.expert_scale[experts]
     order, y_rows = group_by_expert(experts)
     xs = x[order // spec.top_k]
     y = torch.empty((order.numel(), hidden), dtype=x.dtype, device=x.device)

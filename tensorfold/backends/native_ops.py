@@ -16,9 +16,8 @@ from tensorfold.backends.huge_pages import arena
 from tensorfold.backends.linear_weight import LinearWeight, per_head
 from tensorfold.kernels import paged_attention
 from tensorfold.kernels.paged_attention import pad_block_tables
-# elementwise, on torch ops that round each step (invariant as they are): Gemma's GeGLU and soft cap,
-# Nemotron-H's relu^2
-from tensorfold.kernels.reference import gelu_tanh_and_mul, pad_rows, relu_squared, rope_table, softcap  # noqa: F401
+# elementwise, on torch ops that round each step (invariant as they are): Gemma's soft cap, Nemotron-H's relu^2
+from tensorfold.kernels.reference import pad_rows, relu_squared, rope_table, softcap  # noqa: F401
 # Nemotron-H's routing: the torch reference (no C++ form yet)
 from tensorfold.kernels.moe import route_sigmoid  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
@@ -48,6 +47,7 @@ apply_rope = _cpu.apply_rope
 rms_norm_rope = _cpu.rms_norm_rope
 silu_and_mul = _cpu.silu_and_mul
 sigmoid_and_mul = _cpu.sigmoid_and_mul
+gelu_tanh_and_mul = _cpu.gelu_tanh_and_mul  # Gemma's GeGLU
 gated_rms_norm = _cpu.gated_rms_norm
 
 
@@ -261,9 +261,10 @@ def _fuse_mamba2(layer):
 
 
 def fuse_moe(moe):
-    """An MoE block (models/moe.py) as one _cpu.MoEBlock call: the router, the route, the chosen
-    experts over their tokens and the gated shared expert, MoE.compose's kernels in its order; None
-    where a weight is not one packed part without a bias."""
+    """An MoE block (models/moe.py) as one _cpu.MoEBlock call: the router (on router_x where given),
+    the route, the per-expert scale (Gemma 4's), the chosen SwiGLU or GeGLU experts over their tokens
+    and the gated shared expert, MoE.compose's kernels in its order; None where a weight is not one
+    packed part without a bias."""
     weights = [moe.router, *(w for e in moe.experts for w in (e.gate_up, e.down))]
     if moe.shared is not None:
         weights += [moe.shared.gate_up, moe.shared.down, moe.shared_gate]
@@ -275,5 +276,6 @@ def fuse_moe(moe):
         [e.down.single.data for e in moe.experts],
         *((shared.gate_up.single.data, shared.down.single.data, moe.shared_gate.single.data) if shared else ()),
         hidden=moe.router.single.k, top_k=s.top_k, intermediate=s.intermediate_size,
-        shared_intermediate=s.shared_intermediate_size if shared else 0, normalize=s.norm_topk_prob)
-    return native  # callable: native(x) is its forward; the fused layers take it as their feed-forward
+        shared_intermediate=s.shared_intermediate_size if shared else 0, normalize=s.norm_topk_prob,
+        activation=s.activation, expert_scale=moe.expert_scale)
+    return native  # callable: native(x[, router_x]) is its forward; the fused layers take it as their feed-forward

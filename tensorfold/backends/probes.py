@@ -100,7 +100,9 @@ def probe_ops(model, ops, threads=(1, 2), kv_dtype: torch.dtype | None = None) -
         _probe_recurrent("mamba2", mamba, (mamba.spec.conv_dim, mamba.spec.num_heads),
                          lambda xbc, dt, state, batch: ops.mamba2(xbc, dt, state, batch, mamba.params),
                          device, randn, failures)
-    moe = next((layer.ffn for layer in model.layers if isinstance(layer.ffn, (MoE, NemotronMoE))), None)
+    # the first MoE block: a layer's feed-forward, or the experts beside Gemma 4's MLP (layer.moe)
+    moe = next((block for layer in model.layers for block in (layer.ffn, getattr(layer, "moe", None))
+                if isinstance(block, (MoE, NemotronMoE))), None)
     if moe is not None:
         _rows_invariant(moe.forward, lambda m: randn(m, hidden), "moe (router, experts, shared expert)", failures)
     gate_up = gemms.get("gate_up", gemms["lm_head"])

@@ -10,6 +10,10 @@ per_layer_config, or the Hub's global_head_dim / num_global_key_value_heads; the
       -> [per-layer input: proj(gelu(gate(h)) * input_i) -> norm -> + residual]
       -> times the layer's scalar
 
+With enable_moe_block (26B-A4B) every layer also runs a mixture of experts beside its MLP
+(models/gemma4_moe.py): the MLP's output and the experts' each get a norm of their own, and their
+sum is what the post-FFN norm takes.
+
 Attention: Q and K RMS-normed per head (weights), V RMS-normed without a weight (v_norm), rope
 on Q and K, score scale 1. With attention_k_eq_v the global layers have no v_proj: V is
 v_norm of the keys' projection (before k_norm and rope). The last num_kv_shared_layers layers
@@ -22,8 +26,8 @@ times sqrt(width), plus an RMS-normed projection of the embedding, times 2^-0.5)
 logits soft-capped: cap * tanh(logits / cap) (kernels/reference.softcap, no libm).
 Every norm multiplies by its weight as stored (x * w, not Qwen3.5's x * (1 + w)).
 
-Not served yet (startup errors that name the option): the MoE block (enable_moe_block),
-bidirectional attention over all tokens. The vision and audio towers are skipped at load.
+Not served yet (a startup error that names the option): bidirectional attention over all tokens.
+The vision and audio towers are skipped at load.
 """
 import logging
 from dataclasses import dataclass
@@ -37,6 +41,8 @@ from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_config
 from tensorfold.models.decoder import Model
 from tensorfold.models.forward_batch import ForwardBatch
+from tensorfold.models.gemma4_moe import Gemma4MoE
+from tensorfold.models.moe import MoESpec
 from tensorfold.models.spec import AttentionSpec, Family, LayerSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
 
@@ -74,6 +80,7 @@ class Gemma4AttentionSpec(AttentionSpec):
 @dataclass(frozen=True)
 class Gemma4LayerSpec(LayerSpec):
     per_layer_input: int = 0  # width of the layer's per-layer input (0: none)
+    moe: MoESpec | None = None  # the experts beside the MLP (enable_moe_block; None: none)
 
 
 def layer_specs(args: ModelArgs) -> list[LayerSpec]:
@@ -86,6 +93,7 @@ def layer_specs(args: ModelArgs) -> list[LayerSpec]:
     sources = _kv_sources(types, int(hf.get("num_kv_shared_layers") or 0))
     activation = ACTIVATIONS[option(hf, "hidden_activation")]
     per_layer = int(option(hf, "hidden_size_per_layer_input") or 0)
+    moe = _moe(hf, activation)
     specs = []
     for i, kind in enumerate(types):
         head_dim, kv_heads = shapes[i]
@@ -95,15 +103,28 @@ def layer_specs(args: ModelArgs) -> list[LayerSpec]:
             values_are_keys=bool(hf.get("attention_k_eq_v")) and kind == GLOBAL, kv_source=sources[i])
         wide = 2 if hf.get("use_double_wide_mlp") and sources[i] is not None else 1
         specs.append(Gemma4LayerSpec(attention, MLPSpec(args.intermediate_size * wide, activation),
-                                     args.rms_norm_eps, per_layer_input=per_layer))
+                                     args.rms_norm_eps, per_layer_input=per_layer, moe=moe))
     return specs
+
+
+def _moe(hf: dict, activation: str) -> MoESpec | None:
+    """The experts every layer runs beside its MLP with enable_moe_block (models/gemma4_moe.py):
+    num_experts of moe_intermediate_size, top_k_experts per token, GeGLU, no shared expert."""
+    if not hf.get("enable_moe_block"):
+        return None
+    sizes = {key: hf.get(key) for key in ("num_experts", "top_k_experts", "moe_intermediate_size")}
+    if not all(isinstance(v, int) and v > 0 for v in sizes.values()):
+        raise CheckpointError(f"config.json: enable_moe_block needs positive num_experts, top_k_experts and "
+                              f"moe_intermediate_size; got {sizes}")
+    experts, top_k = sizes["num_experts"], sizes["top_k_experts"]
+    if top_k > experts or experts > 1 << 13:
+        raise CheckpointError(f"config.json: top_k_experts {top_k} of num_experts {experts}: served are "
+                              "1 <= top_k_experts <= num_experts <= 8192")
+    return MoESpec(experts, top_k, sizes["moe_intermediate_size"], 0, norm_topk_prob=True, activation=activation)
 
 
 def _refuse_unserved(hf: dict) -> None:
     """Options whose forward is not served here: a startup error naming each."""
-    if hf.get("enable_moe_block"):
-        raise CheckpointError("config.json: enable_moe_block (Gemma 4's MoE feed-forward beside its MLP) is not "
-                              "served yet")
     if hf.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": text tokens stay causal
         raise CheckpointError(f"config.json: use_bidirectional_attention {hf['use_bidirectional_attention']!r} is "
                               "not served (served: null, 'vision')")
@@ -222,6 +243,10 @@ class Gemma4Layer:
         ctx = BuildContext(rope_tables, spec.norm_eps)
         self.mixer = blocks[type(spec.mixer)](spec.mixer, w, ctx)
         self.ffn = blocks[type(spec.ffn)](spec.ffn, w, ctx)
+        self.moe = self.post_mlp_norm = None
+        if spec.moe is not None:  # the experts beside the MLP, each output normed before the sum
+            self.moe = blocks[type(spec.moe)](spec.moe, w, ctx)
+            self.post_mlp_norm = w.norm("post_feedforward_layernorm_1.weight")
         self.per_layer_gate = self.per_layer_proj = self.per_layer_norm = None
         if spec.per_layer_input:
             self.per_layer_gate = w.linear("per_layer_input_gate.weight")  # [width, hidden]
@@ -234,7 +259,7 @@ class Gemma4Layer:
         return self.mixer.cache_spec
 
     def gemms(self) -> dict:
-        named = {**self.mixer.gemms(), **self.ffn.gemms()}
+        named = {**self.mixer.gemms(), **self.ffn.gemms(), **(self.moe.gemms() if self.moe is not None else {})}
         if self.per_layer_gate is not None:
             named.update(per_layer_gate=self.per_layer_gate, per_layer_proj=self.per_layer_proj)
         return named
@@ -245,6 +270,8 @@ class Gemma4Layer:
         ops, eps = self.ops, self.eps
         h = residual + ops.rms_norm(self.mixer.forward(x, batch, cache), self.post_mixer_norm, eps)
         out = self.ffn.forward(ops.rms_norm(h, self.pre_ffn_norm, eps))
+        if self.moe is not None:  # the MoE reads the residual stream itself (its own norms)
+            out = ops.rms_norm(out, self.post_mlp_norm, eps) + self.moe.forward(h)
         h = h + ops.rms_norm(out, self.post_ffn_norm, eps)
         if self.per_layer_gate is not None:
             gated = ops.gelu_tanh_and_mul(self.per_layer_gate(h), per_layer_input)  # [num_rows, width]
@@ -324,5 +351,5 @@ def tensor_name(name: str) -> str | None:
     return name
 
 
-BLOCKS_GEMMA4 = {**BLOCKS, Gemma4AttentionSpec: Gemma4Attention}
+BLOCKS_GEMMA4 = {**BLOCKS, Gemma4AttentionSpec: Gemma4Attention, MoESpec: Gemma4MoE}
 FAMILY = Family("gemma4", layer_specs, BLOCKS_GEMMA4, tensor_name=tensor_name, model=Gemma4Model)

@@ -18,8 +18,21 @@ What llama.cpp's converter (Gemma4Model, on Gemma3Model) writes, and how each is
                                      rest: partial_rotary_factor = 2 * (count of 1s) / global_head_dim
 Tensors keep transformers' values (the norms multiply by their weight as stored: no +1 here, unlike
 Gemma 2/3); a global layer without attn_v is attention_k_eq_v; the KV-shared layers have no K or V;
-layer_output_scale.weight [1] is the layer scalar. The MoE block (ffn_gate_inp, *_exps) is not
-served (a startup error, as for a directory).
+layer_output_scale.weight [1] is the layer scalar.
+
+The MoE variant (26B-A4B: enable_moe_block) has, on every layer, gguf's gemma4 tensors for its
+experts and llama.cpp's converter's two `.scale` tensors for the router (Gemma4Model.modify_tensors:
+router.scale -> ffn_gate_inp.scale, router.per_expert_scale -> ffn_down_exps.scale):
+  ffn_gate_inp.weight [E, hidden]        router.proj.weight
+  ffn_gate_inp.scale [hidden]            router.scale
+  ffn_down_exps.scale [E]                router.per_expert_scale
+  ffn_gate_up_exps.weight [E, 2 I, hidden]  experts.gate_up_proj, as stored: experts.E.gate_proj /
+                                         up_proj.weight, a row range each (read in its blocks)
+  ffn_down_exps.weight [E, hidden, I]    experts.E.down_proj.weight, likewise
+  pre_ffw_norm_2, post_ffw_norm_1, post_ffw_norm_2   the MoE's norms (pre/post_feedforward_layernorm_2,
+                                         post_feedforward_layernorm_1)
+and in its metadata expert_count, expert_used_count (top_k_experts) and
+expert_feed_forward_length (moe_intermediate_size; read from the tensors where absent).
 """
 from typing import Any
 
@@ -38,6 +51,12 @@ LAYER_NAMES = {  # blk.N.<key>.weight -> model.layers.N.<value>
     "layer_output_scale": "layer_scalar",
 }
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "inp_gate", "proj")
+MOE_NAMES = {  # blk.N.<key> -> model.layers.N.<value>: the MoE's tensors that keep their shape
+    "ffn_gate_inp.weight": "router.proj.weight", "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale", "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+}
 UNROTATED = 1e30  # llama.cpp's divisor for a frequency that stands still
 
 
@@ -74,8 +93,6 @@ def gemma4_config(path: str, meta: dict[str, Any], arch_name: str, reader) -> di
     if wide and ff != [ff[0] if i < first_shared else 2 * ff[0] for i in range(layers)]:
         raise CheckpointError(f"{path}: {arch_name}.feed_forward_length {ff}: served: one width, or twice it on "
                               "the KV-shared layers (use_double_wide_mlp)")
-    if any(n.startswith("blk.") and (".ffn_gate_inp." in n or "_exps." in n) for n in tensors):
-        raise CheckpointError(f"{path}: {arch_name} with the MoE block (ffn_gate_inp, *_exps) is not served yet")
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{path}: missing tensor token_embd.weight")
     vocab = int(tensors["token_embd.weight"].shape[1])
@@ -111,12 +128,39 @@ def gemma4_config(path: str, meta: dict[str, Any], arch_name: str, reader) -> di
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    config.update(_moe_config(path, meta, arch_name, tensors, layers, key))
     if k_eq_v and full:
         config["num_global_key_value_heads"] = full[0]
     elif full and full[0] != config["num_key_value_heads"]:
         raise CheckpointError(f"{path}: {arch_name}: global layers with their own KV heads and a v projection "
                               "are not a Gemma 4 layout")
     return config
+
+
+def _moe_config(path: str, meta: dict, arch_name: str, tensors: dict, layers: int, key) -> dict[str, Any]:
+    """The MoE variant's config keys (the module docstring), {} for a dense file; every layer has
+    its experts or none does."""
+    moe_layers = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    if not moe_layers:
+        if any(n.startswith("blk.") and "_exps." in n for n in tensors):
+            raise CheckpointError(f"{path}: {arch_name}: expert tensors (*_exps) without a router (ffn_gate_inp)")
+        return {}
+    if len(moe_layers) != layers:
+        missing = sorted(set(range(layers)) - set(moe_layers))
+        raise CheckpointError(f"{path}: {arch_name}: a mixture of experts on some layers only (none on {missing}); "
+                              "Gemma 4 runs its experts on every layer")
+    gate_up = tensors.get("blk.0.ffn_gate_up_exps.weight")
+    if gate_up is None:
+        raise CheckpointError(f"{path}: missing tensor blk.0.ffn_gate_up_exps.weight (the experts' fused gate and "
+                              "up projections)")
+    stored_experts, rows = int(gate_up.shape[2]), int(gate_up.shape[1])  # GGUF lists [hidden, 2 I, E]
+    experts = int(key("expert_count", stored_experts))
+    inter = int(key("expert_feed_forward_length", rows // 2))
+    if (experts, 2 * inter) != (stored_experts, rows):
+        raise CheckpointError(f"{path}: {arch_name}.expert_count {experts} and expert_feed_forward_length {inter} "
+                              f"do not match ffn_gate_up_exps' {stored_experts} experts of {rows} rows")
+    return {"enable_moe_block": True, "num_experts": experts, "top_k_experts": int(key("expert_used_count")),
+            "moe_intermediate_size": inter}
 
 
 def _per_layer(path: str, value, layers: int, name: str) -> list[int]:
@@ -146,7 +190,7 @@ def gemma4_rules(path: str, config: dict[str, Any], tensor_names: set[str]):
     Face name -> shape of every tensor the checkpoint must have), as gguf_file's hybrids'."""
     from tensorfold.models.config import ModelArgs
     from tensorfold.models.gemma4 import GLOBAL, _kv_sources, _layer_shapes
-    from tensorfold.models.gguf_file import _Rule
+    from tensorfold.models.gguf_file import _Rule, _row_range
 
     c = config
     args = ModelArgs.from_hf(c)
@@ -192,5 +236,41 @@ def gemma4_rules(path: str, config: dict[str, Any], tensor_names: set[str]):
             hf = LAYER_NAMES[key]
             rules[f"{key}.weight"] = same(hf, shape, key in MATRICES)
             expected[f"model.layers.{i}.{hf}"] = shape
+        if c.get("enable_moe_block"):
+            moe_rules, moe_expected = _moe_rules(c, _Rule, _row_range)
+            rules.update(moe_rules)
+            expected.update({f"model.layers.{i}.{hf}": shape for hf, shape in moe_expected.items()})
         layer_rules.append(rules)
     return global_rules, layer_rules, expected
+
+
+def _moe_rules(c: dict[str, Any], rule, row_range) -> tuple[dict, dict]:
+    """A layer's MoE tensors: (rules by GGUF name after blk.N., the Hugging Face names and shapes
+    they give under model.layers.N.)."""
+    hidden, n, inter = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
+    shapes = {"router.proj.weight": (n, hidden), "router.scale": (hidden,), "router.per_expert_scale": (n,),
+              "pre_feedforward_layernorm_2.weight": (hidden,), "post_feedforward_layernorm_1.weight": (hidden,),
+              "post_feedforward_layernorm_2.weight": (hidden,)}
+    rules = {gguf: rule((shapes[hf],), lambda w, hf=hf: {hf: w}, gguf == "ffn_gate_inp.weight")
+             for gguf, hf in MOE_NAMES.items()}
+
+    def per_expert(*parts):  # (projection, rows) in each expert's row range, in order
+        width = sum(rows for _, rows in parts)
+
+        def convert(w):
+            out = {}
+            for e in range(n):
+                start = e * width
+                for proj, rows in parts:
+                    out[f"experts.{e}.{proj}.weight"] = row_range(w, start, start + rows)
+                    start += rows
+            return out
+        return convert
+
+    rules["ffn_gate_up_exps.weight"] = rule(((n, 2 * inter, hidden),), per_expert(("gate_proj", inter),
+                                                                                   ("up_proj", inter)))
+    rules["ffn_down_exps.weight"] = rule(((n, hidden, inter),), per_expert(("down_proj", hidden)))
+    for e in range(n):
+        shapes.update({f"experts.{e}.gate_proj.weight": (inter, hidden), f"experts.{e}.up_proj.weight": (inter, hidden),
+                       f"experts.{e}.down_proj.weight": (hidden, inter)})
+    return rules, shapes

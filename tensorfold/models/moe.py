@@ -8,13 +8,17 @@ noaux_tc choice and shared experts added ungated.
     experts  tokens grouped by expert, each expert's GEMMs over its tokens; a token's outputs
              times their weights, added in ascending expert index (float32)
     shared   sigmoid(shared_gate(x)) * shared_expert(x), added last
+    Gemma 4  (models/gemma4_moe.py) GeGLU experts (activation "gelu_tanh"), the router on an input
+             of its own (router_x: Gemma's norm and scale of the residual), the weights times the
+             chosen experts' per-expert scale (expert_scale), no shared expert
     sigmoid  (SigmoidRouting: GLM-5) the router in float32 (as transformers keeps it); scores
              sigmoid(l_i), chosen by score + e_score_correction_bias within the best groups, weights
              the chosen scores over their sum, times routed_scaling_factor: ops.route_sigmoid
              (kernels/moe.py); the shared experts (shared_experts.) added without a gate
 
 A backend may run the block as one call (`ops.fuse_moe`: the cpu backend's _cpu.MoEBlock), the
-same steps in the same order; `compose` is the block op by op.
+same steps in the same order, called as fused(x) or fused(x, router_x); `compose` is the block op
+by op.
 
 Batch invariant by construction: the router's logits come from the row-invariant GEMM, the
 choice and the weights from that row alone (exp is exact.float32's, the sums fixed in order or
@@ -50,17 +54,19 @@ class MoESpec:
     sigmoid_routing: SigmoidRouting | None = None  # None: softmax over the router's logits
     shared_gated: bool = True        # the shared expert times sigmoid(shared_expert_gate(x)) (Qwen)
     shared_prefix: str = "shared_expert."  # GLM-5: shared_experts.
+    activation: str = "silu"         # the experts' gate: silu (SwiGLU) or gelu_tanh (GeGLU: Gemma 4)
 
 
 class Expert:
-    """One SwiGLU expert: gate_up and down as LinearWeights."""
+    """One gated expert, SwiGLU or GeGLU: gate_up and down as LinearWeights."""
 
-    def __init__(self, gate_up, down, intermediate_size: int, ops):
+    def __init__(self, gate_up, down, intermediate_size: int, ops, activation: str = "silu"):
         self.gate_up, self.down, self.intermediate_size, self.ops = gate_up, down, intermediate_size, ops
+        self.act_and_mul = ops.gelu_tanh_and_mul if activation == "gelu_tanh" else ops.silu_and_mul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.down(self.ops.silu_and_mul(gate, up))
+        return self.down(self.act_and_mul(gate, up))
 
 
 class MoE:
@@ -71,6 +77,7 @@ class MoE:
         self.router = float32_linear(mlp, "gate.weight") if sigmoid else mlp.linear("gate.weight")
         self.bias = mlp.float32("gate.e_score_correction_bias") if sigmoid else None  # [E]
         self.experts = self.read_experts(spec, mlp)
+        self.expert_scale = None  # float32 [E] the chosen weights are multiplied by (Gemma 4's; None: none)
         self.shared = self.shared_gate = None
         if spec.shared_intermediate_size:
             shared = mlp.under(spec.shared_prefix)
@@ -98,14 +105,18 @@ class MoE:
             return self._fused(x)
         return self.compose(x)
 
-    def compose(self, x: torch.Tensor) -> torch.Tensor:
-        """The block op by op (what a backend's fuse_moe must equal bitwise)."""
+    def compose(self, x: torch.Tensor, router_x: torch.Tensor | None = None) -> torch.Tensor:
+        """The block op by op (what a backend's fuse_moe must equal bitwise). router_x: the router's
+        input where it is not x (Gemma 4's)."""
         s, r = self.spec, self.spec.sigmoid_routing
+        routed_on = x if router_x is None else router_x
         if r is None:
-            chosen, weights = self.ops.route(self.router(x).float(), s.top_k, s.norm_topk_prob)
+            chosen, weights = self.ops.route(self.router(routed_on).float(), s.top_k, s.norm_topk_prob)
         else:
-            chosen, weights = self.ops.route_sigmoid(self.router(x.float()).float(), self.bias, s.top_k, r.n_group,
-                                                     r.topk_group, s.norm_topk_prob, r.scale)
+            chosen, weights = self.ops.route_sigmoid(self.router(routed_on.float()).float(), self.bias, s.top_k,
+                                                     r.n_group, r.topk_group, s.norm_topk_prob, r.scale)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[chosen]  # one float32 product each
         out = self.routed(x, chosen, weights)
         if self.shared is not None:
             shared = self.shared(x).float()
@@ -141,7 +152,7 @@ def experts_one(spec: MoESpec, mlp: WeightReader, e: int) -> Expert:
     """Expert e's gate/up and down."""
     one = mlp.under(f"experts.{e}.")
     return Expert(one.linear("gate_proj.weight", "up_proj.weight"), one.linear("down_proj.weight"),
-                  spec.intermediate_size, mlp.ops)
+                  spec.intermediate_size, mlp.ops, spec.activation)
 
 
 def block_gemms(block) -> dict:
