@@ -26,7 +26,8 @@ from tensorfold.models.mamba2 import Mamba2
 from tensorfold.models.moe import MoE
 from tensorfold.sampling import sampler
 
-NAME = f"native-{_cpu.isa()}"
+# the ISA the kernels were built for, and "+amx" where the quantized GEMM takes prompt rows on AMX tiles
+NAME = f"native-{_cpu.isa()}" + ("+amx" if _cpu.quant_amx_path() == "amx" else "")
 # The KV cache keeps a record of its V rows' exponents (LayerKV.v_exp), which write_kv fills and
 # the attention reads: its first pass (the maxima) then reads K alone, not K and V.
 V_EXPONENT_RECORD = True
