@@ -397,11 +397,12 @@ inline __m512i round_pd(__m512d v) {
 // product and the halves' sum stay below 2^53 times their power of two, so no operation rounds
 // (exponents stay far inside float64's range), and the conversion's one rounding, to nearest even,
 // is on_grid's where the shift is negative. The same order of operations for every row.
-template <int KIND>
+// SIGNED_DOTS: the dots are already c . xq (the AMX tiles multiply the signed codes), no offset.
+template <int KIND, bool SIGNED_DOTS = false>
 inline void row_terms(__m512i dot0, __m512i dot1, const BlockScales& c, const RowQ& row, int64_t b, __m512i* lo,
                       __m512i* hi) {
   constexpr QKind KD = KINDS[KIND];
-  constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
+  constexpr int PER = BLOCK / KD.sub, OFFSET = SIGNED_DOTS ? 0 : KD.offset;
   const int32_t* xsum = row.xsum.data() + b * PER;
   const __m512d m = _mm512_set1_pd(row.mf[b]);
   __m512d t[2];
@@ -415,7 +416,7 @@ inline void row_terms(__m512i dot0, __m512i dot1, const BlockScales& c, const Ro
     for (int h = 0; h < 2; ++h) t[h] = _mm512_mul_pd(_mm512_mul_pd(d0[h], c.s[0][h]), m);
   } else {  // two halves of 16, each with its own scale: A0 S0 + A1 S1, then times m
     __m512d d1[2];
-    halves(_mm512_sub_epi32(dot1, _mm512_set1_epi32(OFFSET * xsum[1])), d1);
+    halves(OFFSET != 0 ? _mm512_sub_epi32(dot1, _mm512_set1_epi32(OFFSET * xsum[1])) : dot1, d1);
     for (int h = 0; h < 2; ++h)
       t[h] = _mm512_mul_pd(_mm512_add_pd(_mm512_mul_pd(d0[h], c.s[0][h]), _mm512_mul_pd(d1[h], c.s[1][h])), m);
   }
@@ -471,9 +472,10 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
 }
 
 #if defined(TF_QUANT_AMX)
-// AMX-INT8: the block dots of 16 rows and 16 columns in one tile multiply (tdpbsud: s8 x u8 ->
-// int32), K the block's 32 (or a q6_k half's 16), so each C tile holds one block's dots exactly
-// as the vpdpbusd chains do; the terms then run per row as in group_vector.
+// AMX-INT8: the block dots of 16 rows and 16 columns in one tile multiply (tdpbssd: s8 x s8 ->
+// int32, the codes made signed once per group), K the block's 32 (or a q6_k half's 16), so each C
+// tile holds one block's dots c . xq, which the vpdpbusd chains reach as u . xq - offset sum xq;
+// the terms then run per row as in group_vector.
 
 // The tile registers, named by literals in the intrinsics (which paste them into the assembly
 // text): A (the rows' codes) tmm0 and tmm1, B (the columns') tmm2 and tmm3, C (the dots) tmm4..7;
@@ -495,8 +497,8 @@ bool amx_granted() {
   return granted;
 }
 
-// A column group made ready once for all its row tiles (group_amx): its blocks' codes as B rows
-// (unpacked where they are nibbles; else the record's own), and their scales.
+// A column group made ready once for all its row tiles (group_amx): its blocks' signed codes
+// c = u - offset as B rows (so the tiles' dots need no offset term), and their scales.
 struct alignas(64) CodeRows {
   uint8_t v[8 * 64];
 };
@@ -507,19 +509,16 @@ struct AmxGroup {
   uint64_t call = 0;  // which call, weight and group it was made for
   const uint8_t* packed = nullptr;
   int64_t g = -1;
-  std::vector<CodeRows> codes;
-  std::vector<const uint8_t*> b_rows;  // per block: its B rows
+  std::vector<CodeRows> codes;  // per block: its B rows
   std::vector<BlockScales> scales;
   std::vector<DotTile> dots;  // per block of a run (and half): a row tile's dots
 };
 
 template <int FORM, int KIND>
 void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0, const int32_t* top, AmxGroup* G) {
-  constexpr bool UNPACK = KINDS[KIND].nibbles || FORM == SUPER;  // else the record's codes are B's rows as stored
   if (G->call == current_call && G->packed == packed && G->g == g) return;
   G->call = current_call, G->packed = packed, G->g = g;
-  G->codes.resize(UNPACK ? L.blocks : 0);
-  G->b_rows.resize(L.blocks);
+  G->codes.resize(L.blocks);
   G->scales.resize(L.blocks);
   G->dots.resize(AMX_BLOCKS * (BLOCK / KINDS[KIND].sub));
   const __m512i topv = _mm512_loadu_si512(top);
@@ -530,21 +529,18 @@ void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0
   __m512i sup_sexp = _mm512_setzero_si512(), sup_mexp = sup_sexp;
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
-    G->b_rows[b] = rec;
-    if constexpr (UNPACK) {
-      __m512i u[8];
-      block_codes<FORM, KIND>(rec, L, u);
-      for (int q = 0; q < 8; ++q) _mm512_store_si512(G->codes[b].v + 64 * q, u[q]);
-      G->b_rows[b] = G->codes[b].v;
-    }
+    __m512i u[8];
+    block_codes<FORM, KIND>(rec, L, u);
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(KINDS[KIND].offset));
+    for (int q = 0; q < 8; ++q) _mm512_store_si512(G->codes[b].v + 64 * q, _mm512_sub_epi8(u[q], offset));  // mod 256
     G->scales[b] = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
   }
 }
 
 // Rows [r0, r1) against group g into acc [r1 - r0][16], the rows' codes `stride` bytes apart, a
 // tile of 16 rows at a time (a last tile of fewer reads past the GEMM's rows into the buffer's
-// slack and keeps only its own). First every block's dots of the tile, on the tiles (tdpbsud: s8
-// rows x u8 columns, int32 sums; four blocks in flight, each C tile stored three blocks after its
+// slack and keeps only its own). First every block's dots of the tile, on the tiles (tdpbssd: s8
+// rows x s8 columns, int32 sums; four blocks in flight, each C tile stored three blocks after its
 // multiply), then each row's terms over the blocks, its sums in registers.
 template <int FORM, int KIND>
 void group_amx(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t r1, int64_t g,
@@ -570,13 +566,13 @@ void group_amx(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t
       if constexpr (PER == 1) {  // block b: A tmm0/1, B tmm2/3 by b % 2, C tmm 4 + b % 4
         for (int64_t b = 0; b < blocks + 3; ++b) {
           if (b < blocks) {
-            const uint8_t* bb = G.b_rows[b0 + b];
+            const uint8_t* bb = G.codes[b0 + b].v;
             const int8_t* ab = a + (b0 + b) * BLOCK;
             switch (b % 4) {
-              case 0: _tile_loadd(2, bb, 64); _tile_loadd(0, ab, stride); _tile_zero(4); _tile_dpbsud(4, 0, 2); break;
-              case 1: _tile_loadd(3, bb, 64); _tile_loadd(1, ab, stride); _tile_zero(5); _tile_dpbsud(5, 1, 3); break;
-              case 2: _tile_loadd(2, bb, 64); _tile_loadd(0, ab, stride); _tile_zero(6); _tile_dpbsud(6, 0, 2); break;
-              default: _tile_loadd(3, bb, 64); _tile_loadd(1, ab, stride); _tile_zero(7); _tile_dpbsud(7, 1, 3); break;
+              case 0: _tile_loadd(2, bb, 64); _tile_loadd(0, ab, stride); _tile_zero(4); _tile_dpbssd(4, 0, 2); break;
+              case 1: _tile_loadd(3, bb, 64); _tile_loadd(1, ab, stride); _tile_zero(5); _tile_dpbssd(5, 1, 3); break;
+              case 2: _tile_loadd(2, bb, 64); _tile_loadd(0, ab, stride); _tile_zero(6); _tile_dpbssd(6, 0, 2); break;
+              default: _tile_loadd(3, bb, 64); _tile_loadd(1, ab, stride); _tile_zero(7); _tile_dpbssd(7, 1, 3); break;
             }
           }
           const int64_t s = b - 3;  // the block whose C tile is stored now
@@ -591,16 +587,16 @@ void group_amx(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t
       } else {  // halves of 16: block b's in C tmm 4, 5 (b even) or 6, 7 (b odd); A and B by half
         for (int64_t b = 0; b < blocks + 1; ++b) {
           if (b < blocks) {
-            const uint8_t* bb = G.b_rows[b0 + b];
+            const uint8_t* bb = G.codes[b0 + b].v;
             const int8_t* ab = a + (b0 + b) * BLOCK;
             _tile_loadd(2, bb, 64);
             _tile_loadd(3, bb + 4 * 64, 64);  // quads 4-7: k 16..31
             _tile_loadd(0, ab, stride);
             _tile_loadd(1, ab + 16, stride);
             if (b % 2 == 0) {
-              _tile_zero(4); _tile_dpbsud(4, 0, 2); _tile_zero(5); _tile_dpbsud(5, 1, 3);
+              _tile_zero(4); _tile_dpbssd(4, 0, 2); _tile_zero(5); _tile_dpbssd(5, 1, 3);
             } else {
-              _tile_zero(6); _tile_dpbsud(6, 0, 2); _tile_zero(7); _tile_dpbsud(7, 1, 3);
+              _tile_zero(6); _tile_dpbssd(6, 0, 2); _tile_zero(7); _tile_dpbssd(7, 1, 3);
             }
           }
           const int64_t s = b - 1;
@@ -618,7 +614,7 @@ void group_amx(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t
         for (int64_t b = 0; b < blocks; ++b) {
           const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);
           const __m512i d1 = _mm512_load_si512(dots[PER * b + PER - 1].v[i]);
-          row_terms<KIND>(d0, d1, G.scales[b0 + b], row, b0 + b, &lo, &hi);
+          row_terms<KIND, true>(d0, d1, G.scales[b0 + b], row, b0 + b, &lo, &hi);
         }
         _mm512_store_si512(sums[i], lo);
         _mm512_store_si512(sums[i] + 8, hi);
