@@ -229,3 +229,31 @@ def check_preempted_equals_uninterrupted(path: str, solo, **background) -> None:
         assert_equal_solo(fg_call.result(), solo(fg))
         assert_equal_solo(bg_call.result(), bg_ref)
         assert engine.scheduler.num_preemptions >= 1
+
+
+def rewrite_gguf(path: str, out: str, change) -> str:
+    """A copy of the GGUF at `path` (its metadata as they are) with its tensors passed through
+    change(name, array, type) -> list of (name, array, type): [] drops a tensor."""
+    import gguf
+    import numpy as np
+
+    from tensorfold.models.gguf_file import _Reader
+
+    reader = _Reader(path)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        for name, data, kind in change(t.name, np.array(t.data), t.tensor_type):
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def without(name: str):
+    """rewrite_gguf's change that drops the tensor `name`."""
+    return lambda n, data, kind: [] if n == name else [(n, data, kind)]

@@ -14,6 +14,7 @@ import gguf
 import pytest
 import torch
 
+from family_cases import rewrite_gguf, without
 from test_models import _rows
 from tensorfold.api.replies import token_sha
 from tensorfold.backends import backend_ops
@@ -91,22 +92,9 @@ def test_the_engine_replies_with_the_same_token_sha(files):
 
 
 def test_a_missing_tensor_is_named(files, tmp_path):
-    reader = _Reader(files[2])
-    writer = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "gemma4")
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            sub_type = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type)
-    for t in reader.tensors:
-        if t.name != "blk.3.attn_k_norm.weight":
-            data = t.data.copy()
-            writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    cut = rewrite_gguf(files[2], str(tmp_path / "cut.gguf"), without("blk.3.attn_k_norm.weight"))
     with pytest.raises(CheckpointError, match=r"missing .*model\.layers\.3\.self_attn\.k_norm"):
-        load_gguf(str(tmp_path / "cut.gguf"), keep_quantized=True)
+        load_gguf(cut, keep_quantized=True)
 
 
 def test_the_command_line_writes_one(files):

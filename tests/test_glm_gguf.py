@@ -12,10 +12,10 @@ routing with a correction bias and a shared expert) written as llama.cpp's conve
 - a file with kv_b whole (attn_kv_b) loads too; a missing tensor is a startup error naming it.
 """
 import gguf
-import numpy as np
 import pytest
 import torch
 
+from family_cases import rewrite_gguf, without
 from test_models import _rows
 from tensorfold.api.replies import token_sha
 from tensorfold.backends import backend_ops
@@ -35,24 +35,6 @@ def q8(tmp_path_factory, smollm2_tokenizer):
     folder = str(tmp_path_factory.mktemp("glm_gguf"))
     path = make_tiny_checkpoint(folder, "glm_moe_dsa", tokenizer=smollm2_tokenizer, **GLM_GGUF_SIZES)
     return path, write_glm_gguf(path, "q8_0")
-
-
-def rewrite(path: str, out: str, change) -> str:
-    """A copy of the GGUF at `path` with its tensors passed through change(name, array, type) -> list
-    of (name, array, type)."""
-    reader = _Reader(path)
-    writer = gguf.GGUFWriter(out, "glm-dsa")
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
-    for t in reader.tensors:
-        for name, data, kind in change(t.name, np.array(t.data), t.tensor_type):
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def test_the_file_is_in_llama_cpp_layout(q8):
@@ -125,10 +107,10 @@ def test_a_whole_kv_b_loads_and_a_missing_tensor_is_named(q8, models, tmp_path):
                      dense[f"model.layers.{layer}.self_attn.kv_b_proj.weight"].float().numpy(), gguf.GGMLQuantizationType.F32)]
         return [] if "attn_v_b" in name else [(name, data, kind)]
 
-    model = build_model(load_gguf(rewrite(path, str(tmp_path / "kv_b.gguf"), whole), keep_quantized=True),
+    model = build_model(load_gguf(rewrite_gguf(path, str(tmp_path / "kv_b.gguf"), whole), keep_quantized=True),
                         torch.float32, backend_ops("cpu"))
     assert model.specs == models[1].specs
-    cut = rewrite(path, str(tmp_path / "cut.gguf"), lambda n, d, k: [] if n == "blk.2.attn_v_b.weight" else [(n, d, k)])
+    cut = rewrite_gguf(path, str(tmp_path / "cut.gguf"), without("blk.2.attn_v_b.weight"))
     with pytest.raises(CheckpointError, match=r"missing .*model\.layers\.2\.self_attn\.absorb\.0\.v_b_proj"):
         load_gguf(cut, keep_quantized=True)
 

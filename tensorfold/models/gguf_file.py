@@ -551,6 +551,22 @@ def _row_range(weight, start: int, stop: int):
     return weight.rows(rows) if isinstance(weight, (QuantWeight, FileBlocks)) else weight[rows]
 
 
+def split_experts(n: int, prefix: str, *parts):
+    """A rule's convert for n experts stacked in one tensor: expert e's rows, cut into its
+    projections (name, rows) in order, as {prefix}{e}.{name}.weight."""
+    width = sum(rows for _, rows in parts)
+
+    def convert(w):
+        out = {}
+        for e in range(n):
+            start = e * width
+            for proj, rows in parts:
+                out[f"{prefix}{e}.{proj}.weight"] = _row_range(w, start, start + rows)
+                start += rows
+        return out
+    return convert
+
+
 def _take_columns(path: str, name: str, weight, ids: torch.Tensor | None):
     """weight[:, ids]; blocks move whole (every run of 32 columns must stay one block)."""
     if ids is None:
@@ -681,16 +697,8 @@ def _hybrid_rules(path: str, config: dict[str, Any], arch_name: str, arch: _Arch
     if c.get("num_experts"):
         n, size, shared = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
 
-        def per_expert(*parts):  # (projection, rows) in each expert's row range, in order
-            def convert(w):
-                out, width = {}, sum(rows for _, rows in parts)
-                for e in range(n):
-                    start = e * width
-                    for proj, rows in parts:
-                        out[f"mlp.experts.{e}.{proj}.weight"] = _row_range(w, start, start + rows)
-                        start += rows
-                return out
-            return convert
+        def per_expert(*parts):
+            return split_experts(n, "mlp.experts.", *parts)
 
         moe = {
             "ffn_gate_inp.weight": same("mlp.gate.weight", (n, hidden)),

@@ -190,7 +190,7 @@ def gemma4_rules(path: str, config: dict[str, Any], tensor_names: set[str]):
     Face name -> shape of every tensor the checkpoint must have), as gguf_file's hybrids'."""
     from tensorfold.models.config import ModelArgs
     from tensorfold.models.gemma4 import GLOBAL, _kv_sources, _layer_shapes
-    from tensorfold.models.gguf_file import _Rule, _row_range
+    from tensorfold.models.gguf_file import _Rule, split_experts
 
     c = config
     args = ModelArgs.from_hf(c)
@@ -237,14 +237,14 @@ def gemma4_rules(path: str, config: dict[str, Any], tensor_names: set[str]):
             rules[f"{key}.weight"] = same(hf, shape, key in MATRICES)
             expected[f"model.layers.{i}.{hf}"] = shape
         if c.get("enable_moe_block"):
-            moe_rules, moe_expected = _moe_rules(c, _Rule, _row_range)
+            moe_rules, moe_expected = _moe_rules(c, _Rule, split_experts)
             rules.update(moe_rules)
             expected.update({f"model.layers.{i}.{hf}": shape for hf, shape in moe_expected.items()})
         layer_rules.append(rules)
     return global_rules, layer_rules, expected
 
 
-def _moe_rules(c: dict[str, Any], rule, row_range) -> tuple[dict, dict]:
+def _moe_rules(c: dict[str, Any], rule, split) -> tuple[dict, dict]:
     """A layer's MoE tensors: (rules by GGUF name after blk.N., the Hugging Face names and shapes
     they give under model.layers.N.)."""
     hidden, n, inter = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
@@ -254,18 +254,8 @@ def _moe_rules(c: dict[str, Any], rule, row_range) -> tuple[dict, dict]:
     rules = {gguf: rule((shapes[hf],), lambda w, hf=hf: {hf: w}, gguf == "ffn_gate_inp.weight")
              for gguf, hf in MOE_NAMES.items()}
 
-    def per_expert(*parts):  # (projection, rows) in each expert's row range, in order
-        width = sum(rows for _, rows in parts)
-
-        def convert(w):
-            out = {}
-            for e in range(n):
-                start = e * width
-                for proj, rows in parts:
-                    out[f"experts.{e}.{proj}.weight"] = row_range(w, start, start + rows)
-                    start += rows
-            return out
-        return convert
+    def per_expert(*parts):
+        return split(n, "experts.", *parts)
 
     rules["ffn_gate_up_exps.weight"] = rule(((n, 2 * inter, hidden),), per_expert(("gate_proj", inter),
                                                                                    ("up_proj", inter)))
