@@ -19,7 +19,6 @@ block itself and its files:
   load, bitwise, and the engine's token_sha on both op sets;
 - missing tensors are startup errors naming them.
 """
-import contextlib
 import types
 
 import gguf
@@ -28,7 +27,7 @@ import torch
 
 import family_cases as cases
 from test_native_backend import greedy_run, reference_ops
-from tensorfold import backends
+from test_quantized_model import cpu_op_set
 from tensorfold.api.replies import token_sha
 from tensorfold.backends import backend_ops, cpu_ops, native_problem
 from tensorfold.backends.probes import probe_ops
@@ -55,19 +54,6 @@ def moe_dir(tmp_path_factory, smollm2_tokenizer):
     seed = well_separated_seed("gemma4_moe", smollm2_tokenizer)
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("gemma4_moe")), "gemma4_moe", seed=seed,
                                 tokenizer=smollm2_tokenizer)
-
-
-@contextlib.contextmanager
-def cpu_op_set(name: str):
-    """The cpu backend's op set as TENSORFOLD_CPU_OPS=name picks it (the choice is cached: cleared
-    on the way in and out)."""
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TENSORFOLD_CPU_OPS", name)
-            backends._cpu_op_set.cache_clear()
-            yield backend_ops("cpu")
-    finally:
-        backends._cpu_op_set.cache_clear()
 
 
 # ---- the block ---------------------------------------------------------------------------------
