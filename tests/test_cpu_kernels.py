@@ -634,8 +634,8 @@ def amx_tiles():
     _cpu.set_quant_amx(True)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
-@pytest.mark.parametrize("file_blocks", [False, True], ids=["generic", "file"])
+@pytest.mark.parametrize("kind,file_blocks", [(kind, False) for kind in ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"]] +
+                         [("q4_k", True), ("q6_k", True)])  # q4_k and q6_k also in their file's own form
 def test_quant_linear_on_amx_tiles_equals_vnni_and_its_reference(draw, threads, amx_tiles, kind, file_blocks):
     """Passes of 16 rows or more take AMX tiles of 16 rows, a run of 8 blocks at a time; fewer rows,
     and every row with set_quant_amx(False), take the VNNI registers. Both are the reference's
@@ -645,8 +645,6 @@ def test_quant_linear_on_amx_tiles_equals_vnni_and_its_reference(draw, threads, 
 
     from tensorfold.kernels import quant_gemm
 
-    if file_blocks and kind not in ("q4_k", "q6_k"):
-        pytest.skip("only q4_k and q6_k keep a file form of their own")
     n, k = 45, 768  # 24 blocks: runs of 8, 8, 8; a last column group of 13
     w = random_k_file(draw.gen, kind, n, k)[1] if file_blocks else random_generic(draw.gen, kind, n, k)
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
