@@ -551,6 +551,31 @@ def test_quant_linear_with_gguf_scales_equals_its_reference(draw, threads, dtype
                    quant_gemm.linear(x, quant_gemm.QuantWeight(kind, *wide)), draw, "wide packing")
 
 
+@pytest.mark.parametrize("qtype_name", ["Q5_0", "Q5_1"])
+def test_quant_linear_with_q5_fallback_blocks_equals_its_reference(draw, threads, qtype_name):
+    """llama.cpp's fallback types where a row is no multiple of 256 (Q4_K -> Q5_0, Q5_K -> Q5_1;
+    Gemma 4 26B's expert down projections have K = 704), kept as the q8_0 and q5_k forms: gguf's
+    weights, and prompt rows (AMX or VNNI) and one row bitwise the reference."""
+    import gguf
+    from gguf import GGMLQuantizationType as QType
+    from test_quant_gemm import random_x
+
+    from tensorfold.kernels import quant_gemm
+    from tensorfold.models.gguf_quants import quant_weight
+
+    qtype, n, k = QType[qtype_name], 40, 704
+    w = torch.randn(n, k, generator=draw.gen) * 2.0 ** torch.randint(-8, 2, (n, 1), generator=draw.gen)
+    w[:, 1::7] += 0.5  # Q5_1's minimum away from -max
+    raw = gguf.quants.quantize(w.numpy(), qtype)
+    weight = quant_weight(torch.from_numpy(raw).reshape(-1), qtype, (n, k))
+    assert torch.equal(weight.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(n, k))
+    x = random_x(draw.gen, 20, k)
+    packed = _cpu.pack_quant(weight.kind, weight.codes, weight.scale, weight.scale_exp, weight.min, weight.min_exp)
+    want = quant_gemm.linear(x, weight)
+    assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{qtype_name} x [20, {k}]")
+    assert_bitwise(_cpu.quant_linear(x[-1:], packed, n, k), want[-1:], draw, "the last row alone")
+
+
 def not_float16(w):
     """w's fields with every scale written as (2 S, E - 1): equal values, no float16 form."""
     pair = (lambda s, e: (None, None) if s is None else (s * 2, e - 1))

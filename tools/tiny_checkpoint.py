@@ -783,6 +783,7 @@ def _hybrid_gguf_tensors(tensors: dict, args) -> dict:
     return out
 
 
+K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}  # llama.cpp's, where a row is no multiple of 256
 FLOAT_TENSORS = ("ssm_conv1d", "ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp keeps these float32
 
 
@@ -790,7 +791,7 @@ def _write_hybrid_gguf(hf_dir: str, config: dict, mix: str, out_path: str | None
     """write_tiny_gguf for qwen3_5 / qwen3_5_moe / qwen3_next: llama.cpp's architecture, metadata and
     tensor layout (_hybrid_gguf_tensors); vectors, norms, conv1d and the routers float32 as llama.cpp
     keeps them, every other matrix in the mix's blocks (a K-quant's fallback where a row length is
-    no multiple of 256: q8_0). The tokenizer is the default model's with the directory's added
+    no multiple of 256: K_QUANT_FALLBACK). The tokenizer is the default model's with the directory's added
     tokens (family tokens) appended, the template the directory's."""
     from safetensors.torch import load_file
 
@@ -892,7 +893,7 @@ def _add_hybrid_tensors(writer, tensors: dict, mix: str) -> None:
             continue
         kind = special.get(part, default)
         if kind.endswith("_k") and t.shape[-1] % 256:
-            kind = "q8_0"  # llama.cpp falls back to a 32-weight type (Q5_0, Q5_1, Q8_0); served here: q8_0
+            kind = K_QUANT_FALLBACK[kind]
         blocks = gguf_blocks(t.reshape(-1, t.shape[-1]), kind)
         writer.add_tensor(name, blocks.reshape(*t.shape[:-1], -1).numpy(), raw_dtype=QTYPES[kind])
 

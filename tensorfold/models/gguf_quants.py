@@ -12,12 +12,16 @@ Block layouts (bytes, little-endian; QK = 256 weights per K-quant super-block):
     Q8_0  [d:f16][q:int8 x 32]                         x = q * d
     Q4_0  [d:f16][q:u4 x 32 in 16]                     x = (q - 8) * d
     Q4_1  [d:f16][m:f16][q:u4 x 32 in 16]              x = q * d + m
+    Q5_0  [d:f16][qh:u32][q:u4 x 32 in 16]             x = (q - 16) * d
+    Q5_1  [d:f16][m:f16][qh:u32][q:u4 x 32 in 16]      x = q * d + m
     Q4_K  [d:f16][dmin:f16][scales:12][q:u4 x 256 in 128]
     Q5_K  [d:f16][dmin:f16][scales:12][qh:32][q:u4 x 256 in 128]
                                                        x = d sc_j q - dmin m_j, j = the 32-weight sub-block
     Q6_K  [ql:128][qh:64][sc:int8 x 16][d:f16]         x = d sc_j (q - 32), j = the 16-weight sub-block
 Packing, within a block:
-- Q8_0..Q4_1: a packed byte j holds weight j in its low nibble and weight j + 16 in its high one.
+- Q8_0..Q5_1: a packed byte j holds weight j in its low nibble and weight j + 16 in its high one;
+  Q5_0/Q5_1's fifth bit of weight i is bit i of qh (llama.cpp's fallbacks for Q4_K and Q5_K where
+  a row is not a multiple of 256 weights, as Gemma 4 26B's expert down projections of 704).
 - Q4_K/Q5_K: q byte 32 c + i holds weight i of sub-block 2c (low nibble) and of 2c + 1 (high);
   Q5_K's fifth bit of weight i of sub-block j is bit j of qh byte i. The 12 scale bytes hold eight
   6-bit (sc_j, m_j): bytes 0-3 and 4-7 the low 6 bits of sc_0..3 and m_0..3, their top 2 bits the
@@ -26,6 +30,8 @@ Packing, within a block:
   4 bits in nibble s of ql byte 64 h + i, and weight h 128 + 32 t + i (i < 32) its top 2 bits in
   bits 2t..2t+1 of qh byte 32 h + i.
 """
+import functools
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -65,6 +71,15 @@ def _q4_0(raw):
 def _q4_1(raw):
     blocks = _blocks(raw, 4 + BLOCK_SIZE // 2)
     return _nibbles(blocks[:, 4:]), _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+
+
+def _q5(raw, with_min: bool):
+    """Q5_0 (with_min False) / Q5_1: the 5-bit q (0..31) [B, 32] and the float16 scales."""
+    head = 4 if with_min else 2
+    blocks = _blocks(raw, head + 4 + BLOCK_SIZE // 2)
+    qh = blocks[:, head:head + 4].reshape(-1, 4, 1) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8)
+    q = _nibbles(blocks[:, head + 4:]) | ((qh & 1) << 4).reshape(-1, BLOCK_SIZE)
+    return (q, _f16(blocks[:, :2]), _f16(blocks[:, 2:4])) if with_min else (q, _f16(blocks[:, :2]))
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +139,8 @@ DEQUANTIZERS = {
     QType.Q8_0: lambda raw: (lambda q, d: q.float() * d.float())(*_q8_0(raw)),
     QType.Q4_0: lambda raw: (lambda q, d: (q.to(torch.int8) - 8).float() * d.float())(*_q4_0(raw)),
     QType.Q4_1: lambda raw: (lambda q, d, m: q.float() * d.float() + m.float())(*_q4_1(raw)),
+    QType.Q5_0: lambda raw: (lambda q, d: (q.to(torch.int8) - 16).float() * d.float())(*_q5(raw, False)),
+    QType.Q5_1: lambda raw: (lambda q, d, m: q.float() * d.float() + m.float())(*_q5(raw, True)),
     QType.Q4_K: lambda raw: _deq_with_min(*_q4_k(raw)),
     QType.Q5_K: lambda raw: _deq_with_min(*_q5_k(raw)),
     QType.Q6_K: lambda raw: _deq_q6_k(*_q6_k(raw)),
@@ -140,10 +157,16 @@ def dequantize(raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torch
 
 # --- kept in blocks ------------------------------------------------------------------------------
 
-KIND_NAMES = {QType.Q8_0: "q8_0", QType.Q4_0: "q4_0", QType.Q4_1: "q4_1",
-         QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k"}  # quant_gemm's names
+# quant_gemm's kinds. Q5_0 and Q5_1 have none of their own: their weights are exactly q8_0's
+# with codes q - 16 (-16..15) and q5_k's form with a 5-bit code, S 2^E = d and M 2^F = m per
+# block of 32 (a WIDE form, no super-block), so they are served as those kinds, the GEMM's
+# reference unchanged; Q5_0 then packs at a byte per code (34 bytes per 32 weights, against the
+# file's 22), the price of the fallback type's few tensors.
+KIND_NAMES = {QType.Q8_0: "q8_0", QType.Q4_0: "q4_0", QType.Q4_1: "q4_1", QType.Q5_0: "q8_0", QType.Q5_1: "q5_k",
+              QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k"}
 KEPT_TYPES = frozenset(KIND_NAMES)
 _UNPACK = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1,
+           QType.Q5_0: functools.partial(_q5, with_min=False), QType.Q5_1: functools.partial(_q5, with_min=True),
            QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q6_K: _q6_k}
 
 
@@ -158,6 +181,14 @@ def quant_weight(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> Qua
     n, k = shape
     kind = KIND_NAMES[qtype]
     fields = _UNPACK[qtype](raw)
+    per_block = (lambda t: t.reshape(n, k // BLOCK_SIZE))
+    if qtype == QType.Q5_0:
+        q, d = fields
+        return from_legacy("q8_0", (q.to(torch.int8) - 16).reshape(n, k), per_block(d))
+    if qtype == QType.Q5_1:
+        q, d, m = fields
+        (dm, de), (mm, me) = significand(per_block(d)), significand(per_block(m))
+        return QuantWeight(kind, q.to(torch.int8).reshape(n, k), dm, de, mm, me)
     if kind in ("q8_0", "q4_0", "q4_1"):
         q, *scales = fields
         return from_legacy(kind, q.reshape(n, k), *(s.reshape(n, k // BLOCK_SIZE) for s in scales))

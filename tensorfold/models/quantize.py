@@ -5,19 +5,22 @@ checkpoint's weights, and a simple K-quant encoder for writing test files.
   `gguf` package's quantizer, its bit-exact Python port) writes for these weights: the same
   float32 arithmetic, the same roundings (q8_0 rounds half away from zero, q4_0 truncates
   x (1 / d) + 8.5, d rounds to float16 nearest-even), so the result does not depend on the machine.
-- `gguf_blocks(w, kind)` gives those blocks' bytes, and also encodes Q4_K, Q5_K and Q6_K: valid
+- `gguf_blocks(w, kind)` gives those blocks' bytes, Q5_0 and Q5_1 blocks by the `gguf` package's
+  quantizer (llama.cpp's fallback types for rows that are no multiple of 256), and encodes Q4_K, Q5_K and Q6_K: valid
   blocks (per sub-block the scale and minimum of its range, rounded to the 6-bit or 8-bit grid of
   the super-block's float16 scales) that decode close to w, without llama.cpp's search for the
   best scales. Enough for test files; not a replacement for llama.cpp's quantizer.
 Every encoder works on all blocks at once (torch, no loop over blocks) and is deterministic.
 """
+import gguf
 import torch
 from gguf import GGMLQuantizationType as QType
 
 from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.models.gguf_quants import BLOCK_SIZE, QK, quant_weight
 
-QTYPES = {"q8_0": QType.Q8_0, "q4_0": QType.Q4_0, "q4_k": QType.Q4_K, "q5_k": QType.Q5_K, "q6_k": QType.Q6_K}
+QTYPES = {"q8_0": QType.Q8_0, "q4_0": QType.Q4_0, "q5_0": QType.Q5_0, "q5_1": QType.Q5_1, "q4_k": QType.Q4_K,
+          "q5_k": QType.Q5_K, "q6_k": QType.Q6_K}
 EXACT_KINDS = ("q8_0", "q4_0")  # quantize(): llama.cpp's own blocks
 
 
@@ -103,7 +106,12 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
                       _f16_bytes(d.float())], dim=1)
 
 
-_ENCODERS = {"q8_0": (BLOCK_SIZE, _q8_0), "q4_0": (BLOCK_SIZE, _q4_0), "q4_k": (QK, lambda x: _k_with_min(x, 4)),
+def _by_gguf(qtype: QType):
+    return lambda x: torch.from_numpy(gguf.quants.quantize(x.numpy(), qtype))
+
+
+_ENCODERS = {"q8_0": (BLOCK_SIZE, _q8_0), "q4_0": (BLOCK_SIZE, _q4_0), "q5_0": (BLOCK_SIZE, _by_gguf(QType.Q5_0)),
+             "q5_1": (BLOCK_SIZE, _by_gguf(QType.Q5_1)), "q4_k": (QK, lambda x: _k_with_min(x, 4)),
              "q5_k": (QK, lambda x: _k_with_min(x, 5)), "q6_k": (QK, _q6_k)}
 
 

@@ -114,7 +114,7 @@ def _write_gguf(path, arch, meta, tensors):
         else:
             writer.add_array(key, value)
     for name, (data, qtype) in tensors.items():
-        stored = gguf.quants.quantize(data, qtype)
+        stored = data if data.dtype == np.uint8 else gguf.quants.quantize(data, qtype)  # uint8: the blocks already
         writer.add_tensor(name, stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -271,9 +271,11 @@ def test_truncated_file(tmp_path, keep):
 
 def test_unsupported_quantization(tmp_path):
     tensors = _tiny_tensors(np.random.default_rng(0))
-    tensors["blk.1.ffn_up.weight"] = (tensors["blk.1.ffn_up.weight"][0], QType.Q5_0)
+    rows, cols = tensors["blk.1.ffn_up.weight"][0].shape
+    block, size = gguf.GGML_QUANT_SIZES[QType.IQ4_NL]
+    tensors["blk.1.ffn_up.weight"] = (np.zeros((rows, cols // block * size), np.uint8), QType.IQ4_NL)
     message = _error(_write_gguf(tmp_path / "m.gguf", "llama", _tiny_meta(), tensors))
-    assert "tensor blk.1.ffn_up.weight: unsupported quantization Q5_0" in message
+    assert "tensor blk.1.ffn_up.weight: unsupported quantization IQ4_NL" in message
 
 
 def test_unsupported_architecture_and_tokenizer(tmp_path):

@@ -28,9 +28,9 @@ from tensorfold.models.gguf_quants import KEPT_TYPES, KIND_NAMES, FileBlocks, de
 from tensorfold.models.quantize import QTYPES, gguf_blocks, quantize
 from test_quant_gemm import frexp16, shift_round  # the legacy types' oracle's integer helpers
 
-BLOCK_TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+BLOCK_TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K]
 K_TYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K]
-F16_AT = {QType.Q8_0: [0], QType.Q4_0: [0], QType.Q4_1: [0, 2], QType.Q4_K: [0, 2], QType.Q5_K: [0, 2],
+F16_AT = {QType.Q8_0: [0], QType.Q4_0: [0], QType.Q4_1: [0, 2], QType.Q5_0: [0], QType.Q5_1: [0, 2], QType.Q4_K: [0, 2], QType.Q5_K: [0, 2],
           QType.Q6_K: [208]}  # byte offsets of a block's float16 scales
 
 
@@ -377,7 +377,7 @@ def test_unsupported_block_type_names_file_tensor_and_type(tiny_q4_k_m, tmp_path
             load_gguf(bad, keep_quantized=keep)
         message = str(info.value)
         assert message.startswith(bad) and "blk.0.attn_q.weight" in message and "IQ2_XS" in message
-        assert "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K" in message
+        assert "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K" in message
 
 
 def llama3_divisors(theta: float, head_dim: int, factor: float, low: float, high: float, old: int = 8192):
