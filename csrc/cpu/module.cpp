@@ -3,9 +3,14 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "binding.h"
 #include "exact64.h"
@@ -99,6 +104,39 @@ torch::Tensor pack_quant(const std::string& kind, const torch::Tensor& codes, co
   tf::pack_quant(k, form, cc.data_ptr<int8_t>(), sc.data_ptr<int32_t>(), se.data_ptr<int32_t>(), mp, mep,
                  packed.data_ptr<uint8_t>(), n, kk, nt);
   return packed;
+}
+
+// The bytes pack_quant(quant_weight(raw)) gives, packed straight from a GGUF's blocks into `out`
+// (uint8 [quant_file_bytes(kind, n, k)], the caller's: huge pages): pieces of (offset, rows) of
+// the file at path, stacked along N. A short read or a bad scale is a ValueError saying so.
+int64_t quant_file_bytes(const std::string& kind, int64_t n, int64_t k) {
+  const int code = quant_kind(kind);
+  return tf::quant_packed_bytes(code, tf::quant_file_form(code), n, k);
+}
+
+void pack_quant_file(const torch::Tensor& out, const std::string& kind, const std::string& path,
+                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& rows, int64_t k) {
+  const int code = quant_kind(kind);
+  TORCH_CHECK(offsets.size() == rows.size() && !rows.empty(), "pack_quant_file: one row count per offset");
+  TORCH_CHECK(k > 0 && k % (code >= 3 ? 256 : 32) == 0, "pack_quant_file: K ", k, " is not whole blocks of ", kind);
+  int64_t n = 0;
+  for (int64_t r : rows) {
+    TORCH_CHECK(r >= 0, "pack_quant_file: negative row count");
+    n += r;
+  }
+  check_cpu(out, "pack_quant_file: out");
+  TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.numel() == quant_file_bytes(kind, n, k),
+              "pack_quant_file: out must be uint8 of quant_file_bytes(kind, n, k) = ", quant_file_bytes(kind, n, k));
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK_VALUE(fd >= 0, path, ": cannot open (", std::strerror(errno), ")");
+  std::string error;
+  {
+    py::gil_scoped_release released;
+    error = tf::pack_quant_file(code, fd, offsets.data(), rows.data(), static_cast<int>(rows.size()), k,
+                                out.data_ptr<uint8_t>(), threads());
+  }
+  ::close(fd);
+  TORCH_CHECK_VALUE(error.empty(), error);
 }
 
 // kernels/quant_gemm.linear over a packed weight of [n, k].
@@ -675,6 +713,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quant", &pack_quant, "quant_gemm.QuantWeight's fields in the quantized GEMM's packed layout",
         py::arg("kind"), py::arg("codes"), py::arg("scale"), py::arg("scale_exp"), py::arg("min") = py::none(),
         py::arg("min_exp") = py::none());
+  m.def("quant_file_bytes", &quant_file_bytes, "bytes of a GGUF tensor's blocks packed by pack_quant_file",
+        py::arg("kind"), py::arg("n"), py::arg("k"));
+  m.def("pack_quant_file", &pack_quant_file,
+        "a GGUF tensor's blocks (pieces of rows stacked along N) packed as pack_quant packs them, into out",
+        py::arg("out"), py::arg("kind"), py::arg("path"), py::arg("offsets"), py::arg("rows"), py::arg("k"));
   m.def("quant_rows", &quant_rows, "rows of a packed quantized weight, dequantized to float32 (an embedding)",
         py::arg("packed"), py::arg("ids"), py::arg("n"), py::arg("k"));
   m.def("quant_linear", &quant_linear, "kernels/quant_gemm.linear with a weight from pack_quant, of shape [n, k]",

@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
 
 #include "kernels.h"
 #include "quant_gemm.h"
@@ -232,6 +236,318 @@ bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64
                        (h->form == SUPER && (h->kind == Q4K || h->kind == Q6K) && K % (BLOCK * SUPER_BLOCKS) == 0);
   return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < 6 && form_ok &&
          bytes == Layout(static_cast<int>(h->kind), static_cast<int>(h->form), N, K).total;
+}
+
+}  // namespace tf
+
+namespace tf {
+
+// ---- Packing straight from a GGUF's block bytes ------------------------------------------------
+//
+// pack_quant_file writes the bytes pack_quant(quant_weight(raw)) writes, from the file's blocks
+// (gguf_quants.py's layouts) without widening them: for each group of 16 rows, (1) pread the rows'
+// bytes into a buffer of the thread's, (2) per row decode every block's float16 scales to their
+// significands and exponents (the column's top and the group's lows, as pack_quant finds them),
+// (3) per block re-lay the codes u = c + offset into the record (4-bit codes: the file's q4_0 /
+// q4_1 bytes are already quad q's nibbles low and quad q + 4's high), (4) write the scales in the
+// form a file's blocks always pack in: F16 for q8_0 / q4_0 / q4_1 (the file's float16 bits, a
+// -0 as +0), SUPER for q4_k / q6_k (the super-block's d, dmin and sub-block scales, factored
+// from S = dm sc exactly as pack_quant factors them: the file's own bytes whenever d > 0 and
+// the sub-block scales have gcd 1, the common case, else factor_scales' pick), WIDE for q5_k.
+namespace {
+
+using namespace quant;
+
+struct FileKind {
+  int weights, bytes;  // per block in the file
+};
+constexpr FileKind FILE_KINDS[] = {{32, 34}, {32, 18}, {32, 20}, {256, 144}, {256, 176}, {256, 210}};
+
+inline uint16_t load16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline bool finite16(uint16_t bits) { return ((bits >> 10) & 0x1F) != 0x1F; }
+
+int small_gcd(const int32_t* v, int n) {
+  int g = 0;
+  for (int i = 0; i < n && g != 1; ++i) g = std::gcd(g, v[i] < 0 ? -v[i] : v[i]);
+  return g;
+}
+
+// q4_k / q5_k's 12 scale bytes -> sc[8], m[8] (gguf_quants._k_scales).
+inline void file_k_scales(const uint8_t* s, int32_t* sc, int32_t* m) {
+  for (int i = 0; i < 4; ++i) {
+    sc[i] = s[i] & 63;
+    m[i] = s[i + 4] & 63;
+    sc[i + 4] = (s[i + 8] & 15) | ((s[i] >> 6) << 4);
+    m[i + 4] = (s[i + 8] >> 4) | ((s[i + 4] >> 6) << 4);
+  }
+}
+
+// The codes u of block b (32 weights) of a row whose file bytes start at `row`.
+inline void file_codes(int kind, const uint8_t* row, int64_t b, uint8_t* u) {
+  switch (kind) {
+    case 0: {  // q8_0: c = q, u = c + 128
+      const uint8_t* q = row + b * 34 + 2;
+      for (int k = 0; k < BLOCK; ++k) u[k] = static_cast<uint8_t>(q[k] ^ 0x80);
+      return;
+    }
+    case 4: {  // q5_k: the nibble of sub-block b, the fifth bit from qh
+      const uint8_t* sb = row + (b / 8) * 176;
+      const uint8_t* qs = sb + 48 + 32 * ((b % 8) / 2);
+      const int shift = 4 * (b % 2), bit = b % 8;
+      for (int k = 0; k < BLOCK; ++k)
+        u[k] = static_cast<uint8_t>(((qs[k] >> shift) & 15) | (((sb[16 + k] >> bit) & 1) << 4));
+      return;
+    }
+    case 5: {  // q6_k: half h, quarter r: low nibble s of ql, top two bits r of qh
+      const uint8_t* sb = row + (b / 8) * 210;
+      const int h = static_cast<int>((b % 8) / 4), r = static_cast<int>(b % 4);
+      const uint8_t* ql = sb + 64 * h + 32 * (r % 2);
+      const uint8_t* qh = sb + 128 + 32 * h;
+      const int shift = 4 * (r / 2);
+      for (int k = 0; k < BLOCK; ++k)
+        u[k] = static_cast<uint8_t>(((ql[k] >> shift) & 15) | (((qh[k] >> (2 * r)) & 3) << 4));
+      return;
+    }
+    default: {  // q4_k: sub-block b's nibbles (q4_0 / q4_1 are copied as bytes: never here)
+      const uint8_t* qs = row + (b / 8) * 144 + 16 + 32 * ((b % 8) / 2);
+      const int shift = 4 * (b % 2);
+      for (int k = 0; k < BLOCK; ++k) u[k] = static_cast<uint8_t>((qs[k] >> shift) & 15);
+    }
+  }
+}
+
+// Block b's codes of column j into its record (pack_column's placement).
+inline void write_codes(const Layout& L, int kind, const uint8_t* u, uint8_t* rec, int j) {
+  const bool nibbles = L.kind.nibbles || L.form == SUPER;
+  if (!nibbles) {
+    for (int q = 0; q < 8; ++q) std::memcpy(rec + code_index(false, j, 4 * q), u + 4 * q, 4);
+    return;
+  }
+  uint8_t bytes[16];
+  for (int x = 0; x < 16; ++x) bytes[x] = static_cast<uint8_t>((u[x] & 15) | ((u[x + 16] & 15) << 4));
+  for (int q = 0; q < 4; ++q) std::memcpy(rec + code_index(true, j, 4 * q), bytes + 4 * q, 4);
+  if (kind == Q6K) {
+    for (int row = 0; row < 2; ++row) {
+      uint8_t bits[4] = {};
+      for (int q = 4 * row; q < 4 * row + 4; ++q)
+        for (int i = 0; i < 4; ++i) bits[i] |= static_cast<uint8_t>((u[4 * q + i] >> 4) << (2 * (q % 4)));
+      std::memcpy(rec + L.code_bytes + row * 64 + j * 4, bits, 4);
+    }
+  }
+}
+
+// v = dm f (f in [lo, hi]) as factor_scales would factor it: (dm, f) themselves where dm > 0 and
+// gcd(f) = 1 (then its first candidate, t = 1, is exactly that), else factor_scales' answer.
+bool canonical_factors(int32_t dm, const int32_t* f_in, int n, int e, int lo, int hi, int32_t* dm_out,
+                       int32_t* f_out) {
+  if (dm > 0 && small_gcd(f_in, n) == 1) {
+    *dm_out = dm;
+    std::copy_n(f_in, n, f_out);
+    return true;
+  }
+  int32_t v[16];
+  for (int i = 0; i < n; ++i) v[i] = dm * f_in[i];
+  return factor_scales(v, n, e, lo, hi, dm_out, f_out);
+}
+
+// Row n's (column j's) scales of every block into the group's records, and its top and lows.
+// Returns false on an infinite or NaN scale.
+bool file_column_scales(const Layout& L, int kind, const uint8_t* row, uint8_t* packed, int64_t g, int j,
+                        int32_t* top, int32_t* low) {
+  const int64_t blocks = L.blocks;
+  if (kind <= 2) {  // F16: one d (and q4_1's m) per block
+    const int stride = FILE_KINDS[kind].bytes;
+    int t = -(1 << 20);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t d = load16(row + b * stride);
+      if (!finite16(d)) return false;
+      int32_t dm, de;
+      significand16(d, &dm, &de);
+      t = std::max(t, de);
+      if (kind == 2) {
+        const uint16_t m = load16(row + b * stride + 2);
+        if (!finite16(m)) return false;
+        int32_t mm, me;
+        significand16(m, &mm, &me);
+        t = std::max(t, me);
+      }
+    }
+    *top = t;
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* rec = const_cast<uint8_t*>(record_at(packed, L, g, b));
+      int32_t dm, de;
+      significand16(load16(row + b * stride), &dm, &de);
+      const uint16_t bits = static_cast<uint16_t>(float16_bits(dm, de));  // -0 -> +0
+      std::memcpy(rec + L.code_bytes + 2 * j, &bits, 2);
+      if (dm != 0) low[0] = std::min(low[0], de - t);
+      if (kind == 2) {
+        int32_t mm, me;
+        significand16(load16(row + b * stride + 2), &mm, &me);
+        const uint16_t mbits = static_cast<uint16_t>(float16_bits(mm, me));
+        std::memcpy(rec + L.min_at + 2 * j, &mbits, 2);
+        if (mm != 0) low[1] = std::min(low[1], me - t);
+      }
+    }
+    return true;
+  }
+  // K-quants: per super-block d (and dmin), sub-block scales
+  const int stride = FILE_KINDS[kind].bytes;
+  const int64_t supers = blocks / SUPER_BLOCKS;
+  const int d_at = kind == Q6K ? 208 : 0;
+  int t = -(1 << 20);
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint16_t d = load16(row + s * stride + d_at);
+    if (!finite16(d)) return false;
+    int32_t dm, de;
+    significand16(d, &dm, &de);
+    t = std::max(t, de);
+    if (kind != Q6K) {
+      const uint16_t dmin = load16(row + s * stride + 2);
+      if (!finite16(dmin)) return false;
+      int32_t mm, me;
+      significand16(dmin, &mm, &me);
+      t = std::max(t, me);
+    }
+  }
+  *top = t;
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* sb = row + s * stride;
+    int32_t dm, de, mm = 0, me = 0;
+    significand16(load16(sb + d_at), &dm, &de);
+    int32_t sc[16], m[8];
+    if (kind == Q6K) {
+      for (int i = 0; i < 16; ++i) sc[i] = static_cast<int8_t>(sb[192 + i]);
+    } else {
+      significand16(load16(sb + 2), &mm, &me);
+      file_k_scales(sb + 4, sc, m);
+    }
+    for (int i = 0; i < SUPER_BLOCKS; ++i) {  // pack_quant's lows: a zero S or M has no shift
+      const bool any = kind == Q6K ? (dm * sc[2 * i] != 0 || dm * sc[2 * i + 1] != 0) : dm * sc[i] != 0;
+      if (any) low[0] = std::min(low[0], de - t);
+      if (kind != Q6K && mm * m[i] != 0) low[1] = std::min(low[1], me - t);
+    }
+    if (L.form == SUPER) {
+      SuperScales out;
+      int32_t dm2;
+      if (kind == Q6K) {
+        if (!canonical_factors(dm, sc, 16, de, -128, 127, &dm2, out.sc)) return false;
+        out.d = static_cast<uint16_t>(float16_bits(dm2, de));
+      } else {
+        if (!canonical_factors(dm, sc, 8, de, 0, 63, &dm2, out.sc)) return false;
+        out.d = static_cast<uint16_t>(float16_bits(dm2, de));
+        int32_t neg, negm[8];  // M = -(mm m): factor -mm m as factor_scales would
+        for (int i = 0; i < 8; ++i) negm[i] = -m[i];
+        int32_t v[8];
+        if (mm > 0 && small_gcd(m, 8) == 1) {  // factor_scales: t = 1 fails its sign, -mm with m succeeds
+          neg = -mm;
+          std::copy_n(m, 8, out.m);
+        } else {
+          for (int i = 0; i < 8; ++i) v[i] = mm * negm[i];
+          if (!factor_scales(v, 8, me, 0, 63, &neg, out.m)) return false;
+        }
+        if (float16_bits(-neg, me) < 0) return false;
+        out.dmin = static_cast<uint16_t>(float16_bits(-neg, me));
+      }
+      uint8_t* rec = const_cast<uint8_t*>(record_at(packed, L, g, s * SUPER_BLOCKS));
+      write_super_head(kind, out, j, const_cast<uint8_t*>(super_head(rec, L, s * SUPER_BLOCKS)));
+    } else {  // WIDE (q5_k): S = dm sc, E - top, M = -(mm m), F - top per block
+      for (int i = 0; i < SUPER_BLOCKS; ++i) {
+        uint8_t* rec = const_cast<uint8_t*>(record_at(packed, L, g, s * SUPER_BLOCKS + i));
+        const int32_t S = dm * sc[i], M = -(mm * m[i]);
+        std::memcpy(rec + L.code_bytes + 4 * j, &S, 4);
+        rec[L.sexp_at + j] = static_cast<uint8_t>(static_cast<int8_t>(de - t));
+        std::memcpy(rec + L.min_at + 4 * j, &M, 4);
+        rec[L.mexp_at + j] = static_cast<uint8_t>(static_cast<int8_t>(me - t));
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int quant_file_form(int kind) { return kind <= 2 ? F16 : (kind == Q4K || kind == Q6K) ? SUPER : WIDE; }
+
+int64_t quant_file_row_bytes(int kind, int64_t K) { return K / FILE_KINDS[kind].weights * FILE_KINDS[kind].bytes; }
+
+std::string pack_quant_file(int kind, int fd, const int64_t* offsets, const int64_t* rows, int pieces, int64_t K,
+                            uint8_t* packed, int threads) {
+  int64_t N = 0;
+  for (int p = 0; p < pieces; ++p) N += rows[p];
+  const Layout L(kind, quant_file_form(kind), N, K);
+  const int64_t row_bytes = quant_file_row_bytes(kind, K), group_bytes = L.blocks * L.record;
+  const Header h{MAGIC, kind, N, K, L.form};
+  std::memset(packed, 0, 64);
+  std::memcpy(packed, &h, sizeof(h));
+  int32_t* top = reinterpret_cast<int32_t*>(packed + L.top);
+  int32_t* lows = reinterpret_cast<int32_t*>(packed + L.lows);
+  std::memset(packed + 64 + L.groups * group_bytes, 0, L.top - 64 - L.groups * group_bytes);
+  std::memset(packed + L.top + L.groups * GROUP * 4, 0, L.lows - L.top - L.groups * GROUP * 4);
+  std::memset(packed + L.lows + L.groups * 2 * 4, 0, L.total - L.lows - L.groups * 2 * 4);
+  std::string error;
+  // Groups in parallel as pack_quant runs them; each thread reads its group's 16 rows itself.
+#pragma omp parallel num_threads(threads) if (threads > 1 && L.groups > 1)
+  {
+    std::vector<uint8_t> buffer(GROUP * row_bytes);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t g = 0; g < L.groups; ++g) {
+      std::string failed;
+      // (1) the group's rows, one pread per run of rows inside one piece
+      const int64_t first = g * GROUP, count = std::min<int64_t>(GROUP, N - first);
+      int64_t n = first, piece = 0, start = 0;
+      while (piece < pieces && start + rows[piece] <= n) start += rows[piece++];
+      for (int64_t done = 0; done < count && failed.empty();) {
+        const int64_t run = std::min(count - done, start + rows[piece] - n);
+        const int64_t want = run * row_bytes;
+        int64_t got = 0;
+        while (got < want) {
+          const ssize_t r = pread(fd, buffer.data() + done * row_bytes + got, want - got,
+                                  offsets[piece] + (n - start) * row_bytes + got);
+          if (r <= 0) break;
+          got += r;
+        }
+        if (got < want) failed = "is cut short (a read came back with " + std::to_string(got) + " of " +
+                                 std::to_string(want) + " bytes)";
+        done += run;
+        n += run;
+        start += rows[piece++];
+      }
+      std::memset(packed + 64 + g * group_bytes, 0, group_bytes);
+      int32_t low[2] = {1 << 20, 1 << 20};
+      for (int j = 0; j < GROUP && failed.empty(); ++j) {
+        top[first + j] = 0;
+        if (j >= count) continue;
+        const uint8_t* row = buffer.data() + j * row_bytes;
+        // (2) the scales, (3) the codes
+        if (!file_column_scales(L, kind, row, packed, g, j, &top[first + j], low)) {
+          failed = "has an infinite or NaN block scale";
+          break;
+        }
+        for (int64_t b = 0; b < L.blocks; ++b) {
+          uint8_t* rec = const_cast<uint8_t*>(record_at(packed, L, g, b));
+          if (kind == 1 || kind == 2) {  // the file's 16 bytes are the packed nibbles already
+            const uint8_t* qs = row + b * FILE_KINDS[kind].bytes + (kind == 1 ? 2 : 4);
+            for (int q = 0; q < 4; ++q) std::memcpy(rec + code_index(true, j, 4 * q), qs + 4 * q, 4);
+            continue;
+          }
+          uint8_t u[BLOCK];
+          file_codes(kind, row, b, u);
+          write_codes(L, kind, u, rec, j);
+        }
+      }
+      for (int i = 0; i < 2; ++i) lows[2 * g + i] = low[i] == 1 << 20 ? 0 : low[i];
+      if (!failed.empty()) {
+#pragma omp critical(pack_quant_file)
+        if (error.empty()) error = failed;
+      }
+    }
+  }
+  return error;
 }
 
 }  // namespace tf

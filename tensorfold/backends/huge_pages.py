@@ -46,7 +46,8 @@ def _region(nbytes: int) -> torch.Tensor:
 
 
 class Arena:
-    """Places tensors in huge-page regions: `place(t)` returns a copy of t living there."""
+    """Places tensors in huge-page regions: `place(t)` returns a copy of t living there, `empty(n)`
+    n bytes there to be written."""
 
     def __init__(self):
         self.enabled = available()
@@ -56,7 +57,20 @@ class Arena:
     def place(self, t: torch.Tensor) -> torch.Tensor:
         if not self.enabled or t.device.type != "cpu":
             return t
-        nbytes = t.numel() * t.element_size()
+        block = self._block(t.numel() * t.element_size())
+        if block is None:
+            return t
+        out = block.view(t.dtype).view(t.shape)
+        out.copy_(t)
+        return out
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialized uint8 tensor of nbytes in huge pages (in ordinary memory where there are
+        none), for a packer that writes its result in place: nothing is copied."""
+        block = self._block(nbytes) if self.enabled else None
+        return torch.empty(nbytes, dtype=torch.uint8) if block is None else block
+
+    def _block(self, nbytes: int) -> torch.Tensor | None:
         try:
             if nbytes > REGION:
                 block = _region(nbytes)
@@ -68,10 +82,8 @@ class Arena:
         except OSError as e:  # the mapping or the advice refused (a container, a strict limit)
             log.warning("huge pages: %s; the packed weights stay in ordinary pages", e)
             self.enabled = False
-            return t
-        out = block[:nbytes].view(t.dtype).view(t.shape)
-        out.copy_(t)
-        return out
+            return None
+        return block[:nbytes]
 
 
 arena = Arena()  # the process's: the packed weights of every model the cpu backend loads

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorfold.kernels import quant_gemm
+from tensorfold.models.gguf_quants import FileBlocks, FileStack
 
 
 @dataclass(frozen=True)
@@ -36,17 +37,20 @@ def format_of(part) -> str:
 
 
 def quantized(part) -> bool:
-    """Whether a checkpoint matrix is in quantized blocks (else a dense tensor)."""
-    return isinstance(part, quant_gemm.QuantWeight)
+    """Whether a checkpoint matrix is in quantized blocks (else a dense tensor): a QuantWeight, or
+    blocks still in their GGUF (FileBlocks, FileStack: only an op set that reads_files gets these)."""
+    return isinstance(part, (quant_gemm.QuantWeight, FileBlocks, FileStack))
 
 
 def fuse_parts(parts: list) -> list:
     """Checkpoint matrices to multiply as one: those of one format stacked along N into a single
-    part; mixed formats stay separate parts (in order)."""
+    part (blocks still in the file as a FileStack); mixed formats stay separate parts (in order)."""
     if len(parts) == 1 or len({format_of(p) for p in parts}) > 1:
         return list(parts)
+    if all(isinstance(p, (FileBlocks, FileStack)) for p in parts):
+        return [FileStack(parts)]
     if quantized(parts[0]):
-        return [quant_gemm.cat(parts)]
+        return [quant_gemm.cat([p.load() if isinstance(p, (FileBlocks, FileStack)) else p for p in parts])]
     return [torch.cat(parts)]
 
 
@@ -77,6 +81,7 @@ def per_head(x: torch.Tensor, weights: list) -> torch.Tensor:
 class LinearWeight:
     """Base of every op set's weight type; subclasses define pack() and multiply()."""
     quantized = staticmethod(quantized)
+    reads_files = False  # whether pack() takes blocks still in their GGUF (else they are loaded first)
 
     def __init__(self, parts: list, bias: torch.Tensor | None = None, shard: Shard | None = None):
         """parts: checkpoint matrices ([N_i, K] tensors or QuantWeights) stacked along N."""

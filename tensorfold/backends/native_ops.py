@@ -21,6 +21,8 @@ from tensorfold.kernels.reference import pad_rows, relu_squared, rope_table, sof
 # Nemotron-H's routing: the torch reference (no C++ form yet)
 from tensorfold.kernels.moe import route_sigmoid  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
+from tensorfold.models.checkpoint import CheckpointError
+from tensorfold.models.gguf_quants import FileBlocks, FileStack, file_pieces
 from tensorfold.models.linear_attention import GatedDeltaNet
 from tensorfold.models.mamba2 import Mamba2
 from tensorfold.models.moe import MoE
@@ -106,7 +108,22 @@ class Linear(LinearWeight):
     GEMM's tile layout, quantized parts (kernels/quant_gemm.QuantWeight) in the quantized GEMM's
     one byte tensor that carries its kind and shape."""
 
+    reads_files = True
+
     def pack(self, part) -> Packed:
+        if isinstance(part, (FileBlocks, FileStack)):
+            pieces = file_pieces(part)
+            if pieces is None:  # rearranged after reading (a hybrid's permutations): the reference's form first
+                part = part.load()
+            else:  # straight from the file's bytes into huge pages: the bytes pack_quant gives
+                path, offsets, rows = pieces
+                n, k = part.shape
+                data = arena.empty(_cpu.quant_file_bytes(part.kind, n, k))
+                try:
+                    _cpu.pack_quant_file(data, part.kind, path, offsets, rows, k)
+                except ValueError as e:
+                    raise CheckpointError(f"{path}: tensor {part.name} ({part.qtype.name}) {e}") from e
+                return Packed(data, n, k, quantized=True)
         if self.quantized(part):
             data = _cpu.pack_quant(part.kind, part.codes, part.scale, part.scale_exp, part.min, part.min_exp)
             return Packed(arena.place(data), *part.shape, quantized=True)

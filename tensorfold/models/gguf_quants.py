@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tensorfold.kernels.quant_gemm import QuantWeight, from_legacy, significand
+from tensorfold.kernels.quant_gemm import QuantWeight, cat, from_legacy, significand
 from tensorfold.models.checkpoint import CheckpointError
 
 BLOCK_SIZE = 32
@@ -253,3 +253,32 @@ class FileBlocks:
 
     def dequantize(self) -> torch.Tensor:
         return self.load().dequantize()
+
+
+class FileStack:
+    """FileBlocks of one type stacked along N (a fused Q/K/V or gate/up), still in the file: what
+    an op set that packs from the file's bytes (native_ops) takes whole; load() for the others."""
+
+    def __init__(self, parts: list):
+        flat = [q for p in parts for q in (p.parts if isinstance(p, FileStack) else (p,))]
+        if len({p.kind for p in flat}) != 1 or len({p.shape[1] for p in flat}) != 1:
+            raise ValueError("stacked blocks must share their type and width")
+        self.parts = tuple(flat)
+        self.kind, self.qtype, self.name = flat[0].kind, flat[0].qtype, "+".join(p.name for p in flat)
+        self.shape = (sum(p.shape[0] for p in flat), flat[0].shape[1])
+
+    def load(self) -> QuantWeight:
+        return cat([p.load() for p in self.parts])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.load().dequantize()
+
+
+def file_pieces(blocks) -> tuple[str, list[int], list[int]] | None:
+    """(path, offsets, rows) of FileBlocks or a FileStack whose bytes are the matrix's rows in
+    order, one range per part (what _cpu.pack_quant_file reads); None where a part rearranges its
+    blocks after reading (steps) or the parts lie in different files."""
+    parts = blocks.parts if isinstance(blocks, FileStack) else (blocks,)
+    if any(p.steps for p in parts) or len({p.path for p in parts}) != 1:
+        return None
+    return parts[0].path, [p.offset for p in parts], [p.shape[0] for p in parts]

@@ -51,12 +51,14 @@ class WeightReader:
         return self.tensors[full].to(device=self.device, dtype=torch.float32).contiguous()
 
     def matrix(self, name: str):
-        """A GEMM matrix as stored for the op set: quantized blocks stay blocks (on the device),
-        dense ones become the dtype."""
+        """A GEMM matrix as stored for the op set: quantized blocks stay blocks (on the device;
+        left in the file for an op set that packs from it), dense ones become the dtype."""
         full = self.prefix + name
         stored = self.tensors.get(full)
-        if isinstance(stored, FileBlocks):  # read from its file now, and not kept here
-            return stored.load().to(self.device)
+        if isinstance(stored, FileBlocks):
+            if self.ops.Linear.reads_files and self.device.type == "cpu":
+                return stored  # packed from the file's bytes by Linear
+            return stored.load().to(self.device)  # read from its file now, and not kept here
         if isinstance(stored, quant_gemm.QuantWeight):
             return stored.to(self.device)
         return self.dense(name)

@@ -137,7 +137,10 @@ class ShardReader(WeightReader):
 
 
 def _take_rows(matrix, start: int, stop: int):
-    """Rows [start, stop) of a checkpoint matrix (a tensor or QuantWeight), as their own copy."""
+    """Rows [start, stop) of a checkpoint matrix (a tensor or QuantWeight), as their own copy
+    (blocks still in the file: those rows of it, read when packed)."""
+    if isinstance(matrix, FileBlocks):
+        return matrix.rows(slice(start, stop))
     return _copy(matrix[start:stop] if isinstance(matrix, torch.Tensor) else matrix.rows(slice(start, stop)))
 
 
