@@ -69,23 +69,24 @@ class MLXBackend:
     def allocate(self, context_length: int) -> Allocation:
         """Every layer's cache within --kv-cache-gib, and at least one full window: attention's
         K/V (PagedKV: blocks of block_size tokens, each vector's exponent beside it) and Gated
-        DeltaNet's state per block (RecurrentState: float32, the torch backends' layout, so the
-        engine resumes such a model at block boundaries)."""
+        DeltaNet's and Mamba2's states per block (RecurrentState: float32, the torch backends'
+        layout, so the engine resumes such a model at block boundaries); a feed-forward layer
+        (spec None) keeps nothing."""
         config, specs = self.config, self.model.cache_specs()
         itemsize = torch.finfo(self.kv_dtype).bits // 8
         per_block = sum(spec.bytes_per_block(torch.float32, config.block_size) if spec.recurrent
                         else 2 * spec.num_kv_heads * (spec.head_dim * itemsize + 4) * config.block_size  # + exponents
-                        for spec in specs)
+                        for spec in specs if spec is not None)
         num_blocks = max(int(config.kv_cache_gib * 2**30) // per_block, -(-context_length // config.block_size))
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
         dtype = ops.DTYPES[self.kv_dtype]
-        self.caches = [delta_net.LayerState(spec, num_blocks) if spec.recurrent
+        self.caches = [None if spec is None else delta_net.LayerState(spec, num_blocks) if spec.recurrent
                        else ops.LayerCache(num_blocks * config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
                        for spec in specs]
-        mx.eval(*[a for c in self.caches for a in c.arrays])
-        nbytes = sum(c.nbytes for c in self.caches)
+        mx.eval(*cache_arrays(self.caches))
+        nbytes = sum(c.nbytes for c in self.caches if c is not None)
         kinds: dict[str, int] = {}
-        for spec in specs:
+        for spec in filter(None, specs):
             kinds[type(spec).__name__] = kinds.get(type(spec).__name__, 0) + 1
         return Allocation(num_blocks, cached, nbytes, ", ".join(f"{n} x {name}" for name, n in kinds.items()),
                           ModelCache.recurrent(specs))
@@ -117,7 +118,7 @@ class MLXRunner:
     def execute(self, plan: StepPlan) -> list[list[int]]:
         batch = self._batch(plan)
         logits = self.model.forward(batch, self.caches)
-        mx.eval(logits, *[a for c in self.caches for a in c.arrays])
+        mx.eval(logits, *cache_arrays(self.caches))
         rows = [row for req in plan.requests for row in req.rows]
         return per_request(plan, sample(ops.to_torch(logits), rows, bitmask=plan.bitmask) if rows else [])
 
@@ -138,6 +139,11 @@ class MLXRunner:
         return MLXBatch(mx.array(np.asarray(input_ids, dtype=np.int32)), np.concatenate(positions),
                         mx.array(np.concatenate(slots)), sequences, mx.array(np.asarray(logits_rows, dtype=np.int32)),
                         state_in, state_out)
+
+
+def cache_arrays(caches: list) -> list[mx.array]:
+    """Every array of the layers' caches (a feed-forward layer's None has none)."""
+    return [a for c in caches if c is not None for a in c.arrays]
 
 
 def ieee_problem() -> str | None:

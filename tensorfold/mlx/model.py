@@ -1,5 +1,7 @@
 """The decoder on MLX arrays: attention (plain or gated: llama, qwen3, the Qwen hybrids' full
-layers) or Gated DeltaNet mixers, with dense SwiGLU or mixture-of-experts feed-forwards.
+layers; with or without rope) or Gated DeltaNet mixers, with dense SwiGLU or mixture-of-experts
+feed-forwards; and Nemotron-H's single-block layers (one norm, then a Mamba2 mixer, attention
+without rope, a relu^2 MLP or its sigmoid-routed MoE: mlx/mamba2.py, mlx/nemotron_h.py).
 
 Built from the same layer specs (models/spec.py) and checkpoint readers (HF directories, GGUF
 blocks served as stored) as the torch model, with this backend's ops (tensorfold/mlx/ops.py)
@@ -27,7 +29,9 @@ from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
 from tensorfold.kernels.reference import rope_table
 from tensorfold.models.rope import FIRST_ROWS
-from tensorfold.mlx import delta_net, moe, ops
+from tensorfold.mlx import delta_net, mamba2, moe, nemotron_h, ops
+from tensorfold.models.mamba2 import Mamba2Spec
+from tensorfold.models.nemotron_h import NemotronMoESpec, ReluSquaredMLPSpec
 
 
 class _WeightOps:
@@ -102,7 +106,7 @@ class Attention:
         if spec.qk_norm and (self.q_norm is None or self.k_norm is None):
             raise CheckpointError(f"{attn.prefix}: the config asks for QK-norm, the checkpoint lacks "
                                   "q_norm / k_norm weights")
-        self.rope = RopeRows(spec)
+        self.rope = RopeRows(spec) if spec.rope is not None else None
         self.cache_spec = PagedKV(spec.num_kv_heads, spec.head_dim, spec.window)
 
     def __call__(self, x: mx.array, batch: MLXBatch, cache: ops.LayerCache, rope_rows) -> mx.array:
@@ -115,7 +119,7 @@ class Attention:
             q, gate = q[..., :s.head_dim], q[..., s.head_dim:].reshape(rows, q_size // 2)
         k = qkv[:, q_size:q_size + kv_size].reshape(rows, s.num_kv_heads, s.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(rows, s.num_kv_heads, s.head_dim)
-        cos, sin = rope_rows(self.rope)
+        cos, sin = rope_rows(self.rope) if self.rope is not None else (None, None)
         q, k = self._position(q, self.q_norm, cos, sin), self._position(k, self.k_norm, cos, sin)
         ops.write_kv(cache, k, v, batch.slots)
         out = [ops.attention(q[seq.start:seq.end], cache, seq.positions, seq.key_slots, s.scale, s.window)
@@ -126,9 +130,14 @@ class Attention:
             out = ops.sigmoid_and_mul(gate, out)
         return self.o(out)
 
+    def gemms(self) -> dict:
+        return {"qkv": self.qkv, "o_proj": self.o}
+
     def _position(self, x, norm, cos, sin):
         if norm is not None:
             x = ops.rms_norm(x, norm, self.eps)
+        if cos is None:  # no positional encoding (Nemotron-H)
+            return x
         rope_dim = self.spec.rope_dim
         if rope_dim == self.spec.head_dim:
             return ops.apply_rope(x, cos, sin)
@@ -166,6 +175,9 @@ class GatedDeltaNet:
         self.cache_spec = RecurrentState(spec.conv_dim, spec.conv_kernel, spec.num_heads, spec.key_dim,
                                          spec.value_dim)
 
+    def gemms(self) -> dict:
+        return {"in_proj": self.in_proj, "out_proj": self.out_proj}
+
     def __call__(self, x: mx.array, batch: MLXBatch, state: delta_net.LayerState, rope_rows) -> mx.array:
         s, rows = self.spec, x.shape[0]
         width = s.num_heads * s.value_dim
@@ -177,28 +189,36 @@ class GatedDeltaNet:
         return self.out_proj(normed.reshape(rows, width))
 
 
-MIXERS = {AttentionSpec: Attention, LinearAttentionSpec: GatedDeltaNet}  # spec type -> MLX block
-FFNS = {MLPSpec: MLP, MoESpec: moe.MoE}
+MIXERS = {AttentionSpec: Attention, LinearAttentionSpec: GatedDeltaNet, Mamba2Spec: mamba2.Mamba2}  # spec type -> MLX block
+FFNS = {MLPSpec: MLP, MoESpec: moe.MoE, ReluSquaredMLPSpec: nemotron_h.ReluSquaredMLP,
+        NemotronMoESpec: nemotron_h.NemotronMoE}
 
 
 class DecoderLayer:
+    """norm -> mixer -> add & norm -> ffn -> add; or a single-block layer (the spec's mixer or ffn
+    None: models/blocks.DecoderLayer's rule), norm -> the block -> add, one norm, and no cache
+    where the block is a feed-forward."""
+
     def __init__(self, spec: LayerSpec, w: WeightReader):
-        if type(spec.mixer) not in MIXERS or type(spec.ffn) not in FFNS:
-            raise CheckpointError(f"the mlx backend runs attention, gated attention and Gated DeltaNet mixers with "
-                                  f"dense MLPs or MoE feed-forwards; this checkpoint has {type(spec.mixer).__name__} + "
-                                  f"{type(spec.ffn).__name__} layers: use --backend cpu")
+        if (spec.mixer is None and spec.ffn is None) or (spec.mixer is not None and type(spec.mixer) not in MIXERS) \
+                or (spec.ffn is not None and type(spec.ffn) not in FFNS):
+            raise CheckpointError(f"the mlx backend runs attention, gated attention, Gated DeltaNet and Mamba2 mixers "
+                                  f"with dense, relu^2 or MoE feed-forwards; this checkpoint has "
+                                  f"{type(spec.mixer).__name__} + {type(spec.ffn).__name__} layers: use --backend cpu")
         self.eps = spec.norm_eps
         self.input_norm = _mx(w.norm("input_layernorm.weight"))
-        self.post_mixer_norm = _mx(w.norm("post_attention_layernorm.weight"))
-        self.mixer = MIXERS[type(spec.mixer)](spec.mixer, w, spec.norm_eps)
-        self.ffn = FFNS[type(spec.ffn)](spec.ffn, w)
+        both = spec.mixer is not None and spec.ffn is not None
+        self.post_mixer_norm = _mx(w.norm("post_attention_layernorm.weight")) if both else None
+        self.mixer = None if spec.mixer is None else MIXERS[type(spec.mixer)](spec.mixer, w, spec.norm_eps)
+        self.ffn = None if spec.ffn is None else FFNS[type(spec.ffn)](spec.ffn, w)
         self.spec = spec
 
+    @property
+    def cache_spec(self):
+        return self.mixer.cache_spec if self.mixer is not None else None
+
     def gemms(self) -> dict:
-        mixer = self.mixer
-        names = ({"in_proj": mixer.in_proj, "out_proj": mixer.out_proj} if isinstance(mixer, GatedDeltaNet)
-                 else {"qkv": mixer.qkv, "o_proj": mixer.o})
-        return {**names, **self.ffn.gemms()}
+        return {**(self.mixer.gemms() if self.mixer else {}), **(self.ffn.gemms() if self.ffn else {})}
 
 
 class MLXModel:
@@ -226,8 +246,8 @@ class MLXModel:
             raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
 
     def cache_specs(self) -> list:
-        """Each layer's cache kind (models/cache.PagedKV or RecurrentState)."""
-        return [layer.mixer.cache_spec for layer in self.layers]
+        """Each layer's cache kind (models/cache.PagedKV or RecurrentState; None: a feed-forward layer)."""
+        return [layer.cache_spec for layer in self.layers]
 
     def forward(self, batch: MLXBatch, caches: list[ops.LayerCache]) -> mx.array:
         rope_cache: dict[int, tuple] = {}
@@ -240,8 +260,13 @@ class MLXModel:
         residual = self.embed(batch.input_ids).astype(self.mx_dtype)
         x = ops.rms_norm(residual, self.layers[0].input_norm, self.layers[0].eps)
         for i, layer in enumerate(self.layers):
-            residual = residual + layer.mixer(x, batch, caches[i], rope_rows)
-            residual = residual + layer.ffn(ops.rms_norm(residual, layer.post_mixer_norm, layer.eps))
+            if layer.mixer is None:  # a single-block layer: x + block(norm(x))
+                residual = residual + layer.ffn(x)
+            elif layer.ffn is None:
+                residual = residual + layer.mixer(x, batch, caches[i], rope_rows)
+            else:
+                residual = residual + layer.mixer(x, batch, caches[i], rope_rows)
+                residual = residual + layer.ffn(ops.rms_norm(residual, layer.post_mixer_norm, layer.eps))
             if i + 1 < len(self.layers):
                 x = ops.rms_norm(residual, self.layers[i + 1].input_norm, layer.eps)
         out = ops.rms_norm(residual[batch.logits_rows], self.norm, self.specs[-1].norm_eps)
