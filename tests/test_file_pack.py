@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
+from tensorfold.kernels.quant_gemm import cat
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.gguf_quants import QK, FileBlocks, FileStack, quant_weight
 
@@ -86,19 +87,24 @@ def _file(tmp_path, chunks: list[np.ndarray], lead: int = 7) -> tuple[str, list[
     return str(path), offsets
 
 
+def _reference_weight(chunks: list[np.ndarray], qtype: QType, k: int):
+    return cat([quant_weight(torch.from_numpy(c.reshape(-1).copy()), qtype, (c.shape[0], k)) for c in chunks])
+
+
 def _reference(chunks: list[np.ndarray], qtype: QType, k: int) -> torch.Tensor:
-    weights = [quant_weight(torch.from_numpy(c.reshape(-1).copy()), qtype, (c.shape[0], k)) for c in chunks]
-    from tensorfold.kernels.quant_gemm import cat
-    w = cat(weights) if len(weights) > 1 else weights[0]
+    w = _reference_weight(chunks, qtype, k)
     return _cpu.pack_quant(w.kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
 
 
-def _from_file(path: str, offsets: list[int], chunks: list[np.ndarray], qtype: QType, k: int) -> torch.Tensor:
-    rows = [c.shape[0] for c in chunks]
+def _from_file(path: str, offsets: list[int], chunks: list[np.ndarray], qtype: QType, k: int,
+               order: torch.Tensor | None = None) -> torch.Tensor:
+    """The chunks stacked, packed from the file (their rows in `order` where given)."""
+    rows = torch.cat([off + torch.arange(c.shape[0]) * (c.nbytes // c.shape[0]) for off, c in zip(offsets, chunks)])
+    rows = rows if order is None else rows[order]
     kind = {QType.Q8_0: "q8_0", QType.Q4_0: "q4_0", QType.Q4_1: "q4_1", QType.Q4_K: "q4_k", QType.Q5_K: "q5_k",
             QType.Q6_K: "q6_k"}[qtype]
-    out = torch.full((_cpu.quant_file_bytes(kind, sum(rows), k),), 0x5A, dtype=torch.uint8)  # every byte written
-    _cpu.pack_quant_file(out, kind, path, offsets, rows, k)
+    out = torch.full((_cpu.quant_file_bytes(kind, len(rows), k),), 0x5A, dtype=torch.uint8)  # every byte written
+    _cpu.pack_quant_file(out, kind, path, rows, k)
     return out
 
 
@@ -120,6 +126,10 @@ def test_file_pack_equals_reference(tmp_path, qtype, k, heights):
             assert torch.equal(_from_file(path, offsets, chunks, qtype, k), expected), f"{t} thread(s)"
     finally:
         torch.set_num_threads(threads)
+    order = torch.from_numpy(rng.permutation(sum(heights)))  # rows in any order (Q and K's rope order)
+    w = _reference_weight(chunks, qtype, k).rows(order)
+    assert torch.equal(_from_file(path, offsets, chunks, qtype, k, order),
+                       _cpu.pack_quant(w.kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp))
 
 
 def test_canonical_factoring_differs_from_file_bytes(tmp_path):
@@ -152,10 +162,23 @@ def test_linear_packs_file_blocks(tmp_path):
     assert torch.equal(from_file.parts[0].data, loaded.parts[0].data)
     x = torch.randn(3, 512)
     assert torch.equal(from_file(x), loaded(x))
-    flipped = blocks[0].rows(torch.arange(47, -1, -1))  # a step: packed through load()
-    assert torch.equal(native_ops.Linear.of(flipped).parts[0].data,
-                       native_ops.Linear.of(blocks[0].load().rows(torch.arange(47, -1, -1))).parts[0].data)
+    flipped = blocks[0].rows(torch.arange(47, -1, -1))  # a row order: read row by row from the file
+    assert flipped.row_ids is not None and not flipped.steps
+    assert torch.equal(native_ops.Linear.of(flipped, blocks[1]).parts[0].data,
+                       native_ops.Linear.of(blocks[0].load().rows(torch.arange(47, -1, -1)), blocks[1].load())
+                       .parts[0].data)
+    stepped = blocks[0].then(lambda w: w.rows(slice(0, 40)), (40, 512))  # a step: packed through load()
+    assert torch.equal(native_ops.Linear.of(stepped).parts[0].data,
+                       native_ops.Linear.of(blocks[0].load().rows(slice(0, 40))).parts[0].data)
     assert FileStack(blocks).shape == (64, 512)
+
+
+def test_types_kept_in_other_forms_fall_back(tmp_path):
+    """Q5_0 is kept in q8_0's form (gguf_quants): its bytes are not q8_0's, so it packs through load()."""
+    data = quants.quantize(np.random.default_rng(9).standard_normal((20, 64)).astype(np.float32), QType.Q5_0)
+    path, offsets = _file(tmp_path, [data.reshape(20, -1)])
+    blocks = FileBlocks(path, offsets[0], data.nbytes, QType.Q5_0, (20, 64), "q5_0")
+    assert torch.equal(native_ops.Linear.of(blocks).parts[0].data, native_ops.Linear.of(blocks.load()).parts[0].data)
 
 
 def test_bad_bytes_name_the_tensor(tmp_path):

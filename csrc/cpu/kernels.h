@@ -29,15 +29,14 @@ int64_t quant_packed_bytes(int kind, int form, int64_t N, int64_t K);
 void pack_quant(int kind, int form, const int8_t* codes, const int32_t* scale, const int32_t* scale_exp,
                 const int32_t* min, const int32_t* min_exp, uint8_t* packed, int64_t N, int64_t K, int threads);
 bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64_t K);
-// The same bytes straight from a GGUF's blocks (gguf_quants.FileBlocks): `pieces` ranges of the
-// open file fd, piece p rows[p] rows of K weights at offsets[p], stacked along N (fused Q/K/V),
-// packed into `packed` (quant_packed_bytes(kind, quant_file_form(kind), N, K) bytes, the caller's)
-// a group of 16 rows at a time. Returns "" or what is wrong with the bytes (a short read, an
-// infinite or NaN scale).
+// The same bytes straight from a GGUF's blocks (gguf_quants.FileBlocks): row n of K weights at
+// row_offsets[n] of the open file fd (stacked parts, a rope row order), packed into `packed`
+// (quant_packed_bytes(kind, quant_file_form(kind), N, K) bytes, the caller's) a group of 16 rows
+// at a time. Returns "" or what is wrong with the bytes (a short read, an infinite or NaN scale).
 int quant_file_form(int kind);
 int64_t quant_file_row_bytes(int kind, int64_t K);
-std::string pack_quant_file(int kind, int fd, const int64_t* offsets, const int64_t* rows, int pieces, int64_t K,
-                            uint8_t* packed, int threads);
+std::string pack_quant_file(int kind, int fd, const int64_t* row_offsets, int64_t N, int64_t K, uint8_t* packed,
+                            int threads);
 // Rows `ids` of a packed weight as float32 [count, K] (QuantWeight.rows(ids).dequantize()).
 void quant_rows(const uint8_t* packed, const int64_t* ids, int64_t count, float* out, int64_t N, int64_t K);
 void quant_linear(int dtype, const void* x, const uint8_t* packed, void* out, int64_t M, int64_t N, int64_t K,

@@ -107,23 +107,23 @@ torch::Tensor pack_quant(const std::string& kind, const torch::Tensor& codes, co
 }
 
 // The bytes pack_quant(quant_weight(raw)) gives, packed straight from a GGUF's blocks into `out`
-// (uint8 [quant_file_bytes(kind, n, k)], the caller's: huge pages): pieces of (offset, rows) of
-// the file at path, stacked along N. A short read or a bad scale is a ValueError saying so.
+// (uint8 [quant_file_bytes(kind, n, k)], the caller's: huge pages): row i of the matrix at file
+// offset row_offsets[i] (int64 [n]) of path. A short read or a bad scale is a ValueError saying so.
 int64_t quant_file_bytes(const std::string& kind, int64_t n, int64_t k) {
   const int code = quant_kind(kind);
   return tf::quant_packed_bytes(code, tf::quant_file_form(code), n, k);
 }
 
 void pack_quant_file(const torch::Tensor& out, const std::string& kind, const std::string& path,
-                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& rows, int64_t k) {
+                     const torch::Tensor& row_offsets, int64_t k) {
   const int code = quant_kind(kind);
-  TORCH_CHECK(offsets.size() == rows.size() && !rows.empty(), "pack_quant_file: one row count per offset");
+  check_cpu(row_offsets, "pack_quant_file: row_offsets");
+  TORCH_CHECK(row_offsets.dim() == 1 && row_offsets.scalar_type() == torch::kInt64,
+              "pack_quant_file: row_offsets int64 [n] expected");
   TORCH_CHECK(k > 0 && k % (code >= 3 ? 256 : 32) == 0, "pack_quant_file: K ", k, " is not whole blocks of ", kind);
-  int64_t n = 0;
-  for (int64_t r : rows) {
-    TORCH_CHECK(r >= 0, "pack_quant_file: negative row count");
-    n += r;
-  }
+  auto offsets = row_offsets.contiguous();
+  const int64_t n = offsets.numel();
+  TORCH_CHECK(n == 0 || offsets.min().item<int64_t>() >= 0, "pack_quant_file: negative offset");
   check_cpu(out, "pack_quant_file: out");
   TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.numel() == quant_file_bytes(kind, n, k),
               "pack_quant_file: out must be uint8 of quant_file_bytes(kind, n, k) = ", quant_file_bytes(kind, n, k));
@@ -132,8 +132,7 @@ void pack_quant_file(const torch::Tensor& out, const std::string& kind, const st
   std::string error;
   {
     py::gil_scoped_release released;
-    error = tf::pack_quant_file(code, fd, offsets.data(), rows.data(), static_cast<int>(rows.size()), k,
-                                out.data_ptr<uint8_t>(), threads());
+    error = tf::pack_quant_file(code, fd, offsets.data_ptr<int64_t>(), n, k, out.data_ptr<uint8_t>(), threads());
   }
   ::close(fd);
   TORCH_CHECK_VALUE(error.empty(), error);
@@ -716,8 +715,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_file_bytes", &quant_file_bytes, "bytes of a GGUF tensor's blocks packed by pack_quant_file",
         py::arg("kind"), py::arg("n"), py::arg("k"));
   m.def("pack_quant_file", &pack_quant_file,
-        "a GGUF tensor's blocks (pieces of rows stacked along N) packed as pack_quant packs them, into out",
-        py::arg("out"), py::arg("kind"), py::arg("path"), py::arg("offsets"), py::arg("rows"), py::arg("k"));
+        "a GGUF tensor's blocks (row i at file offset row_offsets[i]) packed as pack_quant packs them, into out",
+        py::arg("out"), py::arg("kind"), py::arg("path"), py::arg("row_offsets"), py::arg("k"));
   m.def("quant_rows", &quant_rows, "rows of a packed quantized weight, dequantized to float32 (an embedding)",
         py::arg("packed"), py::arg("ids"), py::arg("n"), py::arg("k"));
   m.def("quant_linear", &quant_linear, "kernels/quant_gemm.linear with a weight from pack_quant, of shape [n, k]",

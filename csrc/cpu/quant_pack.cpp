@@ -475,10 +475,8 @@ int quant_file_form(int kind) { return kind <= 2 ? F16 : (kind == Q4K || kind ==
 
 int64_t quant_file_row_bytes(int kind, int64_t K) { return K / FILE_KINDS[kind].weights * FILE_KINDS[kind].bytes; }
 
-std::string pack_quant_file(int kind, int fd, const int64_t* offsets, const int64_t* rows, int pieces, int64_t K,
-                            uint8_t* packed, int threads) {
-  int64_t N = 0;
-  for (int p = 0; p < pieces; ++p) N += rows[p];
+std::string pack_quant_file(int kind, int fd, const int64_t* row_offsets, int64_t N, int64_t K, uint8_t* packed,
+                            int threads) {
   const Layout L(kind, quant_file_form(kind), N, K);
   const int64_t row_bytes = quant_file_row_bytes(kind, K), group_bytes = L.blocks * L.record;
   const Header h{MAGIC, kind, N, K, L.form};
@@ -497,27 +495,26 @@ std::string pack_quant_file(int kind, int fd, const int64_t* offsets, const int6
 #pragma omp for schedule(dynamic, 4)
     for (int64_t g = 0; g < L.groups; ++g) {
       std::string failed;
-      // (1) the group's rows, one pread per run of rows inside one piece
+      // (1) the group's rows, one pread per run of rows that follow each other in the file
       const int64_t first = g * GROUP, count = std::min<int64_t>(GROUP, N - first);
-      int64_t n = first, piece = 0, start = 0;
-      while (piece < pieces && start + rows[piece] <= n) start += rows[piece++];
       for (int64_t done = 0; done < count && failed.empty();) {
-        const int64_t run = std::min(count - done, start + rows[piece] - n);
+        int64_t run = 1;
+        while (done + run < count && row_offsets[first + done + run] == row_offsets[first + done] + run * row_bytes)
+          ++run;
         const int64_t want = run * row_bytes;
         int64_t got = 0;
         while (got < want) {
           const ssize_t r = pread(fd, buffer.data() + done * row_bytes + got, want - got,
-                                  offsets[piece] + (n - start) * row_bytes + got);
+                                  row_offsets[first + done] + got);
           if (r <= 0) break;
           got += r;
         }
-        if (got < want) failed = "is cut short (a read came back with " + std::to_string(got) + " of " +
-                                 std::to_string(want) + " bytes)";
+        if (got < want)
+          failed = "is cut short (a read came back with " + std::to_string(got) + " of " + std::to_string(want) +
+                   " bytes)";
         done += run;
-        n += run;
-        start += rows[piece++];
       }
-      std::memset(packed + 64 + g * group_bytes, 0, group_bytes);
+      if (count < GROUP) std::memset(packed + 64 + g * group_bytes, 0, group_bytes);  // else every byte is written
       int32_t low[2] = {1 << 20, 1 << 20};
       for (int j = 0; j < GROUP && failed.empty(); ++j) {
         top[first + j] = 0;

@@ -22,7 +22,7 @@ from tensorfold.kernels.reference import pad_rows, relu_squared, rope_table, sof
 from tensorfold.kernels.moe import route_sigmoid  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
 from tensorfold.models.checkpoint import CheckpointError
-from tensorfold.models.gguf_quants import FileBlocks, FileStack, file_pieces
+from tensorfold.models.gguf_quants import FileBlocks, FileStack, file_rows
 from tensorfold.models.linear_attention import GatedDeltaNet
 from tensorfold.models.mamba2 import Mamba2
 from tensorfold.models.moe import MoE
@@ -112,15 +112,15 @@ class Linear(LinearWeight):
 
     def pack(self, part) -> Packed:
         if isinstance(part, (FileBlocks, FileStack)):
-            pieces = file_pieces(part)
-            if pieces is None:  # rearranged after reading (a hybrid's permutations): the reference's form first
+            rows = file_rows(part)
+            if rows is None:  # rearranged after reading (a hybrid's permutations): the reference's form first
                 part = part.load()
             else:  # straight from the file's bytes into huge pages: the bytes pack_quant gives
-                path, offsets, rows = pieces
+                path, offsets = rows
                 n, k = part.shape
                 data = arena.empty(_cpu.quant_file_bytes(part.kind, n, k))
                 try:
-                    _cpu.pack_quant_file(data, part.kind, path, offsets, rows, k)
+                    _cpu.pack_quant_file(data, part.kind, path, offsets, k)
                 except ValueError as e:
                     raise CheckpointError(f"{path}: tensor {part.name} ({part.qtype.name}) {e}") from e
                 return Packed(data, n, k, quantized=True)

@@ -209,33 +209,41 @@ class FileBlocks:
     bytes, so a model built from it unpacks, packs and drops one matrix at a time, and the load
     never holds the model twice (the file's bytes are read, not mapped, so its pages do not stay
     resident either). The readers' rearrangements wait for the load too: `rows(range)` narrows
-    the bytes read (an expert's rows of a stacked tensor), other row orders and `then(step)`
-    (a column permutation) are applied to the loaded blocks in order."""
+    the bytes read (an expert's rows of a stacked tensor), another row order before any step is
+    kept as `row_ids` (the stored rows picked: Q and K's rope order, which packing from the
+    file's bytes reads row by row), and `then(step)` (a column permutation) and row orders after
+    one are applied to the loaded blocks in order."""
 
     def __init__(self, path: str, offset: int, nbytes: int, qtype: QType, shape: tuple[int, int], name: str,
-                 steps: tuple = (), stored: tuple[int, int] | None = None):
+                 steps: tuple = (), stored: tuple[int, int] | None = None, row_ids: torch.Tensor | None = None):
         """nbytes at offset hold the `stored` [rows, K] blocks (default: `shape`); `shape` is
-        the matrix's after the steps."""
+        the matrix's after row_ids (int64, rows of `stored`) and then the steps."""
         if qtype not in KEPT_TYPES:
             raise ValueError(f"{getattr(qtype, 'name', qtype)} tensors are not kept in blocks")
         self.path, self.offset, self.nbytes, self.qtype, self.name = path, offset, nbytes, qtype, name
-        self.shape, self.steps, self.stored = tuple(shape), steps, tuple(stored or shape)
+        self.shape, self.steps, self.stored, self.row_ids = tuple(shape), steps, tuple(stored or shape), row_ids
         self.kind = KIND_NAMES[qtype]
 
     def rows(self, ids: torch.Tensor | slice) -> "FileBlocks":
         """Rows `ids` (indices, or a slice of consecutive rows: read alone from the file)."""
-        if isinstance(ids, slice) and not self.steps and ids.step in (None, 1):
+        if isinstance(ids, slice) and not self.steps and self.row_ids is None and ids.step in (None, 1):
             start, stop, _ = ids.indices(self.shape[0])
             row_bytes = self.nbytes // self.shape[0]
             return FileBlocks(self.path, self.offset + start * row_bytes, (stop - start) * row_bytes, self.qtype,
                               (stop - start, self.shape[1]), self.name)
+        if not self.steps:
+            picked = torch.arange(self.shape[0])[ids] if isinstance(ids, slice) else torch.as_tensor(ids).long()
+            if self.row_ids is not None:
+                picked = self.row_ids[picked]
+            return FileBlocks(self.path, self.offset, self.nbytes, self.qtype, (len(picked), self.shape[1]),
+                              self.name, (), self.stored, picked)
         count = len(range(*ids.indices(self.shape[0]))) if isinstance(ids, slice) else len(ids)
         return self.then(lambda w: w.rows(ids), (count, self.shape[1]))
 
     def then(self, step, shape: tuple[int, int]) -> "FileBlocks":
         """These blocks with step(QuantWeight) -> QuantWeight of `shape` applied after the load."""
         return FileBlocks(self.path, self.offset, self.nbytes, self.qtype, shape, self.name, (*self.steps, step),
-                          self.stored)
+                          self.stored, self.row_ids)
 
     def load(self) -> QuantWeight:
         """The blocks as a QuantWeight, read from the file now; a bad block (an infinite scale)
@@ -247,6 +255,8 @@ class FileBlocks:
             weight = quant_weight(raw, self.qtype, self.stored)
         except ValueError as e:
             raise CheckpointError(f"{self.path}: tensor {self.name} ({self.qtype.name}): {e}") from e
+        if self.row_ids is not None:
+            weight = weight.rows(self.row_ids)
         for step in self.steps:
             weight = step(weight)
         return weight
@@ -274,11 +284,20 @@ class FileStack:
         return self.load().dequantize()
 
 
-def file_pieces(blocks) -> tuple[str, list[int], list[int]] | None:
-    """(path, offsets, rows) of FileBlocks or a FileStack whose bytes are the matrix's rows in
-    order, one range per part (what _cpu.pack_quant_file reads); None where a part rearranges its
-    blocks after reading (steps) or the parts lie in different files."""
+# the types whose bytes _cpu.pack_quant_file reads (Q5_0 / Q5_1, kept in other kinds' forms, are not)
+FILE_PACKED = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K})
+
+
+def file_rows(blocks) -> tuple[str, torch.Tensor] | None:
+    """(path, the file offset of each row, int64 [N]) of FileBlocks or a FileStack, what
+    _cpu.pack_quant_file reads; None where a part rearranges its blocks after reading (steps), the
+    parts lie in different files or are of a type it does not read."""
     parts = blocks.parts if isinstance(blocks, FileStack) else (blocks,)
-    if any(p.steps for p in parts) or len({p.path for p in parts}) != 1:
+    if any(p.steps for p in parts) or len({p.path for p in parts}) != 1 or len({p.qtype for p in parts}) != 1 \
+            or parts[0].qtype not in FILE_PACKED:
         return None
-    return parts[0].path, [p.offset for p in parts], [p.shape[0] for p in parts]
+    offsets = []
+    for p in parts:
+        rows = torch.arange(p.stored[0]) if p.row_ids is None else p.row_ids
+        offsets.append(p.offset + rows * (p.nbytes // p.stored[0]))
+    return parts[0].path, torch.cat(offsets).to(torch.int64)
