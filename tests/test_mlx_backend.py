@@ -112,9 +112,22 @@ def tiny_q4_k_m_gguf(tmp_path_factory, smollm2_tokenizer):
     return write_tiny_gguf(hf_dir, "q4_k_m", str(tmp_path_factory.mktemp("mlx_k_gguf") / "tiny-q4_k_m.gguf"))
 
 
-def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf):
+def spread_q4_1(n: int, k: int, seed: int) -> quant_gemm.QuantWeight:
+    """q4_1 blocks whose scales and minimums span 2^-14..2^14 within a row (negative term shifts)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = [(torch.rand(n, k // 32, generator=g) + 0.5) * torch.exp2(torch.randint(-14, 14, (n, k // 32), generator=g))
+              * torch.where(torch.rand(n, k // 32, generator=g) < 0.5, -1.0, 1.0) for _ in range(2)]
+    q = torch.randint(0, 16, (n, k), generator=g)
+    return quant_gemm.from_legacy("q4_1", q, scales[0].half(), scales[1].half())
+
+
+@pytest.mark.parametrize("carrier", [True, False], ids=["float64-carried", "int64"])
+def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf, monkeypatch, carrier):
+    """Both forms of the block terms (float64-carried on MLX's CPU device, int64 on Metal)."""
+    monkeypatch.setattr(grid, "float64_carrier", lambda: carrier)
     g = torch.Generator().manual_seed(4)
     weights = [quantize(torch.randn(40, 96, generator=g), kind) for kind in ("q8_0", "q4_0")]
+    weights.append(spread_q4_1(40, 128, seed=5))
     stored = load_checkpoint(tiny_q4_k_m_gguf, keep_quantized=True).tensors
     weights += [t.load() if hasattr(t, "load") else t for t in stored.values()]
     kinds = set()
@@ -125,9 +138,17 @@ def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf)
         x = spread(11, w.shape[1], seed=len(kinds))
         x[3] = 0.0                                    # a zero row: zero blocks
         want = quant_gemm.linear(x, w)
-        got = ops.quant_linear(mxa(x), ops.QuantParts(w))
+        parts = ops.QuantParts(w)
+        got = ops.quant_linear(mxa(x), parts)
         assert torch.equal(back(got), want), w.kind
-    assert kinds >= {"q8_0", "q4_0", "q4_k", "q6_k"}, kinds
+        if carrier:  # the exact sums themselves (step 3), which float32 hides: the int64 form's
+            rows = mxa(x[:quant_gemm.ROW_CHUNK])
+            carried = ops.quant_totals(rows, parts)
+            monkeypatch.setattr(grid, "float64_carrier", lambda: False)
+            integer = ops.quant_totals(rows, parts)
+            monkeypatch.setattr(grid, "float64_carrier", lambda: True)
+            assert all(np.array_equal(np.array(c), np.array(i)) for c, i in zip(carried, integer)), w.kind
+    assert kinds >= {"q8_0", "q4_0", "q4_1", "q4_k", "q6_k"}, kinds
 
 
 # ---- RMSNorm and attention: exact int64 sums, the references' float32 finishes -----------------

@@ -17,7 +17,18 @@ exact or rounds once, ties to even, and each says whether it gives the torch ref
 int_matmul is the one place a matmul runs: its operands are split into signed 8-bit limbs, and
 each limb product summed over at most 1,024 terms stays below 2^24, so a float32 matmul returns
 it exactly whatever kernel, tiling or row count MLX picks; the limbs' partial sums are added as
-int64. No float64 anywhere, so the same code runs on Metal.
+int64. No float64 in these, so the same code runs on Metal.
+
+On MLX's CPU device, where float64 exists, the hot exact steps carry their integers in float64
+instead (`float64_carrier`): MLX builds its compiled CPU kernels without -march, so every int64
+multiply, variable shift and select is a scalar instruction, where a float64 multiply of
+integers below 2^53 by powers of two is exact and vectorizes. Each such step says why no
+operation rounds but the one the reference rounds at (rint: half to even, on_grid's rule), and
+tests/test_mlx_backend.py runs it against both the integer form and the torch reference. The
+C++ kernels carry the quantized GEMM's terms the same way (docs/kernels.md).
+
+    float64_carrier()      whether the default device has float64 (MLX's CPU device)
+    pow2_64(e)             2^e as float64 from its bits, e int in [-1022, 1023]
 
 The integer-only steps (significand, shift_round, shift, float32_of_int) run fused: mx.compile,
 shapeless, so one kernel per step whatever the shapes (on the CPU device MLX builds it once with
@@ -82,6 +93,17 @@ def fusion_exact() -> bool:
                  (lambda a, b, c: exp_neg(-mx.abs(a)) * b - c, (a, b, c))]
         _FUSION_EXACT[device] = all(mx.array_equal(mx.compile(fn)(*args), fn(*args)).item() for fn, args in cases)
     return _FUSION_EXACT[device]
+
+
+def float64_carrier() -> bool:
+    """Whether exact integers may ride in float64 on the default device: MLX's CPU device has
+    float64 (and builds int64 ops as scalar loops); Metal has none."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def pow2_64(e: mx.array) -> mx.array:
+    """2^e as float64 for int e in [-1022, 1023], from its bits (exact)."""
+    return ((e.astype(mx.int64) + 1023) << 52).view(mx.float64)
 
 
 def exponent(a: mx.array) -> mx.array:

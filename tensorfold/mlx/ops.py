@@ -325,6 +325,23 @@ class QuantParts:
         self.top = from_torch(weight.top()).astype(mx.int64)                     # [N]
         self.arrays = (self.codes, self.scale, self.scale_exp, self.top) + (
             () if self.min is None else (self.min, self.min_exp))
+        nb = k // quant_gemm.BLOCK
+        # g = top + kmax + grid_offset (quant_gemm's step 3)
+        self.grid_offset = kind.term_bits - 62 + math.ceil(math.log2(nb * (2 if kind.has_min else 1)))
+
+    @functools.cached_property
+    def carried(self) -> tuple[mx.array, ...]:
+        """The weight side of the float64-carried terms (grid.float64_carrier): per scale
+        S 2^(E - top - grid_offset) [S, N] and per block M 2^(F - top - grid_offset) [B, N], as
+        float64, exact (S, M < 2^19 times a power of two well inside float64's range)."""
+        per = quant_gemm.BLOCK // quant_gemm.KINDS[self.kind].sub
+        exp = self.scale_exp if per == 1 else mx.repeat(self.scale_exp, per, axis=0)
+        base = self.top[None, :] + self.grid_offset
+        out = (self.scale.astype(mx.float64) * grid.pow2_64(exp - base),)
+        if self.min is not None:
+            out += (self.min.astype(mx.float64) * grid.pow2_64(self.min_exp - base),)
+        mx.eval(*out)
+        return out
 
     @classmethod
     def of(cls, weight: quant_gemm.QuantWeight) -> "QuantParts":
@@ -372,23 +389,39 @@ def _terms(a, s, m, e_w, e_x, g):
 
 def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
     """x [M, K] @ w^T by quant_gemm.linear's steps 1-4, bitwise: the sub-block dots as float32
-    matmuls (exact: < 2^19), every block term on the output's grid in int64, and step 4's two
-    roundings without float64 (grid.float32_of_int). Rows go ROW_CHUNK at a time (they are
-    independent; chunks bound the scratch and meet one trace)."""
+    matmuls (exact: < 2^19), every block term on the output's grid as an exact integer (int64,
+    or float64-carried on MLX's CPU device: _carried_rows), their int64 sum, and step 4's two
+    roundings (without float64 where there is none: grid.float32_of_int). Rows go ROW_CHUNK at a
+    time (they are independent; chunks bound the scratch and meet one trace)."""
     n, kdim = w.shape
     if x.ndim != 2 or x.shape[1] != kdim:
         raise ValueError(f"x {tuple(x.shape)} against weights {w.shape}")
     if SHADERS is not None:
         return SHADERS.quant_linear(x, w)
-    rows = _quant_rows(w.kind)
+    rows, arrays = _rows_and_arrays(w, totals=False)
     step = quant_gemm.ROW_CHUNK
     if x.shape[0] > step:
-        return mx.concatenate([rows(x[i:i + step], *w.arrays) for i in range(0, x.shape[0], step)])
-    return rows(x, *w.arrays)
+        return mx.concatenate([rows(x[i:i + step], *arrays) for i in range(0, x.shape[0], step)])
+    return rows(x, *arrays)
+
+
+def quant_totals(x: mx.array, w: QuantParts) -> tuple[mx.array, mx.array]:
+    """Step 3's exact int64 sums of x's rows (at most ROW_CHUNK) and their grid exponents g, both
+    [M, N], in this device's form (what the tests compare between forms, bit for bit)."""
+    rows, arrays = _rows_and_arrays(w, totals=True)
+    return rows(x, *arrays)
+
+
+def _rows_and_arrays(w: QuantParts, totals: bool):
+    if grid.float64_carrier():
+        return _carried_rows(w.kind, totals), (w.codes, w.top, mx.array(w.grid_offset, dtype=mx.int64), *w.carried)
+    return _quant_rows(w.kind, totals), w.arrays
 
 
 @functools.cache
-def _quant_rows(kind_name: str):
+def _quant_rows(kind_name: str, totals: bool):
+    """quant_linear's rows in integers (Metal, or wherever float64 is missing): each block term
+    a s m shifted onto the output's grid in int64 (_terms), step 4 by grid.float32_of_int."""
     kind = quant_gemm.KINDS[kind_name]
 
     @grid.fused
@@ -408,6 +441,45 @@ def _quant_rows(kind_name: str):
             low, low_exp = minimum
             total = total + _terms(low[:, None, :], sm.T[..., None], 1, low_exp[:, None, :], se.T[..., None],
                                    g[None]).sum(axis=0)                   # int64: exact in any order
+        if totals:
+            return total, g
         return grid.float32_of_int(total, g).astype(x.dtype)
+
+    return rows_times_weights
+
+
+@functools.cache
+def _carried_rows(kind_name: str, totals: bool):
+    """quant_linear's rows on MLX's CPU device: the same steps, the block terms carried in float64
+    (grid.float64_carrier). A term is A (< 2^19, exact in float32) times the weight side
+    S 2^(E - top - grid_offset) (QuantParts.carried: < 2^30 significant bits together), times the
+    activation side m 2^(k - kmax) (< 2^41 with it; q6_k's two halves are added first, < 2^36):
+    every product exact, the exponents far inside float64's range, so the one rounding is rint's,
+    half to even: quant_gemm._on_grid's integer, or no rounding where its shift is not negative.
+    Terms (< 2^62) become int64 exactly and are summed as int64; step 4 is then the reference's
+    own float64 steps, float32(float64(total) 2^g)."""
+    kind = quant_gemm.KINDS[kind_name]
+
+    @grid.fused
+    def rows_times_weights(x, codes, top, grid_offset, weight_side, *min_side):
+        rows, kdim = x.shape
+        n, nb, per = codes.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
+        xq, xm, k, sm, se = quantize_activations(x)                       # xq [M, B, 32]
+        xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)      # [S, M, sub]
+        a = mx.matmul(xs, codes)                                          # [S, M, N], exact integers
+        kmax = k.max(axis=1, keepdims=True)                               # [M, 1]
+        terms = a.astype(mx.float64) * weight_side[:, None, :]            # [S, M, N]
+        if per > 1:  # q6_k: the two halves of a block first
+            terms = terms.reshape(nb, per, rows, n).sum(axis=1)           # [B, M, N]
+        x_side = (xm.astype(mx.float64) * grid.pow2_64(k - kmax)).T[..., None]       # [B, M, 1]
+        total = mx.round(terms * x_side).astype(mx.int64)
+        if kind.has_min:
+            low_side = (sm.astype(mx.float64) * grid.pow2_64(se - kmax)).T[..., None]
+            total = total + mx.round(min_side[0][:, None, :] * low_side).astype(mx.int64)
+        total = total.sum(axis=0)                                         # [M, N] int64: exact
+        g = top[None, :] + kmax + grid_offset
+        if totals:
+            return total, g
+        return (total.astype(mx.float64) * grid.pow2_64(g)).astype(mx.float32).astype(x.dtype)
 
     return rows_times_weights
