@@ -2,10 +2,14 @@
 references, bitwise:
 - _cpu.moe_route == kernels/moe.route on logits built to tie (small integers, -0.0 against +0.0,
   -inf, a row of one value, NaN), both normalizations, up to 256 experts of which 8 are chosen;
+- _cpu.moe_route_sigmoid == kernels/moe.route_sigmoid (GLM-5's and Nemotron-H's noaux_tc) on
+  the same kinds of logits, with biases that reorder the choice, one group or several;
 - _cpu.MoEBlock (the whole block in one call) == models/moe.MoE.compose on the torch reference op
   set (cpu_ops with the fixed-order dense GEMM) and on the native op set op by op, in float32 and bfloat16, dense and quantized
   experts (and both in one block), with and without a shared expert; each row alone gives the bits
-  it gives in the batch (experts chosen by other rows or by none change nothing).
+  it gives in the batch (experts chosen by other rows or by none change nothing); the same for
+  GLM-5's block (sigmoid routing with a correction bias and groups, a float32 router, the shared
+  experts added without a gate).
 """
 import pytest
 import torch
@@ -13,7 +17,7 @@ import torch
 from test_native_backend import reference_ops
 from tensorfold.backends import backend_ops
 from tensorfold.kernels import moe as moe_ref
-from tensorfold.models.moe import MoE, MoESpec
+from tensorfold.models.moe import MoE, MoESpec, SigmoidRouting
 from tensorfold.models.quantize import quantize
 from tensorfold.models.weights import WeightReader
 
@@ -25,11 +29,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.parametrize("normalize", [True, False], ids=["topk_norm", "softmax_norm"])
-@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (5, 1), (256, 8), (7, 7)])
-def test_route_equals_reference(experts, top_k, normalize):
-    gen = torch.Generator().manual_seed(experts * 10 + top_k)
-    rows = 70
+def _tied_logits(rows: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """Router logits built to tie (small integers, -0.0 against +0.0, -inf, one value per row) with
+    NaN in rows 9 and 10."""
     logits = torch.randn(rows, experts, generator=gen) * 2.0
     logits[1:6] = torch.randint(-2, 3, (5, experts), generator=gen).float()
     logits[6] = 0.0
@@ -38,6 +40,14 @@ def test_route_equals_reference(experts, top_k, normalize):
     logits[8] = 1.25
     logits[9, experts // 2] = float("nan")
     logits[10, ::2] = float("nan")
+    return logits
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["topk_norm", "softmax_norm"])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (5, 1), (256, 8), (7, 7)])
+def test_route_equals_reference(experts, top_k, normalize):
+    gen = torch.Generator().manual_seed(experts * 10 + top_k)
+    logits = _tied_logits(70, experts, gen)
     want = moe_ref.route(logits, top_k, normalize)
     got = native.route(logits, top_k, normalize)
     assert torch.equal(got[0], want[0]), "the chosen experts differ"
@@ -45,6 +55,23 @@ def test_route_equals_reference(experts, top_k, normalize):
     assert _same_bits(got[1][ok], want[1][ok]), "the weights differ"
     assert torch.equal(got[1][9:11].isnan(), want[1][9:11].isnan())
     assert _same_bits(got[1][11:], want[1][11:])
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["topk_norm", "unnormalized"])
+@pytest.mark.parametrize("experts,top_k,n_group,topk_group", [
+    (32, 8, 1, 1), (256, 8, 8, 4), (16, 4, 4, 2), (8, 8, 4, 4), (12, 6, 3, 1), (6, 1, 1, 1)])
+def test_route_sigmoid_equals_reference(experts, top_k, n_group, topk_group, normalize):
+    gen = torch.Generator().manual_seed(experts * 10 + top_k + n_group)
+    rows = 70
+    logits = _tied_logits(rows, experts, gen)
+    for bias in (torch.zeros(experts), torch.randn(experts, generator=gen) * 0.3,
+                 torch.randint(-1, 2, (experts,), generator=gen).float() * 0.25):
+        want = moe_ref.route_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, 2.5)
+        got = native.route_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, 2.5)
+        assert torch.equal(got[0], want[0]), "the chosen experts differ"
+        assert torch.equal(got[1].isnan(), want[1].isnan())
+        ok = ~want[1].isnan()
+        assert _same_bits(torch.where(ok, got[1], 0.0), torch.where(ok, want[1], 0.0)), "the weights differ"
 
 
 def _block_tensors(spec: MoESpec, hidden: int, formats: list[str], gen: torch.Generator) -> dict:
@@ -56,12 +83,15 @@ def _block_tensors(spec: MoESpec, hidden: int, formats: list[str], gen: torch.Ge
         matrices += [(f"experts.{e}.gate_proj.weight", (spec.intermediate_size, hidden), fmt),
                      (f"experts.{e}.up_proj.weight", (spec.intermediate_size, hidden), fmt),
                      (f"experts.{e}.down_proj.weight", (hidden, spec.intermediate_size), fmt)]
-    si = spec.shared_intermediate_size
+    si, prefix = spec.shared_intermediate_size, spec.shared_prefix
     if si:
-        matrices += [(f"shared_expert.{p}_proj.weight", (si, hidden), formats[-1]) for p in ("gate", "up")]
-        matrices += [("shared_expert.down_proj.weight", (hidden, si), formats[-1]),
-                     ("shared_expert_gate.weight", (1, hidden), formats[-1])]
+        matrices += [(f"{prefix}{p}_proj.weight", (si, hidden), formats[-1]) for p in ("gate", "up")]
+        matrices += [(f"{prefix}down_proj.weight", (hidden, si), formats[-1])]
+        if spec.shared_gated:
+            matrices += [("shared_expert_gate.weight", (1, hidden), formats[-1])]
     tensors = {}
+    if spec.sigmoid_routing is not None:  # a bias that reorders some rows' choice
+        tensors["mlp.gate.e_score_correction_bias"] = torch.randn(spec.num_experts, generator=gen) * 0.05
     for name, shape, fmt in matrices:
         w = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
         if name == "gate.weight":
@@ -82,6 +112,35 @@ def test_moe_block_equals_its_composition(dtype, formats, shared):
     for normalize in (True, False):
         spec = MoESpec(num_experts=16, top_k=4, intermediate_size=32, shared_intermediate_size=96 if shared else 0,
                        norm_topk_prob=normalize)
+        tensors = _block_tensors(spec, hidden, formats, gen)
+        fused = MoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), native), None)
+        reference = MoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), oracle), None)
+        assert fused._fused is not None and reference._fused is None
+        for rows in (1, 3, 37):
+            x = torch.randn(rows, hidden, generator=gen).to(dtype)
+            got = fused.forward(x)
+            assert got.dtype == dtype and got.shape == x.shape
+            assert torch.equal(got, reference.forward(x)), f"{rows} rows: the fused block != the torch reference"
+            assert torch.equal(got, fused.compose(x)), f"{rows} rows: the fused block != the native op by op"
+            alone = torch.cat([fused.forward(x[i:i + 1]) for i in range(rows)])
+            assert torch.equal(got, alone), f"{rows} rows: a row alone differs from the batch"
+        assert fused.forward(x[:0]).shape == (0, hidden)
+
+
+@pytest.mark.parametrize("dtype,formats", [
+    (torch.float32, ["dense"]), (torch.bfloat16, ["dense"]), (torch.float32, ["q4_0"]), (torch.float32, ["q8_0"]),
+    (torch.bfloat16, ["q8_0"]), (torch.float32, ["q4_0", "dense", "q8_0"])],
+    ids=["f32", "bf16", "q4_0", "q8_0", "bf16-q8_0", "mixed"])
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)], ids=["one_group", "groups"])
+def test_glm_moe_block_equals_its_composition(dtype, formats, groups):
+    """GLM-5's block (sigmoid routing with a correction bias, the router in float32, shared experts
+    added without a gate) as one _cpu.MoEBlock call == MoE.compose, on both op sets."""
+    gen = torch.Generator().manual_seed(len(formats) * 11 + groups[0])
+    oracle, hidden = reference_ops(), 64
+    for normalize, shared in ((True, 96), (False, 0)):
+        spec = MoESpec(num_experts=16, top_k=4, intermediate_size=32, shared_intermediate_size=shared,
+                       norm_topk_prob=normalize, sigmoid_routing=SigmoidRouting(*groups, scale=2.5),
+                       shared_gated=False, shared_prefix="shared_experts.")
         tensors = _block_tensors(spec, hidden, formats, gen)
         fused = MoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), native), None)
         reference = MoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), oracle), None)

@@ -152,9 +152,16 @@ void gated_rms_norm(int dtype, const void* x, int gate_dtype, const void* gate, 
 // [rows, top_k] (the largest first, ties to the lower index) and their weights [rows, top_k].
 void moe_route(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool normalize, int64_t* chosen,
                float* weights, int threads);
+// Sigmoid routing with a correction bias and group-limited choice (moe.cpp; kernels/moe.route_sigmoid:
+// GLM-5, Nemotron-H): logits [rows, experts] float32, bias [experts] float32 -> chosen [rows, top_k]
+// and their weights (the chosen experts' sigmoid scores, normalized where asked, times scale).
+void moe_route_sigmoid(const float* logits, const float* bias, int64_t rows, int64_t experts, int64_t top_k,
+                       int64_t n_group, int64_t topk_group, bool normalize, double scale, int64_t* chosen,
+                       float* weights, int threads);
 // The MoE's sum (kernels/moe.combine: MoE.compose's): out [rows, hidden] = each row's expert outputs (row j of
 // its choice at y [y_rows[r * top_k + j]], y [*, hidden]) times weights, added in ascending expert
-// index, plus sigmoid(shared_gate [rows]) * shared [rows, hidden] when shared is not null.
+// index, plus sigmoid(shared_gate [rows]) * shared [rows, hidden] when shared is not null (plus
+// shared alone when shared_gate is null: GLM-5's ungated shared experts).
 void moe_combine(int dtype, const void* y, const int64_t* y_rows, const int64_t* chosen, const float* weights,
                  int64_t rows, int64_t top_k, const void* shared_gate, const void* shared, void* out, int64_t hidden,
                  int threads);

@@ -356,19 +356,23 @@ ExpertGroups group_by_expert(const torch::Tensor& chosen, int64_t experts) {
 
 // MoEBlock::forward's steps (models/moe.MoE.forward):
 //   logits = float(router_x @ router^T) (router_x: x unless given); chosen, w = moe_route(logits,
-//   top_k); with a per-expert scale, w_j = w_j * scale[chosen_j] (one float32 product);
+//   top_k); with sigmoid routing (n_group > 0) logits = float(x) @ router^T in float32 and chosen,
+//   w = moe_route_sigmoid(logits, bias, ...); with a per-expert scale, w_j = w_j * scale[chosen_j]
+//   (one float32 product);
 //   the (row, choice) pairs grouped by expert, ascending, rows ascending within an expert: xs = x's
 //   rows in that order; for each chosen expert e: y[e's pairs] = act_and_mul(xs[e's pairs] @
 //   gate_up_e^T) @ down_e^T, act SiLU or GELU's tanh form (each expert's GEMM is row-invariant: its
 //   rows' bits do not depend on which other tokens chose it);
-//   shared = silu_and_mul(x @ shared_gate_up^T) @ shared_down^T, gate = x @ shared_gate^T;
+//   shared = silu_and_mul(x @ shared_gate_up^T) @ shared_down^T, gate = x @ shared_gate^T (none
+//   where the shared expert is ungated);
 //   (every gate_up and the shared gate as one batch of GEMMs, every down as another: a decode
 //   round forks twice for its experts, not twice per expert);
 //   out = moe_combine(y, w, gate, shared): the terms added in ascending expert order.
 MoEBlock::MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
                    const std::vector<torch::Tensor>& downs, const c10::optional<torch::Tensor>& shared_gate_up,
                    const c10::optional<torch::Tensor>& shared_down, const c10::optional<torch::Tensor>& shared_gate,
-                   const MoEShape& shape, const c10::optional<torch::Tensor>& expert_scale)
+                   const MoEShape& shape, const c10::optional<torch::Tensor>& expert_scale,
+                   const c10::optional<torch::Tensor>& route_bias)
     : shape_(shape), code_(-1) {
   const auto& s = shape_;
   TORCH_CHECK(s.hidden > 0 && s.intermediate > 0 && s.shared_intermediate >= 0 && s.experts > 0 &&
@@ -383,10 +387,25 @@ MoEBlock::MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>
   }
   TORCH_CHECK(static_cast<int64_t>(gate_ups.size()) == s.experts && static_cast<int64_t>(downs.size()) == s.experts,
               "MoEBlock: one gate_up and one down per expert expected");
+  const bool sigmoid = s.n_group > 0;
+  if (sigmoid) {
+    TORCH_CHECK(route_bias.has_value(), "MoEBlock: sigmoid routing needs its correction bias");
+    check_cpu(*route_bias, "MoEBlock: route_bias");
+    TORCH_CHECK(route_bias->scalar_type() == torch::kFloat32 && route_bias->numel() == s.experts,
+                "MoEBlock: route_bias must be float32 with one value per expert (", s.experts, ")");
+    TORCH_CHECK(s.experts % s.n_group == 0 && s.experts / s.n_group >= 2 && 1 <= s.topk_group &&
+                    s.topk_group <= s.n_group,
+                "MoEBlock: n_group ", s.n_group, " / topk_group ", s.topk_group, " do not divide ", s.experts,
+                " experts into groups of two or more");
+    route_bias_ = route_bias->contiguous();
+  } else {
+    TORCH_CHECK(!route_bias.has_value(), "MoEBlock: a correction bias without sigmoid routing (n_group > 0)");
+  }
   const bool shared = s.shared_intermediate > 0;
   TORCH_CHECK(shared_gate_up.has_value() == shared && shared_down.has_value() == shared &&
-                  shared_gate.has_value() == shared,
-              "MoEBlock: the shared expert's gate_up, down and gate come together, with shared_intermediate > 0");
+                  shared_gate.has_value() == (shared && s.shared_gated),
+              "MoEBlock: the shared expert's gate_up, down and (where gated) gate come together, with "
+              "shared_intermediate > 0");
   torch::ScalarType dtype = torch::kFloat32;  // the dense weights': the first dense one's
   auto note = [&](const torch::Tensor& w) {
     if (code_ < 0 && w.scalar_type() != torch::kUInt8) {
@@ -394,11 +413,13 @@ MoEBlock::MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>
       code_ = dtype_code(w, "MoEBlock: a dense weight");
     }
   };
-  note(router);
+  if (!sigmoid) note(router);  // sigmoid routing's router is float32 (or quantized) whatever the dtype
   for (int64_t e = 0; e < s.experts; ++e) note(gate_ups[e]), note(downs[e]);
-  if (shared) note(*shared_gate_up), note(*shared_down), note(*shared_gate);
+  if (shared) note(*shared_gate_up), note(*shared_down);
+  if (shared && s.shared_gated) note(*shared_gate);
   const int code = std::max(code_, 0);
-  router_ = gemm_weight(router, s.experts, s.hidden, code, dtype, "MoEBlock", "router");
+  router_ = sigmoid ? gemm_weight(router, s.experts, s.hidden, 0, torch::kFloat32, "MoEBlock", "router")
+                    : gemm_weight(router, s.experts, s.hidden, code, dtype, "MoEBlock", "router");
   for (int64_t e = 0; e < s.experts; ++e) {
     gate_ups_.push_back(gemm_weight(gate_ups[e], 2 * s.intermediate, s.hidden, code, dtype, "MoEBlock", "gate_up"));
     downs_.push_back(gemm_weight(downs[e], s.hidden, s.intermediate, code, dtype, "MoEBlock", "down"));
@@ -407,7 +428,7 @@ MoEBlock::MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>
     const int64_t si = s.shared_intermediate;
     shared_gate_up_ = gemm_weight(*shared_gate_up, 2 * si, s.hidden, code, dtype, "MoEBlock", "shared gate_up");
     shared_down_ = gemm_weight(*shared_down, s.hidden, si, code, dtype, "MoEBlock", "shared down");
-    shared_gate_ = gemm_weight(*shared_gate, 1, s.hidden, code, dtype, "MoEBlock", "shared gate");
+    if (s.shared_gated) shared_gate_ = gemm_weight(*shared_gate, 1, s.hidden, code, dtype, "MoEBlock", "shared gate");
   }
 }
 
@@ -431,14 +452,24 @@ torch::Tensor MoEBlock::forward(const torch::Tensor& x, const c10::optional<torc
   auto empty = [&](std::initializer_list<int64_t> shape) { return torch::empty(shape, x.options()); };
   auto out = empty({tokens, hidden});
   if (tokens == 0) return out;
-  auto logits = empty({tokens, s.experts});
-  tf::matmul(code, rx.data_ptr(), router_.packed.data_ptr(), router_.quant, logits.data_ptr(), tokens, s.experts,
-             hidden, nt);
-  auto logits32 = logits.to(torch::kFloat32).contiguous();  // exact from bfloat16
   auto chosen = torch::empty({tokens, k}, x.options().dtype(torch::kInt64));
   auto weights = torch::empty({tokens, k}, x.options().dtype(torch::kFloat32));
-  tf::moe_route(logits32.data_ptr<float>(), tokens, s.experts, k, s.normalize, chosen.data_ptr<int64_t>(),
-                weights.data_ptr<float>(), nt);
+  if (s.n_group > 0) {  // the router in float32 on float32 rows (exact from bfloat16)
+    auto rx32 = rx.to(torch::kFloat32).contiguous();
+    auto logits32 = torch::empty({tokens, s.experts}, rx32.options());
+    tf::matmul(0, rx32.data_ptr(), router_.packed.data_ptr(), router_.quant, logits32.data_ptr(), tokens, s.experts,
+               hidden, nt);
+    tf::moe_route_sigmoid(logits32.data_ptr<float>(), route_bias_.data_ptr<float>(), tokens, s.experts, k, s.n_group,
+                          s.topk_group, s.normalize, s.route_scale, chosen.data_ptr<int64_t>(),
+                          weights.data_ptr<float>(), nt);
+  } else {
+    auto logits = empty({tokens, s.experts});
+    tf::matmul(code, rx.data_ptr(), router_.packed.data_ptr(), router_.quant, logits.data_ptr(), tokens, s.experts,
+               hidden, nt);
+    auto logits32 = logits.to(torch::kFloat32).contiguous();  // exact from bfloat16
+    tf::moe_route(logits32.data_ptr<float>(), tokens, s.experts, k, s.normalize, chosen.data_ptr<int64_t>(),
+                  weights.data_ptr<float>(), nt);
+  }
 
   const int64_t* c = chosen.data_ptr<int64_t>();
   if (expert_scale_.defined()) {
@@ -471,9 +502,11 @@ torch::Tensor MoEBlock::forward(const torch::Tensor& x, const c10::optional<torc
     shared_gate_up = empty({tokens, 2 * si});
     shared_act = empty({tokens, si});
     shared = empty({tokens, hidden});
-    gate = empty({tokens, 1});
     ups.push_back({&shared_gate_up_, x_p, shared_gate_up.data_ptr(), tokens});
-    ups.push_back({&shared_gate_, x_p, gate.data_ptr(), tokens});
+    if (s.shared_gated) {
+      gate = empty({tokens, 1});
+      ups.push_back({&shared_gate_, x_p, gate.data_ptr(), tokens});
+    }
     downs.push_back({&shared_down_, shared_act.data_ptr(), shared.data_ptr(), tokens});
   }
   run_gemms(code, ups, nt);

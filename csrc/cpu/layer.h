@@ -31,19 +31,27 @@ struct MoEShape {
   int64_t hidden, experts, top_k, intermediate, shared_intermediate;  // shared_intermediate 0: no shared expert
   bool normalize;                                                     // norm_topk_prob
   int64_t activation;  // the experts' gate: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU: Gemma 4)
+  // n_group > 0: sigmoid routing (models/moe.SigmoidRouting, GLM-5's noaux_tc: route_sigmoid with the
+  // block's correction bias, n_group / topk_group, weights times route_scale), the router in float32
+  // on x in float32; 0: route's softmax, the router in x's dtype
+  int64_t n_group = 0, topk_group = 0;
+  double route_scale = 1.0;
+  bool shared_gated = true;  // false: the shared expert's output added without a gate (GLM-5's)
 };
 
-// Qwen3.6 / Qwen3-Next's and Gemma 4's MoE feed-forward in one call (models/moe.MoE.forward, the
-// same bits): router GEMM, route, the weights times a per-expert scale where the block has one
-// (Gemma 4), tokens grouped by expert through each chosen expert's SwiGLU or GeGLU GEMMs, the
-// sigmoid-gated shared expert, and the sum in ascending expert order. Every GEMM weight is packed,
+// Qwen3.6 / Qwen3-Next's, Gemma 4's and GLM-5's MoE feed-forward in one call (models/moe.MoE.forward,
+// the same bits): router GEMM, route (softmax, or GLM-5's sigmoid routing with its correction bias),
+// the weights times a per-expert scale where the block has one (Gemma 4), tokens grouped by expert
+// through each chosen expert's SwiGLU or GeGLU GEMMs, the shared expert (sigmoid-gated, or added
+// as it is: GLM-5), and the sum in ascending expert order. Every GEMM weight is packed,
 // dense ones in one dtype (x's), quantized ones in any of the quantized kinds.
 class __attribute__((visibility("hidden"))) MoEBlock {
  public:
   MoEBlock(const torch::Tensor& router, const std::vector<torch::Tensor>& gate_ups,
            const std::vector<torch::Tensor>& downs, const c10::optional<torch::Tensor>& shared_gate_up,
            const c10::optional<torch::Tensor>& shared_down, const c10::optional<torch::Tensor>& shared_gate,
-           const MoEShape& shape, const c10::optional<torch::Tensor>& expert_scale = c10::nullopt);
+           const MoEShape& shape, const c10::optional<torch::Tensor>& expert_scale = c10::nullopt,
+           const c10::optional<torch::Tensor>& route_bias = c10::nullopt);
 
   // x [tokens, hidden] -> [tokens, hidden], x's dtype. router_x: the router's input where it is not
   // x (Gemma 4 routes on its own norm of the residual), [tokens, hidden] in x's dtype.
@@ -58,6 +66,7 @@ class __attribute__((visibility("hidden"))) MoEBlock {
   LayerGemm router_, shared_gate_up_, shared_down_, shared_gate_;
   std::vector<LayerGemm> gate_ups_, downs_;
   torch::Tensor expert_scale_;  // float32 [experts], or undefined: none
+  torch::Tensor route_bias_;    // float32 [experts]: sigmoid routing's correction bias (n_group > 0)
 };
 
 // A layer's feed-forward: a SwiGLU MLP (gate_up [2 intermediate, hidden], down) or a mixture of

@@ -275,6 +275,31 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(const torch::Tensor& logits, 
   return {chosen, weights};
 }
 
+// kernels/moe.route_sigmoid: (chosen [rows, top_k] int64, weights [rows, top_k] float32).
+std::tuple<torch::Tensor, torch::Tensor> moe_route_sigmoid(const torch::Tensor& logits, const torch::Tensor& bias,
+                                                           int64_t top_k, int64_t n_group, int64_t topk_group,
+                                                           bool normalize, double scale) {
+  check_cpu(logits, "moe_route_sigmoid: logits");
+  check_cpu(bias, "moe_route_sigmoid: bias");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "moe_route_sigmoid: float32 logits [rows, "
+              "experts] expected, got ", logits.scalar_type(), " ", logits.sizes());
+  const int64_t rows = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(bias.numel() == experts, "moe_route_sigmoid: one bias per expert (", experts, ") expected");
+  TORCH_CHECK(1 <= top_k && top_k <= experts, "moe_route_sigmoid: top ", top_k, " of ", experts, " experts");
+  TORCH_CHECK(n_group >= 1 && experts % n_group == 0 && (n_group == 1 || experts / n_group >= 2) &&
+                  1 <= topk_group && topk_group <= n_group,
+              "moe_route_sigmoid: n_group ", n_group, " / topk_group ", topk_group, " do not divide ", experts,
+              " experts into groups of two or more");
+  auto l = logits.contiguous();
+  auto b = bias.to(torch::kFloat32).contiguous();
+  auto chosen = torch::empty({rows, top_k}, l.options().dtype(torch::kInt64));
+  auto weights = torch::empty({rows, top_k}, l.options());
+  if (rows > 0)
+    tf::moe_route_sigmoid(l.data_ptr<float>(), b.data_ptr<float>(), rows, experts, top_k, n_group, topk_group,
+                          normalize, scale, chosen.data_ptr<int64_t>(), weights.data_ptr<float>(), threads());
+  return {chosen, weights};
+}
+
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& slots, const c10::optional<torch::Tensor>& v_exp) {
   check_cpu(k_cache, "write_kv: k_cache");
@@ -770,6 +795,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ids"));
   m.def("moe_route", &moe_route, "kernels/moe.route: the top k experts of each row and their weights",
         py::arg("logits"), py::arg("top_k"), py::arg("normalize"));
+  m.def("moe_route_sigmoid", &moe_route_sigmoid,
+        "kernels/moe.route_sigmoid: each row's top k experts by sigmoid score plus bias within the best groups, "
+        "and their weights", py::arg("logits"), py::arg("bias"), py::arg("top_k"), py::arg("n_group"),
+        py::arg("topk_group"), py::arg("normalize"), py::arg("scale"));
   py::class_<MoEBlock, std::shared_ptr<MoEBlock>>(m, "MoEBlock",
                        "a mixture-of-experts feed-forward (router, routed SwiGLU or GeGLU experts, a per-expert "
                        "scale, gated shared expert) in one call, built once at load from its packed weights, "
@@ -778,18 +807,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::vector<torch::Tensor>& downs, const Out& shared_gate_up, const Out& shared_down,
                        const Out& shared_gate, int64_t hidden, int64_t top_k, int64_t intermediate,
                        int64_t shared_intermediate, bool normalize, const std::string& activation,
-                       const Out& expert_scale) {
+                       const Out& expert_scale, const Out& route_bias, int64_t n_group, int64_t topk_group,
+                       double route_scale, bool shared_gated) {
              TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "MoEBlock: activation ", activation,
                          " is not served (silu, gelu_tanh)");
-             return MoEBlock(router, gate_ups, downs, shared_gate_up, shared_down, shared_gate,
-                             {hidden, static_cast<int64_t>(gate_ups.size()), top_k, intermediate, shared_intermediate,
-                              normalize, activation == "gelu_tanh" ? 1 : 0},
-                             expert_scale);
+             MoEShape shape{hidden, static_cast<int64_t>(gate_ups.size()), top_k, intermediate, shared_intermediate,
+                            normalize, activation == "gelu_tanh" ? 1 : 0};
+             shape.n_group = n_group, shape.topk_group = topk_group, shape.route_scale = route_scale;
+             shape.shared_gated = shared_gated;
+             return MoEBlock(router, gate_ups, downs, shared_gate_up, shared_down, shared_gate, shape, expert_scale,
+                             route_bias);
            }),
            py::arg("router"), py::arg("gate_ups"), py::arg("downs"), py::arg("shared_gate_up") = py::none(),
            py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none(), py::kw_only(), py::arg("hidden"),
            py::arg("top_k"), py::arg("intermediate"), py::arg("shared_intermediate") = 0, py::arg("normalize") = true,
-           py::arg("activation") = "silu", py::arg("expert_scale") = py::none())
+           py::arg("activation") = "silu", py::arg("expert_scale") = py::none(), py::arg("route_bias") = py::none(),
+           py::arg("n_group") = 0, py::arg("topk_group") = 0, py::arg("route_scale") = 1.0,
+           py::arg("shared_gated") = true)
       .def("forward", &MoEBlock::forward,
            "x [tokens, hidden] -> the block's output, x's dtype; router_x: the router's input where not x",
            py::arg("x"), py::arg("router_x") = py::none())

@@ -134,7 +134,10 @@ def fuse(layer):
 def fuse_moe(moe):
     """The MoE block with its tokens grouped by expert once (kernels/moe.group_by_expert) and the
     sum in one launch (moe_triton.combine) instead of an indexed add per expert: MoE.compose's
-    kernels and order (Gemma 4's router input and per-expert scale included), so its bits."""
+    kernels and order (Gemma 4's router input and per-expert scale included), so its bits. None
+    (MoE.compose) for sigmoid routing or an ungated shared expert (GLM-5's block)."""
+    if moe.spec.sigmoid_routing is not None or (moe.shared is not None and moe.shared_gate is None):
+        return None
     return functools.partial(_moe_block, moe)
 
 

@@ -18,8 +18,6 @@ from tensorfold.kernels import paged_attention
 from tensorfold.kernels.paged_attention import pad_block_tables
 # elementwise, on torch ops that round each step (invariant as they are): Gemma's soft cap, Nemotron-H's relu^2
 from tensorfold.kernels.reference import pad_rows, relu_squared, rope_table, softcap  # noqa: F401
-# Nemotron-H's routing: the torch reference (no C++ form yet)
-from tensorfold.kernels.moe import route_sigmoid  # noqa: F401
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.gguf_quants import FileBlocks, FileStack, file_rows
@@ -96,6 +94,11 @@ def dsa_select(q, weights, cache, batch, scale, top_k):
 def route(logits, top_k, normalize):
     """kernels/moe.route's choice and weights (C++)."""
     return _cpu.moe_route(logits, top_k, normalize)
+
+
+def route_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, scale):
+    """kernels/moe.route_sigmoid's choice and weights (C++): GLM-5's and Nemotron-H's routing."""
+    return _cpu.moe_route_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, scale)
 
 
 # the keyed draw with the C++ steps (draw_rows, sample_keys, top_keys, gumbel): sampler.sample's bits
@@ -280,20 +283,30 @@ def _fuse_mamba2(layer):
 
 def fuse_moe(moe):
     """An MoE block (models/moe.py) as one _cpu.MoEBlock call: the router (on router_x where given),
-    the route, the per-expert scale (Gemma 4's), the chosen SwiGLU or GeGLU experts over their tokens
-    and the gated shared expert, MoE.compose's kernels in its order; None where a weight is not one
-    packed part without a bias."""
+    the route (softmax, or GLM-5's sigmoid routing with its correction bias and groups, the router
+    in float32), the per-expert scale (Gemma 4's), the chosen SwiGLU or GeGLU experts over their
+    tokens and the shared expert (gated, or added as it is: GLM-5), MoE.compose's kernels in its
+    order; None where a weight is not one packed part without a bias, or a sigmoid router is dense
+    in another dtype than float32."""
     weights = [moe.router, *(w for e in moe.experts for w in (e.gate_up, e.down))]
     if moe.shared is not None:
-        weights += [moe.shared.gate_up, moe.shared.down, moe.shared_gate]
+        weights += [moe.shared.gate_up, moe.shared.down] + ([moe.shared_gate] if moe.shared_gate is not None else [])
     if not _single_parts(weights):
         return None
-    s, shared = moe.spec, moe.shared
+    s, shared, r = moe.spec, moe.shared, moe.spec.sigmoid_routing
+    routing = {}
+    if r is not None:
+        router = moe.router.single
+        if not router.quantized and router.data.dtype != torch.float32:
+            return None
+        routing = dict(route_bias=moe.bias, n_group=r.n_group, topk_group=r.topk_group, route_scale=r.scale)
     native = _cpu.MoEBlock(
         moe.router.single.data, [e.gate_up.single.data for e in moe.experts],
         [e.down.single.data for e in moe.experts],
-        *((shared.gate_up.single.data, shared.down.single.data, moe.shared_gate.single.data) if shared else ()),
+        shared_gate_up=shared.gate_up.single.data if shared else None,
+        shared_down=shared.down.single.data if shared else None,
+        shared_gate=moe.shared_gate.single.data if moe.shared_gate is not None else None,
         hidden=moe.router.single.k, top_k=s.top_k, intermediate=s.intermediate_size,
         shared_intermediate=s.shared_intermediate_size if shared else 0, normalize=s.norm_topk_prob,
-        activation=s.activation, expert_scale=moe.expert_scale)
+        activation=s.activation, expert_scale=moe.expert_scale, shared_gated=moe.shared_gate is not None, **routing)
     return native  # callable: native(x[, router_x]) is its forward; the fused layers take it as their feed-forward

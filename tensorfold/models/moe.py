@@ -16,9 +16,9 @@ noaux_tc choice and shared experts added ungated.
              the chosen scores over their sum, times routed_scaling_factor: ops.route_sigmoid
              (kernels/moe.py); the shared experts (shared_experts.) added without a gate
 
-A backend may run the block as one call (`ops.fuse_moe`: the cpu backend's _cpu.MoEBlock), the
-same steps in the same order, called as fused(x) or fused(x, router_x); `compose` is the block op
-by op.
+A backend may run the block as one call (`ops.fuse_moe`: the cpu backend's _cpu.MoEBlock, with
+either routing), the same steps in the same order, called as fused(x) or fused(x, router_x);
+`compose` is the block op by op.
 
 Batch invariant by construction: the router's logits come from the row-invariant GEMM, the
 choice and the weights from that row alone (exp is exact.float32's, the sums fixed in order or
@@ -86,9 +86,8 @@ class MoE:
             if spec.shared_gated:
                 self.shared_gate = mlp.linear("shared_expert_gate.weight")
         self.cache_spec = None
-        # the whole block as one native call, or None; the native block routes by softmax and gates its shared expert
-        native = not sigmoid and (self.shared is None or self.shared_gate is not None) and self.fusable
-        self._fused = w.ops.fuse_moe(self) if native else None
+        # the whole block as one native call where the op set has one for it (fuse_moe: None where not)
+        self._fused = w.ops.fuse_moe(self) if self.fusable else None
 
     fusable = True  # whether a backend may run the block as one call (a rank's share of the experts may not)
 
