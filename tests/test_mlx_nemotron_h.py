@@ -106,7 +106,8 @@ def test_a_layers_mixing_over_a_batch_is_the_references():
     spec = Mamba2State(CONV_DIM, TAPS, H, N, P)
     state = spec.allocate(12, bs, torch.float32, "cpu")
     for block in (5, 9):
-        state.conv[block], state.ssm[block] = torch.randn(TAPS - 1, CONV_DIM, generator=gen), torch.randn(H, N, P, generator=gen)
+        state.conv[block] = torch.randn(TAPS - 1, CONV_DIM, generator=gen)
+        state.ssm[block] = torch.randn(H, N, P, generator=gen)
     tables = [[0, 1, 2], [5, 6, 7], [8, 9, 10]]
     pieces = [(0, 0, 10), (1, 4, 7), (2, 7, 1)]  # (seq, first position, rows)
     positions, sequences = [], []

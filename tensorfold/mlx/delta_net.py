@@ -21,16 +21,15 @@ the default device.
 The state lives per block (models/cache.RecurrentState's rule): LayerState holds the conv's last
 K - 1 inputs and the state matrices for every block id; the batch names where each sequence
 starts (state_in, -1: a zero state) and which rows' states are written (state_out), as
-ForwardBatch.state_slots does for the torch op sets.
+ForwardBatch.state_slots does for the torch op sets (mlx/recurrent.py runs the batch over them).
 """
 import mlx.core as mx
-import numpy as np
 
 from tensorfold.exact import float64 as f64
 from tensorfold.exact.float32 import f32
 from tensorfold.exact.grid import ROUND_MAGIC
 from tensorfold.kernels.delta_net import NORM_EPS, SOFTPLUS_THRESHOLD, STATE_BITS
-from tensorfold.mlx import grid, ops
+from tensorfold.mlx import grid, ops, recurrent
 
 
 # ---- float64 on the CPU stream: exp64, log64, softplus32 ----
@@ -164,47 +163,13 @@ class LayerState:
 def delta_net(qkv: mx.array, a: mx.array, b: mx.array, state: LayerState, batch, params) -> mx.array:
     """delta_net.delta_net over an MLXBatch: qkv [rows, C], a, b [rows, H]; each sequence starts
     from block batch.state_in[i] (-1: zero), and the state after row r goes to block
-    batch.state_out[r] where that is not -1. Returns [rows, H, dv] in qkv's dtype. Every start
-    is read before anything is written (MLX arrays: a read keeps the value it saw)."""
-    taps = state.conv.shape[1]
-    starts = [int(src) for src in batch.state_in]
-    windows = [state.conv[src] if src >= 0 else mx.zeros(state.conv.shape[1:], dtype=mx.float32) for src in starts]
-    live = [state.ssm[src] if src >= 0 else mx.zeros(state.ssm.shape[1:], dtype=mx.float32) for src in starts]
-    mixed, conv_dst, conv_val = [], [], []
-    for seq, window in zip(batch.sequences, windows):
-        x = qkv[seq.start:seq.end]
-        mixed.append(conv_silu(x, window, params.conv_weight))
-        padded = mx.concatenate([window, x.astype(mx.float32)])
-        for t in range(seq.end - seq.start):  # the conv's last K - 1 inputs after each written row
-            if (dst := int(batch.state_out[seq.start + t])) >= 0:
-                conv_dst.append(dst)
-                conv_val.append(padded[t + 1:t + 1 + taps])
-    mixed = mixed[0] if len(mixed) == 1 else mx.concatenate(mixed)
+    batch.state_out[r] where that is not -1 (mlx/recurrent.py reads and writes them). Returns
+    [rows, H, dv] in qkv's dtype."""
+    windows, live = recurrent.starting_states(state, batch)
+    mixed, *conv_writes = recurrent.convolve(qkv, windows, batch,
+                                             lambda rows, window: conv_silu(rows, window, params.conv_weight))
     q, k, v, decay, beta = prepare(mixed, a, b, params)
-
-    lengths = [seq.end - seq.start for seq in batch.sequences]
-    live = mx.stack(live)
-    outs, order, ssm_dst, ssm_val = [], [], [], []
-    for t in range(max(lengths, default=0)):  # position t of every sequence that has one, at once
-        active = [i for i, n in enumerate(lengths) if n > t]
-        at = [batch.sequences[i].start + t for i in active]
-        every = len(active) == len(lengths)
-        index = mx.array(np.asarray(at, dtype=np.int32))
-        sub = live if every else live[mx.array(np.asarray(active, dtype=np.int32))]
-        sub, out = delta_step(sub, q[index], k[index], v[index], decay[index], beta[index])
-        if every:
-            live = sub
-        else:
-            live[mx.array(np.asarray(active, dtype=np.int32))] = sub
-        outs.append(out)
-        order += at
-        for j, row in enumerate(at):
-            if (dst := int(batch.state_out[row])) >= 0:
-                ssm_dst.append(dst)
-                ssm_val.append(sub[j])
-    if conv_dst:
-        state.conv[mx.array(np.asarray(conv_dst, dtype=np.int32))] = mx.stack(conv_val)
-    if ssm_dst:
-        state.ssm[mx.array(np.asarray(ssm_dst, dtype=np.int32))] = mx.stack(ssm_val)
-    out = mx.concatenate(outs)[mx.array(np.argsort(np.asarray(order)).astype(np.int32))]
+    out, *ssm_writes = recurrent.scan(live, batch, lambda sub, at: delta_step(sub, q[at], k[at], v[at], decay[at],
+                                                                              beta[at]))
+    recurrent.write(state, conv_writes, ssm_writes)
     return out.astype(qkv.dtype)

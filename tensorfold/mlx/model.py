@@ -189,7 +189,8 @@ class GatedDeltaNet:
         return self.out_proj(normed.reshape(rows, width))
 
 
-MIXERS = {AttentionSpec: Attention, LinearAttentionSpec: GatedDeltaNet, Mamba2Spec: mamba2.Mamba2}  # spec type -> MLX block
+# spec type -> MLX block
+MIXERS = {AttentionSpec: Attention, LinearAttentionSpec: GatedDeltaNet, Mamba2Spec: mamba2.Mamba2}
 FFNS = {MLPSpec: MLP, MoESpec: moe.MoE, ReluSquaredMLPSpec: nemotron_h.ReluSquaredMLP,
         NemotronMoESpec: nemotron_h.NemotronMoE}
 

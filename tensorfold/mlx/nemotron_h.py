@@ -93,8 +93,8 @@ class NemotronMoE:
         self.router = float32_linear(mlp, "gate.weight")
         self.bias = ops.from_torch(mlp.float32("gate.e_score_correction_bias")) if mlp.has(
             "gate.e_score_correction_bias") else mx.zeros((spec.num_experts,), dtype=mx.float32)
-        self.experts = [ReluSquared(mlp.linear(f"experts.{e}.up_proj.weight"), mlp.linear(f"experts.{e}.down_proj.weight"))
-                        for e in range(spec.num_experts)]
+        self.experts = [ReluSquared(mlp.linear(f"experts.{e}.up_proj.weight"),
+                                    mlp.linear(f"experts.{e}.down_proj.weight")) for e in range(spec.num_experts)]
         shared = mlp.under("shared_experts.")
         self.shared = ReluSquared(shared.linear("up_proj.weight"), shared.linear("down_proj.weight"))
         self.fc1 = self.fc2 = None
@@ -118,10 +118,9 @@ class NemotronMoE:
         inner = self.fc1(x) if self.fc1 is not None else x
         out = mx.zeros(inner.shape, dtype=mx.float32)                   # [rows, width]
         for e in np.unique(chosen).tolist():  # ascending: each row's terms in expert order
-            rows, slot = np.nonzero(chosen == e)
-            rows_mx = mx.array(rows.astype(np.int32))
-            term = self.experts[e](inner[rows_mx]).astype(mx.float32) * weights[rows_mx, mx.array(slot.astype(np.int32))][:, None]
-            out = out.at[rows_mx].add(term)                             # a row once per expert: one add
+            rows, slot = (mx.array(i.astype(np.int32)) for i in np.nonzero(chosen == e))
+            term = self.experts[e](inner[rows]).astype(mx.float32) * weights[rows, slot][:, None]
+            out = out.at[rows].add(term)                                # a row once per expert: one add
         routed = out.astype(x.dtype)
         if self.fc2 is not None:
             routed = self.fc2(routed)
