@@ -115,3 +115,27 @@ def test_extreme_exponents_keep_the_references_bits():
     for chosen in (None, selection):
         assert torch.equal(native_ops.latent_attention(query, cache, batch, SCALE, chosen),
                            ref.attention_by_sequence(query, cache, batch, SCALE, chosen))
+
+
+@pytest.mark.parametrize("width", [128, 7, 1152], ids=["indexer", "odd", "wide"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_layer_norm_is_the_references_bits(width, dtype, threads):
+    """_cpu.layer_norm (the indexer's key norm, native_ops.layer_norm) == reference.layer_norm: rows of
+    spread magnitudes, a constant row, a zero row, rows whose mean cancels, a tiny row; each row
+    alone gives its bits in the batch."""
+    from tensorfold.kernels.reference import layer_norm
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(40, width, generator=gen) * torch.logspace(-6, 6, 40)[:, None]
+    x[1] = 3.25
+    x[2] = 0.0
+    x[3, ::2], x[3, 1::2] = 1e4, -1e4
+    x[4] = torch.randn(width, generator=gen) * 1e-30
+    x[5] = x[5] + 1e3  # a large mean beside small differences
+    x = x.to(dtype)
+    weight = (torch.randn(width, generator=gen) * 0.5 + 1).to(dtype)
+    bias = (torch.randn(width, generator=gen) * 0.1).to(dtype)
+    want = layer_norm(x, weight, bias, 1e-6)
+    got = native_ops.layer_norm(x, weight, bias, 1e-6)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(torch.cat([native_ops.layer_norm(x[i:i + 1], weight, bias, 1e-6) for i in range(40)]), got)
+    assert torch.equal(native_ops.layer_norm(x.view(4, 10, width), weight, bias, 1e-6), got.view(4, 10, width))

@@ -142,6 +142,10 @@ void delta_net(int dtype, const void* qkv, int64_t qkv_stride, const float* a, c
                int64_t num_seqs, const float* conv_taps, int64_t conv_kernel, const float* rate,
                const float* dt_bias, int64_t key_heads, int64_t heads, int64_t key_dim, int64_t value_dim, void* out,
                int threads);
+// reference.layer_norm: out [rows, width] = (x - mean) / sqrt(var + eps) * weight + bias per row, the
+// mean and the variance from exact sums (norm.cpp); weight and bias [width] in x's dtype.
+void layer_norm(int dtype, const void* x, const void* weight, const void* bias, void* out, int64_t rows, int64_t width,
+                double eps, int threads);
 // delta_net.gated_rms_norm: out [rows, width] (x's dtype) = rms_norm(x) * weight * silu(gate); x
 // contiguous, gate rows gate_stride apart, each of its own dtype code.
 void gated_rms_norm(int dtype, const void* x, int gate_dtype, const void* gate, int64_t gate_stride,

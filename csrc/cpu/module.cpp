@@ -202,6 +202,23 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, co
   return add_rms_norm_impl(x, residual, weight, eps, out);
 }
 
+torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps) {
+  check_cpu(x, "layer_norm: x");
+  const int code = dtype_code(x, "layer_norm");
+  const int64_t width = x.size(-1);
+  TORCH_CHECK(weight.numel() == width && weight.scalar_type() == x.scalar_type() && bias.numel() == width &&
+                  bias.scalar_type() == x.scalar_type(),
+              "layer_norm: weight and bias must be [", width, "] in x's dtype");
+  TORCH_CHECK(width <= 8192, "layer_norm rows are at most 8192 wide (an exact float64 sum), got ", width);
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t rows = width ? xc.numel() / width : 0;
+  if (rows > 0)
+    tf::layer_norm(code, xc.data_ptr(), weight.contiguous().data_ptr(), bias.contiguous().data_ptr(), out.data_ptr(),
+                   rows, width, eps, threads());
+  return out;
+}
+
 torch::Tensor rope_impl(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const Out& norm_weight, double eps, const Out& out_arg) {
   check_cpu(x, "rope: x");
@@ -755,6 +772,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "reference.rms_norm", py::arg("x"), py::arg("weight"), py::arg("eps"), out);
   m.def("add_rms_norm", &add_rms_norm, "reference.add_rms_norm: (rms_norm(residual + x), residual + x)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), out);
+  m.def("layer_norm", &layer_norm, "reference.layer_norm", py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("eps"));
   m.def("apply_rope", &apply_rope, "reference.apply_rope", py::arg("x"), py::arg("cos"), py::arg("sin"), out);
   m.def("rms_norm_rope", &rms_norm_rope, "reference.rms_norm_rope", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::arg("cos"), py::arg("sin"), out);

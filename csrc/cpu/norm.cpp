@@ -1,4 +1,4 @@
-// Row-wise exact ops: RMSNorm (+ the residual add), rope (+ qwen3's per-head norm), SiLU-, sigmoid- and
+// Row-wise exact ops: RMSNorm (+ the residual add), LayerNorm (the DSA indexer's), rope (+ qwen3's per-head norm), SiLU-, sigmoid- and
 // GELU(tanh)-and-mul.
 // Each line is one IEEE rounding in the order of kernels/reference.py; the one reduction (the sum
 // of squares) is an exact integer sum, so its order is free.
@@ -60,6 +60,50 @@ void norm_row(const T* x, const T* weight, T* out, int64_t n, double eps) {
     float y = to_f32(x[i]) * inv;
     y = y * to_f32(weight[i]);
     out[i] = from_f32<T>(y);
+  }
+}
+
+// reference.layer_norm of one row (the DSA indexer's key norm): the mean from an exact sum (each x
+// on the row's grid of 2 NORM_BITS bits below its largest), float32(sum) scaled, divided by n in
+// float32; then rms_norm's steps on the float32 differences d (in `d`, the caller's [n]), times
+// weight, plus bias (float32 steps), rounded to the dtype.
+template <typename T>
+void layer_norm_row(const T* x, const T* weight, const T* bias, T* out, float* d, int64_t n, double eps) {
+  int e = exponent(max_abs(x, n));
+  const double up = pow2(2 * NORM_BITS - 1 - e);
+  double sum = 0.0;  // integers of at most 2^40, at most 2^13 of them: exact in any order
+  for (int64_t i = 0; i < n; ++i) sum += round_even(static_cast<double>(to_f32(x[i])) * up);
+  float mean = scale32(static_cast<float>(sum), e - 2 * NORM_BITS + 1);
+  mean = mean / static_cast<float>(n);
+  for (int64_t i = 0; i < n; ++i) d[i] = to_f32(x[i]) - mean;
+  e = exponent(max_abs(d, n));
+  const double grid = pow2(2 * (NORM_BITS - 1 - e));
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    double sq = static_cast<double>(d[i]) * d[i];
+    sq = sq * grid;
+    ss += round_even(sq);
+  }
+  float var = scale32(static_cast<float>(ss), 2 * (e - NORM_BITS + 1));
+  var = var / static_cast<float>(n);
+  const float inv = 1.0f / std::sqrt(var + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) {
+    float y = d[i] * inv;
+    y = y * to_f32(weight[i]);
+    y = y + to_f32(bias[i]);
+    out[i] = from_f32<T>(y);
+  }
+}
+
+template <typename T>
+void layer_norm_impl(const T* x, const T* weight, const T* bias, T* out, int64_t rows, int64_t width, double eps,
+                     int threads) {
+  const bool parallel = threads > 1 && rows > 1 && rows * width >= PARALLEL_ELEMENTS;
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    std::vector<float> d(width);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) layer_norm_row(x + r * width, weight, bias, out + r * width, d.data(), width, eps);
   }
 }
 
@@ -238,6 +282,14 @@ void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, 
   else
     rms_norm_impl(in<bf16>(x), x_stride, in<bf16>(residual), r_stride, io<bf16>(h_out), in<bf16>(weight),
                   io<bf16>(out), rows, width, eps, threads);
+}
+
+void layer_norm(int dtype, const void* x, const void* weight, const void* bias, void* out, int64_t rows, int64_t width,
+                double eps, int threads) {
+  if (dtype == 0)
+    layer_norm_impl(in<float>(x), in<float>(weight), in<float>(bias), io<float>(out), rows, width, eps, threads);
+  else
+    layer_norm_impl(in<bf16>(x), in<bf16>(weight), in<bf16>(bias), io<bf16>(out), rows, width, eps, threads);
 }
 
 void rope(int dtype, const void* x, int64_t x_stride, void* out, const float* cos, const float* sin, int64_t tokens,

@@ -19,8 +19,8 @@ from tensorfold.kernels.delta_net import delta_net, gated_rms_norm  # noqa: F401
 from tensorfold.kernels.latent_attention import attention_by_sequence as latent_attention, dsa_select  # noqa: F401
 from tensorfold.kernels import quant_gemm, reference
 from tensorfold.kernels.reference import linear_padded
-from tensorfold.kernels.reference import (add_rms_norm, apply_rope, gelu_tanh_and_mul, pad_rows,  # noqa: F401
-                                          relu_squared, rms_norm, rms_norm_rope, rope_table, sigmoid_and_mul,
+from tensorfold.kernels.reference import (add_rms_norm, apply_rope, gelu_tanh_and_mul, layer_norm,  # noqa: F401
+                                          pad_rows, relu_squared, rms_norm, rms_norm_rope, rope_table, sigmoid_and_mul,
                                           silu_and_mul, softcap)
 from tensorfold.sampling.sampler import sample  # noqa: F401
 

@@ -33,7 +33,7 @@ What runs where, and why:
 - Nemotron-H's Mamba2 mixing and its gated group norm (mamba2, mamba2_gated_norm): Triton
   (kernels/mamba2_triton.py: the conv, then the scan per (sequence, head, columns), two launches
   a layer), bitwise kernels/mamba2.py.
-- silu_and_mul, sigmoid_and_mul, gelu_tanh_and_mul, relu_squared, softcap, pad_rows, rope_table,
+- silu_and_mul, sigmoid_and_mul, gelu_tanh_and_mul, relu_squared, softcap, layer_norm, pad_rows, rope_table,
   and Nemotron-H's routing (route_sigmoid): the torch reference ops on CUDA tensors, shared by both
   op sets rather than mirrored (elementwise: invariant on a GPU as they are).
 - the vision tower (models/vision_tower.py) calls this set's Linear, apply_rope and paged_attention
@@ -59,8 +59,8 @@ from tensorfold.kernels.paged_attention import write_kv_ref
 from tensorfold.kernels.quant_gemm import QuantWeight
 from tensorfold.kernels.quant_gemm_triton import PackedQuantWeight, pack_quant_weight, quant_linear
 from tensorfold.kernels.reference import linear_padded
-from tensorfold.kernels.reference import (gelu_tanh_and_mul, pad_rows, relu_squared, rope_table,  # noqa: F401
-                                          sigmoid_and_mul, silu_and_mul, softcap)
+from tensorfold.kernels.reference import (gelu_tanh_and_mul, layer_norm, pad_rows, relu_squared,  # noqa: F401
+                                          rope_table, sigmoid_and_mul, silu_and_mul, softcap)
 from tensorfold.kernels.rms_norm_triton import add_rms_norm, apply_rope, rms_norm, rms_norm_rope  # noqa: F401
 from tensorfold.kernels.sampling_triton import sample  # noqa: F401
 from tensorfold.kernels.verify_triton import apply_token_bitmask, verify  # noqa: F401

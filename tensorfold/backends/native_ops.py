@@ -18,6 +18,7 @@ from tensorfold.kernels import paged_attention
 from tensorfold.kernels.paged_attention import pad_block_tables
 # elementwise, on torch ops that round each step (invariant as they are): Gemma's soft cap, Nemotron-H's relu^2
 from tensorfold.kernels.reference import pad_rows, relu_squared, rope_table, softcap  # noqa: F401
+from tensorfold.kernels.reference import layer_norm as reference_layer_norm
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.gguf_quants import FileBlocks, FileStack, file_rows
@@ -50,6 +51,14 @@ silu_and_mul = _cpu.silu_and_mul
 sigmoid_and_mul = _cpu.sigmoid_and_mul
 gelu_tanh_and_mul = _cpu.gelu_tanh_and_mul  # Gemma's GeGLU
 gated_rms_norm = _cpu.gated_rms_norm
+
+
+def layer_norm(x, weight, bias, eps):
+    """reference.layer_norm (the DSA indexer's key norm) in C++; the reference where weight or bias
+    is not in x's dtype."""
+    if weight.dtype != x.dtype or bias.dtype != x.dtype:
+        return reference_layer_norm(x, weight, bias, eps)
+    return _cpu.layer_norm(x, weight, bias, eps)
 
 
 def delta_net(qkv, a, b, state, batch, params):

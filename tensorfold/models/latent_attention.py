@@ -14,7 +14,9 @@ attention): the block class, its spec, its cache kind (models/cache.LatentKV).
     indexer  (a "full" layer) q_i = wq_b(q_lora residual), k_i = layer_norm(wk(x)), rope on the
              first rope_dim dims of each; head weights weights_proj(x) * heads^-0.5; its scores
              choose each row's index_topk keys; a "shared" layer reuses the last full layer's
-             choice (ForwardBatch.memo, keyed by that layer)
+             choice (ForwardBatch.memo, keyed by that layer). While no row of the batch sees more
+             than index_topk keys there is nothing to choose: the keys go to the cache, and q_i and
+             the head weights are not computed
     out      o_proj(concat out_h)
 
 One form for every row count (always absorbed, always the latent cache), and every step is
@@ -30,7 +32,6 @@ import torch
 
 from tensorfold.exact.float32 import f32
 from tensorfold.kernels import latent_attention as kernels
-from tensorfold.kernels.reference import layer_norm
 from tensorfold.models.cache import LatentKV, LayerLatent
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import RopeConfig
@@ -197,11 +198,14 @@ class Indexer:
 
     def keys(self, x, cos, sin) -> torch.Tensor:
         """The indexer's key per row [rows, head_dim]."""
-        k = layer_norm(self.wk(x), self.k_norm, self.k_norm_bias, INDEX_NORM_EPS)
+        k = self.ops.layer_norm(self.wk(x), self.k_norm, self.k_norm_bias, INDEX_NORM_EPS)
         return self._rope(k[:, None], cos, sin)[:, 0]
 
     def select(self, x, q_resid, cos, sin, batch: ForwardBatch, cache: LayerLatent):
         s = self.spec
+        positions = batch.positions
+        if positions.numel() == 0 or int(positions.max()) < s.top_k:
+            return None  # no row sees more than top_k keys: every op set's dsa_select chooses none (all of them)
         num_rows = x.shape[0]
         q = self._rope(self.wq_b(q_resid).view(num_rows, s.num_heads, s.head_dim), cos, sin)
         weights = self.weights_proj(x.float()).float() * f32(self.head_weight)  # [rows, heads]
