@@ -307,8 +307,8 @@ def test_quantized_checkpoints_give_the_cpu_backends_token_sha(request, arch):
 
 def test_unserved_layer_kinds_are_a_startup_error(tmp_path, smollm2_tokenizer):
     from tools.tiny_checkpoint import make_tiny_checkpoint
-    path = make_tiny_checkpoint(str(tmp_path / "gemma4"), "gemma4_text", tokenizer=smollm2_tokenizer)
-    with pytest.raises(CheckpointError, match=r"mlx backend.*Gemma4AttentionSpec \+ MLPSpec layers: use --backend cpu"):
+    path = make_tiny_checkpoint(str(tmp_path / "glm_moe_dsa"), "glm_moe_dsa", tokenizer=smollm2_tokenizer)
+    with pytest.raises(CheckpointError, match=r"mlx backend.*LatentAttentionSpec \+ MLPSpec layers: use --backend cpu"):
         Engine(path, EngineConfig(backend="mlx", **SMALL))
 
 

@@ -18,8 +18,8 @@ from tensorfold.backends.base import Allocation, Loaded
 from tensorfold.backends.torch_backend import DTYPES, kv_cache_dtype, read_checkpoint
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.mlx import delta_net, metal, ops
-from tensorfold.mlx.model import Attention, MLXBatch, MLXModel, SequenceSpan, state_slots
-from tensorfold.models.cache import ModelCache
+from tensorfold.mlx.model import Attention, MLXBatch, MLXModel, SequenceSpan, model_class, state_slots
+from tensorfold.models.cache import ModelCache, SharedKV
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.loader import served_tensors
 from tensorfold.models.progress import LoadProgress
@@ -46,8 +46,8 @@ class MLXBackend:
         args = ModelArgs.from_hf(checkpoint.config, os.path.join(checkpoint.path, "config.json"))
         family = model_family(checkpoint.architecture, checkpoint.path)
         tensors = LoadProgress(served_tensors(checkpoint.tensors, family))
-        self.model = model = MLXModel(args, family.layer_specs(args), tensors, DTYPES[config.dtype],
-                                      family.norm_offset)
+        self.model = model = model_class(family)(args, family.layer_specs(args), tensors, DTYPES[config.dtype],
+                                                 family.norm_offset)
         tensors.finish()
         checkpoint.tensors = {}
         formats = model.weight_formats()
@@ -71,20 +71,25 @@ class MLXBackend:
         K/V (PagedKV: blocks of block_size tokens, each vector's exponent beside it) and Gated
         DeltaNet's and Mamba2's states per block (RecurrentState: float32, the torch backends'
         layout, so the engine resumes such a model at block boundaries); a feed-forward layer
-        (spec None) keeps nothing."""
+        (spec None) keeps nothing, a KV-shared layer (SharedKV) gets its source's LayerCache.
+        One block table for every layer: a sliding layer keeps its blocks (its window is the
+        attention's mask), as a full layer does."""
         config, specs = self.config, self.model.cache_specs()
         itemsize = torch.finfo(self.kv_dtype).bits // 8
         per_block = sum(spec.bytes_per_block(torch.float32, config.block_size) if spec.recurrent
                         else 2 * spec.num_kv_heads * (spec.head_dim * itemsize + 4) * config.block_size  # + exponents
-                        for spec in specs if spec is not None)
+                        for spec in specs if spec is not None and not isinstance(spec, SharedKV))
         num_blocks = max(int(config.kv_cache_gib * 2**30) // per_block, -(-context_length // config.block_size))
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
         dtype = ops.DTYPES[self.kv_dtype]
-        self.caches = [None if spec is None else delta_net.LayerState(spec, num_blocks) if spec.recurrent
-                       else ops.LayerCache(num_blocks * config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
-                       for spec in specs]
+        self.caches = []
+        for spec in specs:
+            self.caches.append(None if spec is None else self.caches[spec.source] if isinstance(spec, SharedKV)
+                               else delta_net.LayerState(spec, num_blocks) if spec.recurrent
+                               else ops.LayerCache(num_blocks * config.block_size, spec.num_kv_heads, spec.head_dim,
+                                                   dtype))
         mx.eval(*cache_arrays(self.caches))
-        nbytes = sum(c.nbytes for c in self.caches if c is not None)
+        nbytes = sum(c.nbytes for c in {id(c): c for c in self.caches if c is not None}.values())  # shared once
         kinds: dict[str, int] = {}
         for spec in filter(None, specs):
             kinds[type(spec).__name__] = kinds.get(type(spec).__name__, 0) + 1

@@ -223,18 +223,20 @@ class DecoderLayer:
 
 
 class MLXModel:
-    """forward(batch, caches) -> logits [num_logits, vocab] float32 (an mx.array)."""
+    """forward(batch, caches) -> logits [num_logits, vocab] float32 (an mx.array). A family with
+    layers or model-level parts of its own subclasses it (layer(), forward(): mlx/gemma4.py)."""
+    weight_ops = _WeightOps
 
     def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype,
                  norm_offset: float = 0.0):
         self.args, self.specs, self.dtype = args, list(specs), dtype
         self.mx_dtype = ops.DTYPES[dtype]
-        w = WeightReader(tensors, dtype, torch.device("cpu"), _WeightOps, norm_offset=norm_offset)
+        w = WeightReader(tensors, dtype, torch.device("cpu"), self.weight_ops, norm_offset=norm_offset)
         embed = w.matrix("model.embed_tokens.weight")
         if tuple(embed.shape) != (args.vocab_size, args.hidden_size):
             raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, "
                                   f"config says ({args.vocab_size}, {args.hidden_size})")
-        self.layers = [DecoderLayer(spec, w.under(f"model.layers.{i}.")) for i, spec in enumerate(self.specs)]
+        self.layers = [self.layer(spec, w.under(f"model.layers.{i}.")) for i, spec in enumerate(self.specs)]
         self.norm = _mx(w.norm("model.norm.weight"))
         quantized = ops.MLXLinear.quantized(embed)
         self.table = ops.MLXLinear.of(embed) if quantized else None
@@ -246,8 +248,12 @@ class MLXModel:
         else:
             raise CheckpointError("lm_head.weight is missing and the config does not tie embeddings")
 
+    def layer(self, spec: LayerSpec, w: WeightReader):
+        return DecoderLayer(spec, w)
+
     def cache_specs(self) -> list:
-        """Each layer's cache kind (models/cache.PagedKV or RecurrentState; None: a feed-forward layer)."""
+        """Each layer's cache kind (models/cache.PagedKV, SharedKV or RecurrentState; None: a
+        feed-forward layer)."""
         return [layer.cache_spec for layer in self.layers]
 
     def forward(self, batch: MLXBatch, caches: list[ops.LayerCache]) -> mx.array:
@@ -278,6 +284,14 @@ class MLXModel:
 
     def weight_formats(self) -> dict[str, int]:
         return count_formats(self.gemms().values())
+
+
+def model_class(family) -> type:
+    """The MLX model of a family (models/spec.Family): its own where it has one, else MLXModel."""
+    if family.name == "gemma4":
+        from tensorfold.mlx.gemma4 import Gemma4Model
+        return Gemma4Model
+    return MLXModel
 
 
 def _mx(t: torch.Tensor | None) -> mx.array | None:

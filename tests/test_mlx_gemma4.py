@@ -1,0 +1,217 @@
+"""Gemma 4's dense text model (gemma4, gemma4_text) on the mlx backend (tensorfold/mlx/gemma4.py).
+
+- The new ops against kernels/reference.py, bitwise: gelu_tanh_and_mul (float32 and bfloat16),
+  tanh32 over both of its ranges and the signs of zero, softcap.
+- The tiny checkpoints tests/test_gemma4.py uses (gemma4: window 16 shorter than the prompts,
+  global layers with their own head size, one KV head, proportional rope and values that are
+  their keys, the last two layers reading earlier layers' K/V with a double-wide MLP, per-layer
+  inputs, soft-capped logits; gemma4_text: v_proj everywhere, no sharing, no per-layer inputs):
+  greedy 32 tokens == transformers' with the startup probes passing; the q8_0 GGUF
+  (llama.cpp's gemma4) and --quantize q8_0 give the cpu backend's logits every draw and its
+  token_sha, greedy and sampled; chunked prefill == token by token (logits and every K/V the
+  prompt wrote); solo == batched, chunked and drafted; a cached prefix == fresh.
+- The KV-shared layers hold their source's cache (no bytes of their own); the MoE variant is a
+  startup error naming enable_moe_block.
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+
+from engine_cases import check_solo_vs_batched, run  # noqa: E402
+from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
+from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, forward_rows  # noqa: E402
+from tensorfold.api.replies import token_sha  # noqa: E402
+from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
+from tensorfold.kernels import reference as ref  # noqa: E402
+from tensorfold.mlx import gemma4, ops  # noqa: E402
+from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
+from tensorfold.sampling.params import SamplingParams  # noqa: E402
+from tools.gemma4_gguf import write_gemma4_gguf  # noqa: E402
+from tools.tiny_checkpoint import make_tiny_checkpoint, well_separated_seed  # noqa: E402
+
+SMALL = dict(kv_cache_gib=0.01, context=512)
+EAGER = dict(experts_implementation="eager")
+
+
+def _same_bits(got: mx.array, want: torch.Tensor) -> bool:
+    got = np.array(got.astype(mx.float32)) if got.dtype == mx.bfloat16 else np.array(got)
+    want = want.float().numpy() if want.dtype == torch.bfloat16 else want.numpy()
+    return got.dtype == want.dtype and got.shape == want.shape and np.array_equal(
+        got.view(np.uint32), want.view(np.uint32))
+
+
+def _values(seed: int) -> torch.Tensor:
+    """Values over many magnitudes and both signs, with the edges: zeros of both signs, the
+    polynomial's boundary, saturating arguments, tiny and subnormal ones."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.randn(20_000, generator=gen) * torch.exp2(torch.randint(-30, 6, (20_000,), generator=gen).float())
+    edges = torch.tensor([0.0, -0.0, 0.625, -0.625, 0.62499994, -0.62500006, 9.0, -9.0, 44.0, -44.0, 100.0, -100.0,
+                          1e-30, -1e-30, 1e-40, -1e-40, 3.0, -3.0, 1.0, -1.0])
+    return torch.cat([spread, torch.linspace(-12, 12, 10_001), edges])
+
+
+# ---- the new ops, bitwise kernels/reference.py -------------------------------------------------
+
+def test_tanh32_is_the_references():
+    x = _values(1)
+    assert _same_bits(gemma4.tanh32(ops.from_torch(x)), ref.tanh32(x))
+
+
+@pytest.mark.parametrize("cap", [30.0, 15.0])
+def test_softcap_is_the_references(cap):
+    logits = _values(2)[:30_000].reshape(300, 100) * 4.0  # past the cap too
+    assert _same_bits(gemma4.softcap(ops.from_torch(logits), cap), ref.softcap(logits, cap))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_is_the_references(dtype):
+    gate = _values(3).to(dtype)
+    up = torch.randn(gate.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    mdt = ops.DTYPES[dtype]
+    got = gemma4.gelu_tanh_and_mul(ops.from_torch(gate, mdt), ops.from_torch(up, mdt))
+    assert got.dtype == mdt and _same_bits(got, ref.gelu_tanh_and_mul(gate, up))
+
+
+# ---- the tiny checkpoints on --backend mlx -----------------------------------------------------
+
+@pytest.fixture(scope="module", params=["gemma4", "gemma4_text"])
+def gemma(request, tmp_path_factory, smollm2_tokenizer):
+    seed = well_separated_seed(request.param, smollm2_tokenizer)
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("mlx_" + request.param)), request.param, seed=seed,
+                                tokenizer=smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def full_gemma(tmp_path_factory, smollm2_tokenizer):
+    """gemma4, every option on."""
+    seed = well_separated_seed("gemma4", smollm2_tokenizer)
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("mlx_gemma4_full")), "gemma4", seed=seed,
+                                tokenizer=smollm2_tokenizer)
+
+
+def test_greedy_32_tokens_equal_transformers(gemma):
+    check_greedy_32_tokens(gemma, hf_model(gemma, torch.float32, **EAGER), "mlx", **SMALL)
+
+
+def test_the_shared_layers_read_their_sources_cache(full_gemma):
+    engine = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, drafting=False, **SMALL))
+    caches, model = engine.runner.caches, engine.runner.model
+    assert [layer.mixer.spec.kv_source for layer in model.layers[-2:]] == [3, 2]
+    assert caches[4] is caches[3] and caches[5] is caches[2]
+    assert len({id(c) for c in caches}) == 4
+    assert "2 x SharedKV" in engine.info.cache and "4 x PagedKV" in engine.info.cache
+    assert {layer.mixer.spec.window for layer in model.layers} == {16, None}
+
+
+@pytest.fixture(scope="module")
+def gguf_gemma(full_gemma):
+    return write_gemma4_gguf(full_gemma, "q8_0")
+
+
+def test_q8_0_gguf_gives_the_cpu_backends_logits_and_token_sha(gguf_gemma):
+    """llama.cpp's q8_0 gemma4 file served as stored on both backends: every draw's logits row
+    bitwise equal (batched, chunked, greedy and sampled: prompts past the window), so the same
+    token_sha."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(49152) for _ in range(37)], [rng.randrange(49152) for _ in range(9)] * 2]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
+    shas, recorders = [], []
+    for backend in ("cpu", "mlx"):
+        engine = Engine(gguf_gemma, EngineConfig(backend=backend, max_tokens_per_step=16, **SMALL))
+        assert engine.exact, engine.probe_failures
+        assert "q8_0" in engine.backend.describe()["weights"]
+        recorders.append(Recorder(engine))
+        shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
+    assert shas[0] == shas[1]
+    want, got = recorders
+    assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
+    for key, logits in want.draws.items():
+        assert np.array_equal(got.draws[key], logits), f"draw {key}"
+
+
+def test_quantized_at_load_gives_the_cpu_backends_logits_and_token_sha(gemma):
+    check_quantized_cpu_equals_mlx(gemma, first_prompt=37, **SMALL)
+
+
+def test_chunked_prefill_is_bitwise_token_by_token(full_gemma):
+    """A 70-token prompt (past the window of 16) prefilled whole, in chunks of 16 and 7, and token
+    by token (beside another sequence's decode rows): the same last logits and the same K/V in
+    every slot the prompt wrote, in every layer that keeps some."""
+    engine = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, **SMALL))
+    runner = engine.runner
+    rng = random.Random(3)
+    ids, other = [rng.randrange(49152) for _ in range(70)], [rng.randrange(49152) for _ in range(80)]
+    tables = [[7, 2, 9, 11, 12], [4, 5, 6, 13, 14]]
+    bs = runner.block_size
+    slots = mx.array(np.array([tables[0][p // bs] * bs + p % bs for p in range(len(ids))]))
+    results = []
+    for chunk in (70, 16, 7, 1):
+        forward_rows(engine, [(1, other[:3], 0, False)], tables)
+        start, other_at, logits = 0, 3, None
+        while start < len(ids):
+            piece = ids[start:start + chunk]
+            logits = forward_rows(engine, [(1, other[other_at:other_at + 1], other_at, False),
+                                           (0, piece, start, False)], tables)[-1]
+            start, other_at = start + len(piece), other_at + 1
+        kv = [np.array(a[slots]) for c in {id(c): c for c in runner.caches}.values() for a in c.arrays]
+        results.append((logits, kv))
+    for logits, kv in results[1:]:
+        assert np.array_equal(logits, results[0][0])
+        assert all(np.array_equal(a, b) for a, b in zip(kv, results[0][1]))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_gemma(tmp_path_factory, small_vocab_llama):
+    """gemma4 over small_vocab_llama's 512-token tokenizer, with its head tied to the embedding
+    and each block's output scaled down: a token's own logit leads, so greedy replies repeat
+    their last token and prompt-lookup drafts get accepted."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("mlx_small_gemma4")), "gemma4",
+                                tokenizer=AutoTokenizer.from_pretrained(small_vocab_llama), max_position_embeddings=256)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight", "per_layer_projection.weight")):
+            tensors[name] = tensors[name] * 0.2
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_gemma):
+    config = dict(backend="mlx", kv_cache_gib=0.01, context=256)
+    solo = Engine(small_vocab_gemma, EngineConfig(drafting=False, max_num_seqs=1, **config))
+    assert solo.exact, solo.probe_failures
+    batched = Engine(small_vocab_gemma, EngineConfig(drafting=True, draft_budget=False, max_num_seqs=4,
+                                                     max_tokens_per_step=16, probe=False, **config))
+    check_solo_vs_batched(solo, batched, Recorder, np.array_equal)
+
+
+def test_cached_prefix_equals_fresh_runs(full_gemma):
+    """A prompt sharing a 70-token prefix (past the window) resumes from the cached blocks with
+    the reply of a fresh engine."""
+    rng = random.Random(4)
+    prefix = [rng.randrange(49152) for _ in range(70)]
+    prompts = [prefix + [rng.randrange(49152) for _ in range(n)] for n in (5, 9)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(2)]
+    config = dict(backend="mlx", probe=False, drafting=False)
+    solo = [run(Engine(full_gemma, EngineConfig(**config, **SMALL)), [p], [sp])[0].output_ids
+            for p, sp in zip(prompts, params)]
+    engine = Engine(full_gemma, EngineConfig(**config, **SMALL))
+    first = run(engine, [prompts[0]], [params[0]])[0]
+    second = run(engine, [prompts[1]], [params[1]])[0]
+    assert [first.output_ids, second.output_ids] == solo
+    assert second.stats.cached_tokens >= 64
+
+
+def test_the_moe_variant_is_a_startup_error_naming_it(tmp_path, smollm2_tokenizer):
+    path = make_tiny_checkpoint(str(tmp_path / "gemma4_moe"), "gemma4_moe", tokenizer=smollm2_tokenizer)
+    with pytest.raises(CheckpointError, match="enable_moe_block.*--backend cpu"):
+        Engine(path, EngineConfig(backend="mlx", **SMALL))
