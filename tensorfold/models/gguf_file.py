@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from tensorfold.kernels.quant_gemm import BLOCK as QUANT_BLOCK, KINDS as QUANT_KINDS, QuantWeight, take_rows
@@ -179,15 +179,47 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
 class _Reader(GGUFReader):
     """gguf's reader, its fields parsed off a plain ndarray view of the file's map instead of the
     np.memmap itself: the same arrays (still views of the map), without a memmap object per
-    slice, which made a 49k-token vocabulary take ~6 s to parse (now ~2 s)."""
+    slice, which made a 49k-token vocabulary take ~6 s to parse (~2 s). Arrays are read in bulk:
+    a numeric one as one view (its contents() the same list), a string array (the vocabulary,
+    the merges) in one pass over the bytes with one memoryview part per string, where the package
+    built two arrays per element (a 128k-token vocabulary and its 280k merges: 2.7 s -> ~0.3 s)."""
 
     def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        count, dtype = int(count), np.dtype(dtype)
+        arr = self._plain_view()[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    def _plain_view(self) -> np.ndarray:
         plain = self.__dict__.get("_plain")
         if plain is None:
             plain = self._plain = self.data.view(np.ndarray)
-        count, dtype = int(count), np.dtype(dtype)
-        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+        return plain
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_type, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        sub, count, offs = GGUFValueType(int(item_type[0])), int(length[0]), orig_offs + 12
+        types = [GGUFValueType.ARRAY] + ([sub] if count else [])
+        numeric = self.gguf_scalar_to_np.get(sub)
+        if numeric is not None:
+            values = self._get(offs, numeric, count)
+            if len(values) != count:
+                raise ValueError(f"an array of {count} runs past the end of the file")
+            return 12 + int(values.nbytes), [item_type, length, values], [2] if count else [], types
+        if sub != GGUFValueType.STRING:  # arrays of arrays: the package's own walk
+            return super()._get_field_parts(orig_offs, raw_type)
+        view, strings = memoryview(self._plain_view()), []
+        size = len(view)
+        for _ in range(count):
+            if offs + 8 > size:
+                raise ValueError(f"a string array of {count} runs past the end of the file")
+            n = int.from_bytes(view[offs:offs + 8], "little")
+            if offs + 8 + n > size:
+                raise ValueError(f"a string array of {count} runs past the end of the file")
+            strings.append(view[offs + 8:offs + 8 + n])  # contents() reads .tobytes()
+            offs += 8 + n
+        return offs - orig_offs, [item_type, length, *strings], list(range(2, 2 + count)), types
 
 
 def _open(path: str) -> GGUFReader:
