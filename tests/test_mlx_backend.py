@@ -50,9 +50,16 @@ def spread(*shape, seed=0) -> torch.Tensor:
     return torch.randn(*shape, generator=g) * scale
 
 
+@pytest.fixture(params=[True, False], ids=["float64-carried", "int64"])
+def carrier(request, monkeypatch):
+    """Both forms of the exact integers: carried in float64 (MLX's CPU device) and int64 (Metal)."""
+    monkeypatch.setattr(grid, "float64_carrier", lambda: request.param)
+    return request.param
+
+
 # ---- the grid, bitwise -----------------------------------------------------------------------
 
-def test_fixed_point_grid_is_the_references():
+def test_fixed_point_grid_is_the_references(carrier):
     x = spread(9, 64)
     x[0] = 0.0                                     # an all-zero vector
     x[1, :5] = torch.tensor([1e-40, -3e-39, 2.0 ** -149, 0.0, 1.0])  # subnormals beside a normal
@@ -121,10 +128,8 @@ def spread_q4_1(n: int, k: int, seed: int) -> quant_gemm.QuantWeight:
     return quant_gemm.from_legacy("q4_1", q, scales[0].half(), scales[1].half())
 
 
-@pytest.mark.parametrize("carrier", [True, False], ids=["float64-carried", "int64"])
 def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf, monkeypatch, carrier):
     """Both forms of the block terms (float64-carried on MLX's CPU device, int64 on Metal)."""
-    monkeypatch.setattr(grid, "float64_carrier", lambda: carrier)
     g = torch.Generator().manual_seed(4)
     weights = [quantize(torch.randn(40, 96, generator=g), kind) for kind in ("q8_0", "q4_0")]
     weights.append(spread_q4_1(40, 128, seed=5))
@@ -154,7 +159,7 @@ def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf,
 # ---- RMSNorm and attention: exact int64 sums, the references' float32 finishes -----------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_is_the_reference_and_row_invariant(dtype):
+def test_rms_norm_is_the_reference_and_row_invariant(dtype, carrier):
     x, w = spread(16, 256, seed=5).to(dtype), torch.randn(256).to(dtype)
     x[3] = 0.0
     want, got = reference.rms_norm(x, w, 1e-6), back(ops.rms_norm(mxa(x), mxa(w), 1e-6))
@@ -184,7 +189,7 @@ def _cache_of(k: torch.Tensor, v: torch.Tensor, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_write_is_the_references(dtype):
+def test_kv_write_is_the_references(dtype, carrier):
     k, v = spread(40, 2, 32, seed=6), spread(40, 2, 32, seed=7)
     cache, kc, vc = _cache_of(k, v, dtype)
     assert torch.equal(back(cache.k), kc[:, 0]) and torch.equal(back(cache.v), vc[:, 0])
@@ -192,7 +197,7 @@ def test_kv_write_is_the_references(dtype):
 
 @pytest.mark.parametrize("head_dim", [32, 48])  # scale 2^-2.5 and 1/sqrt(48): not a power of two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_is_the_reference_and_a_row_alone_equals_its_chunk(head_dim, dtype):
+def test_attention_is_the_reference_and_a_row_alone_equals_its_chunk(head_dim, dtype, carrier):
     keys, heads, kv_heads = 70, 4, 2
     g = torch.Generator().manual_seed(head_dim)
     k, v = torch.randn(keys, kv_heads, head_dim, generator=g), torch.randn(keys, kv_heads, head_dim, generator=g)
@@ -210,6 +215,20 @@ def test_attention_is_the_reference_and_a_row_alone_equals_its_chunk(head_dim, d
     windowed = back(ops.attention(mxa(q), cache, positions, slots, scale, 16))
     want = pa.paged_attention_ref(q, kc, vc, torch.from_numpy(positions), torch.arange(keys), scale, window=16)
     assert torch.equal(windowed, want)
+
+
+@pytest.mark.parametrize("window", [None, 700])
+def test_attention_past_one_split_of_keys_is_the_reference(carrier, window):
+    """More keys than SPLIT_SIZE: the weighted sum in chunks (float64-carried) or limbs (int64),
+    over keys spread across many binades (the weights' shifts and the grid's rounding)."""
+    keys, heads, kv_heads, head_dim = 1100, 4, 2, 32
+    k, v = spread(keys, kv_heads, head_dim, seed=11), spread(keys, kv_heads, head_dim, seed=12)
+    q = spread(3, heads, head_dim, seed=13) * 1e-5
+    positions = np.array([600, 1000, 1099])
+    cache, kc, vc = _cache_of(k, v)
+    got = back(ops.attention(mxa(q), cache, positions, mx.arange(keys), 0.125, window))
+    want = pa.paged_attention_ref(q, kc, vc, torch.from_numpy(positions), torch.arange(keys), 0.125, window=window)
+    assert torch.equal(got, want)
 
 
 # ---- the model against transformers ------------------------------------------------------------

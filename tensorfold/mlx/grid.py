@@ -29,6 +29,7 @@ C++ kernels carry the quantized GEMM's terms the same way (docs/kernels.md).
 
     float64_carrier()      whether the default device has float64 (MLX's CPU device)
     pow2_64(e)             2^e as float64 from its bits, e int in [-1022, 1023]
+    rint64(x)              float64 |x| < 2^51 to an integer, ties to even
 
 The integer-only steps (significand, shift_round, shift, float32_of_int) run fused: mx.compile,
 shapeless, so one kernel per step whatever the shapes (on the CPU device MLX builds it once with
@@ -66,16 +67,19 @@ class fused:
 
     def __init__(self, fn):
         functools.update_wrapper(self, fn)
-        self.fn, self.compiled, self.shapes = fn, None, set()
+        self.fn, self.compiled, self.shapes = fn, {}, set()
 
     def __call__(self, *args):
         if not fusion_exact():
             return self.fn(*args)
-        key = tuple((a.shape, a.dtype) for a in args)
-        if self.compiled is None or (key not in self.shapes and len(self.shapes) >= self.MAX_SHAPES):
-            self.compiled, self.shapes = mx.compile(self.fn), set()
+        carrier = float64_carrier()  # a trace holds one form: one compiled function per form
+        key = (carrier, tuple((a.shape, a.dtype) for a in args))
+        if key not in self.shapes and len(self.shapes) >= self.MAX_SHAPES:
+            self.compiled, self.shapes = {}, set()
+        if carrier not in self.compiled:
+            self.compiled[carrier] = mx.compile(lambda *a: self.fn(*a))  # its own function: its own traces
         self.shapes.add(key)
-        return self.compiled(*args)
+        return self.compiled[carrier](*args)
 
 
 _FUSION_EXACT: dict[str, bool] = {}
@@ -104,6 +108,15 @@ def float64_carrier() -> bool:
 def pow2_64(e: mx.array) -> mx.array:
     """2^e as float64 for int e in [-1022, 1023], from its bits (exact)."""
     return ((e.astype(mx.int64) + 1023) << 52).view(mx.float64)
+
+
+ROUND_MAGIC = 1.5 * 2.0 ** 52  # exact/grid.py's: (x + M) - M rounds float64 |x| < 2^51 to an integer, ties to even
+
+
+def rint64(x: mx.array) -> mx.array:
+    """float64 x rounded to an integer, ties to even, for |x| < 2^51 (exact.grid.round_even's two
+    adds; MLX's round is a libm call per element in its CPU kernels)."""
+    return (x + ROUND_MAGIC) - ROUND_MAGIC
 
 
 def exponent(a: mx.array) -> mx.array:
@@ -184,6 +197,13 @@ def on_grid(x: mx.array, bits: int) -> mx.array:
     """x with each vector (last dim) rounded to its grid, as float32: the torch reference's
     values (exact.grid.on_grid), including its second pass where rounding lifts the largest
     element to the next power of two."""
+    if float64_carrier():  # the same integers in float64: x 2^(bits - 1 - e) is exact, rint rounds it
+        x = x.astype(mx.float32)
+        e = exponent(mx.abs(x).max(axis=-1, keepdims=True)).astype(mx.int64)
+        ints = rint64(x.astype(mx.float64) * pow2_64(bits - 1 - e))   # <= 2^bits
+        lifted = mx.abs(ints).max(axis=-1, keepdims=True) >= (1 << bits)
+        ints = mx.where(lifted, rint64(ints * 0.5), ints)           # shift_round(ints, 1)
+        return (ints * pow2_64(e + lifted.astype(mx.int64) - bits + 1)).astype(mx.float32)  # one rounding, as scale's
     ints, e = to_fixed(x, bits)
     e = e[..., None].astype(mx.int64)
     lifted = (mx.abs(ints).max(axis=-1, keepdims=True) >= (1 << bits))

@@ -25,7 +25,7 @@ import torch
 
 from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels import quant_gemm
-from tensorfold.kernels.paged_attention import L_BITS, QK_BITS, V_BITS, W_BITS
+from tensorfold.kernels.paged_attention import L_BITS, QK_BITS, SPLIT_SIZE, V_BITS, W_BITS
 from tensorfold.kernels.reference import MAX_NORM_WIDTH, NORM_BITS, ROW_PAD
 from tensorfold.mlx import grid
 
@@ -139,9 +139,13 @@ def _normalized(x32: mx.array, eps: mx.array, divisor: int) -> mx.array:
     """float32 x32 / sqrt(float32(ss) 2^(2 (e - NORM_BITS + 1)) / divisor + eps), ss the exact
     int64 sum of the squares on the row's grid (reference._normalized's steps)."""
     e = grid.exponent(mx.abs(x32).max(axis=-1, keepdims=True)).astype(mx.int64)
-    m, ex = grid.significand(x32)
-    sq = grid.shift(m * m, 2 * ex + 2 * (NORM_BITS - 1) - 2 * e)
-    ss = sq.sum(axis=-1, keepdims=True)                                  # exact: <= 2^53
+    if grid.float64_carrier():  # x^2 (48 bits) times a power of two: exact; rint is the shift's rounding
+        x64 = x32.astype(mx.float64)
+        sq = grid.rint64(x64 * x64 * grid.pow2_64(2 * (NORM_BITS - 1 - e)))  # <= 2^40
+    else:
+        m, ex = grid.significand(x32)
+        sq = grid.shift(m * m, 2 * ex + 2 * (NORM_BITS - 1) - 2 * e)
+    ss = sq.sum(axis=-1, keepdims=True)                                  # exact: integers, <= 2^53
     var = grid.scale(ss.astype(mx.float32), 2 * (e - NORM_BITS + 1)) / divisor
     inv = 1.0 / mx.sqrt(var + eps)
     return x32 * inv
@@ -210,8 +214,57 @@ def attention(q: mx.array, cache: LayerCache, positions: np.ndarray, key_slots: 
         return SHADERS.attention(q, cache, positions, key_slots, scale, window)
     group = q.shape[1] // cache.k.shape[1]
     lane_pos = mx.array(np.tile(np.asarray(positions, dtype=np.int32), group))   # lane m = g R + r
-    return _attend(q, *cache.arrays, key_slots, lane_pos, mx.array(_f32(scale)),
-                   mx.array(NO_WINDOW if window is None else window, dtype=mx.int32))
+    window = mx.array(NO_WINDOW if window is None else window, dtype=mx.int32)
+    if grid.float64_carrier():
+        return _attend_carried(q, cache.k, cache.v, cache.v_exp, key_slots, lane_pos, mx.array(_f32(scale)), window)
+    return _attend(q, *cache.arrays, key_slots, lane_pos, mx.array(_f32(scale)), window)
+
+
+@grid.fused
+def _attend_carried(q, k_cache, v_cache, v_exp, key_slots, lane_pos, scale, window):
+    """_attend's steps with its exact integers carried in float64 (MLX's CPU device), as the torch
+    reference carries them: q on its grid as q_int 2^(qe - 21) (rint of an exact scaling), the
+    scores one float64 matmul against the stored k (every product a multiple of 2^(qe + ke - 42),
+    every partial sum below 2^53 of those units: exact in any order), made float32 once; den and
+    the weights w_j rint of exact scalings of p; the weighted sum one float64 matmul of
+    w_j 2^(V_BITS - 1 - e_j) against v_j (each product the integer w_j v_int_j < 2^44, summed
+    over at most SPLIT_SIZE keys: below 2^53), chunks of SPLIT_SIZE keys added as int64."""
+    rows, heads, dim = q.shape
+    k, v = k_cache[key_slots], v_cache[key_slots]                         # [L, KVH, D]
+    keys, kv_heads = k.shape[:2]
+    group = heads // kv_heads
+    lanes = q.astype(mx.float32).reshape(rows, kv_heads, group, dim).transpose(1, 2, 0, 3)
+    lanes = lanes.reshape(kv_heads, group * rows, dim)                    # [KVH, M, D]
+    q_exp = grid.exponent(mx.abs(lanes).max(axis=-1, keepdims=True)).astype(mx.int64)  # [KVH, M, 1]
+    q_grid = grid.rint64(lanes.astype(mx.float64) * grid.pow2_64(QK_BITS - 1 - q_exp)) * grid.pow2_64(q_exp - QK_BITS + 1)
+    dots = mx.matmul(q_grid, k.transpose(1, 2, 0).astype(mx.float64))    # [KVH, M, L], exact
+    scores = dots.astype(mx.float32) * scale
+
+    key_pos = mx.arange(keys)[None, None, :]
+    lane_pos = lane_pos[None, :, None]
+    seen = (key_pos <= lane_pos) & (key_pos > lane_pos - window)
+    scores = mx.where(seen, scores, -mx.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = mx.where(mx.isinf(row_max), 0.0, row_max)
+    p = grid.exp_neg(scores - row_max).astype(mx.float64)                # 0 where unseen
+
+    den = grid.rint64(p * float(2 ** L_BITS)).sum(axis=-1)                   # [KVH, M]: exact
+    v_exp = v_exp[key_slots].T.astype(mx.int64)[:, None, :]               # [KVH, 1, L]
+    top = mx.where(seen, v_exp, -1024).max(axis=-1, keepdims=True)
+    top = mx.where(top == -1024, 0, top)                                  # [KVH, M, 1]
+    w = grid.rint64(p * grid.pow2_64(v_exp + W_BITS - top)) * grid.pow2_64(V_BITS - 1 - v_exp)  # [KVH, M, L]
+    v = v.transpose(1, 0, 2).astype(mx.float64)                           # [KVH, L, D]
+    if keys <= SPLIT_SIZE:
+        num = mx.matmul(w, v)                                             # [KVH, M, D], exact
+    else:  # chunks of SPLIT_SIZE keys (zero weights pad the last), added as int64
+        chunks, pad = -(-keys // SPLIT_SIZE), -keys % SPLIT_SIZE
+        w = mx.pad(w, [(0, 0), (0, 0), (0, pad)]).reshape(kv_heads, group * rows, chunks, SPLIT_SIZE)
+        v = mx.pad(v, [(0, 0), (0, pad), (0, 0)]).reshape(kv_heads, chunks, SPLIT_SIZE, dim)
+        num = mx.matmul(w.transpose(0, 2, 1, 3), v).astype(mx.int64).sum(axis=1).astype(mx.float64)
+    total = mx.maximum(den, 1).astype(mx.float32) * _f32(2.0 ** -L_BITS)  # sum of p: exact scaling
+    out = (num * grid.pow2_64(top - V_BITS - W_BITS + 1)).astype(mx.float32) / total[..., None]
+    out = out.reshape(kv_heads, group, rows, dim).transpose(2, 0, 1, 3).reshape(rows, heads, dim)
+    return out.astype(q.dtype)
 
 
 @grid.fused
@@ -308,40 +361,74 @@ def dense_linear(x: mx.array, weight: mx.array) -> mx.array:
 
 
 class QuantParts:
-    """A QuantWeight's arrays as MLX arrays (codes int8 [N, K] -> float32 [S, sub, N] for the
-    limb-free matmul of step 2; scales int64), plus the torch QuantWeight for row lookups."""
+    """A QuantWeight's arrays as MLX arrays (scales int64), plus the torch QuantWeight for row
+    lookups. The codes for step 2's matmuls are made on first use, in the form the device's
+    GEMM reads: float32 [S, sub, N] (`codes`), or on MLX's CPU device three columns' codes to a
+    float64 word (`packed`, where the kind's dots fit)."""
 
     def __init__(self, weight: quant_gemm.QuantWeight):
         kind = quant_gemm.KINDS[weight.kind]
         n, k = weight.shape
         self.source, self.kind, self.shape = weight, weight.kind, (n, k)
-        subs = k // kind.sub
-        codes = weight.codes.reshape(n, subs, kind.sub).permute(1, 2, 0).float()
-        self.codes = from_torch(codes.contiguous())                              # [S, sub, N]
         self.scale = from_torch(weight.scale.T.contiguous()).astype(mx.int64)    # [S, N]
         self.scale_exp = from_torch(weight.scale_exp.T.contiguous()).astype(mx.int64)  # [B, N]
         self.min = None if weight.min is None else from_torch(weight.min.T.contiguous()).astype(mx.int64)
         self.min_exp = None if weight.min_exp is None else from_torch(weight.min_exp.T.contiguous()).astype(mx.int64)
         self.top = from_torch(weight.top()).astype(mx.int64)                     # [N]
-        self.arrays = (self.codes, self.scale, self.scale_exp, self.top) + (
-            () if self.min is None else (self.min, self.min_exp))
         nb = k // quant_gemm.BLOCK
         # g = top + kmax + grid_offset (quant_gemm's step 3)
         self.grid_offset = kind.term_bits - 62 + math.ceil(math.log2(nb * (2 if kind.has_min else 1)))
 
+    def _sub_blocks(self) -> torch.Tensor:
+        """The codes as [S, sub, N] (sub-block s, its element i, column n)."""
+        n, k = self.shape
+        sub = quant_gemm.KINDS[self.kind].sub
+        return self.source.codes.reshape(n, k // sub, sub).permute(1, 2, 0)
+
+    @functools.cached_property
+    def codes(self) -> mx.array:
+        """The codes as float32 [S, sub, N]: exact, and their sub-block dots too (< 2^19)."""
+        return from_torch(self._sub_blocks().float().contiguous())
+
+    @property
+    def arrays(self) -> tuple[mx.array, ...]:
+        """The integer form's arrays (_quant_rows)."""
+        return (self.codes, self.scale, self.scale_exp, self.top) + (
+            () if self.min is None else (self.min, self.min_exp))
+
+    @functools.cached_property
+    def packed(self) -> mx.array:
+        """Three columns' codes in one float64, c[n] + c[n + N3] 2^f + c[n + 2 N3] 2^2f (f =
+        PACK_BITS[kind], columns padded to 3 N3 with zero codes) as [S, sub, N3]: 8 bytes for
+        three codes where float32 codes take 12, on a device whose decode GEMMs wait on memory.
+        A float64 matmul gives A[n] + A[n + N3] 2^f + A[n + 2 N3] 2^2f exactly (every partial
+        sum below 2^53), and unpack3 takes the three sub-block dots apart."""
+        f = PACK_BITS[self.kind]
+        c = self._sub_blocks().double()
+        if c.abs().max() > _max_code(self.kind):
+            raise ValueError(f"{self.kind} codes outside the kind's range")
+        n3 = -(-self.shape[0] // 3)
+        c = torch.nn.functional.pad(c, (0, 3 * n3 - self.shape[0]))
+        words = c[..., :n3] + c[..., n3:2 * n3] * 2.0 ** f + c[..., 2 * n3:] * 2.0 ** (2 * f)  # exact
+        return mx.array(words.contiguous().numpy(), dtype=mx.float64)
+
     @functools.cached_property
     def carried(self) -> tuple[mx.array, ...]:
         """The weight side of the float64-carried terms (grid.float64_carrier): per scale
-        S 2^(E - top - grid_offset) [S, N] and per block M 2^(F - top - grid_offset) [B, N], as
-        float64, exact (S, M < 2^19 times a power of two well inside float64's range)."""
+        S 2^(E - top - grid_offset) [S, N] and per block M 2^(F - top - grid_offset) [B, N],
+        exact (S, M < 2^19 times a power of two), kept as float32 where that holds them exactly
+        (the exponents of real files are far inside its range; else float64)."""
         per = quant_gemm.BLOCK // quant_gemm.KINDS[self.kind].sub
         exp = self.scale_exp if per == 1 else mx.repeat(self.scale_exp, per, axis=0)
         base = self.top[None, :] + self.grid_offset
-        out = (self.scale.astype(mx.float64) * grid.pow2_64(exp - base),)
+        out = [self.scale.astype(mx.float64) * grid.pow2_64(exp - base)]
         if self.min is not None:
-            out += (self.min.astype(mx.float64) * grid.pow2_64(self.min_exp - base),)
+            out.append(self.min.astype(mx.float64) * grid.pow2_64(self.min_exp - base))
+        narrow = [a.astype(mx.float32) for a in out]
+        if all(mx.array_equal(n.astype(mx.float64), a).item() for n, a in zip(narrow, out)):
+            out = narrow
         mx.eval(*out)
-        return out
+        return tuple(out)
 
     @classmethod
     def of(cls, weight: quant_gemm.QuantWeight) -> "QuantParts":
@@ -387,6 +474,34 @@ def _terms(a, s, m, e_w, e_x, g):
     return grid.shift(a.astype(mx.int64) * s * m, e_w + e_x - g)
 
 
+def _max_code(kind_name: str) -> int:
+    """max |c| of a kind's codes: unsigned for the kinds with a minimum, centred for the rest."""
+    kind = quant_gemm.KINDS[kind_name]
+    return (1 << kind.code_bits) - 1 if kind.has_min else 1 << (kind.code_bits - 1)
+
+
+def _pack_bits(kind_name: str) -> int | None:
+    """f for QuantParts.packed: each sub-block dot |A| <= X_MAX max|c| sub < 2^(f - 1) (so it is
+    the centred remainder mod 2^f), and the word's dot A1 + A2 2^f + A3 2^2f below 2^53 (exact);
+    None where three do not fit (q8_0: 2^19 per dot)."""
+    bound = quant_gemm.X_MAX * _max_code(kind_name) * quant_gemm.KINDS[kind_name].sub
+    f = bound.bit_length() + 1
+    return f if bound * (1 + (1 << f) + (1 << 2 * f)) < 1 << 53 else None
+
+
+PACK_BITS = {name: _pack_bits(name) for name in quant_gemm.KINDS}
+
+
+def unpack3(p: mx.array, f: int) -> mx.array:
+    """[..., N3] float64 words A1 + A2 2^f + A3 2^2f (integers, |Ai| < 2^(f - 1)) -> [..., 3 N3]
+    [A1 | A2 | A3]: each the centred remainder, by rint, exact steps on integers below 2^53."""
+    step, inverse = float(2 ** f), float(2.0 ** -f)
+    a1 = p - step * grid.rint64(p * inverse)
+    p = (p - a1) * inverse
+    a2 = p - step * grid.rint64(p * inverse)
+    return mx.concatenate([a1, a2, (p - a2) * inverse], axis=-1)
+
+
 def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
     """x [M, K] @ w^T by quant_gemm.linear's steps 1-4, bitwise: the sub-block dots as float32
     matmuls (exact: < 2^19), every block term on the output's grid as an exact integer (int64,
@@ -414,7 +529,8 @@ def quant_totals(x: mx.array, w: QuantParts) -> tuple[mx.array, mx.array]:
 
 def _rows_and_arrays(w: QuantParts, totals: bool):
     if grid.float64_carrier():
-        return _carried_rows(w.kind, totals), (w.codes, w.top, mx.array(w.grid_offset, dtype=mx.int64), *w.carried)
+        dots = w.codes if PACK_BITS[w.kind] is None else w.packed
+        return _carried_rows(w.kind, totals), (dots, w.top, mx.array(w.grid_offset, dtype=mx.int64), *w.carried)
     return _quant_rows(w.kind, totals), w.arrays
 
 
@@ -448,6 +564,13 @@ def _quant_rows(kind_name: str, totals: bool):
     return rows_times_weights
 
 
+def _term_ints(t: mx.array) -> mx.array:
+    """Carried terms (exact float64 values below 2^62) rounded half to even, as int64: a term
+    that needs rounding had a negative shift, so it is below 2^41 and grid.rint64 takes it; one
+    at or past 2^51 is an integer already."""
+    return mx.where(mx.abs(t) < 2.0 ** 51, grid.rint64(t), t).astype(mx.int64)
+
+
 @functools.cache
 def _carried_rows(kind_name: str, totals: bool):
     """quant_linear's rows on MLX's CPU device: the same steps, the block terms carried in float64
@@ -457,25 +580,29 @@ def _carried_rows(kind_name: str, totals: bool):
     every product exact, the exponents far inside float64's range, so the one rounding is rint's,
     half to even: quant_gemm._on_grid's integer, or no rounding where its shift is not negative.
     Terms (< 2^62) become int64 exactly and are summed as int64; step 4 is then the reference's
-    own float64 steps, float32(float64(total) 2^g)."""
-    kind = quant_gemm.KINDS[kind_name]
+    own float64 steps, float32(float64(total) 2^g). The sub-block dots come from the packed
+    codes (QuantParts.packed, a float64 matmul) where the kind allows, else from float32 codes."""
+    kind, pack = quant_gemm.KINDS[kind_name], PACK_BITS[kind_name]
 
     @grid.fused
-    def rows_times_weights(x, codes, top, grid_offset, weight_side, *min_side):
+    def rows_times_weights(x, dots_weight, top, grid_offset, weight_side, *min_side):
         rows, kdim = x.shape
-        n, nb, per = codes.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
+        n, nb, per = weight_side.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
         xq, xm, k, sm, se = quantize_activations(x)                       # xq [M, B, 32]
         xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)      # [S, M, sub]
-        a = mx.matmul(xs, codes)                                          # [S, M, N], exact integers
+        if pack is None:
+            a = mx.matmul(xs, dots_weight).astype(mx.float64)             # [S, M, N], exact integers
+        else:
+            a = unpack3(mx.matmul(xs.astype(mx.float64), dots_weight), pack)[..., :n]
         kmax = k.max(axis=1, keepdims=True)                               # [M, 1]
-        terms = a.astype(mx.float64) * weight_side[:, None, :]            # [S, M, N]
+        terms = a * weight_side.astype(mx.float64)[:, None, :]            # [S, M, N]
         if per > 1:  # q6_k: the two halves of a block first
             terms = terms.reshape(nb, per, rows, n).sum(axis=1)           # [B, M, N]
         x_side = (xm.astype(mx.float64) * grid.pow2_64(k - kmax)).T[..., None]       # [B, M, 1]
-        total = mx.round(terms * x_side).astype(mx.int64)
+        total = _term_ints(terms * x_side)
         if kind.has_min:
             low_side = (sm.astype(mx.float64) * grid.pow2_64(se - kmax)).T[..., None]
-            total = total + mx.round(min_side[0][:, None, :] * low_side).astype(mx.int64)
+            total = total + _term_ints(min_side[0].astype(mx.float64)[:, None, :] * low_side)
         total = total.sum(axis=0)                                         # [M, N] int64: exact
         g = top[None, :] + kmax + grid_offset
         if totals:
