@@ -8,10 +8,15 @@
   inputs, soft-capped logits; gemma4_text: v_proj everywhere, no sharing, no per-layer inputs):
   greedy 32 tokens == transformers' with the startup probes passing; the q8_0 GGUF
   (llama.cpp's gemma4) and --quantize q8_0 give the cpu backend's logits every draw and its
-  token_sha, greedy and sampled; chunked prefill == token by token (logits and every K/V the
-  prompt wrote); solo == batched, chunked and drafted; a cached prefix == fresh.
-- The KV-shared layers hold their source's cache (no bytes of their own); the MoE variant is a
-  startup error naming enable_moe_block.
+  token_sha, greedy and sampled; chunked prefill == token by token (logits and every K/V
+  array); solo == batched, chunked and drafted; a cached prefix == fresh.
+- The sliding layers live behind a block table of their own: a long prompt holds a lane's worth
+  of sliding blocks (the engine frees the rest) and draws what the model draws over one table
+  that keeps every block.
+- The KV-shared layers hold their source's cache (no bytes of their own).
+- gemma4_moe (26B-A4B's layout: 8 experts of 32, 2 per token, beside every layer's MLP) is in the
+  greedy and --quantize q8_0 checks above, and its q8_0 GGUF gives the cpu backend's logits and
+  token_sha; a missing router tensor is a startup error naming it.
 """
 import random
 
@@ -23,11 +28,15 @@ mx = pytest.importorskip("mlx.core")
 
 from engine_cases import check_solo_vs_batched, run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
-from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, forward_rows  # noqa: E402
+from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
+from tensorfold.engine.block_pool import lane_blocks  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
+from tensorfold.engine.step_plan import ScheduledRequest, StepPlan  # noqa: E402
 from tensorfold.kernels import reference as ref  # noqa: E402
 from tensorfold.mlx import gemma4, ops  # noqa: E402
+from tensorfold.mlx.model import MLXBatch, SequenceSpan  # noqa: E402
+from tensorfold.models.cache import SharedKV  # noqa: E402
 from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from tools.gemma4_gguf import write_gemma4_gguf  # noqa: E402
@@ -78,7 +87,7 @@ def test_gelu_tanh_and_mul_is_the_references(dtype):
 
 # ---- the tiny checkpoints on --backend mlx -----------------------------------------------------
 
-@pytest.fixture(scope="module", params=["gemma4", "gemma4_text"])
+@pytest.fixture(scope="module", params=["gemma4", "gemma4_text", "gemma4_moe"])
 def gemma(request, tmp_path_factory, smollm2_tokenizer):
     seed = well_separated_seed(request.param, smollm2_tokenizer)
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("mlx_" + request.param)), request.param, seed=seed,
@@ -105,6 +114,8 @@ def test_the_shared_layers_read_their_sources_cache(full_gemma):
     assert len({id(c) for c in caches}) == 4
     assert "2 x SharedKV" in engine.info.cache and "4 x PagedKV" in engine.info.cache
     assert {layer.mixer.spec.window for layer in model.layers} == {16, None}
+    assert model.windows == [None, 16] and model.group_of == [1, 1, 0, 1, 1, 0]  # shared: the source's group
+    assert "window 16: 4 layers" in engine.info.cache
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +127,17 @@ def test_q8_0_gguf_gives_the_cpu_backends_logits_and_token_sha(gguf_gemma):
     """llama.cpp's q8_0 gemma4 file served as stored on both backends: every draw's logits row
     bitwise equal (batched, chunked, greedy and sampled: prompts past the window), so the same
     token_sha."""
+    _check_file_on_both_backends(gguf_gemma)
+
+
+def _check_file_on_both_backends(gguf_path: str) -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(49152) for _ in range(37)], [rng.randrange(49152) for _ in range(9)] * 2]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
     shas, recorders = [], []
     for backend in ("cpu", "mlx"):
-        engine = Engine(gguf_gemma, EngineConfig(backend=backend, max_tokens_per_step=16, **SMALL))
+        engine = Engine(gguf_path, EngineConfig(backend=backend, max_tokens_per_step=16, **SMALL))
         assert engine.exact, engine.probe_failures
         assert "q8_0" in engine.backend.describe()["weights"]
         recorders.append(Recorder(engine))
@@ -138,31 +153,78 @@ def test_quantized_at_load_gives_the_cpu_backends_logits_and_token_sha(gemma):
     check_quantized_cpu_equals_mlx(gemma, first_prompt=37, **SMALL)
 
 
+def _forward(engine: Engine, pieces, tables, sliding_tables) -> np.ndarray:
+    """One forward of the engine's MLX model; pieces: (seq, token ids, start) with the full and
+    the sliding group's block tables of each seq. Returns each piece's last logits row."""
+    runner = engine.runner
+    plan = StepPlan([ScheduledRequest(f"s{s}", ids, start, tables[s], [None], group_block_ids=[sliding_tables[s]])
+                     for s, ids, start in pieces])
+    return np.array(runner.model.forward(runner._batch(plan), runner.caches))
+
+
 def test_chunked_prefill_is_bitwise_token_by_token(full_gemma):
     """A 70-token prompt (past the window of 16) prefilled whole, in chunks of 16 and 7, and token
-    by token (beside another sequence's decode rows): the same last logits and the same K/V in
-    every slot the prompt wrote, in every layer that keeps some."""
+    by token (beside another sequence's decode rows): the same last logits and the same K/V
+    in every slot the prompt wrote, full and sliding (each behind its own block table)."""
     engine = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, **SMALL))
     runner = engine.runner
     rng = random.Random(3)
     ids, other = [rng.randrange(49152) for _ in range(70)], [rng.randrange(49152) for _ in range(80)]
-    tables = [[7, 2, 9, 11, 12], [4, 5, 6, 13, 14]]
+    tables, sliding = [[7, 2, 9, 11, 12], [4, 5, 6, 13, 14]], [[1, 3, 8, 10, 15], [0, 16, 17, 18, 19]]
     bs = runner.block_size
-    slots = mx.array(np.array([tables[0][p // bs] * bs + p % bs for p in range(len(ids))]))
+    slots = [mx.array(np.array([t[0][p // bs] * bs + p % bs for p in range(len(ids))])) for t in (tables, sliding)]
     results = []
     for chunk in (70, 16, 7, 1):
-        forward_rows(engine, [(1, other[:3], 0, False)], tables)
+        _forward(engine, [(1, other[:3], 0)], tables, sliding)
         start, other_at, logits = 0, 3, None
         while start < len(ids):
             piece = ids[start:start + chunk]
-            logits = forward_rows(engine, [(1, other[other_at:other_at + 1], other_at, False),
-                                           (0, piece, start, False)], tables)[-1]
+            logits = _forward(engine, [(1, other[other_at:other_at + 1], other_at), (0, piece, start)], tables,
+                              sliding)[-1]
             start, other_at = start + len(piece), other_at + 1
-        kv = [np.array(a[slots]) for c in {id(c): c for c in runner.caches}.values() for a in c.arrays]
+        kv = [np.array(a[slots[g]]) for c, g in zip(runner.caches, runner.model.group_of) for a in c.arrays]
         results.append((logits, kv))
     for logits, kv in results[1:]:
         assert np.array_equal(logits, results[0][0])
         assert all(np.array_equal(a, b) for a, b in zip(kv, results[0][1]))
+
+
+def _one_table_greedy(engine: Engine, ids: list[int], steps: int) -> list[int]:
+    """Greedy tokens of the engine's MLX model over caches of its own where every layer keeps
+    every block (one table for all groups): a whole-prompt prefill, then token by token."""
+    model, bs = engine.runner.model, engine.runner.block_size
+    blocks, dtype = -(-(len(ids) + steps) // bs), ops.DTYPES[engine.backend.kv_dtype]
+    caches = []
+    for spec in model.cache_specs():
+        caches.append(caches[spec.source] if isinstance(spec, SharedKV)
+                      else ops.LayerCache(blocks * bs, spec.num_kv_heads, spec.head_dim, dtype))
+    table, tokens = np.arange(blocks), list(ids)
+    for _ in range(steps):
+        start = 0 if len(tokens) == len(ids) else len(tokens) - 1
+        pos = np.arange(start, len(tokens))
+        batch = MLXBatch(mx.array(np.asarray(tokens[start:], dtype=np.int32)), pos, mx.array(pos),
+                         [SequenceSpan(0, len(pos), pos, ops.key_slots(table, int(pos[-1]), bs))],
+                         mx.array([len(pos) - 1]), np.full(1, -1), np.full(len(pos), -1))
+        batch.groups = [batch] * (len(model.windows) - 1)
+        tokens.append(int(np.array(model.forward(batch, caches))[-1].argmax()))
+    return tokens[len(ids):]
+
+
+def test_a_long_prompt_holds_a_window_of_sliding_blocks_and_draws_what_one_table_draws(full_gemma):
+    engine = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, drafting=False, context=1024,
+                                             max_tokens_per_step=64, kv_cache_gib=0.05))
+    assert engine.book.windows == [None, 16]
+    bs, length = engine.runner.block_size, 300
+    ids = [100 + (7 * i) % 900 for i in range(length)]
+    req_id = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    req, held = engine.requests[req_id], []
+    while req.finish_reason is None:
+        engine.step()
+        held.append(engine.book.num_held(req))
+    full, sliding = held[-2]  # the last round still running
+    assert full == -(-(length + 10) // bs) and sliding <= lane_blocks(16, bs, 64) and sliding < full
+    assert all(pool.num_free == pool.num_blocks for pool in engine.pools)
+    assert req.output_ids == _one_table_greedy(engine, ids, 12)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +273,27 @@ def test_cached_prefix_equals_fresh_runs(full_gemma):
     assert second.stats.cached_tokens >= 64
 
 
-def test_the_moe_variant_is_a_startup_error_naming_it(tmp_path, smollm2_tokenizer):
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory, smollm2_tokenizer):
+    seed = well_separated_seed("gemma4_moe", smollm2_tokenizer)
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("mlx_gemma4_moe_gguf")), "gemma4_moe", seed=seed,
+                                tokenizer=smollm2_tokenizer)
+    return write_gemma4_gguf(path, "q8_0")
+
+
+def test_moe_q8_0_gguf_gives_the_cpu_backends_logits_and_token_sha(moe_gguf):
+    """llama.cpp's gemma4 file with the experts stacked (ffn_gate_up_exps, ffn_down_exps, the
+    router's scales): every draw's logits row bitwise the cpu backend's (its native MoE block)."""
+    _check_file_on_both_backends(moe_gguf)
+
+
+def test_a_missing_expert_is_a_startup_error_naming_it(tmp_path, smollm2_tokenizer):
+    from safetensors.torch import load_file, save_file
     path = make_tiny_checkpoint(str(tmp_path / "gemma4_moe"), "gemma4_moe", tokenizer=smollm2_tokenizer)
-    with pytest.raises(CheckpointError, match="enable_moe_block.*--backend cpu"):
+    file = f"{path}/model.safetensors"
+    tensors = load_file(file)
+    name = next(n for n in tensors if n.endswith("layers.1.router.per_expert_scale"))
+    del tensors[name]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="layers.1.router.per_expert_scale"):
         Engine(path, EngineConfig(backend="mlx", **SMALL))

@@ -14,12 +14,12 @@ import torch
 
 from tensorfold.backends.probes import narrowed
 from tensorfold.backends.runner import per_request
-from tensorfold.backends.base import Allocation, Loaded
+from tensorfold.backends.base import Allocation, BlockGroup, Loaded
 from tensorfold.backends.torch_backend import DTYPES, kv_cache_dtype, read_checkpoint
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.mlx import delta_net, metal, ops
 from tensorfold.mlx.model import Attention, MLXBatch, MLXModel, SequenceSpan, model_class, state_slots
-from tensorfold.models.cache import ModelCache, SharedKV
+from tensorfold.models.cache import ModelCache, SharedKV, group_blocks
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.loader import served_tensors
 from tensorfold.models.progress import LoadProgress
@@ -72,29 +72,40 @@ class MLXBackend:
         DeltaNet's and Mamba2's states per block (RecurrentState: float32, the torch backends'
         layout, so the engine resumes such a model at block boundaries); a feed-forward layer
         (spec None) keeps nothing, a KV-shared layer (SharedKV) gets its source's LayerCache.
-        One block table for every layer: a sliding layer keeps its blocks (its window is the
-        attention's mask), as a full layer does."""
-        config, specs = self.config, self.model.cache_specs()
+        Sliding-window layers live behind block tables of their own, one per window
+        (models/cache.layer_groups, sized by group_blocks as on the torch backends), so the
+        engine frees the blocks their window has left."""
+        config, specs, model = self.config, self.model.cache_specs(), self.model
         itemsize = torch.finfo(self.kv_dtype).bits // 8
         per_block = sum(spec.bytes_per_block(torch.float32, config.block_size) if spec.recurrent
                         else 2 * spec.num_kv_heads * (spec.head_dim * itemsize + 4) * config.block_size  # + exponents
                         for spec in specs if spec is not None and not isinstance(spec, SharedKV))
         num_blocks = max(int(config.kv_cache_gib * 2**30) // per_block, -(-context_length // config.block_size))
+        blocks = [num_blocks]
+        if len(model.windows) > 1:  # the torch backends' split (their layout's bytes, V's exponents counted)
+            blocks = group_blocks(specs, int(config.kv_cache_gib * 2**30), self.kv_dtype, config.block_size,
+                                  context_length, config.max_num_seqs, config.max_tokens_per_step, True)
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
         dtype = ops.DTYPES[self.kv_dtype]
         self.caches = []
-        for spec in specs:
+        for spec, g in zip(specs, model.group_of):
+            count = None if g is None else blocks[g]
             self.caches.append(None if spec is None else self.caches[spec.source] if isinstance(spec, SharedKV)
-                               else delta_net.LayerState(spec, num_blocks) if spec.recurrent
-                               else ops.LayerCache(num_blocks * config.block_size, spec.num_kv_heads, spec.head_dim,
-                                                   dtype))
+                               else delta_net.LayerState(spec, count) if spec.recurrent
+                               else ops.LayerCache(count * config.block_size, spec.num_kv_heads, spec.head_dim, dtype))
         mx.eval(*cache_arrays(self.caches))
         nbytes = sum(c.nbytes for c in {id(c): c for c in self.caches if c is not None}.values())  # shared once
         kinds: dict[str, int] = {}
         for spec in filter(None, specs):
             kinds[type(spec).__name__] = kinds.get(type(spec).__name__, 0) + 1
-        return Allocation(num_blocks, cached, nbytes, ", ".join(f"{n} x {name}" for name, n in kinds.items()),
-                          ModelCache.recurrent(specs))
+        text = ", ".join(f"{n} x {name}" for name, n in kinds.items())
+        groups = ()
+        if len(model.windows) > 1:
+            groups = tuple(BlockGroup(w, n, model.group_of.count(g))
+                           for g, (w, n) in enumerate(zip(model.windows, blocks)))
+            text += "; " + ", ".join(f"{'full' if g.window is None else f'window {g.window}'}: {g.num_layers} layers, "
+                                     f"{g.num_blocks} blocks" for g in groups)
+        return Allocation(blocks[0], cached, nbytes, text, ModelCache.recurrent(specs), groups)
 
     def runner(self) -> "MLXRunner":
         return MLXRunner(self.model, self.caches, self.config.block_size)
@@ -130,6 +141,7 @@ class MLXRunner:
     def _batch(self, plan: StepPlan) -> MLXBatch:
         bs = self.block_size
         input_ids, positions, slots, sequences, logits_rows, tables = [], [], [], [], [], []
+        groups = [([], []) for _ in self.model.windows[1:]]  # per further cache group: slots, sequences
         for req in plan.requests:
             start, num = len(input_ids), len(req.token_ids)
             pos = np.arange(req.start_position, req.start_position + num)
@@ -139,11 +151,21 @@ class MLXRunner:
             tables.append(table)
             slots.append(table[pos // bs] * bs + pos % bs)
             sequences.append(SequenceSpan(start, start + num, pos, ops.key_slots(table, int(pos[-1]), bs)))
+            if len(req.group_block_ids) != len(groups):
+                raise ValueError(f"{req.req_id}: {len(req.group_block_ids)} further block tables, the cache has "
+                                 f"{len(groups)} sliding groups")
+            for (group_slots, group_seqs), group_table in zip(groups, req.group_block_ids):
+                # a freed block (NULL_BLOCK, -1) is before every row's window: never read, any id will do
+                group_table = np.maximum(np.asarray(group_table, dtype=np.int64), 0)
+                group_slots.append(group_table[pos // bs] * bs + pos % bs)
+                group_seqs.append(SequenceSpan(start, start + num, pos, ops.key_slots(group_table, int(pos[-1]), bs)))
             logits_rows += range(start + num - len(req.rows), start + num)
         state_in, state_out = state_slots(tables, positions, bs)
-        return MLXBatch(mx.array(np.asarray(input_ids, dtype=np.int32)), np.concatenate(positions),
-                        mx.array(np.concatenate(slots)), sequences, mx.array(np.asarray(logits_rows, dtype=np.int32)),
-                        state_in, state_out)
+        ids, rows = mx.array(np.asarray(input_ids, dtype=np.int32)), mx.array(np.asarray(logits_rows, dtype=np.int32))
+        positions = np.concatenate(positions)
+        views = [MLXBatch(ids, positions, mx.array(np.concatenate(s)), seqs, rows, state_in, state_out)
+                 for s, seqs in groups] if plan.requests else []
+        return MLXBatch(ids, positions, mx.array(np.concatenate(slots)), sequences, rows, state_in, state_out, views)
 
 
 def cache_arrays(caches: list) -> list[mx.array]:

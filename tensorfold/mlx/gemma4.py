@@ -18,19 +18,22 @@ Gemma4Layer: models/gemma4.Gemma4Layer's steps (four norms, GeGLU, the per-layer
 and projection, the layer scalar). Gemma4Model: the embedding times sqrt(hidden) rounded to the
 dtype, the per-layer inputs (models/gemma4.PerLayerInputs' roundings) and soft-capped logits.
 
-The MoE variant (enable_moe_block, 26B-A4B) is a startup error naming the option.
+With enable_moe_block (26B-A4B) every layer runs Gemma4MoE beside its MLP: the MLP's output and
+the experts' each normed, their sum what the post-FFN norm takes (models/gemma4_moe.py).
 """
 import mlx.core as mx
+import numpy as np
 import torch
 
 from tensorfold.exact.float32 import f32
 from tensorfold.kernels.reference import TANH_POLY, TANH_SMALL
-from tensorfold.mlx import grid, ops
+from tensorfold.mlx import grid, moe, ops
 from tensorfold.mlx.model import Attention, MLXModel, RopeRows, _mx
 from tensorfold.models.cache import PagedKV, SharedKV
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.gemma4 import Gemma4AttentionSpec, Gemma4LayerSpec, option
+from tensorfold.models.moe import MoESpec, block_gemms
 from tensorfold.models.spec import MLPSpec
 from tensorfold.models.weights import WeightReader
 
@@ -121,15 +124,15 @@ class Gemma4Attention(Attention):
 
 
 class GeGLU:
-    """Gemma's MLP: gate and up in one GEMM, gelu_tanh_and_mul, down."""
+    """Gemma's MLP (and each expert): gate and up in one GEMM, gelu_tanh_and_mul, down; the
+    weights {gate,up,down}_proj.weight under w."""
 
-    def __init__(self, spec: MLPSpec, w: WeightReader):
+    def __init__(self, spec: MLPSpec | MoESpec, w: WeightReader):
         if spec.activation != "gelu_tanh":
-            raise CheckpointError(f"{w.prefix}mlp: activation {spec.activation!r}; Gemma 4 on mlx runs gelu_tanh")
-        mlp = w.under("mlp.")
+            raise CheckpointError(f"{w.prefix}: activation {spec.activation!r}; Gemma 4 on mlx runs gelu_tanh")
         self.size = spec.intermediate_size
-        self.gate_up = mlp.linear("gate_proj.weight", "up_proj.weight")
-        self.down = mlp.linear("down_proj.weight")
+        self.gate_up = w.linear("gate_proj.weight", "up_proj.weight")
+        self.down = w.linear("down_proj.weight")
 
     def __call__(self, x: mx.array) -> mx.array:
         gate_up = self.gate_up(x)
@@ -139,13 +142,49 @@ class GeGLU:
         return {"gate_up": self.gate_up, "down": self.down}
 
 
+class Gemma4MoE:
+    """models/gemma4_moe.Gemma4MoE (models/moe.MoE.compose's steps with Gemma's router) on MLX
+    arrays: the router's input rms_norm(h) (no weight) * router.scale, then times hidden^-0.5 in
+    float32, rounded to the dtype; mlx/moe.route's softmax top k (normalized over the chosen);
+    each weight times its expert's per_expert_scale (float32); each chosen expert's GeGLU on
+    pre_feedforward_layernorm_2(h), added per row from 0 in float32 in ascending expert index;
+    the sum in the dtype through post_feedforward_layernorm_2."""
+
+    def __init__(self, spec: MoESpec, w: WeightReader, eps: float, dtype):
+        self.spec, self.eps = spec, eps
+        router = w.under("router.")
+        self.router = router.linear("proj.weight")  # [E, hidden]
+        self.router_scale = _mx(router.dense("scale"))  # [hidden], the dtype's
+        self.expert_scale = ops.from_torch(router.dense("per_expert_scale").float())  # [E]
+        hidden = self.router_scale.shape[0]
+        self.unit = mx.ones((hidden,), dtype=dtype)  # the router's norm has no weight
+        self.root = f32(hidden ** -0.5)
+        self.pre_norm = _mx(w.norm("pre_feedforward_layernorm_2.weight"))
+        self.post_norm = _mx(w.norm("post_feedforward_layernorm_2.weight"))
+        self.experts = [GeGLU(spec, w.under(f"experts.{e}.")) for e in range(spec.num_experts)]
+        self.shared = self.shared_gate = None
+
+    def gemms(self) -> dict:
+        return block_gemms(self)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        x = ops.rms_norm(h, self.pre_norm, self.eps)
+        routed_on = ((ops.rms_norm(h, self.unit, self.eps) * self.router_scale).astype(mx.float32)
+                     * self.root).astype(h.dtype)
+        logits = self.router(routed_on).astype(mx.float32)              # [rows, E]
+        chosen, weights = moe.route(logits, self.spec.top_k, self.spec.norm_topk_prob)  # [rows, k] each
+        weights = weights * self.expert_scale[mx.array(chosen)]          # one float32 product each
+        out = mx.zeros(x.shape, dtype=mx.float32)
+        for e in np.unique(chosen).tolist():  # ascending: each row's terms in expert order
+            rows, slot = (mx.array(i.astype(np.int32)) for i in np.nonzero(chosen == e))
+            out = out.at[rows].add(self.experts[e](x[rows]).astype(mx.float32) * weights[rows, slot][:, None])
+        return ops.rms_norm(out.astype(h.dtype), self.post_norm, self.eps)
+
+
 class Gemma4Layer:
     """models/gemma4.Gemma4Layer on MLX arrays: takes its input normed, returns the residual."""
 
     def __init__(self, spec: Gemma4LayerSpec, w: WeightReader, rope: RopeRows, dtype):
-        if spec.moe is not None:
-            raise CheckpointError("config.json: enable_moe_block (Gemma 4's experts beside the MLP, 26B-A4B) is not "
-                                  "served on the mlx backend: use --backend cpu")
         if not isinstance(spec.mixer, Gemma4AttentionSpec) or type(spec.ffn) is not MLPSpec:
             raise CheckpointError(f"Gemma 4 on mlx runs Gemma 4 attention and MLP layers; this checkpoint has "
                                   f"{type(spec.mixer).__name__} + {type(spec.ffn).__name__}")
@@ -155,7 +194,11 @@ class Gemma4Layer:
         self.pre_ffn_norm = _mx(w.norm("pre_feedforward_layernorm.weight"))
         self.post_ffn_norm = _mx(w.norm("post_feedforward_layernorm.weight"))
         self.mixer = Gemma4Attention(spec.mixer, w, spec.norm_eps, rope, dtype)
-        self.ffn = GeGLU(spec.ffn, w)
+        self.ffn = GeGLU(spec.ffn, w.under("mlp."))
+        self.moe = self.post_mlp_norm = None
+        if spec.moe is not None:  # the experts beside the MLP, each output normed before the sum
+            self.moe = Gemma4MoE(spec.moe, w, spec.norm_eps, dtype)
+            self.post_mlp_norm = _mx(w.norm("post_feedforward_layernorm_1.weight"))
         self.per_layer_gate = self.per_layer_proj = self.per_layer_norm = None
         if spec.per_layer_input:
             self.per_layer_gate = w.linear("per_layer_input_gate.weight")  # [width, hidden]
@@ -168,7 +211,7 @@ class Gemma4Layer:
         return self.mixer.cache_spec
 
     def gemms(self) -> dict:
-        named = {**self.mixer.gemms(), **self.ffn.gemms()}
+        named = {**self.mixer.gemms(), **self.ffn.gemms(), **(self.moe.gemms() if self.moe is not None else {})}
         if self.per_layer_gate is not None:
             named.update(per_layer_gate=self.per_layer_gate, per_layer_proj=self.per_layer_proj)
         return named
@@ -177,6 +220,8 @@ class Gemma4Layer:
         eps = self.eps
         h = residual + ops.rms_norm(self.mixer(x, batch, cache, rope_rows), self.post_mixer_norm, eps)
         out = self.ffn(ops.rms_norm(h, self.pre_ffn_norm, eps))
+        if self.moe is not None:  # the experts read the residual stream itself (their own norms)
+            out = ops.rms_norm(out, self.post_mlp_norm, eps) + self.moe(h)
         h = h + ops.rms_norm(out, self.post_ffn_norm, eps)
         if self.per_layer_gate is not None:
             gated = gelu_tanh_and_mul(self.per_layer_gate(h), per_layer_input)  # [rows, width]
@@ -243,7 +288,8 @@ class Gemma4Model(MLXModel):
         inputs = self.per_layer_inputs(batch.input_ids, residual) if self.per_layer_inputs else None
         x = ops.rms_norm(residual, self.layers[0].input_norm, self.layers[0].eps)
         for i, layer in enumerate(self.layers):
-            residual = layer(x, residual, batch, caches[i], rope_rows, None if inputs is None else inputs[:, i])
+            residual = layer(x, residual, batch.in_group(self.group_of[i]), caches[i], rope_rows,
+                             None if inputs is None else inputs[:, i])
             if i + 1 < len(self.layers):
                 x = ops.rms_norm(residual, self.layers[i + 1].input_norm, layer.eps)
         out = ops.rms_norm(residual[batch.logits_rows], self.norm, self.specs[-1].norm_eps)

@@ -13,7 +13,7 @@ layers' caches, and returns the logits rows as an mx.array; the runner evaluates
 with the caches it wrote, so no round leaves a graph behind.
 """
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +23,7 @@ from tensorfold.backends.linear_weight import count_formats, named_gemms
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
 from tensorfold.models.linear_attention import LinearAttentionSpec, input_matrices, read_params
-from tensorfold.models.cache import PagedKV, RecurrentState
+from tensorfold.models.cache import PagedKV, RecurrentState, layer_groups
 from tensorfold.models.moe import MoESpec
 from tensorfold.models.spec import AttentionSpec, LayerSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
@@ -56,6 +56,12 @@ class MLXBatch:
     logits_rows: mx.array      # rows whose logits are returned
     state_in: np.ndarray       # [num_seqs] block holding each sequence's starting state (-1: zero)
     state_out: np.ndarray      # [rows] block a row's recurrent state is written to (-1: none)
+    groups: list = field(default_factory=list)  # the batch as cache groups 1, 2, ... read it (MLXBatch each)
+
+    def in_group(self, g: int | None) -> "MLXBatch":
+        """The batch as the layers of cache group g (models/cache.layer_groups: a sliding window's
+        own block table) read it: their slots and key slots; group 0 (or none) reads this one."""
+        return self if not g else self.groups[g - 1]
 
 
 def state_slots(tables: list[np.ndarray], positions: list[np.ndarray], block_size: int):
@@ -237,6 +243,7 @@ class MLXModel:
             raise CheckpointError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, "
                                   f"config says ({args.vocab_size}, {args.hidden_size})")
         self.layers = [self.layer(spec, w.under(f"model.layers.{i}.")) for i, spec in enumerate(self.specs)]
+        self.group_of, self.windows = layer_groups(self.cache_specs())  # each layer's block table
         self.norm = _mx(w.norm("model.norm.weight"))
         quantized = ops.MLXLinear.quantized(embed)
         self.table = ops.MLXLinear.of(embed) if quantized else None
@@ -270,9 +277,9 @@ class MLXModel:
             if layer.mixer is None:  # a single-block layer: x + block(norm(x))
                 residual = residual + layer.ffn(x)
             elif layer.ffn is None:
-                residual = residual + layer.mixer(x, batch, caches[i], rope_rows)
+                residual = residual + layer.mixer(x, batch.in_group(self.group_of[i]), caches[i], rope_rows)
             else:
-                residual = residual + layer.mixer(x, batch, caches[i], rope_rows)
+                residual = residual + layer.mixer(x, batch.in_group(self.group_of[i]), caches[i], rope_rows)
                 residual = residual + layer.ffn(ops.rms_norm(residual, layer.post_mixer_norm, layer.eps))
             if i + 1 < len(self.layers):
                 x = ops.rms_norm(residual, self.layers[i + 1].input_norm, layer.eps)
