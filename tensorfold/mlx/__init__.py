@@ -15,4 +15,5 @@ docs/kernels.md ("The mlx backend").
               the grid dot products, the delta rule, the state per block
     moe.py    the mixture-of-experts feed-forward: routing, experts, the fixed-order sum
     model.py  the decoder (llama, qwen3, the Qwen hybrids) on those ops over a paged cache and recurrent states
+    gemma4.py Gemma 4's layers and model-level parts (and GeGLU, tanh, soft-capping)
 """
