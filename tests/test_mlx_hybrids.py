@@ -191,9 +191,13 @@ def test_quantized_qwen3_5_gives_the_cpu_backends_logits_and_token_sha(qwen3_5):
 
 
 def test_chunked_prefill_is_bitwise_token_by_token(qwen3_5):
+    check_chunked_prefill(qwen3_5)
+
+
+def check_chunked_prefill(checkpoint: str) -> None:
     """A 70-token prompt prefilled whole, in chunks of 16 and 7, and token by token (beside
     another sequence's decode rows): the same last logits and the same state in its last block."""
-    engine = Engine(qwen3_5, EngineConfig(backend="mlx", probe=False, **SMALL))
+    engine = Engine(checkpoint, EngineConfig(backend="mlx", probe=False, **SMALL))
     runner = engine.runner
     rng = random.Random(3)
     ids, other = [rng.randrange(49152) for _ in range(70)], [rng.randrange(49152) for _ in range(80)]
@@ -211,24 +215,32 @@ def test_chunked_prefill_is_bitwise_token_by_token(qwen3_5):
         last = tables[0][(len(ids) - 1) // bs]
         states = [np.array(c.ssm[last]) for c in runner.caches if hasattr(c, "ssm")]
         results.append((logits, states))
-    assert len(results[0][1]) == 3
+    assert results[0][1], "no Gated DeltaNet state to compare"
     for logits, states in results[1:]:
         assert np.array_equal(logits, results[0][0])
         assert all(np.array_equal(a, b) for a, b in zip(states, results[0][1]))
 
 
 def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_qwen3_5):
+    check_solo_serial_vs_batched(small_vocab_qwen3_5)
+
+
+def check_solo_serial_vs_batched(checkpoint: str) -> None:
     """engine_cases' mixed batch: batched, chunked and drafted (rejected drafts rewind the state
     to a block boundary) == one at a time, every draw's logits bitwise."""
     config = dict(backend="mlx", kv_cache_gib=0.01, context=256)
-    solo = Engine(small_vocab_qwen3_5, EngineConfig(drafting=False, max_num_seqs=1, **config))
+    solo = Engine(checkpoint, EngineConfig(drafting=False, max_num_seqs=1, **config))
     assert solo.exact, solo.probe_failures
-    batched = Engine(small_vocab_qwen3_5, EngineConfig(drafting=True, draft_budget=False, max_num_seqs=4, max_tokens_per_step=16,
-                                                       probe=False, **config))
+    batched = Engine(checkpoint, EngineConfig(drafting=True, draft_budget=False, max_num_seqs=4, max_tokens_per_step=16,
+                                              probe=False, **config))
     check_solo_vs_batched(solo, batched, Recorder, np.array_equal)
 
 
 def test_cached_prefix_and_preemption_equal_fresh_runs(qwen3_5):
+    check_cached_prefix_and_preemption(qwen3_5)
+
+
+def check_cached_prefix_and_preemption(checkpoint: str) -> None:
     """A prompt sharing a 70-token prefix resumes from a block's state (cached tokens a multiple
     of the block) with the reply of a fresh engine; requests preempted by a pool of one window's
     blocks reply as they do alone."""
@@ -237,15 +249,15 @@ def test_cached_prefix_and_preemption_equal_fresh_runs(qwen3_5):
     prompts = [prefix + [rng.randrange(49152) for _ in range(n)] for n in (5, 9, 3, 6)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
     config = dict(backend="mlx", probe=False, drafting=False)
-    solo = [run(Engine(qwen3_5, EngineConfig(**config, **SMALL)), [p], [sp])[0].output_ids
+    solo = [run(Engine(checkpoint, EngineConfig(**config, **SMALL)), [p], [sp])[0].output_ids
             for p, sp in zip(prompts, params)]
-    engine = Engine(qwen3_5, EngineConfig(**config, **SMALL))
+    engine = Engine(checkpoint, EngineConfig(**config, **SMALL))
     first = run(engine, [prompts[0]], [params[0]])[0]
     second = run(engine, [prompts[1]], [params[1]])[0]
     assert [first.output_ids, second.output_ids] == solo[:2]
     bs = engine.config.block_size
     assert second.stats.cached_tokens > 0 and second.stats.cached_tokens % bs == 0
-    tight = Engine(qwen3_5, EngineConfig(**config, max_num_seqs=4, kv_cache_gib=1e-6, context=128))
+    tight = Engine(checkpoint, EngineConfig(**config, max_num_seqs=4, kv_cache_gib=1e-6, context=128))
     got = run(tight, prompts, params)
     assert [r.output_ids for r in got] == solo
     assert tight.scheduler.num_preemptions > 0

@@ -8,7 +8,10 @@ torch reference (models/moe.MoE.compose, kernels/moe.py), bitwise:
   everything else (routing, SwiGLU, the fixed-order sum, the shared gate) is checked bit for bit;
   quantized GEMMs are the exact quant_gemm on the torch side;
 - the tiny qwen3_5_moe and qwen3_next checkpoints: greedy 32 tokens == transformers; with
-  --quantize q8_0 every draw's logits and the token_sha equal the cpu backend's.
+  --quantize q8_0 every draw's logits and the token_sha equal the cpu backend's;
+- the engine's equalities on them (tests/test_mlx_hybrids.py's checks): chunked prefill == token
+  by token, solo == batched, chunked and drafted, cached prefix == fresh, preempted ==
+  uninterrupted, every draw's logits or reply bitwise.
 """
 import types
 
@@ -115,6 +118,8 @@ def test_moe_block_is_the_references(dtype, fmt, shared):
 # ---- the tiny MoE checkpoints on --backend mlx ----------------------------------------------------
 
 from test_mlx_backend import check_quantized_cpu_equals_mlx  # noqa: E402
+from test_mlx_hybrids import (check_cached_prefix_and_preemption, check_chunked_prefill,  # noqa: E402
+                              check_solo_serial_vs_batched)
 from tools.tiny_checkpoint import make_tiny_checkpoint, well_separated_seed  # noqa: E402
 
 SMALL = dict(kv_cache_gib=0.01, context=512)
@@ -139,3 +144,29 @@ def test_quantized_moe_gives_the_cpu_backends_logits_and_token_sha(moe_hybrid):
     drafted, greedy and sampled; MoE layers beside gated attention and Gated DeltaNet), so the
     same token_sha."""
     check_quantized_cpu_equals_mlx(moe_hybrid, first_prompt=37, **SMALL)
+
+
+# ---- exactness within the backend: the engine's equalities on the MoE hybrids ---------------------
+
+def test_chunked_prefill_is_bitwise_token_by_token(moe_hybrid):
+    """Whole, chunks of 16 and 7, token by token beside another sequence's decode rows: the same
+    last logits and DeltaNet states (the MoE layers route each row alone)."""
+    check_chunked_prefill(moe_hybrid)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def small_vocab_moe(request, tmp_path_factory, small_vocab_llama):
+    """A MoE hybrid over small_vocab_llama's 512-token tokenizer, small weights: greedy replies
+    loop, so drafts get accepted and rejected."""
+    from transformers import AutoTokenizer
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("mlx_small_" + request.param)), request.param,
+                                tokenizer=AutoTokenizer.from_pretrained(small_vocab_llama),
+                                max_position_embeddings=256, initializer_range=0.02)
+
+
+def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_moe):
+    check_solo_serial_vs_batched(small_vocab_moe)
+
+
+def test_cached_prefix_and_preemption_equal_fresh_runs(moe_hybrid):
+    check_cached_prefix_and_preemption(moe_hybrid)
