@@ -4,7 +4,9 @@ device on Linux), exact without float64.
 Metal has no float64, and the torch references finish their exact sums in float64
 (tensorfold/exact). Here every sum is an int64 sum (products of integers on the fixed-point
 grid, computed as float32 matmuls of 8-bit limbs, each exact) and every other step is one
-float32 IEEE operation or an integer operation on the bits. Which steps give the torch
+float32 IEEE operation or an integer operation on the bits. On MLX's CPU device, which has
+float64, the same integers ride in float64 instead (grid.float64_carrier: exact, and far
+cheaper than int64 there). Which steps give the torch
 references' bits and which are this backend's own is listed in grid.py and ops.py and in
 docs/kernels.md ("The mlx backend").
 

@@ -4,7 +4,8 @@ The torch references (kernels/reference.py, paged_attention.py, quant_gemm.py) c
 sums in float64 and finish in float32; here the same integers are int64 and the finishes the
 same float32 operations in the same order, so every op below but the dense GEMM gives the
 references' bits (and the C++ and Triton kernels' bits: a quantized checkpoint's logits are
-equal across backends):
+equal across backends). On MLX's CPU device the exact integers ride in float64 instead
+(grid.float64_carrier; _attend_carried, _carried_rows): the same integers, the same bits.
 
     silu_and_mul, sigmoid_and_mul, apply_rope     the reference's float32 steps: bitwise
     (silu32, sigmoid32 their activations)
