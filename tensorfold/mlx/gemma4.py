@@ -32,7 +32,7 @@ from tensorfold.mlx.model import Attention, MLXModel, RopeRows, _mx
 from tensorfold.models.cache import PagedKV, SharedKV
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
-from tensorfold.models.gemma4 import Gemma4AttentionSpec, Gemma4LayerSpec, option
+from tensorfold.models.gemma4 import Gemma4AttentionSpec, Gemma4LayerSpec, layer_gemms, option
 from tensorfold.models.moe import MoESpec, block_gemms
 from tensorfold.models.spec import MLPSpec
 from tensorfold.models.weights import WeightReader
@@ -211,10 +211,7 @@ class Gemma4Layer:
         return self.mixer.cache_spec
 
     def gemms(self) -> dict:
-        named = {**self.mixer.gemms(), **self.ffn.gemms(), **(self.moe.gemms() if self.moe is not None else {})}
-        if self.per_layer_gate is not None:
-            named.update(per_layer_gate=self.per_layer_gate, per_layer_proj=self.per_layer_proj)
-        return named
+        return layer_gemms(self)
 
     def __call__(self, x, residual, batch, cache, rope_rows, per_layer_input=None) -> mx.array:
         eps = self.eps

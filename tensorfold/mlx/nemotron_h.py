@@ -22,7 +22,7 @@ import numpy as np
 from tensorfold.exact.float32 import f32
 from tensorfold.mlx import ops
 from tensorfold.models.moe import float32_linear
-from tensorfold.models.nemotron_h import NemotronMoESpec, ReluSquaredMLPSpec
+from tensorfold.models.nemotron_h import NemotronMoESpec, ReluSquaredMLPSpec, moe_gemms
 from tensorfold.models.weights import WeightReader
 
 
@@ -102,13 +102,7 @@ class NemotronMoE:
             self.fc1, self.fc2 = mlp.linear("fc1_latent_proj.weight"), mlp.linear("fc2_latent_proj.weight")
 
     def gemms(self) -> dict:
-        named = {"router": self.router}
-        for e, expert in enumerate(self.experts):
-            named[f"experts.{e}.up"], named[f"experts.{e}.down"] = expert.up, expert.down
-        named.update({"shared.up": self.shared.up, "shared.down": self.shared.down})
-        if self.fc1 is not None:
-            named.update({"fc1_latent": self.fc1, "fc2_latent": self.fc2})
-        return named
+        return moe_gemms(self)
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.shape[0] == 0:

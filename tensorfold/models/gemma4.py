@@ -259,10 +259,7 @@ class Gemma4Layer:
         return self.mixer.cache_spec
 
     def gemms(self) -> dict:
-        named = {**self.mixer.gemms(), **self.ffn.gemms(), **(self.moe.gemms() if self.moe is not None else {})}
-        if self.per_layer_gate is not None:
-            named.update(per_layer_gate=self.per_layer_gate, per_layer_proj=self.per_layer_proj)
-        return named
+        return layer_gemms(self)
 
     def forward(self, x, residual, next_norm, batch: ForwardBatch, cache, per_layer_input=None):
         """per_layer_input [num_rows, width] (Gemma4Model's). Returns (the next layer's normed
@@ -278,6 +275,15 @@ class Gemma4Layer:
             h = h + ops.rms_norm(self.per_layer_proj(gated), self.per_layer_norm, eps)
         h = h * self.scalar
         return (None if next_norm is None else ops.rms_norm(h, next_norm, eps)), h
+
+
+def layer_gemms(layer) -> dict:
+    """A Gemma 4 layer's GEMMs by name (its mixer's, MLP's, MoE's, per-layer input gate and
+    projection): the torch and the mlx layer alike (both keep these attributes)."""
+    named = {**layer.mixer.gemms(), **layer.ffn.gemms(), **(layer.moe.gemms() if layer.moe is not None else {})}
+    if layer.per_layer_gate is not None:
+        named.update(per_layer_gate=layer.per_layer_gate, per_layer_proj=layer.per_layer_proj)
+    return named
 
 
 class PerLayerInputs:

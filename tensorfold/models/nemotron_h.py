@@ -195,6 +195,18 @@ class ReluSquaredMLP:
         return self.mlp(x)
 
 
+def moe_gemms(block) -> dict:
+    """A Nemotron-H MoE block's GEMMs by name (router, experts, shared expert, latent projections):
+    the torch and the mlx block alike (both keep these attributes)."""
+    named = {"router": block.router}
+    for e, expert in enumerate(block.experts):
+        named[f"experts.{e}.up"], named[f"experts.{e}.down"] = expert.up, expert.down
+    named.update({"shared.up": block.shared.up, "shared.down": block.shared.down})
+    if block.fc1 is not None:
+        named.update({"fc1_latent": block.fc1, "fc2_latent": block.fc2})
+    return named
+
+
 @dataclass(frozen=True)
 class NemotronMoESpec:
     num_experts: int
@@ -227,13 +239,7 @@ class NemotronMoE:
             self.fc1, self.fc2 = mlp.linear("fc1_latent_proj.weight"), mlp.linear("fc2_latent_proj.weight")
 
     def gemms(self) -> dict:
-        named = {"router": self.router}
-        for e, expert in enumerate(self.experts):
-            named[f"experts.{e}.up"], named[f"experts.{e}.down"] = expert.up, expert.down
-        named.update({"shared.up": self.shared.up, "shared.down": self.shared.down})
-        if self.fc1 is not None:
-            named.update({"fc1_latent": self.fc1, "fc2_latent": self.fc2})
-        return named
+        return moe_gemms(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
