@@ -163,6 +163,20 @@ def test_gate_and_mul_on_split_views(draw, threads, op, dtype, rows, width):
     assert_bitwise(getattr(_cpu, op)(gate, up, out=poisoned(want)), want, draw, op)
 
 
+@pytest.mark.parametrize("cap", [30.0, 50.0, 0.3])
+def test_softcap_equals_its_reference(draw, threads, cap):
+    """Gemma's final logit soft-capping: a vocabulary's logits over many scales (both tanh
+    branches and the edge between them), the specials, and a row of 49,152 (the parallel split)."""
+    x = randn(draw, 3, 49152, scale=1.0) * (2.0 ** torch.randint(-30, 9, (3, 49152), generator=draw.gen)).float()
+    edge = torch.tensor([0.625, -0.625]) * torch.tensor(cap).float()  # |x / cap| at the branch point
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39, 3.0e38, -2.5e38])
+    x[0, :2], x[1, 7:16] = edge, specials
+    x[2, 100:120] = torch.nextafter(edge[0], torch.tensor(float("inf"))) * torch.linspace(0.999, 1.001, 20)
+    want = reference.softcap(x, cap)
+    assert same_bits(_cpu.softcap(x, cap).double(), want.double()), str(draw)
+    assert same_bits(_cpu.softcap(x[1:2, :69], cap).double(), want[1:2, :69].double()), "a short row alone"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_ops_on_special_values(draw, dtype):
     """NaN, infinities, signed zeros, subnormals and huge values, in the vector body and the tail

@@ -92,6 +92,8 @@ void sigmoid_and_mul(int dtype, const void* gate, const void* up, int64_t in_str
 // out [rows, width] = gelu(gate) * up with GELU's tanh form (Gemma's GeGLU), the same layout.
 void gelu_tanh_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out,
                        int64_t rows, int64_t width, int threads);
+// out[i] = cap tanh32(x[i] / cap) (reference.softcap: Gemma's final logit soft-capping), float32.
+void softcap(const float* x, float* out, int64_t n, float cap, int threads);
 
 // The widest attention head that rope, write_kv, paged_attention and the fused DecoderLayer take
 // (their bindings check it; fixed-size row buffers are this long): kernels/paged_attention.py's

@@ -275,6 +275,17 @@ torch::Tensor gate_and_mul(const torch::Tensor& gate, const torch::Tensor& up, c
   return out;
 }
 
+// reference.softcap of float32 logits (any shape), a new tensor.
+torch::Tensor softcap(const torch::Tensor& logits, double cap) {
+  check_cpu(logits, "softcap: logits");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "softcap: float32 logits expected, got ", logits.scalar_type());
+  const torch::Tensor x = logits.contiguous();
+  auto out = torch::empty_like(x);
+  if (x.numel() > 0)
+    tf::softcap(x.data_ptr<float>(), out.data_ptr<float>(), x.numel(), static_cast<float>(cap), threads());
+  return out;
+}
+
 // kernels/moe.route: (chosen [rows, top_k] int64, weights [rows, top_k] float32).
 std::tuple<torch::Tensor, torch::Tensor> moe_route(const torch::Tensor& logits, int64_t top_k, bool normalize) {
   check_cpu(logits, "moe_route: logits");
@@ -779,6 +790,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), py::arg("cos"), py::arg("sin"), out);
   m.def("silu_and_mul", &gate_and_mul<SILU>, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
   m.def("sigmoid_and_mul", &gate_and_mul<SIGMOID>, "reference.sigmoid_and_mul", py::arg("gate"), py::arg("up"), out);
+  m.def("softcap", &softcap, "reference.softcap: cap * tanh32(logits / cap), float32", py::arg("logits"),
+        py::arg("cap"));
   m.def("gelu_tanh_and_mul", &gate_and_mul<GELU_TANH>, "reference.gelu_tanh_and_mul", py::arg("gate"), py::arg("up"),
         out);
   m.def("write_kv", &write_kv, "paged_attention.write_kv_ref", py::arg("k_cache"), py::arg("v_cache"),

@@ -284,6 +284,40 @@ void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, 
                   io<bf16>(out), rows, width, eps, threads);
 }
 
+// reference.softcap: y = x / cap, then reference.tanh32(y): below |y| = 0.625 the odd polynomial
+// y + y (z P(z)), z = y y, P in Horner's order (p = z P0; p = (p + Pk) z ...); above, t =
+// exp_neg(-2 |y|) and copysign((1 - t) / (1 + t), y); then times cap. Each step one float32
+// rounding in the reference's order; both branches are computed and one is kept, as torch.where.
+void softcap(const float* x, float* out, int64_t n, float cap, int threads) {
+  constexpr float SMALL = 0.625f;
+  static constexpr float POLY[5] = {static_cast<float>(-5.70498872745e-3), static_cast<float>(2.06390887954e-2),
+                                    static_cast<float>(-5.37397155531e-2), static_cast<float>(1.33314422036e-1),
+                                    static_cast<float>(-3.33332819422e-1)};
+  const int64_t blocks = (n + SILU_BLOCK - 1) / SILU_BLOCK;
+  const bool parallel = threads > 1 && n >= PARALLEL_ELEMENTS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t i0 = blk * SILU_BLOCK, m = std::min(SILU_BLOCK, n - i0);
+    float y[SILU_BLOCK], g[SILU_BLOCK], t[SILU_BLOCK];
+    for (int64_t i = 0; i < m; ++i) {
+      y[i] = x[i0 + i] / cap;
+      g[i] = std::fabs(y[i]) * -2.0f;
+    }
+    exp_neg_shifted(g, 0.0f, t, m);  // exp_neg(-2|y| - 0), and -2|y| - 0 is -2|y| bit for bit
+    for (int64_t i = 0; i < m; ++i) {
+      const float v = y[i], z = v * v;
+      float p = z * POLY[0];
+      for (int c = 1; c < 5; ++c) {
+        p = p + POLY[c];
+        p = p * z;
+      }
+      const float small = v + v * p;
+      const float large = std::copysign((1.0f - t[i]) / (1.0f + t[i]), v);
+      out[i0 + i] = (std::fabs(v) < SMALL ? small : large) * cap;
+    }
+  }
+}
+
 void layer_norm(int dtype, const void* x, const void* weight, const void* bias, void* out, int64_t rows, int64_t width,
                 double eps, int threads) {
   if (dtype == 0)
