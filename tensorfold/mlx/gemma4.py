@@ -32,7 +32,7 @@ from tensorfold.mlx.model import Attention, MLXModel, RopeRows, _mx
 from tensorfold.models.cache import PagedKV, SharedKV
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
-from tensorfold.models.gemma4 import Gemma4AttentionSpec, Gemma4LayerSpec, layer_gemms, option
+from tensorfold.models.gemma4 import Gemma4AttentionSpec, Gemma4LayerSpec, layer_gemms, per_layer_table
 from tensorfold.models.moe import MoESpec, block_gemms
 from tensorfold.models.spec import MLPSpec
 from tensorfold.models.weights import WeightReader
@@ -232,11 +232,7 @@ class PerLayerInputs:
     def __init__(self, w: WeightReader, args: ModelArgs, width: int, eps: float, dtype):
         self.dtype, self.eps = dtype, eps
         self.num_layers, self.width = args.num_layers, width
-        table = w.matrix("model.embed_tokens_per_layer.weight")
-        vocab = int(option(args.hf, "vocab_size_per_layer_input"))
-        if tuple(table.shape) != (vocab, args.num_layers * width) or vocab < args.vocab_size:
-            raise CheckpointError(f"model.embed_tokens_per_layer.weight has shape {tuple(table.shape)}; served: "
-                                  f"({vocab} >= vocab_size {args.vocab_size}, {args.num_layers} x {width})")
+        table = per_layer_table(w, args, width)
         quantized = ops.MLXLinear.quantized(table)
         self.lookup = ops.MLXLinear.of(table).rows if quantized else ops.from_torch(table).__getitem__
         self.proj = w.linear("model.per_layer_model_projection.weight")  # [layers * width, hidden]

@@ -286,6 +286,17 @@ def layer_gemms(layer) -> dict:
     return named
 
 
+def per_layer_table(w: WeightReader, args: ModelArgs, width: int):
+    """The per-layer input embedding [vocab_per_layer, layers * width], its shape checked against
+    the config (every backend's PerLayerInputs reads it so)."""
+    table = w.matrix("model.embed_tokens_per_layer.weight")
+    vocab = int(option(args.hf, "vocab_size_per_layer_input"))
+    if tuple(table.shape) != (vocab, args.num_layers * width) or vocab < args.vocab_size:
+        raise CheckpointError(f"model.embed_tokens_per_layer.weight has shape {tuple(table.shape)}; served: "
+                              f"({vocab} >= vocab_size {args.vocab_size}, {args.num_layers} x {width})")
+    return table
+
+
 class PerLayerInputs:
     """Every layer's per-layer input for a batch's rows, [num_rows, layers, width]:
     (rms_norm(proj(embedded) * hidden^-0.5) + table[ids] * sqrt(width)) * 2^-0.5, each product
@@ -294,11 +305,7 @@ class PerLayerInputs:
     def __init__(self, w: WeightReader, args: ModelArgs, width: int, eps: float):
         self.ops, self.dtype, self.eps = w.ops, w.dtype, eps
         self.num_layers, self.width = args.num_layers, width
-        table = w.matrix("model.embed_tokens_per_layer.weight")
-        vocab = int(option(args.hf, "vocab_size_per_layer_input"))
-        if tuple(table.shape) != (vocab, args.num_layers * width) or vocab < args.vocab_size:
-            raise CheckpointError(f"model.embed_tokens_per_layer.weight has shape {tuple(table.shape)}; served: "
-                                  f"({vocab} >= vocab_size {args.vocab_size}, {args.num_layers} x {width})")
+        table = per_layer_table(w, args, width)
         linear = w.ops.Linear
         self.lookup = linear.of(table).rows if linear.quantized(table) else table.__getitem__
         self.proj = w.linear("model.per_layer_model_projection.weight")  # [layers * width, hidden]
