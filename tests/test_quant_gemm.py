@@ -164,14 +164,16 @@ def code_range(kind: str) -> tuple[int, int]:
 
 def random_generic(rng: torch.Generator, kind: str, n: int, k: int) -> qg.QuantWeight:
     """Any kind's fields drawn directly within their bounds (KINDS' comment): codes in the kind's
-    range, scales up to the largest significand times sub-block scale, exponents as float16's,
-    zero scales among them."""
+    range, scales up to the largest significand times sub-block scale, exponents as float16's (one
+    per super-block for the 256-column kinds), zero scales among them."""
     info = qg.KINDS[kind]
     codes = torch.randint(*code_range(kind), (n, k), generator=rng, dtype=torch.int8)
     bound = {"q4_k": 2047 * 63, "q5_k": 2047 * 63, "q6_k": 2047 * 128}.get(kind, 2047)
     scale = torch.randint(-bound, bound + 1, (n, k // info.sub), generator=rng, dtype=torch.int32)
     scale[0, 0] = 0
-    exps = (lambda: torch.randint(-24, 6, (n, k // 32), generator=rng, dtype=torch.int32))
+    per = info.blocks_per_group  # the 256-column kinds: one E (and F) per super-block
+    exps = (lambda: torch.randint(-24, 6, (n, k // info.act), generator=rng, dtype=torch.int32)
+            .repeat_interleave(per, dim=1))
     if not info.has_min:
         return qg.QuantWeight(kind, codes, scale, exps())
     mins = torch.randint(-bound, bound + 1, (n, k // 32), generator=rng, dtype=torch.int32)
@@ -196,6 +198,34 @@ def random_k_file(rng: torch.Generator, kind: str, n: int, k: int) -> tuple[torc
         blocks[:, at:at + 2] = h.view(torch.uint8).reshape(-1, 2)
     raw = blocks.reshape(-1)
     return raw, gguf_quants.quant_weight(raw, qtype, (n, k))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_k_quants_rows_alone_and_super_block_order_change_no_bit(kind):
+    rng = torch.Generator().manual_seed(5)
+    w = random_generic(rng, kind, 16, 1024)
+    x = random_x(rng, 9, 1024)
+    y = qg.linear(x, w)
+    for i in range(x.shape[0]):
+        assert torch.equal(qg.linear(x[i:i + 1], w), y[i:i + 1])
+    order = [2, 0, 3, 1]  # super-blocks move whole: the groups, their E and their terms with them
+    cols = torch.cat([torch.arange(256 * s, 256 * s + 256) for s in order])
+    blocks = torch.cat([torch.arange(8 * s, 8 * s + 8) for s in order])
+    subs = torch.cat([torch.arange(256 // qg.KINDS[kind].sub * s,
+                                   256 // qg.KINDS[kind].sub * (s + 1)) for s in order])
+    pick = (lambda t: None if t is None else t[:, blocks])
+    shuffled = qg.QuantWeight(kind, w.codes[:, cols], w.scale[:, subs], pick(w.scale_exp), pick(w.min), pick(w.min_exp))
+    assert torch.equal(qg.linear(x[:, cols], shuffled), y)
+
+
+def test_a_k_quant_needs_one_exponent_per_super_block():
+    rng = torch.Generator().manual_seed(6)
+    w = random_generic(rng, "q4_k", 4, 512)
+    w.scale_exp[1, 3] += 1
+    with pytest.raises(ValueError, match="one scale_exp per super-block"):
+        qg.linear(torch.randn(2, 512), w)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        qg.linear(torch.randn(2, 288), random_generic(rng, "q6_k", 4, 288))
 
 
 def test_an_infinite_or_nan_scale_is_refused():

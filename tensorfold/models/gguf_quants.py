@@ -157,12 +157,11 @@ def dequantize(raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torch
 
 # --- kept in blocks ------------------------------------------------------------------------------
 
-# quant_gemm's kinds. Q5_0 and Q5_1 have none of their own: their weights are exactly q8_0's
-# with codes q - 16 (-16..15) and q5_k's form with a 5-bit code, S 2^E = d and M 2^F = m per
-# block of 32 (a WIDE form, no super-block), so they are served as those kinds, the GEMM's
-# reference unchanged; Q5_0 then packs at a byte per code (34 bytes per 32 weights, against the
-# file's 22), the price of the fallback type's few tensors.
-KIND_NAMES = {QType.Q8_0: "q8_0", QType.Q4_0: "q4_0", QType.Q4_1: "q4_1", QType.Q5_0: "q8_0", QType.Q5_1: "q5_k",
+# quant_gemm's kinds. Q5_0 has none of its own: its weights are exactly q8_0's with codes q - 16
+# (-16..15), so it is served as q8_0, the GEMM's reference unchanged, and packs at a byte per code
+# (34 bytes per 32 weights, against the file's 22), the price of the fallback type's few tensors.
+# Q5_1 is its own kind: a 5-bit code with S 2^E = d and M 2^F = m per block of 32.
+KIND_NAMES = {QType.Q8_0: "q8_0", QType.Q4_0: "q4_0", QType.Q4_1: "q4_1", QType.Q5_0: "q8_0", QType.Q5_1: "q5_1",
               QType.Q4_K: "q4_k", QType.Q5_K: "q5_k", QType.Q6_K: "q6_k"}
 KEPT_TYPES = frozenset(KIND_NAMES)
 _UNPACK = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1,

@@ -201,17 +201,18 @@ def k_values(qtype: QType, b: list[int]):
 
 
 def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]]:
-    """quant_gemm's steps 1-4 in Python integers from the super-blocks' own values: per 32-block
-    b of the activations, in numpy float32 (IEEE) arithmetic as llama.cpp's Q8_0/Q8_1 blocks:
-    amax = max |x|, d_b = amax / 127, inverse = 127 / amax, xq = round(x inverse) (half to even)
-    clamped to [-127, 127] (a block with amax < 2^-120: xq = 0, d_b = 0); the scale
-    float16(min(d_b, 65504)) = mu_b 2^k_b and the minimum's float16(clamp(d_b sum xq, +-65504)) =
-    smu_b 2^se_b (frexp16). Per 32-block b of row n the terms (sum over its sub-blocks of
-    dm sc_j A_j) mu_b 2^(de + k_b) and, with a minimum, -(dminm m_b) smu_b 2^(dmine + se_b); grid
-    g = top + kmax + T - 62 + ceil(log2 #terms), T the kind's term bound (|A| <= 32 max|c| 127,
-    |dm sc| < 2^17 (2^18 for q6_k's signed sc), mu_b < 2^11: 44, 45, 46)."""
+    """quant_gemm's steps 1-4 in Python integers from the super-blocks' own values: per group of
+    256 activations (one super-block s), in numpy float32 (IEEE) arithmetic as llama.cpp's Q8_K:
+    amax = max |x|, d_s = amax / 127, inverse = 127 / amax, xq = round(x inverse) (half to even)
+    clamped to [-127, 127] (a group with amax < 2^-120: xq = 0, d_s = 0); the scale
+    float16(min(d_s, 65504)) = mu_s 2^k_s (frexp16). Per super-block s of row n one dot term
+    (sum over its sub-blocks j of dm sc_j A_j) mu_s 2^(de + k_s) and, with a minimum, one minimum
+    term (sum over its 32-blocks j of -(dminm m_j) sum(xq of j)) mu_s 2^(dmine + k_s); grid
+    g = top + kmax + T - 62 + ceil(log2 #terms), T the kind's term bound (8 blocks of
+    |A| <= 32 max|c| 127 times |dm sc| < 2^17 (2^18 for q6_k's signed sc) times mu_s < 2^11:
+    47, 48, 49)."""
     n, kdim = raw.shape[0], x.shape[1]
-    term_bits = {QType.Q4_K: 44, QType.Q5_K: 45, QType.Q6_K: 46}[qtype]
+    term_bits = {QType.Q4_K: 47, QType.Q5_K: 48, QType.Q6_K: 49}[qtype]
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     rows = []
     for r in range(n):
@@ -220,40 +221,41 @@ def k_oracle(x: torch.Tensor, qtype: QType, raw: np.ndarray) -> list[list[float]
     out = []
     f32 = np.float32
     for line in x.float().tolist():
-        xq, scales, sums = [], [], []
-        for b in range(kdim // 32):
-            block = [f32(v) for v in line[32 * b:32 * (b + 1)]]
-            amax = max(abs(v) for v in block)
-            if amax < 2.0 ** -120:                                   # a zero block
-                xq += [0] * 32
+        xq, scales = [], []
+        for s in range(kdim // 256):
+            group = [f32(v) for v in line[256 * s:256 * (s + 1)]]
+            amax = max(abs(v) for v in group)
+            if amax < 2.0 ** -120:                                   # a zero group
+                xq += [0] * 256
                 scales.append((0, -24))
-                sums.append((0, -24))
                 continue
             step, inverse = amax / f32(127), f32(127) / amax          # float32 divisions
-            block_q = [max(-127, min(127, round(float(v * inverse)))) for v in block]  # half to even
-            xq += block_q
+            xq += [max(-127, min(127, round(float(v * inverse)))) for v in group]  # half to even
             scales.append(frexp16(float(np.float16(min(step, f32(65504))))))
-            sums.append(frexp16(float(np.float16(max(-65504.0, min(65504.0, step * f32(sum(block_q))))))))
-        mus, ks = [mu for mu, _ in scales], [k for _, k in scales]
+        ks = [k for _, k in scales]
         result = []
         for weights in rows:
             terms, top = [], []
             for s, (q, d, dmin, sc, m) in enumerate(weights):
                 dm, de = frexp16(d)
+                mu, k = scales[s]
                 top.append(de)
+                dot = low = 0
                 for j in range(8):                                   # 32-blocks of this super-block
-                    b = 8 * s + j
-                    xb, c = xq[32 * b:32 * (b + 1)], q[32 * j:32 * (j + 1)]
+                    xb, c = xq[256 * s + 32 * j:256 * s + 32 * (j + 1)], q[32 * j:32 * (j + 1)]
                     if qtype == QType.Q6_K:
-                        total = sum(dm * sc[2 * j + h] * sum((ci - 32) * xi for ci, xi in
-                                                            zip(c[16 * h:16 * (h + 1)], xb[16 * h:16 * (h + 1)]))
-                                    for h in range(2))
-                        terms.append((total * mus[b], de + ks[b]))
+                        dot += sum(dm * sc[2 * j + h] * sum((ci - 32) * xi for ci, xi in
+                                                           zip(c[16 * h:16 * (h + 1)], xb[16 * h:16 * (h + 1)]))
+                                   for h in range(2))
                     else:
-                        terms.append((dm * sc[j] * sum(ci * xi for ci, xi in zip(c, xb)) * mus[b], de + ks[b]))
-                        mm, me = frexp16(dmin)
-                        terms.append((-(mm * m[j]) * sums[b][0], me + sums[b][1]))
-                        top.append(me)
+                        dot += dm * sc[j] * sum(ci * xi for ci, xi in zip(c, xb))
+                        mm, _ = frexp16(dmin)
+                        low += -(mm * m[j]) * sum(xb)
+                terms.append((dot * mu, de + k))
+                if qtype != QType.Q6_K:
+                    mm, me = frexp16(dmin)
+                    terms.append((low * mu, me + k))
+                    top.append(me)
             g = max(top) + max(ks) + term_bits - 62 + math.ceil(math.log2(len(terms)))
             total = sum(shift_round(i, s - g) for i, s in terms)
             result.append(float(torch.tensor(float(total) * 2.0 ** g, dtype=torch.float32)))
