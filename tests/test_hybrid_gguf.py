@@ -13,11 +13,14 @@ lengths are multiples of 256):
   the directory's quantized at load with the same block types, and the engine's greedy and sampled
   replies have the same token_sha;
 - llama.cpp's other spellings read the same (fused attn_qkv, ffn_gate_up_exps, Qwen3-Next's legacy
-  ssm_in) and an MTP block is skipped; value heads stored in tiled order come back in whole blocks
-  of 32 columns for every block type, and runs that would split a block are refused;
+  ssm_in) and an MTP block is skipped; a quantized ssm_out whose value heads are stored in tiled
+  order stays as stored, its GEMM taking its input in that order (every block type, the
+  K-quants' super-blocks included);
 - the command line writes them (--arch qwen3_next --gguf q4_0);
 - an architecture not served is a startup error that lists the served ones.
 """
+import importlib
+
 import gguf
 import numpy as np
 import pytest
@@ -29,7 +32,7 @@ from tensorfold.engine.engine import Engine, EngineConfig
 from tensorfold.kernels import quant_gemm
 from tensorfold.kernels.delta_net import decay_rate
 from tensorfold.kernels.quant_gemm import QuantWeight
-from tensorfold.models.gguf_quants import FileBlocks
+from tensorfold.models.gguf_quants import FileBlocks, StoredColumns
 from tensorfold.models import qwen3_5
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs
@@ -82,7 +85,8 @@ def _text_tensors(hf_dir: str) -> dict:
 def load_blocks(path: str):
     """load_gguf(keep_quantized=True) with every matrix read from the file (gguf_quants.FileBlocks.load)."""
     ckpt = load_gguf(path, keep_quantized=True)
-    ckpt.tensors = {name: t.load() if isinstance(t, FileBlocks) else t for name, t in ckpt.tensors.items()}
+    load = (lambda t: t.load() if isinstance(t, FileBlocks) else t)
+    ckpt.tensors = {name: t.map(load) if isinstance(t, StoredColumns) else load(t) for name, t in ckpt.tensors.items()}
     return ckpt
 
 
@@ -165,6 +169,8 @@ def test_loads_as_the_directory_quantized_at_load(q8_loaded):
             assert torch.equal(-tensor, decay_rate(wanted[name + "_log"]))
         elif isinstance(tensor, QuantWeight):
             assert _same_blocks(tensor, wanted[name]), name
+        elif isinstance(tensor, StoredColumns):  # ssm_out in the file's (tiled) column order: its blocks moved whole
+            assert isinstance(tensor.stored, QuantWeight) and torch.equal(tensor.dequantize(), wanted[name].dequantize())
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             assert torch.equal(tensor + 1, wanted[name] + 1), name  # as WeightReader.norm serves them
         else:
@@ -304,24 +310,24 @@ def test_fused_spellings_and_an_mtp_block_read_the_same(q8, q8_loaded, tmp_path)
 
 # ---- tiled value heads in blocks ---------------------------------------------------------------
 
+@pytest.mark.parametrize("ops_name", ["cpu_ops", "native_ops"])
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
-def test_tiled_columns_come_back_in_whole_blocks(kind):
-    """ssm_out's columns in tiled value-head order (8 value heads of 64 over 4 key heads), its
-    blocks put back in grouped order: the blocks of the stored matrix moved, the same weights as
-    the stored ones reordered, and the GEMM on grouped activations equals the stored matrix's on
-    tiled ones, bitwise."""
+def test_tiled_columns_stay_as_stored(kind, ops_name):
+    """ssm_out's columns in tiled value-head order (8 value heads of 32 over 4 key heads) stay in
+    the file's order (StoredColumns): the matrix means the stored one's columns in grouped order,
+    and its GEMM on grouped activations is the stored matrix's on the activations put in tiled
+    order, bitwise, on each op set (the K-quants' super-blocks are not split)."""
+    ops = importlib.import_module(f"tensorfold.backends.{ops_name}")
     torch.manual_seed(0)
-    ids = _untiled(4, 8, 64)
-    stored_w = torch.randn(48, 512)
-    stored = quant_weight(gguf_blocks(stored_w, kind).reshape(-1), QTYPES[kind], (48, 512))
-    grouped = _take_columns("f.gguf", "blk.0.ssm_out.weight", stored, ids)
+    ids = _untiled(4, 8, 32)
+    stored = quant_weight(gguf_blocks(torch.randn(48, 256), kind).reshape(-1), QTYPES[kind], (48, 256))
+    grouped = _take_columns(stored, ids)
+    assert isinstance(grouped, StoredColumns) and grouped.shape == (48, 256)
     assert torch.equal(grouped.dequantize(), stored.dequantize()[:, ids])
-    x = torch.randn(5, 512)
+    x = torch.randn(5, 256)
     tiled_x = torch.empty_like(x)
     tiled_x[:, ids] = x
-    assert torch.equal(quant_gemm.linear(x, grouped), quant_gemm.linear(tiled_x, stored))
-    with pytest.raises(CheckpointError, match="not a multiple of 32"):
-        _take_columns("f.gguf", "blk.0.ssm_out.weight", stored, _untiled(4, 8, 16).repeat(4) % 512)
+    assert torch.equal(ops.Linear.of(grouped)(x), quant_gemm.linear(tiled_x, stored))
 
 
 # ---- the command line, and what is not served ---------------------------------------------------

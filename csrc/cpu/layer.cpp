@@ -269,10 +269,11 @@ DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& 
                              const c10::optional<torch::Tensor>& gate_up, const c10::optional<torch::Tensor>& down,
                              const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
                              const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
-                             const DeltaNetShape& shape, std::shared_ptr<const MoEBlock> moe)
+                             const DeltaNetShape& shape, std::shared_ptr<const MoEBlock> moe,
+                             const c10::optional<torch::Tensor>& out_order)
     : shape_(shape), code_(dtype_code(post_norm, "DeltaNetLayer: post_norm")),
       gated_norm_code_(dtype_code(gated_norm, "DeltaNetLayer: the gated norm's weight")), post_norm_(post_norm),
-      gated_norm_(gated_norm), rate_(rate), dt_bias_(dt_bias) {
+      gated_norm_(gated_norm), rate_(rate), dt_bias_(dt_bias), out_order_(out_order) {
   const auto& s = shape_;
   TORCH_CHECK(s.key_heads > 0 && s.heads > 0 && s.heads % s.key_heads == 0 && s.key_dim > 0 && s.key_dim <= 256 &&
                   s.value_dim > 0 && s.hidden > 0,
@@ -294,11 +295,16 @@ DeltaNetLayer::DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& 
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->numel() == s.heads &&
                     t->scalar_type() == torch::kFloat32,
                 "DeltaNetLayer: rate and dt_bias contiguous float32 [heads] expected");
+  if (out_order_)
+    TORCH_CHECK(out_order_->device().is_cpu() && out_order_->scalar_type() == torch::kInt64 &&
+                    out_order_->dim() == 1 && out_order_->numel() == width,
+                "DeltaNetLayer: out_order an int64 [heads * value_dim] expected");
 }
 
 // GatedDeltaNet.forward, then DecoderLayer's second half:
 //   [qkv z b a] = x @ in_proj^T; core = delta_net(qkv, a, b, state); normed = gated_rms_norm(core,
-//   z) per value head; mixed = normed @ out_proj^T; then ffn_and_next_norm.
+//   z) per value head; mixed = normed @ out_proj^T (normed's columns first put in out_proj's stored
+//   order where it keeps its file's, out_order); then ffn_and_next_norm.
 std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBatch& b) const {
   const auto& s = shape_;
   const int code = code_;
@@ -326,6 +332,7 @@ std::tuple<torch::Tensor, torch::Tensor> DeltaNetLayer::forward(const DeltaNetBa
     tf::gated_rms_norm(code, core.data_ptr(), code, z.data_ptr(), s.value_dim, gated_norm_code_,
                        gated_norm_.data_ptr(), normed.data_ptr(), tokens * s.heads, s.value_dim, s.eps, nt);
   }
+  if (out_order_) normed = normed.index_select(1, *out_order_);
   tf::matmul(code, normed.data_ptr(), out_proj_.packed.data_ptr(), out_proj_.quant, mixed.data_ptr(), tokens, s.hidden,
              width, nt);
   return ffn_and_next_norm(code, mixed, b.residual, post_norm_, ffn_, b.next_norm, s.eps, nt);

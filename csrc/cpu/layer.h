@@ -143,7 +143,8 @@ class __attribute__((visibility("hidden"))) DeltaNetLayer {
   DeltaNetLayer(const torch::Tensor& in_proj, const torch::Tensor& out_proj, const c10::optional<torch::Tensor>& gate_up,
                 const c10::optional<torch::Tensor>& down, const torch::Tensor& post_norm,
                 const torch::Tensor& gated_norm, const torch::Tensor& conv_weight, const torch::Tensor& rate,
-                const torch::Tensor& dt_bias, const DeltaNetShape& shape, std::shared_ptr<const MoEBlock> moe = nullptr);
+                const torch::Tensor& dt_bias, const DeltaNetShape& shape, std::shared_ptr<const MoEBlock> moe = nullptr,
+                const c10::optional<torch::Tensor>& out_order = c10::nullopt);
 
   std::tuple<torch::Tensor, torch::Tensor> forward(const DeltaNetBatch& batch) const;
 
@@ -155,4 +156,5 @@ class __attribute__((visibility("hidden"))) DeltaNetLayer {
   LayerGemm in_proj_, out_proj_;
   LayerFFN ffn_;
   torch::Tensor post_norm_, gated_norm_, conv_taps_, rate_, dt_bias_;  // conv_taps_: [K, C], once at load
+  c10::optional<torch::Tensor> out_order_;  // out_proj's input columns in its file's order (int64 [width]), if any
 };

@@ -913,15 +913,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const torch::Tensor& post_norm, const torch::Tensor& gated_norm,
                        const torch::Tensor& conv_weight, const torch::Tensor& rate, const torch::Tensor& dt_bias,
                        int64_t num_key_heads, int64_t num_heads, int64_t key_dim, int64_t value_dim, int64_t hidden,
-                       int64_t intermediate, double eps, std::shared_ptr<MoEBlock> moe) {
+                       int64_t intermediate, double eps, std::shared_ptr<MoEBlock> moe,
+                       const c10::optional<torch::Tensor>& out_order) {
              return DeltaNetLayer(in_proj, out_proj, gate_up, down, post_norm, gated_norm, conv_weight, rate, dt_bias,
                                   {num_key_heads, num_heads, key_dim, value_dim, hidden, intermediate, eps},
-                                  std::move(moe));
+                                  std::move(moe), out_order);
            }),
            py::arg("in_proj"), py::arg("out_proj"), py::arg("gate_up"), py::arg("down"), py::arg("post_norm"),
            py::arg("gated_norm"), py::arg("conv_weight"), py::arg("rate"), py::arg("dt_bias"), py::arg("num_key_heads"),
            py::arg("num_heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("hidden"), py::arg("intermediate"),
-           py::arg("eps"), py::arg("moe") = py::none())
+           py::arg("eps"), py::arg("moe") = py::none(), py::arg("out_order") = py::none())
       .def(
           "forward",
           [](const DeltaNetLayer& layer, const torch::Tensor& x, const torch::Tensor& residual, const Out& next_norm,

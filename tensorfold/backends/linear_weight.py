@@ -13,13 +13,15 @@ outside this file and the op sets asks what type a weight is.
 - shard: which slice of a larger weight this object holds, for ranks: None is the whole.
 - rows(ids): the weight's rows as float (an embedding table's lookup; a tied head is the same
   object as the table).
+- in_order: for a matrix kept with its columns in its file's order (gguf_quants.StoredColumns),
+  the input's columns in that order (x[:, in_order] before the GEMM); None for the rest.
 """
 from dataclasses import dataclass
 
 import torch
 
 from tensorfold.kernels import quant_gemm
-from tensorfold.models.gguf_quants import FileBlocks, FileStack
+from tensorfold.models.gguf_quants import FileBlocks, FileStack, StoredColumns
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class Shard:
 
 def format_of(part) -> str:
     """A checkpoint matrix's format: its blocks' kind, or its dtype."""
+    if isinstance(part, StoredColumns):
+        return format_of(part.stored)
     if quantized(part):
         return part.kind
     return str(part.dtype).removeprefix("torch.")
@@ -45,6 +49,8 @@ def quantized(part) -> bool:
 def fuse_parts(parts: list) -> list:
     """Checkpoint matrices to multiply as one: those of one format stacked along N into a single
     part (blocks still in the file as a FileStack); mixed formats stay separate parts (in order)."""
+    if len(parts) > 1 and any(isinstance(p, StoredColumns) for p in parts):
+        raise ValueError("a matrix with its columns in another order cannot be stacked with others")
     if len(parts) == 1 or len({format_of(p) for p in parts}) > 1:
         return list(parts)
     if all(isinstance(p, (FileBlocks, FileStack)) for p in parts):
@@ -88,6 +94,9 @@ class LinearWeight:
         self.formats = tuple(format_of(p) for p in parts)
         self.widths = tuple(p.shape[0] for p in parts)
         self.in_features = parts[0].shape[1]
+        self.in_order = None
+        if isinstance(parts[0], StoredColumns):  # one part (fuse_parts)
+            self.in_order, parts = parts[0].inputs, [parts[0].stored]
         self.parts = [self.pack(p) for p in parts]
         self.bias = bias
         self.shard = shard
@@ -111,6 +120,8 @@ class LinearWeight:
         return self.parts[0] if len(self.parts) == 1 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_order is not None:
+            x = x.index_select(1, self.in_order.to(x.device))
         if len(self.parts) == 1:
             out = self.multiply(x, self.parts[0])
         else:  # each part whole, outputs side by side

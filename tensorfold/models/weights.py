@@ -9,7 +9,7 @@ import torch
 
 from tensorfold.kernels import quant_gemm
 from tensorfold.models.checkpoint import CheckpointError
-from tensorfold.models.gguf_quants import FileBlocks
+from tensorfold.models.gguf_quants import FileBlocks, StoredColumns
 
 
 class WeightReader:
@@ -52,9 +52,14 @@ class WeightReader:
 
     def matrix(self, name: str):
         """A GEMM matrix as stored for the op set: quantized blocks stay blocks (on the device;
-        left in the file for an op set that packs from it), dense ones become the dtype."""
-        full = self.prefix + name
-        stored = self.tensors.get(full)
+        left in the file for an op set that packs from it), dense ones become the dtype; one kept
+        in its file's column order (StoredColumns) stays so around its stored matrix."""
+        stored = self.tensors.get(self.prefix + name)
+        if isinstance(stored, StoredColumns):
+            return stored.map(lambda inner: self._matrix(name, inner))
+        return self._matrix(name, stored)
+
+    def _matrix(self, name: str, stored):
         if isinstance(stored, FileBlocks):
             if self.ops.Linear.reads_files and self.device.type == "cpu":
                 return stored  # packed from the file's bytes by Linear

@@ -26,7 +26,7 @@ from tensorfold.models.blocks import MLP, Attention
 from tensorfold.models.cache import RecurrentState
 from tensorfold.models.linear_attention import GatedDeltaNet, LinearAttentionSpec, input_matrices, read_params
 from tensorfold.models.moe import MoE, MoESpec, experts_one
-from tensorfold.models.gguf_quants import FileBlocks
+from tensorfold.models.gguf_quants import FileBlocks, StoredColumns
 from tensorfold.models.spec import AttentionSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
 
@@ -139,6 +139,8 @@ class ShardReader(WeightReader):
 def _take_rows(matrix, start: int, stop: int):
     """Rows [start, stop) of a checkpoint matrix (a tensor or QuantWeight), as their own copy
     (blocks still in the file: those rows of it, read when packed)."""
+    if isinstance(matrix, StoredColumns):  # rows keep the file's column order
+        return matrix.map(lambda stored: _take_rows(stored, start, stop))
     if isinstance(matrix, FileBlocks):
         return matrix.rows(slice(start, stop))
     return _copy(matrix[start:stop] if isinstance(matrix, torch.Tensor) else matrix.rows(slice(start, stop)))
