@@ -187,14 +187,16 @@ def test_float32_helpers(probe):
 
 # ---- the quantized GEMM ----
 
-CODES = {"q8_0": (-128, 127), "q4_0": (-8, 7), "q4_1": (0, 15), "q4_k": (0, 15), "q5_k": (0, 31), "q6_k": (-32, 31)}
+CODES = {"q8_0": (-128, 127), "q4_0": (-8, 7), "q4_1": (0, 15), "q4_k": (0, 15), "q5_k": (0, 31), "q6_k": (-32, 31),
+         "q5_1": (0, 31)}
 SCALE_BOUND = {"q8_0": 2 ** 11, "q4_0": 2 ** 11, "q4_1": 2 ** 11, "q4_k": 2 ** 11 * 63, "q5_k": 2 ** 11 * 63,
-               "q6_k": 2 ** 11 * 128}
+               "q6_k": 2 ** 11 * 128, "q5_1": 2 ** 11}
 
 
 def random_weight(gen: torch.Generator, kind: str, n: int, k: int) -> qg.QuantWeight:
     """Valid random fields of `kind`: codes at their extremes somewhere, scales up to their bound
-    and small ones, zero scales and minima, exponents over float16's range (-24..5)."""
+    and small ones, zero scales and minima, exponents over float16's range (-24..5), one per
+    activation group (the K-quants' super-blocks: as their files keep them)."""
     spec = qg.KINDS[kind]
     lo, hi = CODES[kind]
     codes = torch.randint(lo, hi + 1, (n, k), generator=gen, dtype=torch.int8)
@@ -210,9 +212,9 @@ def random_weight(gen: torch.Generator, kind: str, n: int, k: int) -> qg.QuantWe
         return v
 
     def exps(shape):
-        e = torch.randint(-24, 6, shape, generator=gen, dtype=torch.int32)
+        e = torch.randint(-24, 6, (shape[0], shape[1] // spec.blocks_per_group), generator=gen, dtype=torch.int32)
         e.view(-1)[0], e.view(-1)[-1] = 5, -24
-        return e
+        return e.repeat_interleave(spec.blocks_per_group, dim=1)
 
     nb = k // 32
     if not spec.has_min:
@@ -240,17 +242,25 @@ def run_quant(shaders, x: torch.Tensor, w: qg.QuantWeight) -> torch.Tensor:
     return metal.quant_matmul(shaders, ARRAYS, x.float(), w, fields).to(x.dtype)
 
 
-def test_quantize_activations(shaders):
-    """Step 1 alone: xq, (m, k), (sm, se) equal quant_gemm.quantize_activations' (zero and
-    subnormal blocks, ties, saturated and subnormal float16 scales, a tiny non-zero block)."""
+@pytest.mark.parametrize("act", [32, 256])
+def test_quantize_activations(shaders, act):
+    """Step 1 alone, per group of 32 and of 256: xq, (m, k), (sm, se) equal
+    quant_gemm.quantize_activations' and xsum the exact sums of its xq per block (zero and
+    subnormal groups, ties, saturated and subnormal float16 scales, a tiny non-zero group)."""
     gen = torch.Generator().manual_seed(4)
-    x = random_x(gen, 5, 256)
-    x[2, :32] = torch.tensor([2.0 ** -126] + [2.0 ** -149] * 31)  # below 2^-120: a zero block
-    x[3, :32] = 2.0 ** -119 * torch.linspace(-1, 1, 32)          # just above it
-    out = shaders.run("quantize_activations", [x], [5, 8], [((5, 256), torch.int8)] + [((5, 8), torch.int32)] * 4,
-                      (8, 5, 1))
-    for got, want, name in zip(out, qg.quantize_activations(x), ("xq", "m", "k", "sm", "se")):
-        same_bits(got, want, name)
+    x = random_x(gen, 5, 512)
+    x[2, :256] = torch.tensor([2.0 ** -126] + [2.0 ** -149] * 255)  # below 2^-120: a zero group
+    x[3, :256] = 2.0 ** -119 * torch.linspace(-1, 1, 256)           # just above it
+    x[4, :256] = torch.arange(-128, 128) * 0.5                      # exact ties of x 127 / amax...
+    x[4, 0] = 127.0                                                 # ...with amax 127 in both groupings
+    groups = 512 // act
+    out = shaders.run("quantize_activations", [x], [5, groups],
+                      [((5, 512), torch.int8)] + [((5, groups), torch.int32)] * 2 + [((5, 16), torch.int32)] * 3,
+                      (groups, 5, 1), {"ACT": act})
+    want = qg.quantize_activations(x, act)
+    want += (want[0].to(torch.int32).reshape(5, 16, 32).sum(dim=-1, dtype=torch.int32),)
+    for got, ref, name in zip(out, want, ("xq", "m", "k", "sm", "se", "xsum")):
+        same_bits(got, ref, f"{name} (act {act})")
 
 
 @pytest.mark.parametrize("kind", qg.TYPES)
@@ -278,17 +288,17 @@ def test_quant_gemm_extremes(shaders):
     """Huge activations against the largest scales (saturated float16 block scales), subnormal
     activations against the smallest scales, one huge block beside tiny ones (terms off the grid)."""
     gen = torch.Generator().manual_seed(11)
-    for kind in ("q4_1", "q6_k"):
-        w = random_weight(gen, kind, 16, 128)
-        x = torch.randn(4, 128, generator=gen)
+    for kind in ("q4_1", "q6_k", "q4_k"):
+        w = random_weight(gen, kind, 16, 512)
+        x = torch.randn(4, 512, generator=gen)
         x[0] *= 2.0 ** -140
         x[1] *= 2.0 ** 120
-        x[2, :32] *= 2.0 ** 100
-        x[2, 32:] *= 2.0 ** -100
+        x[2, :256] *= 2.0 ** 100  # a whole group (of 32 or 256) huge, the next ones tiny
+        x[2, 256:] *= 2.0 ** -100
         same_bits(run_quant(shaders, x, w), qg.linear(x, w), f"{kind} extremes")
-        big = random_weight(gen, kind, 16, 128)
+        big = random_weight(gen, kind, 16, 256)
         big.scale_exp.fill_(5)
-        huge = torch.randn(2, 128, generator=gen).clamp(-3.9, 3.9) * 2.0 ** 126
+        huge = torch.randn(2, 256, generator=gen).clamp(-3.9, 3.9) * 2.0 ** 126
         y = run_quant(shaders, huge, big)
         assert y.isfinite().all()
         same_bits(y, qg.linear(huge, big), f"{kind} huge")

@@ -20,6 +20,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 
 from engine_cases import check_solo_vs_batched, run  # noqa: E402
+from test_quant_gemm import random_generic  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.backends import select_backend  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -29,7 +30,8 @@ from tensorfold.kernels import paged_attention as pa, quant_gemm, reference  # n
 from tensorfold.mlx import grid, ops  # noqa: E402
 from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
 from tensorfold.models.loader import load_checkpoint  # noqa: E402
-from tensorfold.models.quantize import quantize  # noqa: E402
+from tensorfold.models.gguf_quants import quant_weight  # noqa: E402
+from tensorfold.models.quantize import QTYPES, gguf_blocks, quantize  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
 
 SMALL = dict(kv_cache_gib=0.004, context=256)
@@ -128,11 +130,20 @@ def spread_q4_1(n: int, k: int, seed: int) -> quant_gemm.QuantWeight:
     return quant_gemm.from_legacy("q4_1", q, scales[0].half(), scales[1].half())
 
 
+def file_blocks(w: torch.Tensor, kind: str) -> quant_gemm.QuantWeight:
+    """w as a GGUF file of `kind` holds it, read back (models/quantize.gguf_blocks, gguf_quants)."""
+    return quant_weight(gguf_blocks(w, kind).reshape(-1), QTYPES[kind], tuple(w.shape))
+
+
 def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf, monkeypatch, carrier):
-    """Both forms of the block terms (float64-carried on MLX's CPU device, int64 on Metal)."""
+    """Both forms of the terms (float64-carried on MLX's CPU device, int64 on Metal), every kind:
+    the 32-column ones and the K-quants' super-blocks, as files hold them and drawn to their
+    bounds (several super-blocks, E and F apart)."""
     g = torch.Generator().manual_seed(4)
     weights = [quantize(torch.randn(40, 96, generator=g), kind) for kind in ("q8_0", "q4_0")]
     weights.append(spread_q4_1(40, 128, seed=5))
+    weights += [file_blocks(torch.randn(24, 512, generator=g), kind) for kind in ("q5_1", "q5_k")]
+    weights += [random_generic(g, kind, 24, 768) for kind in ("q4_k", "q5_k", "q6_k", "q5_1")]
     stored = load_checkpoint(tiny_q4_k_m_gguf, keep_quantized=True).tensors
     weights += [t.load() if hasattr(t, "load") else t for t in stored.values()]
     kinds = set()
@@ -153,7 +164,7 @@ def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf,
             integer = ops.quant_totals(rows, parts)
             monkeypatch.setattr(grid, "float64_carrier", lambda: True)
             assert all(np.array_equal(np.array(c), np.array(i)) for c, i in zip(carried, integer)), w.kind
-    assert kinds >= {"q8_0", "q4_0", "q4_1", "q4_k", "q6_k"}, kinds
+    assert kinds == set(quant_gemm.KINDS), kinds
 
 
 # ---- RMSNorm and attention: exact int64 sums, the references' float32 finishes -----------------

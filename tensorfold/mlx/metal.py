@@ -76,17 +76,20 @@ def paged_attention(run: Runner, arrays: Arrays, q, k_cache, v_cache, positions,
 
 def quant_matmul(run: Runner, arrays: Arrays, x, w: qg.QuantWeight, fields: dict):
     """x [M, K] float32 @ w^T -> [M, N] float32: quant_gemm.linear's bits (cast to x's dtype
-    after). `fields`: w's arrays as the kernel reads them (`quant_fields`)."""
+    after). `fields`: w's arrays as the kernel reads them (`quant_fields`). Activations are
+    quantized per group of the kind's `act` columns (32, or a K-quant's super-block of 256)."""
     rows, kdim = x.shape
     n = w.shape[0]
-    blocks = kdim // qg.BLOCK
-    kind = qg.KINDS[w.kind]
+    kind = qg.check_weight(w)
+    blocks, groups = kdim // qg.BLOCK, kdim // kind.act
     i32 = arrays.dtype("int32")
-    xq, m, k, sm, se = run.run("quantize_activations", [x], [rows, blocks],
-                               [((rows, kdim), arrays.dtype("int8"))] + [((rows, blocks), i32)] * 4, (blocks, rows, 1))
-    inputs = [xq, m, k, sm, se] + [fields[f] for f in ("codes", "scale", "scale_exp", "min", "min_exp", "top")]
-    y, = run.run("quant_gemm", inputs, [rows, n, blocks, mk.grid_bias(w.kind, blocks)],
-                 [((rows, n), arrays.dtype("float32"))], (n, rows, 1), {"SUB": kind.sub, "HAS_MIN": kind.has_min})
+    quantized = run.run("quantize_activations", [x], [rows, groups],
+                        [((rows, kdim), arrays.dtype("int8")), ((rows, groups), i32), ((rows, groups), i32)]
+                        + [((rows, blocks), i32)] * 3, (groups, rows, 1), {"ACT": kind.act})
+    inputs = list(quantized) + [fields[f] for f in ("codes", "scale", "scale_exp", "min", "min_exp", "top")]
+    y, = run.run("quant_gemm", inputs, [rows, n, blocks, mk.grid_bias(w.kind, kdim)],
+                 [((rows, n), arrays.dtype("float32"))], (n, rows, 1),
+                 {"SUB": kind.sub, "HAS_MIN": kind.has_min, "ACT": kind.act})
     return y
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from tensorfold.kernels import quant_gemm as qg
 from tensorfold.mlx import metal_kernels as mk
 
 FLAGS = ("-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wall",
@@ -33,7 +34,9 @@ KV_TYPES = {torch.float32: "float", torch.bfloat16: "bfloat16_t", torch.float16:
 
 # The template values each kernel is compiled with here (name -> value: a C type or a constant).
 VARIANTS = {
-    "quant_gemm": [{"SUB": 32, "HAS_MIN": False}, {"SUB": 32, "HAS_MIN": True}, {"SUB": 16, "HAS_MIN": False}],
+    "quantize_activations": [{"ACT": act} for act in sorted({kind.act for kind in qg.KINDS.values()})],
+    "quant_gemm": [{"SUB": sub, "HAS_MIN": has_min, "ACT": act}  # one per set the kinds use
+                   for sub, has_min, act in sorted({(k.sub, k.has_min, k.act) for k in qg.KINDS.values()})],
     "attention_scores": [{"KV": t} for t in KV_TYPES.values()],
     "attention_output": [{"KV": t} for t in KV_TYPES.values()],
     "sampler_chunk_max": [{"HAS_MASK": False}, {"HAS_MASK": True}],

@@ -30,7 +30,7 @@ class Kernel:
     inputs: tuple[str, ...]        # arrays, "type name"
     scalars: tuple[str, ...]       # 0-d inputs, "type name"
     outputs: tuple[str, ...]       # arrays, "type name"
-    templates: tuple[str, ...] = ()  # template parameters: a type (KV) or a constant (SUB, HAS_MIN, ...)
+    templates: tuple[str, ...] = ()  # template parameters: a type (KV) or a constant (SUB, HAS_MIN, ACT, ...)
 
     @property
     def name(self) -> str:
@@ -62,12 +62,12 @@ _ATTENTION_DIMS = ("int num_rows", "int num_heads", "int num_kv_heads", "int hea
 _SAMPLER_DIMS = ("int num_rows", "int vocab", "int mask_words", "int num_chunks")
 
 KERNELS = {k.name: k for k in (
-    Kernel("quantize_activations.metal", ("float x",), ("int num_rows", "int num_blocks"),
-           ("int8_t xq", "int m", "int k", "int sm", "int se")),
+    Kernel("quantize_activations.metal", ("float x",), ("int num_rows", "int num_groups"),
+           ("int8_t xq", "int m", "int k", "int sm", "int se", "int xsum"), ("ACT",)),
     Kernel("quant_gemm.metal",
-           ("int8_t xq", "int m", "int k", "int sm", "int se", "int8_t codes", "int scale", "int scale_exp",
-            "int w_min", "int w_min_exp", "int top"),
-           ("int num_rows", "int num_cols", "int num_blocks", "int grid_bias"), ("float y",), ("SUB", "HAS_MIN")),
+           ("int8_t xq", "int m", "int k", "int sm", "int se", "int xsum", "int8_t codes", "int scale",
+            "int scale_exp", "int w_min", "int w_min_exp", "int top"),
+           ("int num_rows", "int num_cols", "int num_blocks", "int grid_bias"), ("float y",), ("SUB", "HAS_MIN", "ACT")),
     Kernel("attention_scores.metal",
            ("float q", "int positions", "int row_seq", "int block_tables", "KV k_cache", "KV v_cache"),
            _ATTENTION_DIMS + ("float scale",), ("float scores", "int v_exp"), ("KV",)),
@@ -134,7 +134,8 @@ def header_source() -> str:
     return constants_header() + "".join((SHADER_DIR / h).read_text() for h in HEADERS)
 
 
-def grid_bias(kind: str, num_blocks: int) -> int:
-    """quant_gemm's g = top[n] + kmax[row] + grid_bias: T - 62 + ceil(log2(#terms))."""
+def grid_bias(kind: str, kdim: int) -> int:
+    """quant_gemm's g = top[n] + kmax[row] + grid_bias for K = kdim: T - 62 + ceil(log2(#terms)),
+    a dot term per activation group (kdim / act of them) and as many minimum terms."""
     spec = qg.KINDS[kind]
-    return spec.term_bits - 62 + math.ceil(math.log2(num_blocks * (2 if spec.has_min else 1)))
+    return spec.term_bits - 62 + math.ceil(math.log2(kdim // spec.act * (2 if spec.has_min else 1)))

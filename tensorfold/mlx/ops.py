@@ -28,7 +28,7 @@ from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels import quant_gemm
 from tensorfold.kernels.paged_attention import L_BITS, QK_BITS, SPLIT_SIZE, V_BITS, W_BITS
 from tensorfold.kernels.reference import MAX_NORM_WIDTH, NORM_BITS, ROW_PAD
-from tensorfold.mlx import grid
+from tensorfold.mlx import grid, metal_kernels
 
 DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
 
@@ -370,7 +370,7 @@ class QuantParts:
     float64 word (`packed`, where the kind's dots fit)."""
 
     def __init__(self, weight: quant_gemm.QuantWeight):
-        kind = quant_gemm.KINDS[weight.kind]
+        quant_gemm.check_weight(weight)
         n, k = weight.shape
         self.source, self.kind, self.shape = weight, weight.kind, (n, k)
         self.scale = from_torch(weight.scale.T.contiguous()).astype(mx.int64)    # [S, N]
@@ -378,9 +378,7 @@ class QuantParts:
         self.min = None if weight.min is None else from_torch(weight.min.T.contiguous()).astype(mx.int64)
         self.min_exp = None if weight.min_exp is None else from_torch(weight.min_exp.T.contiguous()).astype(mx.int64)
         self.top = from_torch(weight.top()).astype(mx.int64)                     # [N]
-        nb = k // quant_gemm.BLOCK
-        # g = top + kmax + grid_offset (quant_gemm's step 3)
-        self.grid_offset = kind.term_bits - 62 + math.ceil(math.log2(nb * (2 if kind.has_min else 1)))
+        self.grid_offset = metal_kernels.grid_bias(weight.kind, k)  # g = top + kmax + grid_offset (step 3)
 
     def _sub_blocks(self) -> torch.Tensor:
         """The codes as [S, sub, N] (sub-block s, its element i, column n)."""
@@ -452,20 +450,23 @@ def _significand16(h: mx.array) -> tuple[mx.array, mx.array]:
     return dm, mx.where(normal, exp - 25, -24)
 
 
-def quantize_activations(x: mx.array):
-    """quant_gemm.quantize_activations' float32 steps: xq [M, B, 32] float32 integers and per
-    block (m, k, sm, se) int64, bitwise the reference's."""
+def quantize_activations(x: mx.array, act: int = quant_gemm.BLOCK):
+    """quant_gemm.quantize_activations' float32 steps over groups of `act` columns: xq [M, B, 32]
+    float32 integers (blocks of 32), per group (m, k) [M, K / act] and per block (sm, se)
+    [M, B], all int64, bitwise the reference's (the K-quants' GEMMs leave sm, se unused: traced
+    lazily, they cost nothing there)."""
     rows, kdim = x.shape
-    blocks = x.astype(mx.float32).reshape(rows, kdim // quant_gemm.BLOCK, quant_gemm.BLOCK)
-    amax = mx.abs(blocks).max(axis=-1)
+    groups = x.astype(mx.float32).reshape(rows, kdim // act, act)
+    amax = mx.abs(groups).max(axis=-1)
     zero = grid.exponent(amax) < -120
     safe = mx.where(zero, 1.0, amax)
     d = mx.where(zero, 0.0, safe / quant_gemm.X_MAX)
     inverse = mx.full(safe.shape, quant_gemm.X_MAX, dtype=mx.float32) / safe
-    xq = mx.clip(mx.round(blocks * inverse[..., None]), -quant_gemm.X_MAX, quant_gemm.X_MAX)
-    xq = mx.where(zero[..., None], 0.0, xq)
+    xq = mx.clip(mx.round(groups * inverse[..., None]), -quant_gemm.X_MAX, quant_gemm.X_MAX)
+    xq = mx.where(zero[..., None], 0.0, xq).reshape(rows, kdim // quant_gemm.BLOCK, quant_gemm.BLOCK)
     m, k = _significand16(mx.minimum(d, quant_gemm.F16_MAX).astype(mx.float16))
-    s = mx.clip(d * xq.sum(axis=-1), -quant_gemm.F16_MAX, quant_gemm.F16_MAX)
+    per_block = mx.repeat(d, act // quant_gemm.BLOCK, axis=1) if act != quant_gemm.BLOCK else d
+    s = mx.clip(per_block * xq.sum(axis=-1), -quant_gemm.F16_MAX, quant_gemm.F16_MAX)
     sm, se = _significand16(s.astype(mx.float16))
     return xq, m, k, sm, se
 
@@ -507,10 +508,12 @@ def unpack3(p: mx.array, f: int) -> mx.array:
 
 def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
     """x [M, K] @ w^T by quant_gemm.linear's steps 1-4, bitwise: the sub-block dots as float32
-    matmuls (exact: < 2^19), every block term on the output's grid as an exact integer (int64,
-    or float64-carried on MLX's CPU device: _carried_rows), their int64 sum, and step 4's two
-    roundings (without float64 where there is none: grid.float32_of_int). Rows go ROW_CHUNK at a
-    time (they are independent; chunks bound the scratch and meet one trace)."""
+    matmuls (exact: < 2^19), one term per activation group (a block of 32; a K-quant's super-block
+    of 256, its sub-blocks' S A and its blocks' M sum(xq) summed exactly first) on the output's
+    grid as an exact integer (int64, or float64-carried on MLX's CPU device: _carried_rows),
+    their int64 sum, and step 4's two roundings (without float64 where there is none:
+    grid.float32_of_int). Rows go ROW_CHUNK at a time (they are independent; chunks bound the
+    scratch and meet one trace)."""
     n, kdim = w.shape
     if x.ndim != 2 or x.shape[1] != kdim:
         raise ValueError(f"x {tuple(x.shape)} against weights {w.shape}")
@@ -539,27 +542,34 @@ def _rows_and_arrays(w: QuantParts, totals: bool):
 
 @functools.cache
 def _quant_rows(kind_name: str, totals: bool):
-    """quant_linear's rows in integers (Metal, or wherever float64 is missing): each block term
-    a s m shifted onto the output's grid in int64 (_terms), step 4 by grid.float32_of_int."""
+    """quant_linear's rows in integers (Metal, or wherever float64 is missing): per activation
+    group the dot term (sum S A) m and the minimum term (M sm per block of 32; per K-quant
+    super-block (sum M sum(xq)) m), each shifted onto the output's grid in int64 (_terms), step 4
+    by grid.float32_of_int."""
     kind = quant_gemm.KINDS[kind_name]
 
     @grid.fused
     def rows_times_weights(x, codes, scale, scale_exp, top, *minimum):
         rows, kdim = x.shape
-        n, nb, per = codes.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
-        xq, xm, k, sm, se = quantize_activations(x)                       # xq [M, B, 32]
+        n, nb, per, bpg = codes.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub, kind.blocks_per_group
+        xq, xm, k, sm, se = quantize_activations(x, kind.act)             # xq [M, B, 32], xm, k [M, G]
         xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)      # [S, M, sub]
         a = mx.matmul(xs, codes)                                          # [S, M, N], exact integers
-        if per > 1:  # q6_k: two sub-blocks of 16 per block of 32
-            a = (a.astype(mx.int64) * scale[:, None, :]).reshape(nb, per, rows, n).sum(axis=1)  # [B, M, N]
-        g = top[None, :] + k.max(axis=1)[:, None]                         # [M, N]
-        g = g + kind.term_bits - 62 + math.ceil(math.log2(nb * (2 if kind.has_min else 1)))
-        s = scale[:, None, :] if per == 1 else 1
-        total = _terms(a, s, xm.T[..., None], scale_exp[:, None, :], k.T[..., None], g[None]).sum(axis=0)
+        if per * bpg > 1:  # a group's sub-blocks (q6_k's halves, a super-block's): sum S A first
+            a = (a.astype(mx.int64) * scale[:, None, :]).reshape(nb // bpg, bpg * per, rows, n).sum(axis=1)
+        g = top[None, :] + k.max(axis=1)[:, None] + metal_kernels.grid_bias(kind_name, kdim)  # [M, N]
+        s = scale[:, None, :] if per * bpg == 1 else 1
+        x_m, x_k = xm.T[..., None], k.T[..., None]                        # [G, M, 1]
+        total = _terms(a, s, x_m, scale_exp[::bpg, None, :], x_k, g[None]).sum(axis=0)  # a group's E: its first block's
         if kind.has_min:
             low, low_exp = minimum
-            total = total + _terms(low[:, None, :], sm.T[..., None], 1, low_exp[:, None, :], se.T[..., None],
-                                   g[None]).sum(axis=0)                   # int64: exact in any order
+            if bpg == 1:  # M sm 2^(F + se), sm se the float16 of d sum(xq)
+                low_terms = _terms(low[:, None, :], sm.T[..., None], 1, low_exp[:, None, :], se.T[..., None], g[None])
+            else:  # (sum_b M_b sum(xq of b)) m 2^(F + k) per super-block, exact int64 sums
+                sums = xq.sum(axis=-1).astype(mx.int64).T[..., None]      # [B, M, 1]
+                lows = (low[:, None, :] * sums).reshape(nb // bpg, bpg, rows, n).sum(axis=1)  # [G, M, N]
+                low_terms = _terms(lows, 1, x_m, low_exp[::bpg, None, :], x_k, g[None])
+            total = total + low_terms.sum(axis=0)                         # int64: exact in any order
         if totals:
             return total, g
         return grid.float32_of_int(total, g).astype(x.dtype)
@@ -569,29 +579,34 @@ def _quant_rows(kind_name: str, totals: bool):
 
 def _term_ints(t: mx.array) -> mx.array:
     """Carried terms (exact float64 values below 2^62) rounded half to even, as int64: a term
-    that needs rounding had a negative shift, so it is below 2^41 and grid.rint64 takes it; one
-    at or past 2^51 is an integer already."""
+    that needs rounding had a negative shift, so it is below 2^T <= 2^49 and grid.rint64 takes
+    it; one at or past 2^51 is an integer already."""
     return mx.where(mx.abs(t) < 2.0 ** 51, grid.rint64(t), t).astype(mx.int64)
 
 
 @functools.cache
 def _carried_rows(kind_name: str, totals: bool):
-    """quant_linear's rows on MLX's CPU device: the same steps, the block terms carried in float64
-    (grid.float64_carrier). A term is A (< 2^19, exact in float32) times the weight side
-    S 2^(E - top - grid_offset) (QuantParts.carried: < 2^30 significant bits together), times the
-    activation side m 2^(k - kmax) (< 2^41 with it; q6_k's two halves are added first, < 2^36):
-    every product exact, the exponents far inside float64's range, so the one rounding is rint's,
-    half to even: quant_gemm._on_grid's integer, or no rounding where its shift is not negative.
-    Terms (< 2^62) become int64 exactly and are summed as int64; step 4 is then the reference's
-    own float64 steps, float32(float64(total) 2^g). The sub-block dots come from the packed
-    codes (QuantParts.packed, a float64 matmul) where the kind allows, else from float32 codes."""
+    """quant_linear's rows on MLX's CPU device: the same steps, the terms carried in float64
+    (grid.float64_carrier). A sub-block's A (< 2^19, exact in float32) times the weight side
+    S 2^(E - top - grid_offset) (QuantParts.carried) is exact; an activation group's products
+    share one E (a block's, or a K-quant super-block's), so their sum is an integer count of
+    one power of two, below 2^(T - 11) of it (T the kind's term_bits: 2^38 for q6_k's 16
+    sub-blocks), exact in any order. Times the activation side m 2^(k - kmax) (m < 2^11) it
+    stays below 2^T <= 2^49 significant bits: exact, the exponents far inside float64's range, so the one rounding is
+    rint's, half to even: quant_gemm._on_grid's integer, or no rounding where its shift is not
+    negative. A K-quant's minimum is the float64 matmul of the blocks' code sums (< 2^12) against
+    M 2^(F - top - grid_offset) (< 2^17 each, 8 terms: exact), times the same activation side;
+    a 32-column kind's is M sm 2^(F + se). Terms (< 2^62) become int64 exactly and are summed
+    as int64; step 4 is then the reference's own float64 steps, float32(float64(total) 2^g).
+    The sub-block dots come from the packed codes (QuantParts.packed, a float64 matmul) where
+    the kind allows, else from float32 codes."""
     kind, pack = quant_gemm.KINDS[kind_name], PACK_BITS[kind_name]
 
     @grid.fused
     def rows_times_weights(x, dots_weight, top, grid_offset, weight_side, *min_side):
         rows, kdim = x.shape
-        n, nb, per = weight_side.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub
-        xq, xm, k, sm, se = quantize_activations(x)                       # xq [M, B, 32]
+        n, nb, per, bpg = weight_side.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub, kind.blocks_per_group
+        xq, xm, k, sm, se = quantize_activations(x, kind.act)             # xq [M, B, 32], xm, k [M, G]
         xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)      # [S, M, sub]
         if pack is None:
             a = mx.matmul(xs, dots_weight).astype(mx.float64)             # [S, M, N], exact integers
@@ -599,13 +614,17 @@ def _carried_rows(kind_name: str, totals: bool):
             a = unpack3(mx.matmul(xs.astype(mx.float64), dots_weight), pack)[..., :n]
         kmax = k.max(axis=1, keepdims=True)                               # [M, 1]
         terms = a * weight_side.astype(mx.float64)[:, None, :]            # [S, M, N]
-        if per > 1:  # q6_k: the two halves of a block first
-            terms = terms.reshape(nb, per, rows, n).sum(axis=1)           # [B, M, N]
-        x_side = (xm.astype(mx.float64) * grid.pow2_64(k - kmax)).T[..., None]       # [B, M, 1]
+        if per * bpg > 1:  # a group's sub-blocks first (q6_k's halves, a super-block's)
+            terms = terms.reshape(nb // bpg, per * bpg, rows, n).sum(axis=1)  # [G, M, N]
+        x_side = (xm.astype(mx.float64) * grid.pow2_64(k - kmax)).T[..., None]       # [G, M, 1]
         total = _term_ints(terms * x_side)
-        if kind.has_min:
+        if kind.has_min and bpg == 1:
             low_side = (sm.astype(mx.float64) * grid.pow2_64(se - kmax)).T[..., None]
             total = total + _term_ints(min_side[0].astype(mx.float64)[:, None, :] * low_side)
+        elif kind.has_min:  # per super-block sum_b sum(xq of b) M_b 2^(F - top - grid_offset)
+            sums = xq.sum(axis=-1).astype(mx.float64).reshape(rows, nb // bpg, bpg).transpose(1, 0, 2)  # [G, M, bpg]
+            lows = mx.matmul(sums, min_side[0].astype(mx.float64).reshape(nb // bpg, bpg, n))  # [G, M, N]
+            total = total + _term_ints(lows * x_side)
         total = total.sum(axis=0)                                         # [M, N] int64: exact
         g = top[None, :] + kmax + grid_offset
         if totals:
