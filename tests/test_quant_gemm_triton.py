@@ -4,13 +4,16 @@
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by kernel_inputs
 before anything imports triton) with tests/triton_interpreter.py's GPU semantics (its rounding
 fp32 -> bf16 cast; its sequential dot, exact on these int8 blocks); with a GPU the same tests
-run compiled on "cuda" and the reference on the CPU copies. Weights are random valid fields of
-each kind built directly (codes in the kind's stored range made signed, scales within the bounds
-above quant_gemm.KINDS, exponents -24..5 as float16 significands give, zero scales and minima
-among them); activations have rows and blocks over many binades (float16 block scales normal,
-subnormal, zero, saturated at 65504), an all-zero block, a subnormal block (a zero block: xq = 0,
-(m, k) = (0, -24)), an outlier; bf16 values (fp32 rows rounded to bf16, and bf16 activations)
-make many exact ties x (127 / amax) = j + 1/2.
+run compiled on "cuda" and the reference on the CPU copies. Weights are test_quant_gemm's
+random_generic fields of each kind (codes in the kind's range, scales within the bounds above
+quant_gemm.KINDS, exponents -24..5 as float16 significands give, one E and F per super-block for
+the K-quants) with every bound at its edge somewhere, small, zero scales and minima among them.
+K is a few blocks of 32 for the 32-column kinds and two super-blocks of 256 for the K-quants
+where the grid matters (so their terms have different E and k). Activations have rows and
+blocks over many binades (float16 group scales normal, subnormal, zero, saturated at 65504), an
+all-zero block, a subnormal block (a zero block: xq = 0, (m, k) = (0, -24)), from K = 512 a zero
+and a subnormal super-block, an outlier; bf16 values (fp32 rows rounded to bf16, and bf16
+activations) make many exact ties x (127 / amax) = j + 1/2.
 Outputs are NaN-filled before each launch, so an element the kernel forgot to write shows.
 """
 import torch
@@ -23,59 +26,59 @@ import triton.language as tl  # noqa: E402
 
 from tensorfold.kernels import quant_gemm as qg  # noqa: E402
 from tensorfold.kernels import quant_gemm_triton as qt  # noqa: E402
+from test_quant_gemm import code_range, random_generic  # noqa: E402
 from triton_interpreter import interpreter_as_gpu  # noqa: E402,F401 (autouse fixture)
 
 DTYPES = (torch.float32, torch.bfloat16)
-# signed codes as QuantWeight holds them: q8_0 int8 (-128 kept: the bound above KINDS allows it),
-# q4_0 q - 8, q4_1 / q4_k 0..15, q5_k 0..31, q6_k q - 32
-CODES = {"q8_0": (-128, 127), "q4_0": (-8, 7), "q4_1": (0, 15), "q4_k": (0, 15), "q5_k": (0, 31), "q6_k": (-32, 31)}
-# |S| bounds: a float16 significand (< 2^11), times a 6-bit sub-block scale (K-quants), or an
-# 8-bit signed one (q6_k)
-SCALE_BOUND = {"q8_0": 2 ** 11, "q4_0": 2 ** 11, "q4_1": 2 ** 11, "q4_k": 2 ** 11 * 63, "q5_k": 2 ** 11 * 63,
-               "q6_k": 2 ** 11 * 128}
+# |S| and |M| as random_generic draws them: a float16 significand (< 2^11), times a 6-bit
+# sub-block scale (q4_k, q5_k), or an 8-bit signed one (q6_k)
+SCALE_BOUND = {"q4_k": 2047 * 63, "q5_k": 2047 * 63, "q6_k": 2047 * 128}
+
+
+def k_for(kind: str, k32: int, k256: int = 512) -> int:
+    """A test's K: k32 for the 32-column kinds, k256 (a multiple of 256) for the K-quants."""
+    return k32 if qg.KINDS[kind].act == qg.BLOCK else k256
 
 
 def random_weight(gen: torch.Generator, kind: str, n: int, k: int) -> qg.QuantWeight:
-    """Random valid fields of `kind`: every bound at its edge somewhere, zero scales and minima."""
-    spec = qg.KINDS[kind]
-    lo, hi = CODES[kind]
-    codes = torch.randint(lo, hi + 1, (n, k), generator=gen, dtype=torch.int8)
-    codes[0, :16] = lo                   # the codes' extremes
-    codes[-1, :16] = hi
-    bound = SCALE_BOUND[kind]
-
-    def ints(shape):
-        v = torch.randint(-bound + 1, bound, shape, generator=gen, dtype=torch.int32)
-        small = torch.rand(shape, generator=gen) < 0.3      # also small ones: a spread of term sizes
-        v = torch.where(small, v >> torch.randint(0, 16, shape, generator=gen, dtype=torch.int32), v)
-        v[torch.rand(shape, generator=gen) < 0.1] = 0        # zero scales
-        v.view(-1)[0] = bound - 1                            # the largest allowed
-        v.view(-1)[-1] = -(bound - 1)
-        return v
-
-    def exps(shape):
-        e = torch.randint(-24, 6, shape, generator=gen, dtype=torch.int32)
-        e.view(-1)[0] = 5
-        e.view(-1)[-1] = -24
-        return e
-
-    nb = k // 32
-    scale, scale_exp = ints((n, k // spec.sub)), exps((n, nb))
-    if not spec.has_min:
-        return qg.QuantWeight(kind, codes, scale, scale_exp)
-    return qg.QuantWeight(kind, codes, scale, scale_exp, ints((n, nb)), exps((n, nb)))
+    """random_generic's fields of `kind`, with every bound at its edge somewhere (codes, scales,
+    minima, exponents: 5 and -24 on a whole super-block for the K-quants), small scales (a
+    spread of term sizes) and zero scales and minima."""
+    w = random_generic(gen, kind, n, k)
+    lo, hi = code_range(kind)
+    w.codes[0, :16] = lo                 # the codes' extremes
+    w.codes[-1, :16] = hi - 1
+    bound = SCALE_BOUND.get(kind, 2047)
+    for v in (w.scale, w.min):
+        if v is None:
+            continue
+        small = torch.rand(v.shape, generator=gen) < 0.3
+        v.copy_(torch.where(small, v >> torch.randint(0, 16, v.shape, generator=gen, dtype=torch.int32), v))
+        v[torch.rand(v.shape, generator=gen) < 0.1] = 0
+        v.view(-1)[0] = bound            # the largest allowed
+        v.view(-1)[-1] = -bound
+    per = qg.KINDS[kind].blocks_per_group
+    for e in (w.scale_exp, w.min_exp):
+        if e is not None:
+            e[0, :per] = 5
+            e[-1, -per:] = -24
+    return w
 
 
 def random_x(gen: torch.Generator, m: int, k: int, dtype) -> torch.Tensor:
     """Rows over ~35 binades, blocks within a row over ~16 (so some terms round onto the grid, and
-    float16 block scales run from zero through subnormal to saturated), an all-zero block, a
-    subnormal block (K >= 96), an outlier, and (from 3 rows) an all-zero row."""
+    float16 group scales run from zero through subnormal to saturated), an all-zero block, a
+    subnormal block (K >= 96), from K = 512 an all-zero super-block (first row) and a subnormal
+    one (last row), an outlier, and (from 3 rows) an all-zero row."""
     row_scale = 2.0 ** torch.randint(-12, 23, (m, 1), generator=gen).double()
     block_scale = 2.0 ** torch.randint(-8, 9, (m, k // 32), generator=gen).double().repeat_interleave(32, dim=1)
     x = (torch.randn(m, k, generator=gen, dtype=torch.float64) * row_scale * block_scale).float()
     x[0, :32] = 0.0
     if k >= 96:                                  # a subnormal block: zero (m = 0) however large its row
         x[-1, 64:96] = torch.randn(32, generator=gen, dtype=torch.float64).float() * 2.0 ** -135
+    if k >= 512:                                 # a zero group of 256, and a subnormal one (also zero)
+        x[0, 256:512] = 0.0
+        x[-1, 256:512] = torch.randn(256, generator=gen, dtype=torch.float64).float() * 2.0 ** -135
     x[-1, 5] = 1e4 * x[-1].abs().max()
     if m >= 3:
         x[1] = 0.0
@@ -104,12 +107,13 @@ def same(y: torch.Tensor, ref: torch.Tensor, what: str):
         f"{what}: {int(diff.sum())} of {y.numel()} differ, first at {diff.nonzero()[:3].tolist()}"
 
 
-def step1_edges() -> torch.Tensor:
-    """Blocks at the edges of step 1: amax = 127 (d = 1 = 1024 2^-10, inverse 1: exact ties
-    j + 1/2, j odd and even, both signs: half to even); amax = 1e7 (d past 65504: the scale
-    saturates, and so does d sum xq, both signs); amax = 127 2^-20 (d = 2^-20, a float16
-    subnormal: m = 16, k = -24); amax = 2^-126, the least normal, below 2^-120 (127 / amax would
-    overflow): a zero block; and a zero block whose amax is just below 2^-126 (subnormal)."""
+def step1_edges(act: int) -> torch.Tensor:
+    """Groups at the edges of step 1, each of 32 values then zeros up to `act`: amax = 127
+    (d = 1 = 1024 2^-10, inverse 1: exact ties j + 1/2, j odd and even, both signs: half to even);
+    amax = 1e7 (d past 65504: the scale saturates, and so does d sum xq, both signs); amax =
+    127 2^-20 (d = 2^-20, a float16 subnormal: m = 16, k = -24); amax = 2^-126, the least normal,
+    below 2^-120 (127 / amax would overflow): a zero group; and a zero group whose amax is just
+    below 2^-126 (subnormal). Returns [1, 6 act]."""
     ties = [2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5, 125.5, -125.5]
     rows = [
         [127.0] + ties + [0.25 * j - 3.0 for j in range(20)],
@@ -119,47 +123,57 @@ def step1_edges() -> torch.Tensor:
         [2.0 ** -126] + [-(2.0 ** -127), 2.0 ** -149, 2.0 ** -126, -(2.0 ** -149)] * 7 + [2.0 ** -140] * 3,
         [2.0 ** -126 - 2.0 ** -149] + [-(2.0 ** -128), 2.0 ** -149, 0.0, -(2.0 ** -140)] * 7 + [0.0] * 3,
     ]
-    return torch.tensor(rows, dtype=torch.float64).float().reshape(1, 192)
+    groups = torch.zeros(6, act, dtype=torch.float64)
+    groups[:, :32] = torch.tensor(rows, dtype=torch.float64)
+    return groups.float().reshape(1, 6 * act)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in divide")  # the interpreter's numpy: 127 / 2^-126
-@pytest.mark.parametrize("kind", qg.TYPES)
-def test_quantize_activations_kernel(kind, draw):
-    """Step 1 alone: xq, (m, k) and (sm, se) as the reference's (zero and subnormal blocks, float16
-    scales saturated and subnormal, exact ties of x inverse, bf16-rounded rows full of ties), kmax
-    as their maximum."""
-    x = random_x(draw.gen, 5, 192, torch.float32)
-    x[2, 40] = 2.0 ** -140                  # a subnormal element in a normal block
-    x[3, 64:96] = 1.5 * 2.0 ** -127         # a subnormal block: zero
-    x = torch.cat([x, random_x(draw.gen, 4, 192, torch.float32).bfloat16().float(), step1_edges()])
-    got = [t.cpu() for t in qt.quantize_activations(x.to(DEVICE))]
-    ref = qg.quantize_activations(x)
-    for name, a, b in zip(("xq", "m", "k", "sm", "se"), got, ref):
+@pytest.mark.parametrize("act", (qg.BLOCK, qg.SUPER))
+def test_quantize_activations_kernel(act, draw):
+    """Step 1 alone, in groups of 32 and of 256: xq, (m, k) per group and for groups of 32 Q8_1's
+    (sm, se) as the reference's (zero and subnormal groups, float16 scales saturated and
+    subnormal, exact ties of x inverse, bf16-rounded rows full of ties), kmax as their maximum."""
+    k = 6 * act
+    x = random_x(draw.gen, 5, k, torch.float32)
+    x[2, 40] = 2.0 ** -140                  # a subnormal element in a normal group
+    x[3, act:2 * act] = 1.5 * 2.0 ** -127   # a subnormal group: zero
+    x = torch.cat([x, random_x(draw.gen, 4, k, torch.float32).bfloat16().float(), step1_edges(act)])
+    got = [None if t is None else t.cpu() for t in qt.quantize_activations(x.to(DEVICE), act)]
+    ref = qg.quantize_activations(x, act)
+    names = ("xq", "m", "k", "sm", "se") if act == qg.BLOCK else ("xq", "m", "k")
+    for name, a, b in zip(names, got, ref):
         assert torch.equal(a, b), f"{name} differs at {(a != b).nonzero()[:4].tolist()} {draw}"
     xq, xm, k, sm, se, kmax = got
     assert torch.equal(kmax, ref[2].amax(dim=1)), str(draw)
     assert xq[-1, :12].tolist() == [127, 2, 4, -2, -4, 0, 0, 2, 126, -126, 126, -126], xq[-1, :12].tolist()
     assert xm[-1].tolist() == [1024, 2047, 2047, 16, 0, 0] and k[-1].tolist() == [-10, 5, 5, -24, -24, -24]
-    assert sm[-1, 1:].tolist() == [2047, -2047, sm[-1, 3], 0, 0] and se[-1, 2] == 5, sm[-1].tolist()
-    assert not xq[-1, 128:].any()
-    assert xm[3, 2] == 0 and k[3, 2] == -24
+    if act == qg.BLOCK:
+        assert sm[-1, 1:].tolist() == [2047, -2047, sm[-1, 3], 0, 0] and se[-1, 2] == 5, sm[-1].tolist()
+    else:
+        assert sm is None and se is None    # the K-quants' minimum takes exact code sums
+    assert not xq[-1, 4 * act:].any()
+    assert xm[3, 1] == 0 and k[3, 1] == -24
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in divide", "ignore:invalid value encountered in multiply")
-def test_inverse_overflow_block(draw):
-    """A block with amax below 2^-120 (where 127 / amax would overflow to inf, and 0 inf is NaN)
-    and exact zeros in it is a zero block: codes 0, scales 0, and the product is the reference's,
+@pytest.mark.parametrize("kind", ("q4_1", "q4_k", "q6_k"))
+def test_inverse_overflow_block(kind, draw):
+    """A group with amax below 2^-120 (where 127 / amax would overflow to inf, and 0 inf is NaN)
+    and exact zeros in it is a zero group: codes 0, scales 0, and the product is the reference's,
     also on the same x with the zeros replaced by the least subnormal."""
-    x = random_x(draw.gen, 3, 96, torch.float32)
-    x[1, 32:64] = torch.randn(32, generator=draw.gen) * 2.0 ** -124
-    x[1, 32:64:3] = 0.0
-    xq, xm, k, sm, se, kmax = (t.cpu() for t in qt.quantize_activations(x.to(DEVICE)))
-    assert xq[1, 32:64:3].eq(0).all() and xm[1, 1] == 0 and sm[1, 1] == 0 and k[1, 1] == -24
+    act = qg.KINDS[kind].act
+    x = random_x(draw.gen, 3, 512, torch.float32)
+    x[1, 256:512] = torch.randn(256, generator=draw.gen) * 2.0 ** -124
+    x[1, 256:512:3] = 0.0
+    xq, xm, k, sm, se, kmax = (None if t is None else t.cpu() for t in qt.quantize_activations(x.to(DEVICE), act))
+    group = 256 // act
+    assert xq[1, 256::3].eq(0).all() and xm[1, group] == 0 and k[1, group] == -24
+    assert sm is None or sm[1, 8] == 0
     filled = x.clone()
-    filled[1, 32:64:3] = 2.0 ** -149
-    for kind in ("q4_1", "q6_k"):
-        w = random_weight(draw.gen, kind, 19, 96)
-        same(run(x, w), qg.linear(filled, w), f"{kind} {draw}")
+    filled[1, 256:512:3] = 2.0 ** -149
+    w = random_weight(draw.gen, kind, 19, 512)
+    same(run(x, w), qg.linear(filled, w), f"{kind} {draw}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=("fp32", "bf16"))
@@ -167,8 +181,8 @@ def test_inverse_overflow_block(draw):
 @pytest.mark.parametrize("m", (1, 3, 17, 64))
 def test_bitwise_reference(kind, dtype, m, draw):
     """Every kind, fp32 and bf16, M from 1 to 64 (one to four row tiles), N odd over two column
-    tiles, K = 192 (six blocks of 32): bitwise quant_gemm.linear."""
-    n, k = 67, 192
+    tiles, K = 192 (six blocks of 32) or 512 (two super-blocks): bitwise quant_gemm.linear."""
+    n, k = 67, k_for(kind, 192)
     w = random_weight(draw.gen, kind, n, k)
     x = random_x(draw.gen, m, k, dtype)
     same(run(x, w), qg.linear(x, w), f"{kind} {dtype} M={m} {draw}")
@@ -177,7 +191,7 @@ def test_bitwise_reference(kind, dtype, m, draw):
 @pytest.mark.parametrize("kind", qg.TYPES)
 def test_row_alone_equals_row_among_others(kind, draw):
     """A row's bits do not depend on how many rows share the call or where it sits among them."""
-    n, k = 37, 96
+    n, k = 37, k_for(kind, 96, 256)
     w = random_weight(draw.gen, kind, n, k)
     row = random_x(draw.gen, 1, k, torch.bfloat16)
     alone = run(row, w)
@@ -193,10 +207,10 @@ def test_row_alone_equals_row_among_others(kind, draw):
 @pytest.mark.parametrize("kind", qg.TYPES)
 def test_extremes(kind, draw):
     """All-zero activations; the tiniest scales (2^-24) against float32 subnormal and tiny
-    activations (block scales below float16's least step: 0); huge activations against the
-    largest scales (the block scales saturate at 65504, so the results stay finite); a row with one
-    tiny block beside a huge one (its terms round to zero on the grid)."""
-    n, k = 33, 128
+    activations (group scales below float16's least step: 0); huge activations against the
+    largest scales (the group scales saturate at 65504, so the results stay finite); a row with one
+    huge block and tiny ones after it (a tiny group's terms round to zero on the grid)."""
+    n, k = 33, k_for(kind, 128)
     w = random_weight(draw.gen, kind, n, k)
     zero = torch.zeros(2, k)
     same(run(zero, w), qg.linear(zero, w), f"{kind} zeros {draw}")
@@ -211,7 +225,7 @@ def test_extremes(kind, draw):
     x[0] *= 2.0 ** -140                               # subnormal float32
     x[1] *= 2.0 ** -120
     x[2] *= 2.0 ** 120
-    x[3, :32] *= 2.0 ** 100                           # one huge block, the rest far below the grid
+    x[3, :32] *= 2.0 ** 100                           # one huge block, the groups after it far below the grid
     x[3, 32:] *= 2.0 ** -100
     for weight in (w, tiny_w):
         y = run(x, weight)
@@ -235,21 +249,28 @@ def test_pack_refuses_malformed():
         qt.pack_quant_weight(qg.QuantWeight("q6_k", w.codes, w.scale, w.scale_exp))
     with pytest.raises(ValueError, match="against"):
         qt.quant_linear(torch.zeros(2, 32), qt.pack_quant_weight(w))
+    k_quant = random_weight(torch.Generator().manual_seed(1), "q4_k", 3, 512)
+    k_quant.min_exp[1, 9] += 1               # a super-block's blocks must share F (and E)
+    with pytest.raises(ValueError, match="one min_exp per super-block"):
+        qt.pack_quant_weight(k_quant)
+    short = random_weight(torch.Generator().manual_seed(2), "q6_k", 3, 256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        qt.pack_quant_weight(qg.QuantWeight("q6_k", short.codes[:, :224], short.scale[:, :14], short.scale_exp[:, :7]))
 
 
 def test_cuda_ops_wiring(draw):
     """cuda_ops.Linear takes a QuantWeight to the Triton kernel (bias added in x's dtype, as for
     dense weights); dense weights still take the dense path."""
     from tensorfold.backends import cuda_ops
-    w = random_weight(draw.gen, "q6_k", 21, 64)
+    w = random_weight(draw.gen, "q6_k", 21, 256)
     packed = cuda_ops.Linear.of(_to(w, DEVICE))
-    assert packed.shape == (21, 64) and packed.single.kind == "q6_k" and packed.format == "q6_k"
-    x = random_x(draw.gen, 3, 64, torch.bfloat16)
+    assert packed.shape == (21, 256) and packed.single.kind == "q6_k" and packed.format == "q6_k"
+    x = random_x(draw.gen, 3, 256, torch.bfloat16)
     bias = torch.randn(21, generator=draw.gen).bfloat16()
     same(packed(x.to(DEVICE)).cpu(), qg.linear(x, w), f"no bias {draw}")
     with_bias = cuda_ops.Linear.of(_to(w, DEVICE), bias=bias.to(DEVICE))
     same(with_bias(x.to(DEVICE)).cpu(), qg.linear(x, w) + bias, f"bias {draw}")
-    dense = torch.randn(21, 64, generator=draw.gen).to(DEVICE)
+    dense = torch.randn(21, 256, generator=draw.gen).to(DEVICE)
     assert cuda_ops.Linear.of(dense).single is dense
     assert cuda_ops.Linear.of(dense)(x.float().to(DEVICE)).shape == (3, 21)
 

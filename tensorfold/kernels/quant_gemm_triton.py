@@ -1,37 +1,45 @@
 """The exact quantized GEMM in Triton: bitwise kernels/quant_gemm.py's `linear`, every kind.
 
 Two launches per call, both exact integer arithmetic up to one final rounding (quant_gemm.py's
-docstring, steps 1-4):
+docstring, steps 1-4). A kind's activation group ACT (quant_gemm.Kind.act) is 32 columns for
+q8_0, q4_0, q4_1 and q5_1, and a super-block of 256 for the K-quants q4_k, q5_k and q6_k.
 
-- `quantize_kernel`, one program per activation row: per block of 32, as llama.cpp's Q8_0/Q8_1
-  blocks, in float32 IEEE operations: amax = max |x|; d = amax / 127 and inverse = 127 / amax,
-  both with tl.math.div_rn (a correctly rounded division: a plain float32 `/` compiles to
-  `div.full.f32`, approximate; the interpreter's div_rn is numpy's IEEE float32 divide);
-  xq = round_even(x inverse) (one float32 product, then the float64 1.5 2^52 trick, ties to even)
-  clamped to [-127, 127] as int8; the scale float16(min(d, 65504)) and the minimum's
-  float16(clamp(d sum xq, +-65504)) (float32 -> float16 casts round to nearest even, "rtne", on
-  the GPU and in the interpreter) as their 11-bit significands and exponents (m, k) and (sm, se)
-  (quant_gemm.significand: zero -> (0, -24)); a block with amax < 2^-120 is zero (xq = 0, d = 0);
-  and the row's kmax. (Where 127 / amax overflows, amax < ~2^-121, x inverse is +-inf -> +-127,
-  and 0 inf, NaN, is taken as 0: the block's d is far below float16's least step, so m = sm = 0
-  and its codes never count. The torch reference has no value for such a NaN.)
+- `quantize_kernel`, one program per activation row, 256 columns a step (8 groups of 32, or one
+  of 256): per group, as llama.cpp's Q8_0/Q8_1 (32) and Q8_K (256) blocks, in float32 IEEE
+  operations: amax = max |x|; d = amax / 127 and inverse = 127 / amax, both with tl.math.div_rn
+  (a correctly rounded division: a plain float32 `/` compiles to `div.full.f32`, approximate; the
+  interpreter's div_rn is numpy's IEEE float32 divide); xq = round_even(x inverse) (one float32
+  product, then the float64 1.5 2^52 trick, ties to even) clamped to [-127, 127] as int8; the
+  group's scale float16(min(d, 65504)) as its 11-bit significand and exponent (m, k)
+  (quant_gemm.significand: zero -> (0, -24)); per block of 32 the float16(clamp(d sum xq,
+  +-65504)) of Q8_1's minimum as (sm, se) (float32 -> float16 casts round to nearest even,
+  "rtne", on the GPU and in the interpreter; only the 32-column kinds read them, but they are
+  the reference's for every ACT); a group with amax < 2^-120 is zero (xq = 0, d = 0); and the
+  row's kmax. (Where 127 / amax overflows, amax < ~2^-121, x inverse is +-inf -> +-127, and
+  0 inf, NaN, is taken as 0: the group's d is far below float16's least step, so m = sm = 0 and
+  its codes never count. The torch reference has no value for such a NaN.)
 - `quant_gemm_kernel`, one program per [BLOCK_M, BLOCK_N] output tile, the same tile whatever M
   (1 row or 512: no switch by row count, and none could change a bit). The grid exponent
-  g = top[n] + kmax[r] + T - 62 + ceil(log2(#terms)) is known before the first block. Per block
-  of 32 along K: the integer dot A = xq . c as an int8 tl.dot with int32 accumulation (exact:
-  |A| < 2^19), once for sub = 32, and for sub = 16 (q6_k) twice, with the other half of xq
-  zeroed; A m in int32 (|A| < 2^19, m < 2^11), the term I = sum_h S_h A_h m in int64, at
-  exponent E + k; with a minimum also M sm (|M| < 2^17, |sm| < 2^11) at exponent F + se (a zero
-  block's m = sm = 0 makes its terms 0). Each term is brought onto the grid 2^g (`on_grid`: a
-  left shift, or a right shift clamped at T + 1 and rounded half to even) and added to an int64
-  accumulator: every term is below 2^(62 - ceil(log2 #terms)), so the sum stays below 2^62 and
-  is exact in any order. At the end y = float32(float64(total) 2^g), then x's dtype. g lies
-  within about [-80, 30] (E, F, k, se all float16 exponents in [-24, 5]), so 2^g is one exact
-  float64 built from its bits (exact_triton.pow2) and the product is exact.
-  One kernel serves all kinds: SUB (32 or 16), HAS_MIN and TERM_BITS are constexprs.
+  g = top[n] + kmax[r] + T - 62 + ceil(log2(#terms)) is known before the first block. Per
+  activation group, over its blocks of 32 (one, or a super-block's eight): the integer dot
+  A = xq . c as an int8 tl.dot with int32 accumulation (exact: |A| < 2^19), once for sub = 32,
+  and for sub = 16 (q6_k) twice, with the other half of xq zeroed; the sub-blocks' S A summed in
+  int64 over the group, times the group's m: the dot term I at exponent E + k (E of the group's
+  first block: one per super-block, pack_quant_weight checks). The minimum term, where the kind
+  has one: for ACT 32 (q4_1, q5_1) Q8_1's M sm at exponent F + se; for ACT 256 (q4_k, q5_k)
+  (sum over the 8 blocks of M times the block's exact integer sum of xq) m at exponent F + k.
+  A zero group's m = sm = 0 makes its terms 0. Each term is brought onto the grid 2^g
+  (`on_grid`: a left shift, or a right shift clamped at T + 1 and rounded half to even) and added
+  to an int64 accumulator: every term is below 2^(62 - ceil(log2 #terms)), so the sum stays
+  below 2^62 and is exact in any order. At the end y = float32(float64(total) 2^g), then x's
+  dtype. g lies within about [-80, 30] (E, F, k, se all float16 exponents in [-24, 5]), so 2^g is
+  one exact float64 built from its bits (exact_triton.pow2) and the product is exact.
+  One kernel serves all kinds: SUB (32 or 16), BPG (blocks of 32 per group: 1 or 8), MIN_TERM
+  (none, Q8_1's, or the exact code sums') and TERM_BITS are constexprs.
 
 The packed weight (`pack_quant_weight`, once at load) is the QuantWeight's fields made
-contiguous int8/int32 on the device, plus top[n]; kinds without a minimum carry none.
+contiguous int8/int32 on the device, plus top[n]; kinds without a minimum carry none. E and F
+stay per block of 32 (the K-quants' are equal over a super-block; the kernel reads the first).
 Launched without FMA contraction (LAUNCH_EXACT), as every exact kernel of the project: x inverse
 and d sum xq stay single rounded float32 products; the divisions are IEEE (div_rn).
 """
@@ -50,7 +58,8 @@ X_MAX: tl.constexpr = tl.constexpr(qg.X_MAX)     # |xq| <= 127
 F16_MAX: tl.constexpr = tl.constexpr(qg.F16_MAX)  # float16 scales saturate here
 BLOCK_M = 16              # tl.dot's smallest tile; the GEMM's tile for every M
 BLOCK_N = 64
-QUANT_BLOCKS = 8          # activation blocks of 32 per step of quantize_kernel
+QUANT_COLUMNS = 1024      # activation columns per step of quantize_kernel: 32 groups of 32, or 4 of 256
+NO_MIN, Q8_1_MIN, SUM_MIN = 0, 1, 2  # quant_gemm_kernel's MIN_TERM
 
 
 @dataclass
@@ -72,7 +81,9 @@ class PackedQuantWeight:
 
 
 def pack_quant_weight(w: qg.QuantWeight) -> PackedQuantWeight:
-    """The kernel's layout of w (on w's device), checked against its kind."""
+    """The kernel's layout of w (on w's device), checked against its kind: the fields' shapes,
+    then quant_gemm.check_weight (K a multiple of the activation group, one E and F per
+    super-block for the K-quants)."""
     if w.kind not in qg.KINDS:
         raise ValueError(f"unknown quantized type {w.kind!r}")
     kind = qg.KINDS[w.kind]
@@ -83,6 +94,9 @@ def pack_quant_weight(w: qg.QuantWeight) -> PackedQuantWeight:
         raise ValueError(f"{w.kind} scales {tuple(w.scale.shape)}, {tuple(w.scale_exp.shape)} for weights {(n, kdim)}")
     if kind.has_min != (w.min is not None and w.min_exp is not None):
         raise ValueError(f"{w.kind} {'needs' if kind.has_min else 'has no'} minimum")
+    if kind.has_min and (tuple(w.min.shape) != (n, kdim // BLOCK) or tuple(w.min_exp.shape) != (n, kdim // BLOCK)):
+        raise ValueError(f"{w.kind} minimum {tuple(w.min.shape)}, {tuple(w.min_exp.shape)} for weights {(n, kdim)}")
+    qg.check_weight(w)
     i32 = (lambda t: None if t is None else t.to(torch.int32).contiguous())
     return PackedQuantWeight(w.kind, w.codes.to(torch.int8).contiguous(), i32(w.scale), i32(w.scale_exp),
                              i32(w.min) if kind.has_min else None, i32(w.min_exp) if kind.has_min else None,
@@ -104,37 +118,41 @@ def significand16(h):
 
 
 @triton.jit
-def quantize_kernel(x_ptr, xq_ptr, m_ptr, k_ptr, sm_ptr, se_ptr, kmax_ptr, K, NB, BLOCKS: tl.constexpr):
-    """Step 1 for one row: xq [K] int8, (m, k) and (sm, se) [K / 32] int32, kmax [1] int32."""
+def quantize_kernel(x_ptr, xq_ptr, m_ptr, k_ptr, sm_ptr, se_ptr, kmax_ptr, K, NG,
+                    GROUPS: tl.constexpr, BPG: tl.constexpr):
+    """Step 1 for one row: xq [K] int8, (m, k) [K / ACT] int32, kmax [1] int32, and for ACT 32
+    (BPG 1) Q8_1's (sm, se) [K / 32] int32; a step is GROUPS groups of BPG blocks of 32."""
     row = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, 32)
+    blk = tl.arange(0, BPG)
     kmax = tl.full([], -2147483647, tl.int32)
-    x_max = tl.full([BLOCKS], X_MAX, tl.float32)
-    for b0 in range(0, NB, BLOCKS):
-        blocks = b0 + tl.arange(0, BLOCKS)
-        ok = blocks < NB
-        offs = row * K + blocks[:, None] * 32 + lane[None, :]
-        x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), 1)                                             # [BLOCKS] float32
+    x_max = tl.full([GROUPS], X_MAX, tl.float32)
+    for g0 in range(0, NG, GROUPS):
+        groups = g0 + tl.arange(0, GROUPS)
+        ok = groups < NG
+        offs = row * K + groups[:, None, None] * (BPG * 32) + blk[None, :, None] * 32 + lane[None, None, :]
+        x = tl.load(x_ptr + offs, mask=ok[:, None, None], other=0.0).to(tl.float32)   # [GROUPS, BPG, 32]
+        amax = tl.max(tl.max(tl.abs(x), 2), 1)                                  # [GROUPS] float32
         zero = ex.exponent(amax) < -120                                         # amax < 2^-120
         safe = tl.where(zero, 1.0, amax)
         # correctly rounded float32 divisions (div.rn.f32), as the reference's and llama.cpp's `/`;
         # a plain `/` would compile to the approximate div.full.f32
         d = tl.where(zero, 0.0, tl.math.div_rn(safe, x_max))
         inverse = tl.math.div_rn(x_max, safe)
-        p = x * inverse[:, None]                                                # float32 product
+        p = x * inverse[:, None, None]                                          # float32 product
         p = tl.where(p == p, p, 0.0)                     # 0 inf (127 / amax overflowed): 0, see above
         xq = tl.minimum(tl.maximum(ex.round_even(p.to(tl.float64)), -X_MAX), X_MAX).to(tl.int32)
-        xq = tl.where(zero[:, None], 0, xq)
-        tl.store(xq_ptr + offs, xq.to(tl.int8), mask=ok[:, None])
+        xq = tl.where(zero[:, None, None], 0, xq)
+        tl.store(xq_ptr + offs, xq.to(tl.int8), mask=ok[:, None, None])
         m, k = significand16(tl.minimum(d, F16_MAX).to(tl.float16, fp_downcast_rounding="rtne"))
-        s = d * tl.sum(xq, 1).to(tl.float32)                                    # float32
-        s = tl.minimum(tl.maximum(s, -F16_MAX), F16_MAX)
-        sm, se = significand16(s.to(tl.float16, fp_downcast_rounding="rtne"))
-        tl.store(m_ptr + row * NB + blocks, m, mask=ok)
-        tl.store(k_ptr + row * NB + blocks, k, mask=ok)
-        tl.store(sm_ptr + row * NB + blocks, sm, mask=ok)
-        tl.store(se_ptr + row * NB + blocks, se, mask=ok)
+        tl.store(m_ptr + row * NG + groups, m, mask=ok)
+        tl.store(k_ptr + row * NG + groups, k, mask=ok)
+        if BPG == 1:  # Q8_1's minimum scale; the K-quants' minimum takes exact code sums instead
+            s = d * tl.sum(tl.sum(xq, 2), 1).to(tl.float32)                     # [GROUPS] float32
+            s = tl.minimum(tl.maximum(s, -F16_MAX), F16_MAX)
+            sm, se = significand16(s.to(tl.float16, fp_downcast_rounding="rtne"))
+            tl.store(sm_ptr + row * NG + groups, sm, mask=ok)
+            tl.store(se_ptr + row * NG + groups, se, mask=ok)
         kmax = tl.maximum(kmax, tl.max(tl.where(ok, k, -2147483647), 0))
     tl.store(kmax_ptr + row, kmax)
 
@@ -154,10 +172,12 @@ def on_grid(ints, shift, TERM_BITS: tl.constexpr):
 
 @triton.jit
 def quant_gemm_kernel(xq_ptr, m_ptr, k_ptr, sm_ptr, se_ptr, kmax_ptr, codes_ptr, scale_ptr, scale_exp_ptr,
-                      min_ptr, min_exp_ptr, top_ptr, out_ptr, M, N, K, NB, G_BIAS,
-                      SUB: tl.constexpr, HAS_MIN: tl.constexpr, TERM_BITS: tl.constexpr,
+                      min_ptr, min_exp_ptr, top_ptr, out_ptr, M, N, K, NG, G_BIAS,
+                      SUB: tl.constexpr, BPG: tl.constexpr, MIN_TERM: tl.constexpr, TERM_BITS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Steps 2-4 for one [BLOCK_M, BLOCK_N] tile of y; G_BIAS = T - 62 + ceil(log2 #terms)."""
+    """Steps 2-4 for one [BLOCK_M, BLOCK_N] tile of y, over NG activation groups of BPG blocks;
+    G_BIAS = T - 62 + ceil(log2 #terms)."""
+    NB = NG * BPG
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -168,48 +188,62 @@ def quant_gemm_kernel(xq_ptr, m_ptr, k_ptr, sm_ptr, se_ptr, kmax_ptr, codes_ptr,
     g = (kmax[:, None] + top[None, :] + G_BIAS).to(tl.int64)                  # [BLOCK_M, BLOCK_N]
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)
     first_half = lane < 16
-    for b in range(0, NB):
-        xq = tl.load(xq_ptr + rows[:, None] * K + b * 32 + lane[None, :], mask=row_ok[:, None], other=0)
-        codes = tl.load(codes_ptr + cols[None, :] * K + b * 32 + lane[:, None], mask=col_ok[None, :], other=0)
-        kb = tl.load(k_ptr + rows * NB + b, mask=row_ok, other=0)
-        mb = tl.load(m_ptr + rows * NB + b, mask=row_ok, other=0)                # 0 on a zero block
-        e = tl.load(scale_exp_ptr + cols * NB + b, mask=col_ok, other=0)
-        if SUB == 32:
-            a = tl.dot(xq, codes, out_dtype=tl.int32)                             # exact: |A| < 2^19
-            a = (a * mb[:, None]).to(tl.int64)                                    # A m < 2^30
-            s = tl.load(scale_ptr + cols * NB + b, mask=col_ok, other=0).to(tl.int64)
-            ints = a * s[None, :]
-        else:  # two sub-blocks of 16, each with its own scale
-            zero = tl.zeros_like(xq)
-            a0 = tl.dot(tl.where(first_half[None, :], xq, zero), codes, out_dtype=tl.int32)
-            a1 = tl.dot(tl.where(first_half[None, :], zero, xq), codes, out_dtype=tl.int32)
-            a0 = (a0 * mb[:, None]).to(tl.int64)                                  # A m < 2^30
-            a1 = (a1 * mb[:, None]).to(tl.int64)
-            s0 = tl.load(scale_ptr + cols * (2 * NB) + 2 * b, mask=col_ok, other=0).to(tl.int64)
-            s1 = tl.load(scale_ptr + cols * (2 * NB) + 2 * b + 1, mask=col_ok, other=0).to(tl.int64)
-            ints = a0 * s0[None, :] + a1 * s1[None, :]
-        total += on_grid(ints, (kb[:, None] + e[None, :]).to(tl.int64) - g, TERM_BITS)
-        if HAS_MIN:
-            smb = tl.load(sm_ptr + rows * NB + b, mask=row_ok, other=0).to(tl.int64)   # |sm| < 2^11
-            seb = tl.load(se_ptr + rows * NB + b, mask=row_ok, other=0)
-            mins = tl.load(min_ptr + cols * NB + b, mask=col_ok, other=0).to(tl.int64)
-            f = tl.load(min_exp_ptr + cols * NB + b, mask=col_ok, other=0)
-            total += on_grid(smb[:, None] * mins[None, :], (seb[:, None] + f[None, :]).to(tl.int64) - g, TERM_BITS)
+    for grp in range(0, NG):
+        kg = tl.load(k_ptr + rows * NG + grp, mask=row_ok, other=0)
+        mg = tl.load(m_ptr + rows * NG + grp, mask=row_ok, other=0).to(tl.int64)   # 0 on a zero group
+        e = tl.load(scale_exp_ptr + cols * NB + grp * BPG, mask=col_ok, other=0)  # one E per group
+        dots = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)      # sum over the group's sub-blocks of S A
+        mins = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)      # SUM_MIN: sum over its blocks of M sum(xq)
+        for j in range(0, BPG):
+            b = grp * BPG + j
+            xq = tl.load(xq_ptr + rows[:, None] * K + b * 32 + lane[None, :], mask=row_ok[:, None], other=0)
+            codes = tl.load(codes_ptr + cols[None, :] * K + b * 32 + lane[:, None], mask=col_ok[None, :], other=0)
+            if SUB == 32:
+                a = tl.dot(xq, codes, out_dtype=tl.int32)                         # exact: |A| < 2^19
+                s = tl.load(scale_ptr + cols * NB + b, mask=col_ok, other=0).to(tl.int64)
+                dots += a.to(tl.int64) * s[None, :]                               # |S A| < 2^37
+            else:  # two sub-blocks of 16, each with its own scale
+                zero = tl.zeros_like(xq)
+                a0 = tl.dot(tl.where(first_half[None, :], xq, zero), codes, out_dtype=tl.int32)
+                a1 = tl.dot(tl.where(first_half[None, :], zero, xq), codes, out_dtype=tl.int32)
+                s0 = tl.load(scale_ptr + cols * (2 * NB) + 2 * b, mask=col_ok, other=0).to(tl.int64)
+                s1 = tl.load(scale_ptr + cols * (2 * NB) + 2 * b + 1, mask=col_ok, other=0).to(tl.int64)
+                dots += a0.to(tl.int64) * s0[None, :] + a1.to(tl.int64) * s1[None, :]
+            if MIN_TERM == SUM_MIN:  # the block's exact code sum (|sum| <= 32 127) times its M
+                sums = tl.sum(xq.to(tl.int32), 1).to(tl.int64)
+                mb = tl.load(min_ptr + cols * NB + b, mask=col_ok, other=0).to(tl.int64)
+                mins += sums[:, None] * mb[None, :]
+        total += on_grid(dots * mg[:, None], (kg[:, None] + e[None, :]).to(tl.int64) - g, TERM_BITS)
+        if MIN_TERM == Q8_1_MIN:  # one block per group: Q8_1's float16(d sum xq) = sm 2^se
+            smb = tl.load(sm_ptr + rows * NB + grp, mask=row_ok, other=0).to(tl.int64)   # |sm| < 2^11
+            seb = tl.load(se_ptr + rows * NB + grp, mask=row_ok, other=0)
+            mb = tl.load(min_ptr + cols * NB + grp, mask=col_ok, other=0).to(tl.int64)
+            f = tl.load(min_exp_ptr + cols * NB + grp, mask=col_ok, other=0)
+            total += on_grid(smb[:, None] * mb[None, :], (seb[:, None] + f[None, :]).to(tl.int64) - g, TERM_BITS)
+        if MIN_TERM == SUM_MIN:
+            f = tl.load(min_exp_ptr + cols * NB + grp * BPG, mask=col_ok, other=0)
+            total += on_grid(mins * mg[:, None], (kg[:, None] + f[None, :]).to(tl.int64) - g, TERM_BITS)
     y = (total.to(tl.float64) * ex.pow2(g)).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def quantize_activations(x: torch.Tensor):
-    """Step 1 in Triton: (xq [M, K] int8, m, k, sm and se [M, K / 32] int32, kmax [M] int32)."""
+def quantize_activations(x: torch.Tensor, act: int = BLOCK):
+    """Step 1 in Triton, per group of `act` columns (32 or 256; K a multiple of it): (xq [M, K]
+    int8, m and k [M, K / act] int32, sm and se [M, K / 32] int32 for act 32 (None for 256: the
+    K-quants do not use them), kmax [M] int32)."""
     m, kdim = x.shape
-    nb = kdim // BLOCK
+    if act not in (BLOCK, qg.SUPER) or kdim % act:
+        raise ValueError(f"activations of {kdim} columns in groups of {act}")
+    ng = kdim // act
     x = x.contiguous()
     xq = torch.empty(m, kdim, dtype=torch.int8, device=x.device)
-    xm, k, sm, se = (torch.empty(m, nb, dtype=torch.int32, device=x.device) for _ in range(4))
+    xm, k = (torch.empty(m, ng, dtype=torch.int32, device=x.device) for _ in range(2))
+    sm, se = (torch.empty(m, ng, dtype=torch.int32, device=x.device) for _ in range(2)) if act == BLOCK else (None, None)
     kmax = torch.empty(m, dtype=torch.int32, device=x.device)
     if m:
-        quantize_kernel[(m,)](x, xq, xm, k, sm, se, kmax, kdim, nb, BLOCKS=QUANT_BLOCKS, **ex.LAUNCH_EXACT)
+        quantize_kernel[(m,)](x, xq, xm, k, xm if sm is None else sm, k if se is None else se, kmax, kdim, ng,
+                              GROUPS=QUANT_COLUMNS // act, BPG=act // BLOCK, **ex.LAUNCH_EXACT)
     return xq, xm, k, sm, se, kmax
 
 
@@ -217,21 +251,22 @@ def quant_linear(x: torch.Tensor, w: PackedQuantWeight, out: torch.Tensor | None
     """x [M, K] (fp32 or bf16) @ w^T -> [M, N] in x's dtype, bitwise quant_gemm.linear."""
     kind = qg.KINDS[w.kind]
     n, kdim = w.shape
-    if x.dim() != 2 or x.shape[1] != kdim or kdim % BLOCK:
-        raise ValueError(f"x {tuple(x.shape)} against weights {w.shape} (K a multiple of {BLOCK})")
-    m, nb = x.shape[0], kdim // BLOCK
+    if x.dim() != 2 or x.shape[1] != kdim or kdim % kind.act:
+        raise ValueError(f"x {tuple(x.shape)} against weights {w.shape} (K a multiple of {kind.act})")
+    m, ng = x.shape[0], kdim // kind.act
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    xq, xm, k, sm, se, kmax = quantize_activations(x)
-    terms = nb * (2 if kind.has_min else 1)
+    xq, xm, k, sm, se, kmax = quantize_activations(x, kind.act)
+    terms = ng * (2 if kind.has_min else 1)
     g_bias = kind.term_bits - 62 + math.ceil(math.log2(terms))  # quant_gemm.linear's expression
-    dummy = w.scale_exp  # HAS_MIN off: never read
+    min_term = NO_MIN if not kind.has_min else Q8_1_MIN if kind.act == BLOCK else SUM_MIN
+    dummy = w.scale_exp  # NO_MIN: never read
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    quant_gemm_kernel[grid](xq, xm, k, sm, se, kmax, w.codes, w.scale, w.scale_exp,
+    quant_gemm_kernel[grid](xq, xm, k, xm if sm is None else sm, k if se is None else se, kmax, w.codes, w.scale, w.scale_exp,
                             dummy if w.min is None else w.min, dummy if w.min_exp is None else w.min_exp,
-                            w.top, out, m, n, kdim, nb, g_bias,
-                            SUB=kind.sub, HAS_MIN=kind.has_min, TERM_BITS=kind.term_bits,
-                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **ex.LAUNCH_EXACT)
+                            w.top, out, m, n, kdim, ng, g_bias,
+                            SUB=kind.sub, BPG=kind.blocks_per_group, MIN_TERM=min_term,
+                            TERM_BITS=kind.term_bits, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **ex.LAUNCH_EXACT)
     return out
