@@ -232,6 +232,11 @@ def _quantized_like(gguf_ckpt, hf_dir: str):
         if isinstance(kept, QuantWeight):
             tensors[name] = quant_weight(gguf_blocks(w.float(), kept.kind).reshape(-1), QTYPES[kept.kind],
                                          tuple(w.shape))
+        elif isinstance(kept, StoredColumns):  # quantized in the file's column order, served in it
+            stored = w.float()[:, kept.inputs]
+            blocks = quant_weight(gguf_blocks(stored, kept.stored.kind).reshape(-1), QTYPES[kept.stored.kind],
+                                  tuple(stored.shape))
+            tensors[name] = StoredColumns(blocks, torch.argsort(kept.inputs))
     ckpt.tensors = tensors
     return ckpt
 
@@ -303,8 +308,11 @@ def test_fused_spellings_and_an_mtp_block_read_the_same(q8, q8_loaded, tmp_path)
     got = load_blocks(_rewrite(path, str(tmp_path / "fused.gguf"), arch))
     assert got.config == want.config and got.tensors.keys() == want.tensors.keys()
     for name, tensor in got.tensors.items():
-        same = _same_blocks(tensor, want.tensors[name]) if isinstance(tensor, QuantWeight) else torch.equal(
-            tensor, want.tensors[name])
+        wanted = want.tensors[name]
+        if isinstance(tensor, StoredColumns):
+            same = torch.equal(tensor.inputs, wanted.inputs) and _same_blocks(tensor.stored, wanted.stored)
+        else:
+            same = _same_blocks(tensor, wanted) if isinstance(tensor, QuantWeight) else torch.equal(tensor, wanted)
         assert same, name
 
 

@@ -127,16 +127,15 @@ GGUF_MIXES = {  # mix -> (type of a matrix, types of matrices by llama.cpp name 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 GGUF_ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}  # llama.cpp's names
 # A hybrid written as a GGUF: llama.cpp keeps one head size for linear-attention keys and values
-# (ssm.state_size), and its converter moves Qwen3.5's value heads into a tiled order that a
-# quantized ssm_out can only be read back from in whole blocks of 32 columns: head dims of 32.
+# (ssm.state_size), and its converter moves Qwen3.5's value heads into a tiled order (a quantized
+# ssm_out is served in it: gguf_quants.StoredColumns); head dims of 32, whole blocks.
 HYBRID_GGUF_SIZES = dict(linear_key_head_dim=32, linear_value_head_dim=32)
 # ...and for the K-quant mix every matrix's row length (K) a multiple of 256: hidden, o_proj's
-# 4 x 64, down's 512, the experts' and shared expert's 256, out_proj's 8 x 32. As many value heads
-# as key heads, so no value-head reorder: a 256-weight super-block would span heads the tiled
-# order separates, and the blocks of the reordered matrix are no longer those of the checkpoint's
-# (the q8_0/q4_0 files cover the reorder, blocks of 32 stay whole).
+# 4 x 64, down's 512, the experts' and shared expert's 256, out_proj's 8 x 32. Twice as many value
+# heads as key heads, so qwen35's ssm_out is stored tiled and its super-blocks span heads the
+# grouped order separates: served as stored (gguf_quants.StoredColumns).
 HYBRID_K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64, linear_key_head_dim=32,
-                            linear_value_head_dim=32, linear_num_key_heads=8, linear_num_value_heads=8,
+                            linear_value_head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
                             moe_intermediate_size=256, shared_expert_intermediate_size=256)
 GEMMA4_ARCHS = ("gemma4", "gemma4_text", "gemma4_moe")
 GEMMA4_HUB_LAYOUT = ("gemma4", "gemma4_moe")  # Gemma4ForConditionalGeneration, config.json as the Hub's
@@ -820,9 +819,6 @@ def _hybrid_gguf_writer(hf_dir: str, config: dict, out_path: str):
         raise ValueError(f"rope type {args.rope.rope_type!r}: only the default rope is written")
     nk, nv, dk, dv = (hf["linear_num_key_heads"], hf["linear_num_value_heads"], hf["linear_key_head_dim"],
                       hf["linear_value_head_dim"])
-    if arch != "qwen3next" and nk != nv and dv % 32:
-        raise ValueError(f"linear_value_head_dim {dv}: the tiled value heads move ssm_out's columns in runs of {dv}, "
-                         "which blocks of 32 cannot follow (HYBRID_GGUF_SIZES)")
 
     writer = gguf.GGUFWriter(out_path, arch)
     writer.add_block_count(args.num_layers)
