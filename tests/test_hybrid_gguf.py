@@ -338,6 +338,21 @@ def test_tiled_columns_stay_as_stored(kind, ops_name):
     assert torch.equal(ops.Linear.of(grouped)(x), quant_gemm.linear(tiled_x, stored))
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q4_k", "q6_k"])
+def test_tiled_columns_stay_as_stored_on_mlx(kind):
+    """The same on the mlx op set (MLXLinear takes its input's columns in the stored order)."""
+    pytest.importorskip("mlx.core")
+    from tensorfold.mlx.ops import MLXLinear, from_torch, to_torch
+    torch.manual_seed(1)
+    ids = _untiled(4, 8, 32)
+    stored = quant_weight(gguf_blocks(torch.randn(24, 256), kind).reshape(-1), QTYPES[kind], (24, 256))
+    x = torch.randn(3, 256)
+    tiled_x = torch.empty_like(x)
+    tiled_x[:, ids] = x
+    got = to_torch(MLXLinear.of(_take_columns(stored, ids))(from_torch(x)))
+    assert torch.equal(got, quant_gemm.linear(tiled_x, stored))
+
+
 # ---- the command line, and what is not served ---------------------------------------------------
 
 def test_the_command_line_writes_a_hybrid_gguf(tmp_path, smollm2_tokenizer):
