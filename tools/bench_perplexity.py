@@ -3,6 +3,7 @@ next to the same file dequantized to float32 and to llama.cpp on the same file (
 
     python tools/bench_perplexity.py                     # 8 windows of 512 tokens, 2 threads
     python tools/bench_perplexity.py --windows 2 --threads 1
+    python tools/bench_perplexity.py --type q4_k_m       # the default model requantized by llama.cpp
 
 The text is English prose that every Python installation carries: the language reference's
 topics in `pydoc_data.topics` (assignment, the execution model, ...), joined in a fixed order
@@ -15,6 +16,11 @@ in float64 from the engine's float32 logits. Rows:
 - TensorFold, --dtype float32: every weight dequantized to float32 (the dense path);
 - llama.cpp (llama-cpp-python, a peer only) on the same file, logits of every position.
 The target: the quantized path within 1% of llama.cpp's and of the dense path's perplexity.
+--type TYPE (q4_k_m, q6_k, q4_0, q8_0) evaluates the default model requantized to TYPE by
+llama.cpp's own quantizer from its float32 copy (tools/peer_gguf.py; written once under
+~/.cache/tensorfold/peer): the K-quants' path (activations per 256) on the tensors whose rows
+are whole super-blocks (SmolLM2's hidden size, 576, is not: llama.cpp gives those its fallback
+types), the rest on the 32-weight types.
 """
 import argparse
 import math
@@ -56,15 +62,28 @@ def nll(logits, window: list[int]) -> tuple[float, int]:
     return float((lse - rows[torch.arange(len(targets)), targets]).sum()), len(targets)
 
 
-def tensorfold_logits(dtype: str, threads: int):
-    """A function window -> logits of every position, on a fresh engine in `dtype`."""
+def requantized(qtype: str, threads: int) -> str:
+    """The default model requantized to `qtype` by llama.cpp's quantizer (written once)."""
+    from tools.peer_gguf import peer_gguf
+    from tools.real_shapes import _quantize
+
+    src = peer_gguf("float32")
+    out = src.replace(".F32.gguf", f".{qtype.upper()}.gguf")
+    if not os.path.isfile(out):
+        _quantize(src, out + ".part", qtype, threads)
+        os.replace(out + ".part", out)
+    return out
+
+
+def tensorfold_logits(path: str, dtype: str, threads: int):
+    """A function window -> logits of every position, on a fresh engine serving `path` in `dtype`."""
     import torch
 
     from tensorfold.engine.engine import Engine, EngineConfig
     from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 
     torch.set_num_threads(threads)
-    engine = Engine(None, EngineConfig(dtype=dtype, num_threads=threads, probe=False, prompt_cache_gib=0,
+    engine = Engine(path, EngineConfig(dtype=dtype, num_threads=threads, probe=False, prompt_cache_gib=0,
                                        context=2048, kv_cache_gib=0.1))
     model, cache, block = engine.backend.model, engine.backend.cache, engine.config.block_size
 
@@ -98,19 +117,22 @@ def main(argv=None) -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--type", choices=("q4_k_m", "q6_k", "q4_0", "q8_0"), default=None,
+                    help="the default model requantized by llama.cpp (default: its shipped Q4_1 file)")
     args = ap.parse_args(argv)
+    path = requantized(args.type, args.threads) if args.type else default_model_path()
 
-    engine, quantized = tensorfold_logits("auto", args.threads)
+    engine, quantized = tensorfold_logits(path, "auto", args.threads)
     ids = engine.tokenizer.encode(prose(), add_special_tokens=False)
     chunks = windows(ids, args.window, args.windows)
     scored = len(chunks) * (args.window - args.window // 2)
     print(f"text: Python {sys.version.split()[0]}'s pydoc topics ({len(ids)} tokens); {len(chunks)} windows of "
-          f"{args.window}, {scored} tokens scored; {args.threads} threads; file {os.path.basename(default_model_path())}\n")
-    rows = [("TensorFold, --dtype auto (Q4_1 blocks as stored)", quantized)]
-    _, dense = tensorfold_logits("float32", args.threads)
+          f"{args.window}, {scored} tokens scored; {args.threads} threads; file {os.path.basename(path)}\n")
+    rows = [("TensorFold, --dtype auto (blocks as stored)", quantized)]
+    _, dense = tensorfold_logits(path, "float32", args.threads)
     rows.append(("TensorFold, --dtype float32 (dequantized)", dense))
     if peer_llama_cpp.available():
-        rows.append(("llama.cpp, the same file", llama_cpp_logits(default_model_path(), args.window, args.threads)))
+        rows.append(("llama.cpp, the same file", llama_cpp_logits(path, args.window, args.threads)))
     else:
         print(peer_llama_cpp.SKIP_MESSAGE)
     results = {}
