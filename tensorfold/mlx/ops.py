@@ -18,7 +18,6 @@ equal across backends). On MLX's CPU device the exact integers ride in float64 i
                                                   shape (the startup probes check it)
 """
 import functools
-import math
 
 import mlx.core as mx
 import numpy as np
