@@ -284,6 +284,14 @@ def test_quant_gemm(shaders, kind):
     assert not torch.equal(run_quant(shaders, x, moved)[:, 3], qg.linear(x, w)[:, 3]), "the codes must count"
 
 
+def test_quant_gemm_refuses_a_k_quant_whose_exponent_moves_within_a_super_block(shaders):
+    """One E per super-block is what lets its terms add before rounding: the launch refuses others."""
+    w = random_weight(torch.Generator().manual_seed(12), "q4_k", 4, 512)
+    w.scale_exp[1, 3] += 1
+    with pytest.raises(ValueError, match="one scale_exp per super-block"):
+        run_quant(shaders, torch.randn(2, 512), w)
+
+
 def test_quant_gemm_extremes(shaders):
     """Huge activations against the largest scales (saturated float16 block scales), subnormal
     activations against the smallest scales, one huge block beside tiny ones (terms off the grid)."""

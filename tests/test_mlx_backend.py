@@ -165,6 +165,10 @@ def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf,
             monkeypatch.setattr(grid, "float64_carrier", lambda: True)
             assert all(np.array_equal(np.array(c), np.array(i)) for c, i in zip(carried, integer)), w.kind
     assert kinds == set(quant_gemm.KINDS), kinds
+    moved = random_generic(g, "q6_k", 4, 512)
+    moved.scale_exp[2, 9] -= 1  # E apart within a super-block: refused, not computed per block
+    with pytest.raises(ValueError, match="one scale_exp per super-block"):
+        ops.QuantParts(moved)
 
 
 # ---- RMSNorm and attention: exact int64 sums, the references' float32 finishes -----------------
