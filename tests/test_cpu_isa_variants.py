@@ -169,14 +169,20 @@ for dtype in (torch.float32, torch.bfloat16):
     from test_quant_gemm import code_range
     for kind, info in quant_gemm.KINDS.items():  # every kind's fields drawn within their bounds
         low, high = code_range(kind)
-        codes = torch.randint(low, high, (24, 96), generator=g, dtype=torch.int8)
-        ints = (lambda cols: torch.randint(-2047, 2048, (24, cols), generator=g, dtype=torch.int32))
-        exps = (lambda: torch.randint(-24, 6, (24, 3), generator=g, dtype=torch.int32))
-        mins = (ints(3), exps()) if info.has_min else (None, None)
-        w = quant_gemm.QuantWeight(kind, codes, ints(96 // info.sub), exps(), *mins)
-        x = torch.randn(3, 96, generator=g).to(dtype)
-        packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
-        assert torch.equal(cpu.quant_linear(x, packed, 24, 96), quant_gemm.linear(x, w)), kind
+        k = 3 * info.act  # 96, or three super-blocks of 256 (the K-quants: one E, F per super-block)
+        for lo_exp, hi_exp in ((-24, 6), (-3, 1)):  # the second: no negative shift (AVX2's unchecked tiles)
+            codes = torch.randint(low, high, (24, k), generator=g, dtype=torch.int8)
+            ints = (lambda cols: torch.randint(-2047, 2048, (24, cols), generator=g, dtype=torch.int32))
+            exps = (lambda: torch.randint(lo_exp, hi_exp, (24, 3), generator=g, dtype=torch.int32)
+                    .repeat_interleave(info.blocks_per_group, dim=1))
+            mins = (ints(k // 32), exps()) if info.has_min else (None, None)
+            w = quant_gemm.QuantWeight(kind, codes, ints(k // info.sub), exps(), *mins)
+            x = torch.randn(7, k, generator=g).to(dtype)
+            x[6, 40:] = 0.0  # zero groups
+            packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+            want = quant_gemm.linear(x, w)
+            assert torch.equal(cpu.quant_linear(x, packed, 24, k), want), kind
+            assert torch.equal(cpu.quant_linear(x[5:6], packed, 24, k), want[5:6]), kind + " (a row alone)"
     for kind in ("q8_0", "q4_0", "q4_1"):  # as GGUF stores them: float16 scales, packed as their bits
         q = torch.randint(-127, 128, (24, 96), generator=g) if kind == "q8_0" else torch.randint(0, 16, (24, 96), generator=g)
         d = (torch.randn(24, 3, generator=g) * 0.05).half()

@@ -22,6 +22,7 @@ if native_problem() is None:
     from tensorfold import _cpu
 
 DTYPES = (torch.float32, torch.bfloat16)
+QUANT_KINDS = ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_1"]  # quant_gemm.TYPES
 # (activations, KV cache): the cache's dtype is its own (EngineConfig.kv_dtype)
 KV_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
             (torch.bfloat16, torch.float32)]
@@ -483,18 +484,24 @@ def test_attention_long_decode_and_verify_rows_split_over_keys(draw, threads, dt
 # ---- the exact quantized GEMM (kernels/quant_gemm.py) ------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", QUANT_KINDS)
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (5, 16, 32), (19, 45, 576), (4, 3, 64)])
 def test_quant_linear_equals_its_reference(draw, threads, dtype, kind, rows, n, k):
+    """Every kind against the reference; the K-quants (activations per 256, one term per
+    super-block) with K rounded up to whole super-blocks."""
     from test_quant_gemm import random_generic, random_x
 
     from tensorfold.kernels import quant_gemm
 
+    act = quant_gemm.KINDS[kind].act
+    k = (k + act - 1) // act * act
     w = random_generic(draw.gen, kind, n, k)
     x = random_x(draw.gen, rows, k)
-    b = 32 * min(1, k // 32 - 1)  # a block of ties: 127 / amax is 1, so x * 127 / amax is k + 1/2
-    x[-1, b:b + 32] = torch.arange(32) - 15.5
+    b = act * min(1, k // act - 1)  # a group of ties: 127 / amax is 1, so x * 127 / amax is k + 1/2
+    x[-1, b:b + act] = torch.arange(act) % 32 - 15.5
     x[-1, b] = 127.0
+    if rows > 1:
+        x[0, :act] = 0.0  # a zero activation group
     x = x.to(dtype)
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     want = quant_gemm.linear(x, w)
@@ -568,8 +575,9 @@ def test_quant_linear_with_gguf_scales_equals_its_reference(draw, threads, dtype
 @pytest.mark.parametrize("qtype_name", ["Q5_0", "Q5_1"])
 def test_quant_linear_with_q5_fallback_blocks_equals_its_reference(draw, threads, qtype_name):
     """llama.cpp's fallback types where a row is no multiple of 256 (Q4_K -> Q5_0, Q5_K -> Q5_1;
-    Gemma 4 26B's expert down projections have K = 704), kept as the q8_0 and q5_k forms: gguf's
-    weights, and prompt rows (AMX or VNNI) and one row bitwise the reference."""
+    Gemma 4 26B's expert down projections have K = 704), kept as q8_0 and as q5_1 (the per-32
+    arithmetic with a 5-bit code, packed wide): gguf's weights, and prompt rows (AMX or VNNI) and
+    one row bitwise the reference."""
     import gguf
     from gguf import GGMLQuantizationType as QType
     from test_quant_gemm import random_x
@@ -582,6 +590,7 @@ def test_quant_linear_with_q5_fallback_blocks_equals_its_reference(draw, threads
     w[:, 1::7] += 0.5  # Q5_1's minimum away from -max
     raw = gguf.quants.quantize(w.numpy(), qtype)
     weight = quant_weight(torch.from_numpy(raw).reshape(-1), qtype, (n, k))
+    assert weight.kind == {"Q5_0": "q8_0", "Q5_1": "q5_1"}[qtype_name]
     assert torch.equal(weight.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(n, k))
     x = random_x(draw.gen, 20, k)
     packed = _cpu.pack_quant(weight.kind, weight.codes, weight.scale, weight.scale_exp, weight.min, weight.min_exp)
@@ -596,7 +605,7 @@ def not_float16(w):
     return (w.codes, *pair(w.scale, w.scale_exp), *pair(w.min, w.min_exp))
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", QUANT_KINDS)
 def test_quant_linear_at_the_codes_and_activations_bounds(draw, kind):
     """Every code at its kind's bound against activations quantized to +-127 (a block of equal
     magnitudes): the largest block dots, where a 16-bit pair sum (AVX2's vpmaddubsw) would saturate."""
@@ -617,7 +626,7 @@ def test_quant_linear_at_the_codes_and_activations_bounds(draw, kind):
         assert_bitwise(_cpu.quant_linear(x, packed, 24, 256), quant_gemm.linear(x, w), draw, f"codes at {code}")
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q4_k file", "q6_k file"])
+@pytest.mark.parametrize("kind", [*QUANT_KINDS, "q4_k file", "q6_k file"])
 def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
     """A row's outputs are the same alone and among 2..64 others (every kind; "file": the K-quants
     as a GGUF file stores them, packed in its form)."""
@@ -628,14 +637,14 @@ def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     probe = random_x(draw.gen, 1, 512)
     alone = _cpu.quant_linear(probe, packed, 40, 512)
-    for m in (2, 3, 5, 17, 64):
+    for m in (2, 3, 4, 5, 8, 16, 17, 33, 64):
         batch = random_x(draw.gen, m, 512)
         place = int(torch.randint(0, m, (1,), generator=draw.gen))
         batch[place] = probe[0]
         assert_bitwise(_cpu.quant_linear(batch, packed, 40, 512)[place], alone[0], draw, f"row {place} of {m}")
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", QUANT_KINDS)
 def test_quant_linear_tiles_without_negative_shifts_equal_their_reference(draw, threads, kind):
     """Scales within a few binades and ordinary activations: no term can have a negative shift,
     so the row tiles take the unchecked kernel (quant_gemm.cpp: group_unchecked). Among them, rows
@@ -647,15 +656,19 @@ def test_quant_linear_tiles_without_negative_shifts_equal_their_reference(draw, 
 
     n, k = 53, 512
     w = random_generic(draw.gen, kind, n, k)
-    w.scale_exp.copy_(torch.randint(-3, 1, w.scale_exp.shape, generator=draw.gen, dtype=torch.int32))
+    per = quant_gemm.KINDS[kind].blocks_per_group  # the K-quants: one E and F per super-block
+    near = (lambda e: torch.randint(-3, 1, (n, k // 32 // per), generator=draw.gen, dtype=torch.int32)
+            .repeat_interleave(per, dim=1))
+    w.scale_exp.copy_(near(w.scale_exp))
     if w.min is not None:
-        w.min_exp.copy_(torch.randint(-3, 1, w.min_exp.shape, generator=draw.gen, dtype=torch.int32))
+        w.min_exp.copy_(near(w.min_exp))
         w.min[2, 3] = 0
     w.scale[5, :] = 0
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     x = torch.randn(11, k, generator=draw.gen)
     x[6, 100] = 3e4      # a block far above the rest of its row
     x[9, 64:96] = 0.0    # a zero block (its terms are 0 at any shift)
+    x[10, 256:512] = 0.0  # a zero group of 256
     want = quant_gemm.linear(x, w)
     assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{kind}, 11 rows")
     for rows in (slice(0, 1), slice(0, 2), slice(3, 6), slice(2, 6), slice(5, 8), slice(9, 10)):
@@ -673,7 +686,7 @@ def amx_tiles():
     _cpu.set_quant_amx(True)
 
 
-@pytest.mark.parametrize("kind,file_blocks", [(kind, False) for kind in ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"]] +
+@pytest.mark.parametrize("kind,file_blocks", [(kind, False) for kind in QUANT_KINDS] +
                          [("q4_k", True), ("q6_k", True)])  # q4_k and q6_k also in their file's own form
 def test_quant_linear_on_amx_tiles_equals_vnni_and_its_reference(draw, threads, amx_tiles, kind, file_blocks):
     """Passes of 16 rows or more take AMX tiles of 16 rows, a run of 8 blocks at a time; fewer rows,
@@ -689,6 +702,7 @@ def test_quant_linear_on_amx_tiles_equals_vnni_and_its_reference(draw, threads, 
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     for rows in (16, 17, 33, 70):
         x = random_x(draw.gen, rows, k)
+        x[rows // 2, 256:512] = 0.0  # a zero group
         want = quant_gemm.linear(x, w)
         assert_bitwise(_cpu.quant_linear(x, packed, n, k, out=poisoned(want)), want, draw, f"{kind}, {rows} rows, AMX")
         _cpu.set_quant_amx(False)
@@ -710,19 +724,38 @@ def test_quant_linear_rejects_what_is_not_its_packed_weight():
         _cpu.pack_quant("q4_0", w.codes, w.scale, w.scale_exp)
     with pytest.raises(RuntimeError, match="unknown kind"):
         _cpu.pack_quant("iq2_xs", w.codes, w.scale, w.scale_exp)
+    g = torch.Generator().manual_seed(1)
+    for kind in ("q4_k", "q5_k", "q6_k"):  # one E (and F) per super-block of 256, K whole super-blocks
+        k_w = random_generic(g, kind, 8, 512)
+        k_w.scale_exp[3, 9] += 1
+        with pytest.raises(RuntimeError, match="one scale_exp per super-block of 256"):
+            _cpu.pack_quant(kind, k_w.codes, k_w.scale, k_w.scale_exp, k_w.min, k_w.min_exp)
+        if k_w.min is not None:
+            k_w.scale_exp[3, 9] -= 1
+            k_w.min_exp[7, 15] -= 1
+            with pytest.raises(RuntimeError, match="one min_exp per super-block of 256"):
+                _cpu.pack_quant(kind, k_w.codes, k_w.scale, k_w.scale_exp, k_w.min, k_w.min_exp)
+        ints = (lambda cols: torch.zeros(8, cols, dtype=torch.int32))
+        mins = (ints(9), ints(9)) if k_w.min is not None else (None, None)
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            _cpu.pack_quant(kind, torch.zeros(8, 288, dtype=torch.int8), ints(288 // (16 if kind == "q6_k" else 32)),
+                            ints(9), *mins)
+    with pytest.raises(RuntimeError, match="not packed from the file"):
+        _cpu.pack_quant_file(torch.empty(0, dtype=torch.uint8), "q5_1", "/nonexistent", torch.zeros(0, dtype=torch.int64), 32)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_1", "q6_k"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1", "q6_k", "q5_1"])
 def test_quant_rows_equal_the_reference_dequantization(draw, kind):
     """An embedding lookup from a packed weight: QuantWeight.rows(ids).dequantize(), bitwise."""
     from test_quant_gemm import random_blocks, random_generic
 
     from tensorfold.kernels import quant_gemm
 
-    w = quant_gemm.from_legacy(kind, *random_blocks(draw.gen, kind, 37, 96)) if kind != "q6_k" else \
-        random_generic(draw.gen, kind, 37, 96)
+    k = 256 if kind in ("q6_k", "q5_1") else 96
+    w = quant_gemm.from_legacy(kind, *random_blocks(draw.gen, kind, 37, k)) if kind not in ("q6_k", "q5_1") else \
+        random_generic(draw.gen, kind, 37, k)
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     ids = torch.tensor([0, 36, 5, 5, 17])
-    assert_bitwise(_cpu.quant_rows(packed, ids, 37, 96), w.rows(ids).dequantize(), draw, f"{kind} rows")
+    assert_bitwise(_cpu.quant_rows(packed, ids, 37, k), w.rows(ids).dequantize(), draw, f"{kind} rows")
     with pytest.raises(RuntimeError, match="outside"):
-        _cpu.quant_rows(packed, torch.tensor([37]), 37, 96)
+        _cpu.quant_rows(packed, torch.tensor([37]), 37, k)

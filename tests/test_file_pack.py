@@ -193,3 +193,21 @@ def test_bad_bytes_name_the_tensor(tmp_path):
     short.offset = len(open(path, "rb").read()) - 2 * 210  # only two rows' worth left
     with pytest.raises(CheckpointError, match="blk.1.ffn_down.weight.*cut short"):
         native_ops.Linear.of(short)
+
+
+def test_q5_1_is_not_packed_from_the_file():
+    """Q5_1 (its own kind, q5_1: the per-32 arithmetic) goes the reference's route, pack_quant of
+    its QuantWeight in the wide form; pack_quant_file does not read its blocks, and says so."""
+    from tensorfold.models.gguf_quants import FILE_PACKED
+
+    assert QType.Q5_1 not in FILE_PACKED
+    with pytest.raises(RuntimeError, match="not packed from the file"):
+        _cpu.pack_quant_file(torch.empty(0, dtype=torch.uint8), "q5_1", "/nonexistent", torch.zeros(1, dtype=torch.int64), 32)
+    rng = np.random.default_rng(5)
+    raw = quants.quantize(rng.standard_normal((8, 64)).astype(np.float32), QType.Q5_1)
+    w = quant_weight(torch.from_numpy(raw).reshape(-1), QType.Q5_1, (8, 64))
+    assert w.kind == "q5_1"
+    packed = _cpu.pack_quant(w.kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    from tensorfold.kernels import quant_gemm
+    assert torch.equal(_cpu.quant_linear(x, packed, 8, 64), quant_gemm.linear(x, w))

@@ -319,7 +319,7 @@ def test_fused_spellings_and_an_mtp_block_read_the_same(q8, q8_loaded, tmp_path)
 # ---- tiled value heads in blocks ---------------------------------------------------------------
 
 @pytest.mark.parametrize("ops_name", ["cpu_ops", "native_ops"])
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_1"])
 def test_tiled_columns_stay_as_stored(kind, ops_name):
     """ssm_out's columns in tiled value-head order (8 value heads of 32 over 4 key heads) stay in
     the file's order (StoredColumns): the matrix means the stored one's columns in grouped order,

@@ -96,8 +96,17 @@ def _block_tensors(spec: MoESpec, hidden: int, formats: list[str], gen: torch.Ge
         w = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
         if name == "gate.weight":
             w = w * 4.0  # routes with clear winners, and some experts chosen by no row
-        tensors["mlp." + name] = w if fmt == "dense" else quantize(w, fmt)
+        tensors["mlp." + name] = w if fmt == "dense" else _quantized(w, fmt)
     return tensors
+
+
+def _quantized(w: torch.Tensor, fmt: str):
+    """w in fmt's blocks: quantize's q8_0 / q4_0, or (q5_1, the K-quants) gguf's blocks read back."""
+    from tensorfold.models.gguf_quants import quant_weight
+    from tensorfold.models.quantize import QTYPES, gguf_blocks
+
+    return quantize(w, fmt) if fmt in ("q8_0", "q4_0") else \
+        quant_weight(gguf_blocks(w, fmt).reshape(-1), QTYPES[fmt], tuple(w.shape))
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "no_shared"])
@@ -154,6 +163,27 @@ def test_glm_moe_block_equals_its_composition(dtype, formats, groups):
             alone = torch.cat([fused.forward(x[i:i + 1]) for i in range(rows)])
             assert torch.equal(got, alone), f"{rows} rows: a row alone differs from the batch"
         assert fused.forward(x[:0]).shape == (0, hidden)
+
+
+@pytest.mark.parametrize("formats", [["q5_1"], ["q4_k", "q5_1", "q6_k", "q5_k"]], ids=["q5_1", "k_quants"])
+def test_moe_block_with_q5_1_and_k_quants_equals_its_composition(formats):
+    """The MoE block's expert GEMMs (one parallel region of small GEMMs) in q5_1 and the K-quants
+    (activations per 256, one term per super-block): the fused block == the torch reference == the
+    native op by op, a row alone == among others, 1..37 rows."""
+    gen = torch.Generator().manual_seed(len(formats))
+    oracle, hidden = reference_ops(), 256
+    spec = MoESpec(num_experts=8, top_k=3, intermediate_size=256, shared_intermediate_size=256, norm_topk_prob=True)
+    tensors = _block_tensors(spec, hidden, formats, gen)
+    fused = MoE(spec, WeightReader(tensors, torch.float32, torch.device("cpu"), native), None)
+    reference = MoE(spec, WeightReader(tensors, torch.float32, torch.device("cpu"), oracle), None)
+    assert fused._fused is not None and reference._fused is None
+    for rows in (1, 5, 37):
+        x = torch.randn(rows, hidden, generator=gen)
+        got = fused.forward(x)
+        assert torch.equal(got, reference.forward(x)), f"{rows} rows: the fused block != the torch reference"
+        assert torch.equal(got, fused.compose(x)), f"{rows} rows: the fused block != the native op by op"
+        alone = torch.cat([fused.forward(x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(got, alone), f"{rows} rows: a row alone differs from the batch"
 
 
 def test_moe_block_refuses_misshapen_weights():

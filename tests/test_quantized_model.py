@@ -190,7 +190,7 @@ def test_q4_k_m_gguf_passes_the_startup_probes(tiny_q4_k_m_gguf):
 def test_q5_fallback_types_serve_the_same_on_both_op_sets(tiny_q4_k_m_gguf, tmp_path):
     """llama.cpp's quantizer writes Q5_0 (for Q4_K) and Q5_1 (for Q5_K) where a row is no
     multiple of 256: the tiny file with its q, k in Q5_0 and gate, up in Q5_1 loads them as the
-    q8_0 and q5_k forms (gguf's weights) and serves them bitwise alike on both op sets."""
+    q8_0 form and the q5_1 kind (gguf's weights) and serves them bitwise alike on both op sets."""
     import gguf
     from family_cases import rewrite_gguf
     from gguf import GGMLQuantizationType as QType
@@ -210,7 +210,7 @@ def test_q5_fallback_types_serve_the_same_on_both_op_sets(tiny_q4_k_m_gguf, tmp_
     q = q.load() if hasattr(q, "load") else q
     assert q.kind == "q8_0" and int(q.codes.min()) >= -16 and int(q.codes.max()) <= 15
     native, reference = (build_model(ckpt, torch.float32, ops) for ops in (backend_ops("cpu"), cpu_ops))
-    assert native.weight_formats() == {"q8_0": 4, "q5_k": 2, "q4_k": 2, "q6_k": 5}
+    assert native.weight_formats() == {"q8_0": 4, "q5_1": 2, "q4_k": 2, "q6_k": 5}
     got, got_sha = greedy_run(native, PROMPTS, steps=3)
     want, want_sha = greedy_run(reference, PROMPTS, steps=3)
     assert_same_logits(got, want, "q5_0 / q5_1")

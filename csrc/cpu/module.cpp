@@ -19,6 +19,7 @@
 #include "layer.h"
 #include "mamba2.h"
 #include "mamba2_layer.h"
+#include "quant_gemm.h"
 
 namespace {
 
@@ -54,12 +55,21 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
   return linear_packed(x, pack_weight(weight), weight.size(0), weight.size(1), out);
 }
 
-const char* const QUANT_KINDS[] = {"q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"};  // quant_gemm.TYPES
+const char* const QUANT_KINDS[] = {"q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_1"};  // quant_gemm.TYPES
 
 int quant_kind(const std::string& kind) {
-  for (int i = 0; i < 6; ++i)
+  for (int i = 0; i < tf::quant::NUM_KINDS; ++i)
     if (kind == QUANT_KINDS[i]) return i;
-  TORCH_CHECK(false, "quantized weights: unknown kind ", kind, " (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k)");
+  TORCH_CHECK(false, "quantized weights: unknown kind ", kind, " (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_1)");
+}
+
+// The K-quants (act 256) assume one E (and F) per super-block of 8 blocks (quant_gemm.check_weight).
+void check_super_exponents(const std::string& kind, const torch::Tensor& e, int64_t n, int64_t blocks,
+                           const char* what) {
+  if (n == 0 || blocks == 0) return;
+  auto groups = e.view({n, blocks / 8, 8});
+  TORCH_CHECK(groups.eq(groups.select(2, 0).unsqueeze(2)).all().item<bool>(), "pack_quant: ", kind,
+              " weights need one ", what, " per super-block of 256 (their 8 blocks' exponents differ)");
 }
 
 torch::Tensor int32_field(const torch::Tensor& t, int64_t numel, const char* what) {
@@ -75,14 +85,16 @@ torch::Tensor pack_quant(const std::string& kind, const torch::Tensor& codes, co
                          const c10::optional<torch::Tensor>& min_exp) {
   const int k = quant_kind(kind);
   check_cpu(codes, "pack_quant: codes");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.size(1) % 32 == 0,
-              "pack_quant: codes [N, K] int8 with K a multiple of 32 expected, got ", codes.sizes());
-  const int64_t n = codes.size(0), kk = codes.size(1), blocks = kk / 32, sub = kind == "q6_k" ? 16 : 32;
-  const bool has_min = kind == "q4_1" || kind == "q4_k" || kind == "q5_k";
+  const tf::quant::QKind& info = tf::quant::KINDS[k];
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.size(1) % info.act == 0,
+              "pack_quant: ", kind, " codes [N, K] int8 with K a multiple of ", info.act, " expected, got ",
+              codes.sizes());
+  const int64_t n = codes.size(0), kk = codes.size(1), blocks = kk / 32, sub = info.sub;
+  const bool has_min = info.has_min;
   TORCH_CHECK(has_min == (min.has_value() && min->defined()) && has_min == (min_exp.has_value() && min_exp->defined()),
-              "pack_quant: min and min_exp are given exactly for q4_1, q4_k and q5_k");
+              "pack_quant: min and min_exp are given exactly for q4_1, q4_k, q5_k and q5_1");
   auto cc = codes.contiguous();
-  const int64_t code_min[] = {-128, -8, 0, 0, 0, -32}, code_max[] = {127, 7, 15, 15, 31, 31};
+  const int64_t code_min[] = {-128, -8, 0, 0, 0, -32, 0}, code_max[] = {127, 7, 15, 15, 31, 31, 31};
   if (cc.numel() > 0) {
     auto [lo, hi] = torch::aminmax(cc);
     TORCH_CHECK(lo.item<int64_t>() >= code_min[k] && hi.item<int64_t>() <= code_max[k], "pack_quant: ", kind,
@@ -95,6 +107,10 @@ torch::Tensor pack_quant(const std::string& kind, const torch::Tensor& codes, co
   if (has_min) {
     mc = int32_field(*min, n * blocks, "min");
     me = int32_field(*min_exp, n * blocks, "min_exp");
+  }
+  if (info.act != 32) {
+    check_super_exponents(kind, se, n, blocks, "scale_exp");
+    if (has_min) check_super_exponents(kind, me, n, blocks, "min_exp");
   }
   const int32_t* mp = has_min ? mc.data_ptr<int32_t>() : nullptr;
   const int32_t* mep = has_min ? me.data_ptr<int32_t>() : nullptr;
@@ -117,10 +133,11 @@ int64_t quant_file_bytes(const std::string& kind, int64_t n, int64_t k) {
 void pack_quant_file(const torch::Tensor& out, const std::string& kind, const std::string& path,
                      const torch::Tensor& row_offsets, int64_t k) {
   const int code = quant_kind(kind);
+  TORCH_CHECK(code != 6, "pack_quant_file: ", kind, " blocks are not packed from the file (pack_quant their QuantWeight)");
   check_cpu(row_offsets, "pack_quant_file: row_offsets");
   TORCH_CHECK(row_offsets.dim() == 1 && row_offsets.scalar_type() == torch::kInt64,
               "pack_quant_file: row_offsets int64 [n] expected");
-  TORCH_CHECK(k > 0 && k % (code >= 3 ? 256 : 32) == 0, "pack_quant_file: K ", k, " is not whole blocks of ", kind);
+  TORCH_CHECK(k > 0 && k % tf::quant::KINDS[code].act == 0, "pack_quant_file: K ", k, " is not whole blocks of ", kind);
   auto offsets = row_offsets.contiguous();
   const int64_t n = offsets.numel();
   TORCH_CHECK(n == 0 || offsets.min().item<int64_t>() >= 0, "pack_quant_file: negative offset");

@@ -56,6 +56,7 @@ constexpr int64_t ROWS_PER_PASS = 64;  // rows whose activations stay in cache w
 // (8192 x 2048 q4_0, one thread: 8 rows 2.24 ms on tiles against 1.61 on VNNI; 16 rows 3.26 against 3.63.)
 constexpr int64_t AMX_MIN_ROWS = 16;
 constexpr int64_t AMX_BLOCKS = 8;  // blocks whose dots a row tile keeps at once (8 KiB: in L1 till their terms)
+static_assert(AMX_BLOCKS == SUPER_BLOCKS, "group_amx's runs are the K-quants' super-blocks");
 std::atomic<bool> amx_allowed{true};  // set_quant_amx
 // Which GEMM call a thread runs (quant_linears_impl counts them): a column group made ready for
 // the AMX tiles serves only its own call, since a later weight may sit where a freed one was.
@@ -93,16 +94,22 @@ inline uint16_t float16_from(float f) {
   return static_cast<uint16_t>(sign | static_cast<uint32_t>(units));
 }
 
-// One row's activations (quant_gemm.quantize_activations): per block of 32, xq int8 as llama.cpp
-// rounds it (float32: d = amax / 127, xq = round_even(x (127 / amax))), the scale float16(d) =
-// m 2^k with k - kmax kept (kmax the row's largest k), the sums of xq per sub-block, and the
-// minimum term's float16(d sum xq) = sm 2^se (se - kmax kept).
+// One row's activations (quant_gemm.quantize_activations): per group of the kind's act columns
+// (32, or 256 for the K-quants), xq int8 as llama.cpp rounds it (float32: d = amax / 127,
+// xq = round_even(x (127 / amax))), the group's scale float16(d) = m 2^k with k - kmax kept (kmax
+// the row's largest k), the sums of xq per sub-block, and for the 32-column kinds with a minimum
+// the minimum term's float16(d sum xq) = sm 2^se per block (se - kmax kept). The K-quants'
+// minimum takes the exact block sums of xq instead (xsum: their sub-blocks are the blocks).
 struct RowQ {
   int8_t* xq = nullptr;  // blocks * 32 codes, in the batch's buffer: a GEMM's rows K apart (quant_linears_impl)
-  std::vector<int32_t> m, kdelta, xsum, sm, sdelta;
+  std::vector<int32_t> m, kdelta;  // per activation group
+  std::vector<int32_t> xsum;       // per sub-block
+  std::vector<int32_t> sm, sdelta;  // per block (the 32-column kinds with a minimum)
   std::vector<double> mf, smf;  // m 2^kdelta and sm 2^sdelta (exact), the vector kernels' row factors
   int kmax = 0;
-  int kmin = 0, smin = 0;  // the smallest kdelta, sdelta of the blocks whose m, sm is not 0 (0 where none)
+  // the smallest kdelta of the groups whose m is not 0, and the smallest shift of a nonzero
+  // minimum term's row factor (sdelta; the K-quants': kdelta), 0 where none
+  int kmin = 0, smin = 0;
 };
 
 // A block's codes xq = round_even(x inverse) within +-127 (0 for a zero block) and the sums of its
@@ -141,38 +148,51 @@ void quantize_block(const T* v, float inverse, bool zero, int sub, int8_t* xq, i
 }
 
 template <typename T>
-void quantize_row(const T* x, int64_t blocks, int sub, RowQ* row) {
-  const int per = BLOCK / sub;
-  row->m.resize(blocks);
-  row->kdelta.resize(blocks);
+void quantize_row(const T* x, int64_t blocks, const QKind& kd, RowQ* row) {
+  const int per = BLOCK / kd.sub, bpg = kd.act / BLOCK;
+  const int64_t groups = blocks / bpg;
+  const bool block_min = kd.has_min && bpg == 1;  // Q8_1's float16(d sum xq) per block
+  row->m.resize(groups);
+  row->kdelta.resize(groups);
+  row->mf.resize(groups);
   row->xsum.resize(blocks * per);
-  row->sm.resize(blocks);
-  row->sdelta.resize(blocks);
-  row->mf.resize(blocks);
-  row->smf.resize(blocks);
+  row->sm.resize(block_min ? blocks : 0);
+  row->sdelta.resize(block_min ? blocks : 0);
+  row->smf.resize(block_min ? blocks : 0);
   int kmax = -(1 << 20);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const T* v = x + b * BLOCK;
-    const float amax = max_abs(v, BLOCK);
-    const bool zero = exponent(amax) < -120;  // below 2^-120 (127 / amax would overflow): a zero block
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const T* v = x + gi * kd.act;
+    const float amax = max_abs(v, kd.act);
+    const bool zero = exponent(amax) < -120;  // below 2^-120 (127 / amax would overflow): a zero group
     const float d = zero ? 0.0f : amax / X_MAX, inverse = zero ? 0.0f : X_MAX / amax;
-    quantize_block(v, inverse, zero, sub, row->xq + b * BLOCK, row->xsum.data() + b * per);
-    int32_t total = 0;
-    for (int h = 0; h < per; ++h) total += row->xsum[b * per + h];
-    // kdelta and sdelta hold k and se until kmax is known
-    significand16(float16_from(std::min(d, F16_MAX)), &row->m[b], &row->kdelta[b]);
-    const float s = d * static_cast<float>(total);
-    significand16(float16_from(std::min(F16_MAX, std::max(-F16_MAX, s))), &row->sm[b], &row->sdelta[b]);
-    kmax = std::max(kmax, row->kdelta[b]);
+    for (int i = 0; i < bpg; ++i) {
+      const int64_t b = gi * bpg + i;
+      quantize_block(v + i * BLOCK, inverse, zero, kd.sub, row->xq + b * BLOCK, row->xsum.data() + b * per);
+      if (block_min) {
+        int32_t total = 0;
+        for (int h = 0; h < per; ++h) total += row->xsum[b * per + h];
+        const float s = d * static_cast<float>(total);  // sdelta holds se until kmax is known
+        significand16(float16_from(std::min(F16_MAX, std::max(-F16_MAX, s))), &row->sm[b], &row->sdelta[b]);
+      }
+    }
+    // kdelta holds k until kmax is known
+    significand16(float16_from(std::min(d, F16_MAX)), &row->m[gi], &row->kdelta[gi]);
+    kmax = std::max(kmax, row->kdelta[gi]);
   }
   row->kmin = row->smin = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    row->kdelta[b] = std::max(row->kdelta[b] - kmax, -1000);
-    row->sdelta[b] = std::max(row->sdelta[b] - kmax, -1000);
-    if (row->m[b] != 0) row->kmin = std::min(row->kmin, row->kdelta[b]);
-    if (row->sm[b] != 0) row->smin = std::min(row->smin, row->sdelta[b]);
-    row->mf[b] = static_cast<double>(row->m[b]) * pow2(row->kdelta[b]);
-    row->smf[b] = static_cast<double>(row->sm[b]) * pow2(row->sdelta[b]);
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    row->kdelta[gi] = std::max(row->kdelta[gi] - kmax, -1000);
+    if (row->m[gi] != 0) row->kmin = std::min(row->kmin, row->kdelta[gi]);
+    row->mf[gi] = static_cast<double>(row->m[gi]) * pow2(row->kdelta[gi]);
+  }
+  if (block_min) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      row->sdelta[b] = std::max(row->sdelta[b] - kmax, -1000);
+      if (row->sm[b] != 0) row->smin = std::min(row->smin, row->sdelta[b]);
+      row->smf[b] = static_cast<double>(row->sm[b]) * pow2(row->sdelta[b]);
+    }
+  } else {
+    row->smin = row->kmin;  // the K-quants' minimum terms take the group's m 2^k
   }
   row->kmax = kmax;
 }
@@ -192,29 +212,47 @@ inline const uint8_t* streamed_record(const uint8_t* packed, const Layout& L, in
 }
 
 // Rows [r0, r1) of the output against column group g, in plain C++: acc[r][j] the int64 sums.
+// The 32-column kinds: a dot term (and a minimum term) per block; the K-quants: per super-block
+// the exact int64 sums over its blocks of S A (and of M times the block's sum of xq), then one
+// dot term and one minimum term, each times the group's m and rounded onto the grid once.
 [[maybe_unused]] void group_scalar(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0,
                                    int64_t r1, int64_t g, int shift0, const int32_t* top, int64_t* acc) {
   const QKind& kd = L.kind;
+  const int bpg = kd.act / BLOCK;
   for (int64_t r = r0; r < r1; ++r) {
     const RowQ& row = rows[r];
     int64_t* a = acc + (r - r0) * GROUP;
     for (int j = 0; j < GROUP; ++j) a[j] = 0;
+    int64_t dots[GROUP] = {}, mins[GROUP] = {};  // a super-block's sums so far
+    int sexp[GROUP] = {}, mexp[GROUP] = {};
     for (int64_t b = 0; b < L.blocks; ++b) {
       const uint8_t* rec = record_at(packed, L, g, b);
       const int8_t* xq = row.xq + b * BLOCK;
-      const int kd_b = row.kdelta[b] + shift0;
+      const int64_t gi = b / bpg;
+      const int kd_g = row.kdelta[gi] + shift0;
       for (int j = 0; j < GROUP; ++j) {
         const ColumnScales c = column_scales(rec, L, b, j, top[j]);
-        int64_t term = 0;
+        int64_t sa = 0;  // sum over the block's sub-blocks of S A
         for (int h = 0; h < L.per; ++h) {
           int32_t dot = 0;
           for (int k = h * kd.sub; k < (h + 1) * kd.sub; ++k) dot += code_at(rec, L, j, k) * static_cast<int32_t>(xq[k]);
           dot -= kd.offset * row.xsum[b * L.per + h];
-          term += static_cast<int64_t>(c.s[h]) * (dot * row.m[b]);
+          sa += static_cast<int64_t>(c.s[h]) * dot;
         }
-        a[j] += on_grid(term, c.sexp + kd_b, kd.term_bits);
-        if (kd.has_min)
-          a[j] += on_grid(static_cast<int64_t>(c.min) * row.sm[b], c.mexp + row.sdelta[b] + shift0, kd.term_bits);
+        if (bpg == 1) {
+          a[j] += on_grid(sa * row.m[gi], c.sexp + kd_g, kd.term_bits);
+          if (kd.has_min)
+            a[j] += on_grid(static_cast<int64_t>(c.min) * row.sm[b], c.mexp + row.sdelta[b] + shift0, kd.term_bits);
+          continue;
+        }
+        dots[j] += sa;
+        if (kd.has_min) mins[j] += static_cast<int64_t>(c.min) * row.xsum[b];  // sub 32: a block's sum
+        sexp[j] = c.sexp, mexp[j] = c.mexp;  // one per super-block (pack_quant checks)
+        if (b % bpg == bpg - 1) {
+          a[j] += on_grid(dots[j] * row.m[gi], sexp[j] + kd_g, kd.term_bits);
+          if (kd.has_min) a[j] += on_grid(mins[j] * row.m[gi], mexp[j] + kd_g, kd.term_bits);
+          dots[j] = mins[j] = 0;
+        }
       }
     }
   }
@@ -429,6 +467,52 @@ inline void row_terms(__m512i dot0, __m512i dot1, const BlockScales& c, const Ro
   }
 }
 
+// The K-quants (act 256): one row's products of a block for 16 columns added to its super-block's
+// float64 sums: dsum += A S 2^(E - top + shift0) per sub-block (A = dot0, dot1 less offset times
+// the row's sub-block sums), and for q4_k / q5_k msum += M 2^(F - top + shift0) times the block's
+// sum of xq. Exact: E (and F) is one per super-block (pack_quant checks it), so every product is
+// an integer times the same power of two, and the integers' sums stay below 2^53 (a super-block's
+// S A below 2^38, M sum(xq) below 2^32: quant_gemm.KINDS' bounds), so the fused multiply-adds
+// round nothing. row_super_terms then rounds each sum once, as the reference rounds its one term.
+template <int KIND, bool SIGNED_DOTS = false>
+inline void row_super_products(__m512i dot0, __m512i dot1, const BlockScales& c, const RowQ& row, int64_t b,
+                               __m512d* dsum, __m512d* msum) {
+  constexpr QKind KD = KINDS[KIND];
+  constexpr int PER = BLOCK / KD.sub, OFFSET = SIGNED_DOTS ? 0 : KD.offset;
+  const int32_t* xsum = row.xsum.data() + b * PER;
+  const auto halves = [](__m512i v, __m512d* out) {  // int32 columns 0-7 and 8-15 as float64
+    out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(v));
+    out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
+  };
+  __m512d d0[2];
+  halves(OFFSET != 0 ? _mm512_sub_epi32(dot0, _mm512_set1_epi32(OFFSET * xsum[0])) : dot0, d0);
+  for (int h = 0; h < 2; ++h) dsum[h] = _mm512_fmadd_pd(d0[h], c.s[0][h], dsum[h]);
+  if constexpr (PER == 2) {
+    __m512d d1[2];
+    halves(OFFSET != 0 ? _mm512_sub_epi32(dot1, _mm512_set1_epi32(OFFSET * xsum[1])) : dot1, d1);
+    for (int h = 0; h < 2; ++h) dsum[h] = _mm512_fmadd_pd(d1[h], c.s[1][h], dsum[h]);
+  }
+  if constexpr (KD.has_min) {
+    const __m512d xs = _mm512_set1_pd(static_cast<double>(xsum[0]));  // sub 32: the block's sum
+    for (int h = 0; h < 2; ++h) msum[h] = _mm512_fmadd_pd(xs, c.mn[h], msum[h]);
+  }
+}
+
+// A super-block s's terms from its sums (row_super_products): each times the row's m 2^(k - kmax)
+// of the super-block (one rounding: the integer term, below 2^T, times its power of two, exact
+// before the conversion), rounded onto the grid and added to lo (columns 0-7) and hi (8-15).
+template <int KIND>
+inline void row_super_terms(const __m512d* dsum, const __m512d* msum, const RowQ& row, int64_t s, __m512i* lo,
+                            __m512i* hi) {
+  const __m512d m = _mm512_set1_pd(row.mf[s]);
+  *lo = _mm512_add_epi64(*lo, round_pd(_mm512_mul_pd(dsum[0], m)));
+  *hi = _mm512_add_epi64(*hi, round_pd(_mm512_mul_pd(dsum[1], m)));
+  if constexpr (KINDS[KIND].has_min) {
+    *lo = _mm512_add_epi64(*lo, round_pd(_mm512_mul_pd(msum[0], m)));
+    *hi = _mm512_add_epi64(*hi, round_pd(_mm512_mul_pd(msum[1], m)));
+  }
+}
+
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
 // Each block dot runs as four independent vpdpbusd chains (an integer sum: any split gives the
 // same value).
@@ -444,11 +528,16 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   const int64_t ahead = prefetch_distance(L, r0);
   alignas(64) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales)
   __m512i sup_sexp = _mm512_setzero_si512(), sup_mexp = sup_sexp;
+  constexpr bool SUPER_TERMS = KINDS[KIND].act != BLOCK;  // the K-quants: terms per super-block
+  __m512d dsum[R][2], msum[R][2];  // SUPER_TERMS: the super-block's sums so far (row_super_products)
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m512i u[8];
     block_codes<FORM, KIND>(rec, L, u);
     const BlockScales c = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
+    if constexpr (SUPER_TERMS)
+      if (b % SUPER_BLOCKS == 0)
+        for (int r = 0; r < R; ++r) dsum[r][0] = dsum[r][1] = msum[r][0] = msum[r][1] = _mm512_setzero_pd();
     for (int r = 0; r < R; ++r) {
       const int32_t* xq = reinterpret_cast<const int32_t*>(rows[r0 + r].xq + b * BLOCK);
       // Quads c and c + 2 share a chain: four chains of two, summed per half (PER == 2) or whole.
@@ -459,11 +548,15 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
         d[ch] = _mm512_dpbusd_epi32(d[ch], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
       }
       const __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
-      if constexpr (PER == 1)
-        row_terms<KIND>(_mm512_add_epi32(h0, h1), h1, c, rows[r0 + r], b, &lo[r], &hi[r]);
+      const __m512i first = PER == 1 ? _mm512_add_epi32(h0, h1) : h0;
+      if constexpr (SUPER_TERMS)
+        row_super_products<KIND>(first, h1, c, rows[r0 + r], b, dsum[r], msum[r]);
       else
-        row_terms<KIND>(h0, h1, c, rows[r0 + r], b, &lo[r], &hi[r]);
+        row_terms<KIND>(first, h1, c, rows[r0 + r], b, &lo[r], &hi[r]);
     }
+    if constexpr (SUPER_TERMS)
+      if (b % SUPER_BLOCKS == SUPER_BLOCKS - 1)
+        for (int r = 0; r < R; ++r) row_super_terms<KIND>(dsum[r], msum[r], rows[r0 + r], b / SUPER_BLOCKS, &lo[r], &hi[r]);
   }
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_si512(acc + r * GROUP, lo[r]);
@@ -611,10 +704,20 @@ void group_amx(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t
       for (int64_t i = 0; i < n; ++i) {
         const RowQ& row = rows[t0 + i];
         __m512i lo = _mm512_load_si512(sums[i]), hi = _mm512_load_si512(sums[i] + 8);
-        for (int64_t b = 0; b < blocks; ++b) {
-          const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);
-          const __m512i d1 = _mm512_load_si512(dots[PER * b + PER - 1].v[i]);
-          row_terms<KIND, true>(d0, d1, G.scales[b0 + b], row, b0 + b, &lo, &hi);
+        if constexpr (KD.act != BLOCK) {  // a run is one super-block (AMX_BLOCKS = SUPER_BLOCKS, K a multiple of 256)
+          __m512d dsum[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, msum[2] = {dsum[0], dsum[0]};
+          for (int64_t b = 0; b < blocks; ++b) {
+            const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);
+            const __m512i d1 = _mm512_load_si512(dots[PER * b + PER - 1].v[i]);
+            row_super_products<KIND, true>(d0, d1, G.scales[b0 + b], row, b0 + b, dsum, msum);
+          }
+          row_super_terms<KIND>(dsum, msum, row, b0 / SUPER_BLOCKS, &lo, &hi);
+        } else {
+          for (int64_t b = 0; b < blocks; ++b) {
+            const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);
+            const __m512i d1 = _mm512_load_si512(dots[PER * b + PER - 1].v[i]);
+            row_terms<KIND, true>(d0, d1, G.scales[b0 + b], row, b0 + b, &lo, &hi);
+          }
         }
         _mm512_store_si512(sums[i], lo);
         _mm512_store_si512(sums[i] + 8, hi);
@@ -773,10 +876,12 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
   constexpr int PER = BLOCK / KD.sub;
   constexpr bool SIGNED = KD.code_bits == 8;  // q8_0: c = u - 128 as a signed byte
+  constexpr int BPG = KD.act / BLOCK;  // blocks per activation group: 1, or 8 (the K-quants)
   const int term_bits = L.kind.term_bits;
   __m256i a[R][4];
+  __m256i sdot[R][4], smin[R][4];  // BPG > 1: the super-block's sums so far
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) a[r][c] = sdot[r][c] = smin[r][c] = _mm256_setzero_si256();
   const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256i top_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
   const __m256i top_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8));
@@ -845,14 +950,13 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       const RowQ& row = rows[r0 + r];
       const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq + b * BLOCK);
       const int32_t* xsum = row.xsum.data() + b * PER;
-      const int row_shift = row.kdelta[b] + shift0;
-      const __m256i m = _mm256_set1_epi32(row.m[b]);
+      const int64_t gi = b / BPG;  // the row's activation group
+      const int row_shift = row.kdelta[gi] + shift0;
+      const __m256i m = _mm256_set1_epi32(row.m[gi]);
       __m256i dots[PER][2];  // per scale (half of the block), per 8 columns
       for (int h = 0; h < 2; ++h)
         for (int p = 0; p < PER; ++p) dots[p][h] = scaled_dots8<KIND>(xq, xsum, m, p, [&](int q) { return u[q][h]; });
       const __m256i kshift = _mm256_set1_epi64x(row_shift);
-      const __m256i xs = _mm256_set1_epi64x(row.sm[b]);
-      const __m256i mshift = _mm256_set1_epi64x(row.sdelta[b] + shift0);
       __m256i ints[4], shifts[4];
       for (int c = 0; c < 4; ++c) {
         const int h = c / 2;
@@ -861,8 +965,28 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
         if constexpr (PER == 2) ints[c] = _mm256_add_epi64(ints[c], _mm256_mul_epi32(quarter(dots[1][h]), s1_64[c]));
         shifts[c] = _mm256_add_epi64(sexp64[c], kshift);
       }
+      if constexpr (BPG > 1) {
+        // the K-quants: the super-block's exact sums (m is its one scale: S (A m) summed is
+        // (S A summed) m), each put on the grid once at its last block
+        for (int c = 0; c < 4; ++c) sdot[r][c] = _mm256_add_epi64(sdot[r][c], ints[c]);
+        if constexpr (HAS_MIN) {
+          const __m256i xs = _mm256_set1_epi64x(xsum[0] * row.m[gi]);  // the block's sum times m: below 2^23
+          for (int c = 0; c < 4; ++c) smin[r][c] = _mm256_add_epi64(smin[r][c], _mm256_mul_epi32(m64[c], xs));
+        }
+        if (b % BPG == BPG - 1) {
+          add_terms4<4>(a[r], sdot[r], shifts, term_bits);
+          if constexpr (HAS_MIN) {
+            for (int c = 0; c < 4; ++c) shifts[c] = _mm256_add_epi64(mexp64[c], kshift);
+            add_terms4<4>(a[r], smin[r], shifts, term_bits);
+          }
+          for (int c = 0; c < 4; ++c) sdot[r][c] = smin[r][c] = _mm256_setzero_si256();
+        }
+        continue;
+      }
       add_terms4<4>(a[r], ints, shifts, term_bits);
       if constexpr (HAS_MIN) {
+        const __m256i xs = _mm256_set1_epi64x(row.sm[b]);
+        const __m256i mshift = _mm256_set1_epi64x(row.sdelta[b] + shift0);
         for (int c = 0; c < 4; ++c) {
           ints[c] = _mm256_mul_epi32(m64[c], xs);
           shifts[c] = _mm256_add_epi64(mexp64[c], mshift);
@@ -890,9 +1014,11 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
   constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
   constexpr int PER = BLOCK / KD.sub;
   constexpr bool SIGNED = KD.code_bits == 8;
+  constexpr int BPG = KD.act / BLOCK;  // blocks per activation group: 1, or 8 (the K-quants)
   __m256i even[R][2], odd[R][2];  // [row][half]
+  __m256i sde[R][2], sdo[R][2], sme[R][2], smo[R][2];  // BPG > 1: the super-block's sums so far
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) even[r][h] = odd[r][h] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) even[r][h] = odd[r][h] = sde[r][h] = sdo[r][h] = sme[r][h] = smo[r][h] = _mm256_setzero_si256();
   const __m256i nib = _mm256_set1_epi8(0x0F), low32 = _mm256_set1_epi64x(0xFFFFFFFF);
   const int64_t ahead = prefetch_distance(L, r0);
   alignas(32) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales8), both halves
@@ -945,7 +1071,8 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
         const RowQ& row = rows[r0 + r];
         const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq + b * BLOCK);
         const int32_t* xsum = row.xsum.data() + b * PER;
-        const __m256i m = _mm256_set1_epi32(row.m[b]);
+        const int64_t gi = b / BPG;  // the row's activation group
+        const __m256i m = _mm256_set1_epi32(row.m[gi]);
         __m256i ints_even, ints_odd;
         for (int p = 0; p < PER; ++p) {
           const __m256i dot = scaled_dots8<KIND>(xq, xsum, m, p, [&](int q) { return R > 1 ? u[q] : codes(q); });
@@ -954,7 +1081,27 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
           ints_even = p == 0 ? e : _mm256_add_epi64(ints_even, e);
           ints_odd = p == 0 ? o : _mm256_add_epi64(ints_odd, o);
         }
-        const __m256i shift = _mm256_add_epi32(sexp, _mm256_set1_epi32(row.kdelta[b] + shift0));
+        const __m256i shift = _mm256_add_epi32(sexp, _mm256_set1_epi32(row.kdelta[gi] + shift0));
+        if constexpr (BPG > 1) {  // the K-quants: exact sums over the super-block, on the grid at its last block
+          sde[r][h] = _mm256_add_epi64(sde[r][h], ints_even);
+          sdo[r][h] = _mm256_add_epi64(sdo[r][h], ints_odd);
+          if constexpr (HAS_MIN) {
+            const __m256i xs = _mm256_set1_epi64x(xsum[0] * row.m[gi]);  // the block's sum times m
+            sme[r][h] = _mm256_add_epi64(sme[r][h], _mm256_mul_epi32(mv, xs));
+            smo[r][h] = _mm256_add_epi64(smo[r][h], _mm256_mul_epi32(m_odd, xs));
+          }
+          if (b % BPG == BPG - 1) {
+            even[r][h] = _mm256_add_epi64(even[r][h], _mm256_sllv_epi64(sde[r][h], _mm256_and_si256(shift, low32)));
+            odd[r][h] = _mm256_add_epi64(odd[r][h], _mm256_sllv_epi64(sdo[r][h], _mm256_srli_epi64(shift, 32)));
+            if constexpr (HAS_MIN) {
+              const __m256i mshift = _mm256_add_epi32(mexp, _mm256_set1_epi32(row.kdelta[gi] + shift0));
+              even[r][h] = _mm256_add_epi64(even[r][h], _mm256_sllv_epi64(sme[r][h], _mm256_and_si256(mshift, low32)));
+              odd[r][h] = _mm256_add_epi64(odd[r][h], _mm256_sllv_epi64(smo[r][h], _mm256_srli_epi64(mshift, 32)));
+            }
+            sde[r][h] = sdo[r][h] = sme[r][h] = smo[r][h] = _mm256_setzero_si256();
+          }
+          continue;
+        }
         even[r][h] = _mm256_add_epi64(even[r][h], _mm256_sllv_epi64(ints_even, _mm256_and_si256(shift, low32)));
         odd[r][h] = _mm256_add_epi64(odd[r][h], _mm256_sllv_epi64(ints_odd, _mm256_srli_epi64(shift, 32)));
         if constexpr (HAS_MIN) {
@@ -1023,25 +1170,29 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
                                                                        acc + (r - r0) * GROUP);
     });
   };
-  const auto by_kind = [&](auto form) {
-    switch (kind) {  // quant_gemm.TYPES order, as KINDS
-      case 0: return tiles(form, std::integral_constant<int, 0>{});
-      case 1: return tiles(form, std::integral_constant<int, 1>{});
-      case 2: return tiles(form, std::integral_constant<int, 2>{});
-      case 3: return tiles(form, std::integral_constant<int, 3>{});
-      case 4: return tiles(form, std::integral_constant<int, 4>{});
-      default: return tiles(form, std::integral_constant<int, 5>{});
-    }
-  };
+  using F16_FORM = std::integral_constant<int, F16>;
+  using WIDE_FORM = std::integral_constant<int, WIDE>;
   if (L.form == SUPER) {  // q4_k or q6_k only
     if (kind == Q4K)
       tiles(std::integral_constant<int, SUPER>{}, std::integral_constant<int, Q4K>{});
     else
       tiles(std::integral_constant<int, SUPER>{}, std::integral_constant<int, Q6K>{});
-  } else if (L.form == F16) {
-    by_kind(std::integral_constant<int, F16>{});
+  } else if (L.form == F16) {  // the 32-weight types with the file's float16 scales
+    switch (kind) {
+      case 0: return tiles(F16_FORM{}, std::integral_constant<int, 0>{});
+      case 1: return tiles(F16_FORM{}, std::integral_constant<int, 1>{});
+      default: return tiles(F16_FORM{}, std::integral_constant<int, 2>{});
+    }
   } else {
-    by_kind(std::integral_constant<int, WIDE>{});
+    switch (kind) {  // quant_gemm.TYPES order, as KINDS
+      case 0: return tiles(WIDE_FORM{}, std::integral_constant<int, 0>{});
+      case 1: return tiles(WIDE_FORM{}, std::integral_constant<int, 1>{});
+      case 2: return tiles(WIDE_FORM{}, std::integral_constant<int, 2>{});
+      case 3: return tiles(WIDE_FORM{}, std::integral_constant<int, 3>{});
+      case 4: return tiles(WIDE_FORM{}, std::integral_constant<int, 4>{});
+      case 5: return tiles(WIDE_FORM{}, std::integral_constant<int, 5>{});
+      default: return tiles(WIDE_FORM{}, std::integral_constant<int, 6>{});
+    }
   }
 #else
   (void)kind;
@@ -1106,7 +1257,8 @@ void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
     if (q.M == 0 || q.N == 0) continue;
     const Header* h = reinterpret_cast<const Header*>(q.packed);
     const Layout L(static_cast<int>(h->kind), static_cast<int>(h->form), q.N, q.K);
-    const int log_terms = log2_ceil(L.blocks * (L.kind.has_min ? 2 : 1));
+    // the reference's #terms: per activation group one dot term, and one minimum term
+    const int log_terms = log2_ceil(L.blocks / (L.kind.act / BLOCK) * (L.kind.has_min ? 2 : 1));
     js.push_back({&q, L, log_terms, 62 - log_terms - L.kind.term_bits, total_rows, total_codes, call});
     total_rows += q.M;
     total_codes += q.M * q.K;
@@ -1148,7 +1300,7 @@ void quant_linears_impl(const QuantJob* jobs, int64_t count, int threads) {
       const GemmJob* it = std::upper_bound(job_p, job_end, r,
                                            [](int64_t row, const GemmJob& j) { return row < j.row0; }) - 1;
       const QuantJob& q = *it->job;
-      quantize_row(static_cast<const T*>(q.x) + (r - it->row0) * q.K, it->L.blocks, it->L.kind.sub, &row_q[r]);
+      quantize_row(static_cast<const T*>(q.x) + (r - it->row0) * q.K, it->L.blocks, it->L.kind, &row_q[r]);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < num_tasks; ++t) job_groups<T>(job_p[task_p[t].first], row_q, task_p[t].second, end_p[t]);

@@ -20,7 +20,7 @@ namespace quant {
 
 constexpr int BLOCK = 32;
 constexpr int GROUP = 16;     // columns per packed group (one zmm of int32)
-constexpr int64_t MAGIC = 0x544651554e540004;  // "TFQUNT" v4
+constexpr int64_t MAGIC = 0x544651554e540005;  // "TFQUNT" v5 (v5: the K-quants per super-block, q5_1)
 
 struct QKind {
   int sub;         // weights per scale S
@@ -29,10 +29,16 @@ struct QKind {
   int offset;      // u = c + offset is a byte
   bool nibbles;    // u < 16: two codes to a byte
   int code_bits;   // u < 2^code_bits
+  int act;         // activations quantized per group of act columns: 32, or 256 (the K-quants)
 };
-// In quant_gemm.KINDS order: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k.
-constexpr QKind KINDS[] = {{32, 41, false, 128, false, 8}, {32, 41, false, 8, true, 4}, {32, 41, true, 0, true, 4},
-                           {32, 44, true, 0, true, 4},     {32, 45, true, 0, false, 5}, {16, 46, false, 32, false, 6}};
+// In quant_gemm.KINDS order: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_1. The K-quants (act 256)
+// take one dot term (and q4_k / q5_k one minimum term) per super-block of 256; q5_1 is the
+// per-32 arithmetic with a 5-bit code (GGUF's Q5_1).
+constexpr QKind KINDS[] = {{32, 41, false, 128, false, 8, 32}, {32, 41, false, 8, true, 4, 32},
+                           {32, 41, true, 0, true, 4, 32},     {32, 47, true, 0, true, 4, 256},
+                           {32, 48, true, 0, false, 5, 256},   {16, 49, false, 32, false, 6, 256},
+                           {32, 41, true, 0, false, 5, 32}};
+constexpr int NUM_KINDS = 7;
 
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 

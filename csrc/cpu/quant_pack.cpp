@@ -234,7 +234,7 @@ bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64
   const Header* h = reinterpret_cast<const Header*>(packed);
   const bool form_ok = h->form == WIDE || h->form == F16 ||
                        (h->form == SUPER && (h->kind == Q4K || h->kind == Q6K) && K % (BLOCK * SUPER_BLOCKS) == 0);
-  return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < 6 && form_ok &&
+  return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < NUM_KINDS && form_ok &&
          bytes == Layout(static_cast<int>(h->kind), static_cast<int>(h->form), N, K).total;
 }
 
