@@ -535,6 +535,40 @@ def test_quant_linear_with_k_quant_file_blocks_equals_its_reference(draw, thread
     assert torch.equal(_cpu.quant_rows(packed, ids, n, k), w.dequantize()[ids]), "rows as floats"
 
 
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_quant_linear_with_k_quant_file_blocks_at_their_bounds(draw, threads, kind):
+    """The file form's integer sums at their largest: every code and sub-block scale at its bound
+    (q4_k: codes 15, sc and m 63; q6_k: codes -32, sc -128) against activations at +-127, so a
+    super-block's sum of sc A (and of m sum(xq)) is as large as int32 sums get, on VNNI (1-4 rows)
+    and AMX tiles (16 and more)."""
+    from gguf import GGMLQuantizationType as QType
+    from test_quant_gemm import random_k_file
+
+    from tensorfold.kernels import quant_gemm
+    from tensorfold.models.gguf_quants import quant_weight
+
+    n, k = 24, 512
+    raw = random_k_file(draw.gen, kind, n, k)[0].reshape(n * k // 256, -1).clone()
+    if kind == "q4_k":
+        raw[:, 4:144] = 0xFF  # sc = m = 63, every nibble 15
+        raw[:, 4] = raw[:, 8] = 0xFE  # sc_0 = m_0 = 62: gcd 1, so the packer keeps the file's factoring
+        qtype = QType.Q4_K
+    else:
+        raw[:, 0:192] = 0  # codes u = 0: c = -32
+        raw[:, 192:208] = 0x80  # sc = -128
+        raw[:, 193] = 0x7F  # and one 127: gcd 1, the file's factoring kept
+        qtype = QType.Q6_K
+    w = quant_weight(raw.reshape(-1), qtype, (n, k))
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+    x = torch.ones(20, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, 256:] = -1.0
+    want = quant_gemm.linear(x, w)
+    for rows in (slice(0, 1), slice(0, 4), slice(0, 20)):
+        assert_bitwise(_cpu.quant_linear(x[rows], packed, n, k), want[rows], draw, f"{kind}, rows {rows}")
+
+
 def test_k_quant_file_form_is_the_files_size():
     """A Q4_K / Q6_K matrix kept packed takes the file's bytes (1.00x, plus a small header and the
     column tops), where the wide form of other K-quant scales takes 0.81 / 1.03 bytes a weight."""

@@ -513,11 +513,122 @@ inline void row_super_terms(const __m512d* dsum, const __m512d* msum, const RowQ
   }
 }
 
+// The K-quants in their file's form (q4_k, q6_k as SUPER records): a super-block's factors for its
+// 16 columns, decoded once from its head. sc: the sub-block scales as int32 (q4_k: sc of blocks
+// 0-7 in sc[0..8), their minimums m in sc[8..16); q6_k: the 16 signed scales), and as float64
+// (columns 0-7, 8-15) dd = dm 2^(E - top + shift0) and q4_k's dmin = -dminm 2^(F - top + shift0),
+// so that S = dm sc and M = -(dminm m) (column_scales) factor out of a super-block's sums.
+template <bool Q6>
+inline void super_factors(const uint8_t* head, __m512i topv, int shift0, int32_t (*sc)[GROUP], __m512d* dd,
+                          __m512d* dmin) {
+  const __m512i grid = _mm512_set1_epi32(shift0);
+  __m512i dm, sexp;
+  decode_f16(head, topv, &dm, &sexp);
+  scaled_pd(dm, _mm512_add_epi32(sexp, grid), dd);
+  if constexpr (Q6) {
+    for (int t = 0; t < 16; ++t)
+      _mm512_store_si512(sc[t], _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 2 * GROUP + 16 * t))));
+    return;
+  }
+  __m512i mm, mexp;
+  decode_f16(head + 2 * GROUP, topv, &mm, &mexp);
+  scaled_pd(_mm512_sub_epi32(_mm512_setzero_si512(), mm), _mm512_add_epi32(mexp, grid), dmin);
+  const uint8_t* planes = head + 4 * GROUP;
+  const auto byte = [&](int t) { return plane_u8(planes + 16 * t); };
+  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+  for (int i = 0; i < SUPER_BLOCKS; ++i) {
+    __m512i s, m;
+    if (i < 4) {
+      s = _mm512_and_si512(byte(i), low6);
+      m = _mm512_and_si512(byte(i + 4), low6);
+    } else {
+      const __m512i rest = byte(i + 4);
+      s = _mm512_or_si512(_mm512_and_si512(rest, low4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i - 4), 6), 4));
+      m = _mm512_or_si512(_mm512_srli_epi32(rest, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i), 6), 4));
+    }
+    _mm512_store_si512(sc[i], s);
+    _mm512_store_si512(sc[SUPER_BLOCKS + i], m);
+  }
+}
+
+// A super-block s's two terms for one row from its int32 sums: dsum = sum of sc A over its
+// sub-blocks, msum = sum of m sum(xq) over its blocks (q4_k). Each times dd (or dmin) and the
+// row's m 2^(k - kmax): the reference's integer dm (dsum) m_s (below 2^49) times its power of
+// two, exact in float64 before the one rounding onto the grid.
+template <bool HAS_MIN>
+inline void super_int_terms(__m512i dsum, __m512i msum, const __m512d* dd, const __m512d* dmin, double mf,
+                            __m512i* lo, __m512i* hi) {
+  const __m512d m = _mm512_set1_pd(mf);
+  const __m512d d0 = _mm512_cvtepi32_pd(_mm512_castsi512_si256(dsum));
+  const __m512d d1 = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(dsum, 1));
+  *lo = _mm512_add_epi64(*lo, round_pd(_mm512_mul_pd(_mm512_mul_pd(d0, dd[0]), m)));
+  *hi = _mm512_add_epi64(*hi, round_pd(_mm512_mul_pd(_mm512_mul_pd(d1, dd[1]), m)));
+  if constexpr (HAS_MIN) {
+    const __m512d m0 = _mm512_cvtepi32_pd(_mm512_castsi512_si256(msum));
+    const __m512d m1 = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(msum, 1));
+    *lo = _mm512_add_epi64(*lo, round_pd(_mm512_mul_pd(_mm512_mul_pd(m0, dmin[0]), m)));
+    *hi = _mm512_add_epi64(*hi, round_pd(_mm512_mul_pd(_mm512_mul_pd(m1, dmin[1]), m)));
+  }
+}
+
+// group_vector for the SUPER form: per row and super-block the integer sums of sc A (vpmulld,
+// below 2^25 for q4_k, 2^27 for q6_k) and of m sum(xq) (below 2^21), then two terms
+// (super_int_terms). Per block and row that is the dots and one or two multiply-adds of int32.
+template <int R, int KIND>
+void group_super(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                 const int32_t* top, int64_t* acc) {
+  constexpr bool Q6 = KIND == Q6K;
+  __m512i lo[R], hi[R];  // columns 0-7 and 8-15
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+  const __m512i topv = _mm512_loadu_si512(top);
+  const int64_t ahead = prefetch_distance(L, r0);
+  alignas(64) int32_t sc[16][GROUP];
+  __m512d dd[2], dmin[2];
+  for (int64_t sb = 0; sb < L.blocks / SUPER_BLOCKS; ++sb) {
+    __m512i dsum[R], msum[R];
+    for (int r = 0; r < R; ++r) dsum[r] = msum[r] = _mm512_setzero_si512();
+    for (int i = 0; i < SUPER_BLOCKS; ++i) {
+      const int64_t b = sb * SUPER_BLOCKS + i;
+      const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
+      if (i == 0) super_factors<Q6>(super_head(rec, L, b), topv, shift0, sc, dd, dmin);
+      __m512i u[8];
+      block_codes<SUPER, KIND>(rec, L, u);
+      const __m512i s0 = _mm512_load_si512(sc[Q6 ? 2 * i : i]);
+      const __m512i s1 = _mm512_load_si512(sc[Q6 ? 2 * i + 1 : SUPER_BLOCKS + i]);  // q4_k: the minimums m
+      for (int r = 0; r < R; ++r) {
+        const RowQ& row = rows[r0 + r];
+        const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq + b * BLOCK);
+        __m512i d[4];
+        for (int ch = 0; ch < 4; ++ch) {
+          const int q = (ch & 1) + (ch >> 1) * 4;  // chains start at quads 0, 1, 4, 5
+          d[ch] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[q], _mm512_set1_epi32(xq[q]));
+          d[ch] = _mm512_dpbusd_epi32(d[ch], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
+        }
+        const __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
+        if constexpr (Q6) {  // halves of 16, offset 32: A = u . xq - 32 sum(xq)
+          const int32_t* xsum = row.xsum.data() + 2 * b;
+          const __m512i a0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(32 * xsum[0]));
+          const __m512i a1 = _mm512_sub_epi32(h1, _mm512_set1_epi32(32 * xsum[1]));
+          dsum[r] = _mm512_add_epi32(dsum[r], _mm512_add_epi32(_mm512_mullo_epi32(a0, s0), _mm512_mullo_epi32(a1, s1)));
+        } else {  // offset 0: A = u . xq
+          dsum[r] = _mm512_add_epi32(dsum[r], _mm512_mullo_epi32(_mm512_add_epi32(h0, h1), s0));
+          msum[r] = _mm512_add_epi32(msum[r], _mm512_mullo_epi32(s1, _mm512_set1_epi32(row.xsum[b])));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) super_int_terms<!Q6>(dsum[r], msum[r], dd, dmin, rows[r0 + r].mf[sb], &lo[r], &hi[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_si512(acc + r * GROUP, lo[r]);
+    _mm512_storeu_si512(acc + r * GROUP + 8, hi[r]);
+  }
+}
+
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
 // Each block dot runs as four independent vpdpbusd chains (an integer sum: any split gives the
 // same value).
 template <int R, int FORM, int KIND>
-void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                   const int32_t* top, int64_t* acc) {
   constexpr int PER = BLOCK / KINDS[KIND].sub;
   __m512i lo[R], hi[R];  // columns 0-7 and 8-15
@@ -564,6 +675,16 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   }
 }
 
+// R rows against group g: the SUPER form by its integer sums (group_super), the others block by block.
+template <int R, int FORM, int KIND>
+void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                  const int32_t* top, int64_t* acc) {
+  if constexpr (FORM == SUPER)
+    group_super<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
+  else
+    group_blocks<R, FORM, KIND>(L, packed, rows, r0, g, shift0, top, acc);
+}
+
 #if defined(TF_QUANT_AMX)
 // AMX-INT8: the block dots of 16 rows and 16 columns in one tile multiply (tdpbssd: s8 x s8 ->
 // int32, the codes made signed once per group), K the block's 32 (or a q6_k half's 16), so each C
@@ -598,12 +719,18 @@ struct alignas(64) CodeRows {
 struct alignas(64) DotTile {
   int32_t v[TILE_ROWS][GROUP];
 };
+// A SUPER super-block's factors (super_factors), made once per group for all its row tiles.
+struct alignas(64) SuperInts {
+  int32_t sc[16][GROUP];
+  __m512d dd[2], dmin[2];
+};
 struct AmxGroup {
   uint64_t call = 0;  // which call, weight and group it was made for
   const uint8_t* packed = nullptr;
   int64_t g = -1;
   std::vector<CodeRows> codes;  // per block: its B rows
-  std::vector<BlockScales> scales;
+  std::vector<BlockScales> scales;  // per block (not SUPER)
+  std::vector<SuperInts> supers;  // per super-block (SUPER)
   std::vector<DotTile> dots;  // per block of a run (and half): a row tile's dots
 };
 
@@ -612,7 +739,10 @@ void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0
   if (G->call == current_call && G->packed == packed && G->g == g) return;
   G->call = current_call, G->packed = packed, G->g = g;
   G->codes.resize(L.blocks);
-  G->scales.resize(L.blocks);
+  if constexpr (FORM == SUPER)
+    G->supers.resize(L.blocks / SUPER_BLOCKS);
+  else
+    G->scales.resize(L.blocks);
   G->dots.resize(AMX_BLOCKS * (BLOCK / KINDS[KIND].sub));
   const __m512i topv = _mm512_loadu_si512(top);
   __m512d units[2];
@@ -626,7 +756,14 @@ void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0
     block_codes<FORM, KIND>(rec, L, u);
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(KINDS[KIND].offset));
     for (int q = 0; q < 8; ++q) _mm512_store_si512(G->codes[b].v + 64 * q, _mm512_sub_epi8(u[q], offset));  // mod 256
-    G->scales[b] = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
+    if constexpr (FORM == SUPER) {
+      if (b % SUPER_BLOCKS == 0) {
+        SuperInts& si = G->supers[b / SUPER_BLOCKS];
+        super_factors<KIND == Q6K>(super_head(rec, L, b), topv, shift0, si.sc, si.dd, si.dmin);
+      }
+    } else {
+      G->scales[b] = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
+    }
   }
 }
 
@@ -704,7 +841,23 @@ void group_amx(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t
       for (int64_t i = 0; i < n; ++i) {
         const RowQ& row = rows[t0 + i];
         __m512i lo = _mm512_load_si512(sums[i]), hi = _mm512_load_si512(sums[i] + 8);
-        if constexpr (KD.act != BLOCK) {  // a run is one super-block (AMX_BLOCKS = SUPER_BLOCKS, K a multiple of 256)
+        if constexpr (FORM == SUPER) {  // a run is one super-block: its int32 sums, then two terms (group_super)
+          const SuperInts& si = G.supers[b0 / SUPER_BLOCKS];
+          __m512i dsum = _mm512_setzero_si512(), msum = dsum;
+          for (int64_t b = 0; b < blocks; ++b) {
+            const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);  // c . xq: the codes signed
+            if constexpr (PER == 2) {
+              const __m512i d1 = _mm512_load_si512(dots[PER * b + 1].v[i]);
+              dsum = _mm512_add_epi32(dsum, _mm512_add_epi32(_mm512_mullo_epi32(d0, _mm512_load_si512(si.sc[2 * b])),
+                                                             _mm512_mullo_epi32(d1, _mm512_load_si512(si.sc[2 * b + 1]))));
+            } else {
+              dsum = _mm512_add_epi32(dsum, _mm512_mullo_epi32(d0, _mm512_load_si512(si.sc[b])));
+              msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(_mm512_load_si512(si.sc[SUPER_BLOCKS + b]),
+                                                               _mm512_set1_epi32(row.xsum[b0 + b])));
+            }
+          }
+          super_int_terms<KD.has_min>(dsum, msum, si.dd, si.dmin, row.mf[b0 / SUPER_BLOCKS], &lo, &hi);
+        } else if constexpr (KD.act != BLOCK) {  // a run is one super-block (AMX_BLOCKS = SUPER_BLOCKS, K a multiple of 256)
           __m512d dsum[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, msum[2] = {dsum[0], dsum[0]};
           for (int64_t b = 0; b < blocks; ++b) {
             const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);
