@@ -27,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tensorfold.kernels import attention_triton as attn, rms_norm_triton as norm
+from tensorfold.kernels import quant_gemm as qg, quant_gemm_triton as qt
 from tensorfold.kernels import sampling_triton as samp, verify_triton as ver
 from tensorfold.kernels.exact_triton import LAUNCH_EXACT
 from tensorfold.kernels.reference import NORM_BITS
@@ -85,6 +86,19 @@ kernels = {
                             dict(logits_ptr="*fp32", bitmask_ptr="*i32", width=i32, stride_row=i32,
                                  stride_mask=i32), dict(BLOCK=1024)),
 }
+for act in (qg.BLOCK, qg.SUPER):  # the quantized GEMM: step 1 per group of 32 and of 256, then every kind
+    kernels[f"quantize_{act}"] = (qt.quantize_kernel,
+                                  dict(x_ptr="*bf16", xq_ptr="*i8", m_ptr="*i32", k_ptr="*i32", sm_ptr="*i32",
+                                       se_ptr="*i32", kmax_ptr="*i32", K=i32, NG=i32),
+                                  dict(GROUPS=qt.QUANT_COLUMNS // act, BPG=act // qg.BLOCK))
+for name, kind in qg.KINDS.items():
+    kernels[f"quant_gemm_{name}"] = (
+        qt.quant_gemm_kernel,
+        dict(xq_ptr="*i8", m_ptr="*i32", k_ptr="*i32", sm_ptr="*i32", se_ptr="*i32", kmax_ptr="*i32",
+             codes_ptr="*i8", scale_ptr="*i32", scale_exp_ptr="*i32", min_ptr="*i32", min_exp_ptr="*i32",
+             top_ptr="*i32", out_ptr="*bf16", M=i32, N=i32, K=i32, NG=i32, G_BIAS=i32),
+        dict(SUB=kind.sub, BPG=kind.blocks_per_group, MIN_TERM=qt.min_term(kind), TERM_BITS=kind.term_bits,
+             BLOCK_M=qt.BLOCK_M, BLOCK_N=qt.BLOCK_N))
 found = {}
 for name, (fn, signature, constexprs) in kernels.items():
     try:
@@ -116,8 +130,10 @@ def float_ops(code: str) -> dict[str, int]:
     return {n: names.count(n) for n in sorted(set(names))}
 
 
+QUANT_KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_1")  # quant_gemm.KINDS
 KERNELS = ["attention_stats", "attention_sums", "attention_finish", "rms_norm", "rms_norm_rope",
-           "rope", "logit_max", "sample_shard", "verify", "apply_token_bitmask"]
+           "rope", "logit_max", "sample_shard", "verify", "apply_token_bitmask", "quantize_32", "quantize_256",
+           *(f"quant_gemm_{kind}" for kind in QUANT_KINDS)]
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -139,6 +155,18 @@ def test_attention_dots_are_float64_mma_and_its_only_division_is_ieee(ptx):
         assert any(n.startswith("mma.") and n.endswith(".f64.f64.f64.f64") for n in ops), ops
         assert not any(n.startswith("div.") for n in ops), ops
     assert float_ops(ptx["attention_finish"]) == {"div.rn.f32": 1}
+
+
+def test_quantized_gemm_is_integer_mma_and_its_quantizer_divides_ieee(ptx):
+    """Every kind's GEMM: its block dots are int8 tensor-core MMAs with int32 accumulation and no
+    float instruction rounds (the terms are integers; the one rounding is a conversion); step 1's
+    divisions are IEEE."""
+    int8_mma = re.compile(r"^\s*mma\.[\w.]*\.s32\.s8\.s8\.s32\b", re.M)
+    for kind in QUANT_KINDS:
+        code = ptx[f"quant_gemm_{kind}"]
+        assert int8_mma.search(code) and not float_ops(code), (kind, float_ops(code))
+    for act in (32, 256):
+        assert set(float_ops(ptx[f"quantize_{act}"])) == {"div.rn.f32"}, act
 
 
 def test_norm_has_exactly_the_rules_ieee_sqrt_and_divisions(ptx):

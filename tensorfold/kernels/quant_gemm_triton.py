@@ -59,7 +59,16 @@ F16_MAX: tl.constexpr = tl.constexpr(qg.F16_MAX)  # float16 scales saturate here
 BLOCK_M = 16              # tl.dot's smallest tile; the GEMM's tile for every M
 BLOCK_N = 64
 QUANT_COLUMNS = 1024      # activation columns per step of quantize_kernel: 32 groups of 32, or 4 of 256
-NO_MIN, Q8_1_MIN, SUM_MIN = 0, 1, 2  # quant_gemm_kernel's MIN_TERM
+# quant_gemm_kernel's MIN_TERM: no minimum (q8_0, q4_0, q6_k), Q8_1's float16(d sum xq) (q4_1,
+# q5_1), or the exact code sums of a super-block (q4_k, q5_k)
+NO_MIN: tl.constexpr = tl.constexpr(0)
+Q8_1_MIN: tl.constexpr = tl.constexpr(1)
+SUM_MIN: tl.constexpr = tl.constexpr(2)
+
+
+def min_term(kind: qg.Kind) -> int:
+    """The MIN_TERM of a kind."""
+    return (NO_MIN if not kind.has_min else Q8_1_MIN if kind.act == BLOCK else SUM_MIN).value
 
 
 @dataclass
@@ -261,12 +270,11 @@ def quant_linear(x: torch.Tensor, w: PackedQuantWeight, out: torch.Tensor | None
     xq, xm, k, sm, se, kmax = quantize_activations(x, kind.act)
     terms = ng * (2 if kind.has_min else 1)
     g_bias = kind.term_bits - 62 + math.ceil(math.log2(terms))  # quant_gemm.linear's expression
-    min_term = NO_MIN if not kind.has_min else Q8_1_MIN if kind.act == BLOCK else SUM_MIN
     dummy = w.scale_exp  # NO_MIN: never read
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     quant_gemm_kernel[grid](xq, xm, k, xm if sm is None else sm, k if se is None else se, kmax, w.codes, w.scale, w.scale_exp,
                             dummy if w.min is None else w.min, dummy if w.min_exp is None else w.min_exp,
                             w.top, out, m, n, kdim, ng, g_bias,
-                            SUB=kind.sub, BPG=kind.blocks_per_group, MIN_TERM=min_term,
+                            SUB=kind.sub, BPG=kind.blocks_per_group, MIN_TERM=min_term(kind),
                             TERM_BITS=kind.term_bits, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **ex.LAUNCH_EXACT)
     return out
