@@ -138,3 +138,16 @@ def test_bench_hybrid_runs_a_gguf_written_by_layer(tmp_path):
                    "--cache-dir", str(tmp_path))
     assert "tiny-gguf-4" in out and "DeltaNet layers' share of a round" in out, out
     assert os.path.exists(tmp_path / "tiny-gguf-4" / "model-q8_0.gguf")
+
+
+def test_bench_quant_kinds_runs():
+    """tools/bench_quant_kinds.py: one-thread GEMM time per kind at a tiny shape, one table row each."""
+    import pytest
+
+    from tensorfold.backends import native_problem
+    if native_problem() is not None:
+        pytest.skip(f"the C++ kernels are not built: {native_problem()}")
+    out = run_tool("tools/bench_quant_kinds.py", "--kinds", "q4_0,q4_k,q5_1", "--rows", "1,17", "--n", "48",
+                   "--k", "512", "--repeats", "1", "--budget", "0.01")
+    for kind in ("q4_0", "q4_k", "q5_1"):
+        assert re.search(rf"\| {kind} \| \d+\.\d+ \(\d+\.\d\dx\) \| \d+\.\d+ \(\d+\.\d\dx\) \|", out), out

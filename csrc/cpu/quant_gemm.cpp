@@ -1,14 +1,21 @@
 // The exact quantized GEMM: kernels/quant_gemm.py's steps, bitwise its torch reference, on the
 // packed weights of quant_gemm.h (packed by quant_pack.cpp).
 //
-// Activations are quantized per row and block to int8 as llama.cpp's Q8 blocks round them. A
-// block's dot is an integer (sum u xq - offset sum xq); each term an integer times a power of
-// two, shifted onto the output's grid and summed in int64. Integer arithmetic throughout, so
-// threads, tiling and the other rows cannot change a bit.
+// Activations are quantized per row and group to int8 as llama.cpp's Q8 blocks round them: groups
+// of 32 for q8_0, q4_0, q4_1 and q5_1 (Q8_0 / Q8_1), of 256 for the K-quants q4_k, q5_k, q6_k
+// (Q8_K). A sub-block's dot is an integer (sum u xq - offset sum xq). The 32-column kinds take a
+// dot term (and a minimum term) per block; the K-quants one dot term per super-block of 256, the
+// exact sum of its sub-blocks' S A times the group's m, and for q4_k / q5_k one minimum term, the
+// exact sum of M times each block's sum of xq, times m. Each term is an integer times a power of
+// two, rounded onto the output's grid once and summed in int64. Every sum is exact, so threads,
+// tiling and the other rows cannot change a bit.
 //
-// With AVX-512 VNNI the block dots of 16 columns are 8 vpdpbusd (u8 x s8 -> int32), and the
-// terms are shifted in int64 lanes; with AVX2, vpmaddubsw and vpmaddwd on 8 columns at a time;
-// elsewhere plain C++ over the same layout.
+// With AVX-512 VNNI the block dots of 16 columns are 8 vpdpbusd (u8 x s8 -> int32); a K-quant
+// super-block's products are summed in int32 (the file's form: sc A with vpmulld, dm applied once)
+// or in float64 lanes (the wide form: every product an integer times the super-block's one power
+// of two, the sums below 2^53), and each term is rounded to int64 once. AMX-INT8 tiles take the
+// dots of 16 rows at a time. With AVX2, vpmaddubsw and vpmaddwd on 8 columns at a time, the
+// super-block sums in int64; elsewhere plain C++ over the same layout.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -425,13 +432,13 @@ inline __m512i round_pd(__m512d v) {
   return _mm512_cvt_roundpd_epi64(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// One row's terms of a block for 16 columns, added to its int64 sums lo (columns 0-7) and hi
+// The 32-column kinds: one row's terms of a block for 16 columns, added to its int64 sums lo (columns 0-7) and hi
 // (8-15): dot0 the block's dots u . xq (PER == 2: the first half's, dot1 the second's), less
 // offset times the row's sums, times the columns' S 2^(E - top + shift0), times the row's
 // m 2^(k - kmax), rounded onto the grid; then, for the kinds with a minimum, M sm on the grid.
 //
-// Exact, though in float64: each term is the reference's integer (|I| < 2^T, T <= 46: the
-// kind's term_bits) times a power of two. Its factors are integers times powers of two and every
+// Exact, though in float64: each term is the reference's integer (|I| < 2^T, T = 41 for the
+// 32-column kinds this serves) times a power of two. Its factors are integers times powers of two and every
 // product and the halves' sum stay below 2^53 times their power of two, so no operation rounds
 // (exponents stay far inside float64's range), and the conversion's one rounding, to nearest even,
 // is on_grid's where the shift is negative. The same order of operations for every row.

@@ -3,6 +3,10 @@
 // codes and scales read back as the reference's integers. Shared by the packer (quant_pack.cpp)
 // and the kernels (quant_gemm.cpp).
 //
+// The kinds differ in their activation groups (QKind::act): 32 columns, or a K-quant's super-block
+// of 256, over which the weight's E (and F) is one (pack_quant checks it), so that the kernels
+// sum a super-block's products exactly before its one dot term and one minimum term.
+//
 // Weights are packed from the reference's form (signed codes c, integer scales S with exponents
 // E, optional minimums M 2^F) into column groups of 16. A group is one run of records, one per
 // block of 32 (what a thread streams front to back): the codes as unsigned bytes u = c + offset

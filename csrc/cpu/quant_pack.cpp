@@ -254,6 +254,7 @@ namespace tf {
 // -0 as +0), SUPER for q4_k / q6_k (the super-block's d, dmin and sub-block scales, factored
 // from S = dm sc exactly as pack_quant factors them: the file's own bytes whenever d > 0 and
 // the sub-block scales have gcd 1, the common case, else factor_scales' pick), WIDE for q5_k.
+// Q5_1's blocks (kind q5_1) are not read here: they take pack_quant's route (module.cpp refuses).
 namespace {
 
 using namespace quant;
