@@ -89,8 +89,8 @@ kernels = {
 for act in (qg.BLOCK, qg.SUPER):  # the quantized GEMM: step 1 per group of 32 and of 256, then every kind
     kernels[f"quantize_{act}"] = (qt.quantize_kernel,
                                   dict(x_ptr="*bf16", xq_ptr="*i8", m_ptr="*i32", k_ptr="*i32", sm_ptr="*i32",
-                                       se_ptr="*i32", kmax_ptr="*i32", K=i32, NG=i32),
-                                  dict(GROUPS=qt.QUANT_COLUMNS // act, BPG=act // qg.BLOCK))
+                                       se_ptr="*i32", NUM_GROUPS=i32),
+                                  dict(GROUPS=qt.QUANT_COLUMNS // act, ACT=act))
 for name, kind in qg.KINDS.items():
     kernels[f"quant_gemm_{name}"] = (
         qt.quant_gemm_kernel,

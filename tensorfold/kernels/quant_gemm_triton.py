@@ -58,7 +58,7 @@ X_MAX: tl.constexpr = tl.constexpr(qg.X_MAX)     # |xq| <= 127
 F16_MAX: tl.constexpr = tl.constexpr(qg.F16_MAX)  # float16 scales saturate here
 BLOCK_M = 16              # tl.dot's smallest tile; the GEMM's tile for every M
 BLOCK_N = 64
-QUANT_COLUMNS = 1024      # activation columns per step of quantize_kernel: 32 groups of 32, or 4 of 256
+QUANT_COLUMNS = 1024      # activation columns per program of quantize_kernel: 32 groups of 32, or 4 of 256
 # quant_gemm_kernel's MIN_TERM: no minimum (q8_0, q4_0, q6_k), Q8_1's float16(d sum xq) (q4_1,
 # q5_1), or the exact code sums of a super-block (q4_k, q5_k)
 NO_MIN: tl.constexpr = tl.constexpr(0)
@@ -127,43 +127,37 @@ def significand16(h):
 
 
 @triton.jit
-def quantize_kernel(x_ptr, xq_ptr, m_ptr, k_ptr, sm_ptr, se_ptr, kmax_ptr, K, NG,
-                    GROUPS: tl.constexpr, BPG: tl.constexpr):
-    """Step 1 for one row: xq [K] int8, (m, k) [K / ACT] int32, kmax [1] int32, and for ACT 32
-    (BPG 1) Q8_1's (sm, se) [K / 32] int32; a step is GROUPS groups of BPG blocks of 32."""
-    row = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, 32)
-    blk = tl.arange(0, BPG)
-    kmax = tl.full([], -2147483647, tl.int32)
+def quantize_kernel(x_ptr, xq_ptr, m_ptr, k_ptr, sm_ptr, se_ptr, NUM_GROUPS,
+                    GROUPS: tl.constexpr, ACT: tl.constexpr):
+    """Step 1 for GROUPS activation groups of ACT columns: x [M, K] contiguous is M K / ACT groups
+    back to back, a row's in order. Per group xq [ACT] int8 and (m, k) int32, and for ACT 32 Q8_1's
+    (sm, se) int32."""
+    groups = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    ok = groups < NUM_GROUPS
+    offs = groups[:, None] * ACT + tl.arange(0, ACT)[None, :]
+    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)   # [GROUPS, ACT]
+    amax = tl.max(tl.abs(x), 1)                                             # [GROUPS] float32
+    zero = ex.exponent(amax) < -120                                         # amax < 2^-120
+    safe = tl.where(zero, 1.0, amax)
+    # correctly rounded float32 divisions (div.rn.f32), as the reference's and llama.cpp's `/`;
+    # a plain `/` would compile to the approximate div.full.f32
     x_max = tl.full([GROUPS], X_MAX, tl.float32)
-    for g0 in range(0, NG, GROUPS):
-        groups = g0 + tl.arange(0, GROUPS)
-        ok = groups < NG
-        offs = row * K + groups[:, None, None] * (BPG * 32) + blk[None, :, None] * 32 + lane[None, None, :]
-        x = tl.load(x_ptr + offs, mask=ok[:, None, None], other=0.0).to(tl.float32)   # [GROUPS, BPG, 32]
-        amax = tl.max(tl.max(tl.abs(x), 2), 1)                                  # [GROUPS] float32
-        zero = ex.exponent(amax) < -120                                         # amax < 2^-120
-        safe = tl.where(zero, 1.0, amax)
-        # correctly rounded float32 divisions (div.rn.f32), as the reference's and llama.cpp's `/`;
-        # a plain `/` would compile to the approximate div.full.f32
-        d = tl.where(zero, 0.0, tl.math.div_rn(safe, x_max))
-        inverse = tl.math.div_rn(x_max, safe)
-        p = x * inverse[:, None, None]                                          # float32 product
-        p = tl.where(p == p, p, 0.0)                     # 0 inf (127 / amax overflowed): 0, see above
-        xq = tl.minimum(tl.maximum(ex.round_even(p.to(tl.float64)), -X_MAX), X_MAX).to(tl.int32)
-        xq = tl.where(zero[:, None, None], 0, xq)
-        tl.store(xq_ptr + offs, xq.to(tl.int8), mask=ok[:, None, None])
-        m, k = significand16(tl.minimum(d, F16_MAX).to(tl.float16, fp_downcast_rounding="rtne"))
-        tl.store(m_ptr + row * NG + groups, m, mask=ok)
-        tl.store(k_ptr + row * NG + groups, k, mask=ok)
-        if BPG == 1:  # Q8_1's minimum scale; the K-quants' minimum takes exact code sums instead
-            s = d * tl.sum(tl.sum(xq, 2), 1).to(tl.float32)                     # [GROUPS] float32
-            s = tl.minimum(tl.maximum(s, -F16_MAX), F16_MAX)
-            sm, se = significand16(s.to(tl.float16, fp_downcast_rounding="rtne"))
-            tl.store(sm_ptr + row * NG + groups, sm, mask=ok)
-            tl.store(se_ptr + row * NG + groups, se, mask=ok)
-        kmax = tl.maximum(kmax, tl.max(tl.where(ok, k, -2147483647), 0))
-    tl.store(kmax_ptr + row, kmax)
+    d = tl.where(zero, 0.0, tl.math.div_rn(safe, x_max))
+    inverse = tl.math.div_rn(x_max, safe)
+    p = x * inverse[:, None]                                                # float32 product
+    p = tl.where(p == p, p, 0.0)                         # 0 inf (127 / amax overflowed): 0, see above
+    xq = tl.minimum(tl.maximum(ex.round_even(p.to(tl.float64)), -X_MAX), X_MAX).to(tl.int32)
+    xq = tl.where(zero[:, None], 0, xq)
+    tl.store(xq_ptr + offs, xq.to(tl.int8), mask=ok[:, None])
+    m, k = significand16(tl.minimum(d, F16_MAX).to(tl.float16, fp_downcast_rounding="rtne"))
+    tl.store(m_ptr + groups, m, mask=ok)
+    tl.store(k_ptr + groups, k, mask=ok)
+    if ACT == 32:  # Q8_1's minimum scale; the K-quants' minimum takes exact code sums instead
+        s = d * tl.sum(xq, 1).to(tl.float32)                                # float32
+        s = tl.minimum(tl.maximum(s, -F16_MAX), F16_MAX)
+        sm, se = significand16(s.to(tl.float16, fp_downcast_rounding="rtne"))
+        tl.store(sm_ptr + groups, sm, mask=ok)
+        tl.store(se_ptr + groups, se, mask=ok)
 
 
 @triton.jit
@@ -240,7 +234,7 @@ def quant_gemm_kernel(xq_ptr, m_ptr, k_ptr, sm_ptr, se_ptr, kmax_ptr, codes_ptr,
 def quantize_activations(x: torch.Tensor, act: int = BLOCK):
     """Step 1 in Triton, per group of `act` columns (32 or 256; K a multiple of it): (xq [M, K]
     int8, m and k [M, K / act] int32, sm and se [M, K / 32] int32 for act 32 (None for 256: the
-    K-quants do not use them), kmax [M] int32)."""
+    K-quants do not use them), kmax [M] int32: each row's largest k, an exact maximum)."""
     m, kdim = x.shape
     if act not in (BLOCK, qg.SUPER) or kdim % act:
         raise ValueError(f"activations of {kdim} columns in groups of {act}")
@@ -249,10 +243,11 @@ def quantize_activations(x: torch.Tensor, act: int = BLOCK):
     xq = torch.empty(m, kdim, dtype=torch.int8, device=x.device)
     xm, k = (torch.empty(m, ng, dtype=torch.int32, device=x.device) for _ in range(2))
     sm, se = (torch.empty(m, ng, dtype=torch.int32, device=x.device) for _ in range(2)) if act == BLOCK else (None, None)
-    kmax = torch.empty(m, dtype=torch.int32, device=x.device)
-    if m:
-        quantize_kernel[(m,)](x, xq, xm, k, xm if sm is None else sm, k if se is None else se, kmax, kdim, ng,
-                              GROUPS=QUANT_COLUMNS // act, BPG=act // BLOCK, **ex.LAUNCH_EXACT)
+    if m * ng:
+        groups = QUANT_COLUMNS // act
+        quantize_kernel[(triton.cdiv(m * ng, groups),)](x, xq, xm, k, xm if sm is None else sm, k if se is None else se,
+                                                        m * ng, GROUPS=groups, ACT=act, **ex.LAUNCH_EXACT)
+    kmax = k.amax(dim=1) if ng else torch.full((m,), -24, dtype=torch.int32, device=x.device)
     return xq, xm, k, sm, se, kmax
 
 
