@@ -18,7 +18,8 @@ What runs where, and why:
   sampling and grammar-masked verification.
 - linear with a quantized weight (a QuantWeight from kernels/quant_gemm.py, packed once by
   Linear): the Triton exact quantized GEMM (kernels/quant_gemm_triton.py: int8 activation
-  blocks, integer block dots, an int64 sum on a grid known before any block), bitwise
+  groups of 32, or 256 for the K-quants, integer block dots summed per group, an int64 sum on a
+  grid known before any block), bitwise
   quant_gemm.linear for every kind, fixed tiles whatever M, so a row's bits never depend on the
   batch; on CUDA tensors and, in tests, on CPU tensors under the interpreter alike.
 - linear with a dense weight on a GPU: the fixed-tile Triton GEMM (kernels/dense_gemm_triton.py:

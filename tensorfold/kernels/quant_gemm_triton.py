@@ -1,23 +1,26 @@
 """The exact quantized GEMM in Triton: bitwise kernels/quant_gemm.py's `linear`, every kind.
 
 Two launches per call, both exact integer arithmetic up to one final rounding (quant_gemm.py's
-docstring, steps 1-4). A kind's activation group ACT (quant_gemm.Kind.act) is 32 columns for
-q8_0, q4_0, q4_1 and q5_1, and a super-block of 256 for the K-quants q4_k, q5_k and q6_k.
+docstring, steps 1-4), and one exact torch max between them. A kind's activation group ACT
+(quant_gemm.Kind.act) is 32 columns for q8_0, q4_0, q4_1 and q5_1, and a super-block of 256 for
+the K-quants q4_k, q5_k and q6_k.
 
-- `quantize_kernel`, one program per activation row, 256 columns a step (8 groups of 32, or one
-  of 256): per group, as llama.cpp's Q8_0/Q8_1 (32) and Q8_K (256) blocks, in float32 IEEE
-  operations: amax = max |x|; d = amax / 127 and inverse = 127 / amax, both with tl.math.div_rn
-  (a correctly rounded division: a plain float32 `/` compiles to `div.full.f32`, approximate; the
-  interpreter's div_rn is numpy's IEEE float32 divide); xq = round_even(x inverse) (one float32
-  product, then the float64 1.5 2^52 trick, ties to even) clamped to [-127, 127] as int8; the
-  group's scale float16(min(d, 65504)) as its 11-bit significand and exponent (m, k)
-  (quant_gemm.significand: zero -> (0, -24)); per block of 32 the float16(clamp(d sum xq,
-  +-65504)) of Q8_1's minimum as (sm, se) (float32 -> float16 casts round to nearest even,
-  "rtne", on the GPU and in the interpreter; only the 32-column kinds read them, but they are
-  the reference's for every ACT); a group with amax < 2^-120 is zero (xq = 0, d = 0); and the
-  row's kmax. (Where 127 / amax overflows, amax < ~2^-121, x inverse is +-inf -> +-127, and
-  0 inf, NaN, is taken as 0: the group's d is far below float16's least step, so m = sm = 0 and
-  its codes never count. The torch reference has no value for such a NaN.)
+- `quantize_kernel`: x [M, K] contiguous is M K / ACT groups back to back, so a program takes
+  1024 columns' worth of them (32 groups of 32, or 4 of 256), whichever rows they belong to; each
+  group is quantized alone, so no group's bits depend on the others. Per group, as llama.cpp's
+  Q8_0/Q8_1 (32) and Q8_K (256) blocks, in float32 IEEE operations: amax = max |x|;
+  d = amax / 127 and inverse = 127 / amax, both with tl.math.div_rn (a correctly rounded
+  division: a plain float32 `/` compiles to `div.full.f32`, approximate; the interpreter's div_rn
+  is numpy's IEEE float32 divide); xq = round_even(x inverse) (one float32 product, then the
+  float64 1.5 2^52 trick, ties to even) clamped to [-127, 127] as int8; the group's scale
+  float16(min(d, 65504)) as its 11-bit significand and exponent (m, k) (quant_gemm.significand:
+  zero -> (0, -24)); for ACT 32 also Q8_1's float16(clamp(d sum xq, +-65504)) as (sm, se)
+  (float32 -> float16 casts round to nearest even, "rtne", on the GPU and in the interpreter;
+  the K-quants' minimum takes exact code sums instead, so ACT 256 makes none). A group with
+  amax < 2^-120 is zero (xq = 0, d = 0). (Where 127 / amax overflows, amax < ~2^-121, x inverse
+  is +-inf -> +-127, and 0 inf, NaN, is taken as 0: the group's d is far below float16's least
+  step, so m = sm = 0 and its codes never count. The torch reference has no value for such a
+  NaN.) Then kmax[r], row r's largest k: torch's amax over integers, exact in any order.
 - `quant_gemm_kernel`, one program per [BLOCK_M, BLOCK_N] output tile, the same tile whatever M
   (1 row or 512: no switch by row count, and none could change a bit). The grid exponent
   g = top[n] + kmax[r] + T - 62 + ceil(log2(#terms)) is known before the first block. Per
