@@ -245,11 +245,14 @@ def quantize_activations(x: torch.Tensor, act: int = BLOCK):
     x = x.contiguous()
     xq = torch.empty(m, kdim, dtype=torch.int8, device=x.device)
     xm, k = (torch.empty(m, ng, dtype=torch.int32, device=x.device) for _ in range(2))
-    sm, se = (torch.empty(m, ng, dtype=torch.int32, device=x.device) for _ in range(2)) if act == BLOCK else (None, None)
+    sm, se = (None, None)
+    if act == BLOCK:
+        sm, se = (torch.empty(m, ng, dtype=torch.int32, device=x.device) for _ in range(2))
     if m * ng:
         groups = QUANT_COLUMNS // act
-        quantize_kernel[(triton.cdiv(m * ng, groups),)](x, xq, xm, k, xm if sm is None else sm, k if se is None else se,
-                                                        m * ng, GROUPS=groups, ACT=act, **ex.LAUNCH_EXACT)
+        quantize_kernel[(triton.cdiv(m * ng, groups),)](x, xq, xm, k, xm if sm is None else sm,
+                                                        k if se is None else se, m * ng,
+                                                        GROUPS=groups, ACT=act, **ex.LAUNCH_EXACT)
     kmax = k.amax(dim=1) if ng else torch.full((m,), -24, dtype=torch.int32, device=x.device)
     return xq, xm, k, sm, se, kmax
 
@@ -268,9 +271,10 @@ def quant_linear(x: torch.Tensor, w: PackedQuantWeight, out: torch.Tensor | None
     xq, xm, k, sm, se, kmax = quantize_activations(x, kind.act)
     terms = ng * (2 if kind.has_min else 1)
     g_bias = kind.term_bits - 62 + math.ceil(math.log2(terms))  # quant_gemm.linear's expression
-    dummy = w.scale_exp  # NO_MIN: never read
+    dummy = w.scale_exp  # never read: the minimum's fields without a minimum, (sm, se) for ACT 256
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    quant_gemm_kernel[grid](xq, xm, k, xm if sm is None else sm, k if se is None else se, kmax, w.codes, w.scale, w.scale_exp,
+    quant_gemm_kernel[grid](xq, xm, k, dummy if sm is None else sm, dummy if se is None else se, kmax,
+                            w.codes, w.scale, w.scale_exp,
                             dummy if w.min is None else w.min, dummy if w.min_exp is None else w.min_exp,
                             w.top, out, m, n, kdim, ng, g_bias,
                             SUB=kind.sub, BPG=kind.blocks_per_group, MIN_TERM=min_term(kind),
