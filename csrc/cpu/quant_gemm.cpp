@@ -947,7 +947,7 @@ constexpr int sum16(int code_bits, int per) {  // quads whose vpmaddubsw pairs m
 // Sub-block p's dots of 8 columns with one row, times the row's block scale m: codes(q) gives quad
 // q's bytes (for q8_0, c + 128), xq the row's block as int32 quads, xsum its sub-block sums. The
 // vpmaddubsw pairs are summed in int16 SUM16 quads at a time, then in int32; A m < 2^19 2^11.
-template <int KIND, typename Codes>
+template <int KIND, typename Codes, bool SCALED = true>
 inline __m256i scaled_dots8(const int32_t* xq, const int32_t* xsum, __m256i m, int p, Codes codes) {
   constexpr QKind KD = KINDS[KIND];
   constexpr int PER = BLOCK / KD.sub, OFFSET = KD.offset;
@@ -968,6 +968,7 @@ inline __m256i scaled_dots8(const int32_t* xq, const int32_t* xsum, __m256i m, i
     d32 = _mm256_add_epi32(d32, _mm256_madd_epi16(d16, ones));
   }
   if constexpr (OFFSET != 0 && !SIGNED) d32 = _mm256_sub_epi32(d32, _mm256_set1_epi32(OFFSET * xsum[p]));
+  if constexpr (!SCALED) return d32;  // A itself (group_super8)
   return _mm256_mullo_epi32(d32, m);
 }
 
@@ -1017,6 +1018,116 @@ inline void super_scales8(const uint8_t* head, bool q6, int h, __m256i top, int3
   }
 }
 
+// The SUPER form on AVX2 (group_super's sums, eight columns to a register): per super-block the
+// head decoded once into int32 sub-block scales (and Q4_K's minimums) and, per column, dm, -dminm
+// and the shifts E - top, F - top; per row and block the dots A (not yet times m) times sc added
+// to int32 sums (below 2^27), and Q4_K's m times the block's sum of xq (below 2^21); at the
+// super-block's end each sum times dm m (or -dminm m, below 2^22: vpmuldq gives the int64 term,
+// below 2^49) goes onto the grid once (add_terms4: a negative shift rounds as on_grid does).
+template <int R, int KIND>
+void group_super8(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                  const int32_t* top, int64_t* acc) {
+  constexpr bool Q6 = KIND == Q6K;
+  constexpr int PER = Q6 ? 2 : 1;
+  const int term_bits = L.kind.term_bits;
+  __m256i a[R][4];  // int64 sums of columns 4c..4c+3
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_si256();
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const int64_t ahead = prefetch_distance(L, r0);
+  alignas(32) int32_t sc[16][GROUP];
+  alignas(32) int32_t dm[2][GROUP], sexp[2][GROUP];  // [dot, minimum][column]: dm and -dminm, E - top and F - top
+  for (int64_t sb = 0; sb < L.blocks / SUPER_BLOCKS; ++sb) {
+    __m256i dsum[R][2], msum[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) dsum[r][h] = msum[r][h] = _mm256_setzero_si256();
+    for (int i = 0; i < SUPER_BLOCKS; ++i) {
+      const int64_t b = sb * SUPER_BLOCKS + i;
+      const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
+      if (i == 0) {
+        const uint8_t* head = super_head(rec, L, b);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8 * h));
+          const auto put = [&](int32_t* at, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(at + 8 * h), v); };
+          __m256i d, e;
+          decode_f16x8(head + 16 * h, t, &d, &e);
+          put(dm[0], d);
+          put(sexp[0], e);
+          if constexpr (Q6) {
+            for (int q = 0; q < 16; ++q) put(sc[q], load_i8x8(head + 2 * GROUP + 16 * q + 8 * h));
+          } else {
+            decode_f16x8(head + 2 * GROUP + 16 * h, t, &d, &e);
+            put(dm[1], _mm256_sub_epi32(_mm256_setzero_si256(), d));
+            put(sexp[1], e);
+            const uint8_t* planes = head + 4 * GROUP + 8 * h;
+            const auto byte = [&](int q) { return plane_u8x8(planes + 16 * q); };
+            const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15);
+            for (int j = 0; j < SUPER_BLOCKS; ++j) {
+              __m256i s, m;
+              if (j < 4) {
+                s = _mm256_and_si256(byte(j), low6);
+                m = _mm256_and_si256(byte(j + 4), low6);
+              } else {
+                const __m256i rest = byte(j + 4);
+                s = _mm256_or_si256(_mm256_and_si256(rest, low4), _mm256_slli_epi32(_mm256_srli_epi32(byte(j - 4), 6), 4));
+                m = _mm256_or_si256(_mm256_srli_epi32(rest, 4), _mm256_slli_epi32(_mm256_srli_epi32(byte(j), 6), 4));
+              }
+              put(sc[j], s);
+              put(sc[SUPER_BLOCKS + j], m);
+            }
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256i u[8];  // quad q of columns 8h..8h+7
+        for (int q = 0; q < 4; ++q) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + q * 64 + 32 * h));
+          u[q] = _mm256_and_si256(v, nib);
+          u[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+        if constexpr (Q6) add_top_bits8(rec + L.code_bytes, h, u);
+        const auto get = [&](int q) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(sc[q] + 8 * h)); };
+        const __m256i s0 = get(Q6 ? 2 * i : i), s1 = get(Q6 ? 2 * i + 1 : SUPER_BLOCKS + i);
+        for (int r = 0; r < R; ++r) {
+          const RowQ& row = rows[r0 + r];
+          const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq + b * BLOCK);
+          const int32_t* xsum = row.xsum.data() + b * PER;
+          const auto codes = [&](int q) { return u[q]; };
+          const __m256i one = _mm256_set1_epi32(1);
+          const __m256i a0 = scaled_dots8<KIND, decltype(codes), false>(xq, xsum, one, 0, codes);
+          if constexpr (Q6) {
+            const __m256i a1 = scaled_dots8<KIND, decltype(codes), false>(xq, xsum, one, 1, codes);
+            dsum[r][h] = _mm256_add_epi32(dsum[r][h], _mm256_add_epi32(_mm256_mullo_epi32(a0, s0), _mm256_mullo_epi32(a1, s1)));
+          } else {
+            dsum[r][h] = _mm256_add_epi32(dsum[r][h], _mm256_mullo_epi32(a0, s0));
+            msum[r][h] = _mm256_add_epi32(msum[r][h], _mm256_mullo_epi32(s1, _mm256_set1_epi32(xsum[0])));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const RowQ& row = rows[r0 + r];
+      const __m256i m = _mm256_set1_epi32(row.m[sb]);
+      const __m256i kshift = _mm256_set1_epi64x(row.kdelta[sb] + shift0);
+      for (int t = 0; t < (Q6 ? 1 : 2); ++t) {  // the dot term, then Q4_K's minimum term
+        __m256i ints[4], shifts[4];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i f = _mm256_mullo_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(dm[t] + 8 * h)), m);
+          const __m256i e = _mm256_load_si256(reinterpret_cast<const __m256i*>(sexp[t] + 8 * h));
+          const __m256i v = t == 0 ? dsum[r][h] : msum[r][h];
+          ints[2 * h] = _mm256_mul_epi32(widen4_lo(v), widen4_lo(f));
+          ints[2 * h + 1] = _mm256_mul_epi32(widen4_hi(v), widen4_hi(f));
+          shifts[2 * h] = _mm256_add_epi64(widen4_lo(e), kshift);
+          shifts[2 * h + 1] = _mm256_add_epi64(widen4_hi(e), kshift);
+        }
+        add_terms4<4>(a[r], ints, shifts, term_bits);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * GROUP + 4 * c), a[r][c]);
+}
+
 // Sub-block i's scales of columns 8h..8h+7 from super_scales8's sup.
 inline void super_block_scales8(const int32_t (*sup)[GROUP], int i, bool q6, int h, __m256i* s0, __m256i* s1,
                                 __m256i* mv) {
@@ -1031,6 +1142,10 @@ inline void super_block_scales8(const int32_t (*sup)[GROUP], int i, bool q6, int
 template <int R, int FORM, int KIND>
 void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                   const int32_t* top, int64_t* acc) {
+  if constexpr (FORM == SUPER) {  // the file's form: its own kernel
+    group_super8<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
+    return;
+  }
   constexpr QKind KD = KINDS[KIND];  // the kind's traits as constants: no branch left in the block loop
   constexpr bool NIBBLES = KD.nibbles || FORM == SUPER, HAS_MIN = KD.has_min;
   constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
@@ -1169,6 +1284,10 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
 template <int R, int FORM, int KIND>
 void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                      const int32_t* top, int64_t* acc) {
+  if constexpr (FORM == SUPER) {  // the file's form: its own kernel, which checks its few shifts
+    group_super8<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
+    return;
+  }
   constexpr QKind KD = KINDS[KIND];
   constexpr bool NIBBLES = KD.nibbles || FORM == SUPER, HAS_MIN = KD.has_min;
   constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
