@@ -191,8 +191,19 @@ for dtype in (torch.float32, torch.bfloat16):
         packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
         assert torch.equal(cpu.quant_linear(x, packed, 24, 96), quant_gemm.linear(x, w)), kind + " (float16 scales)"
     from test_quant_gemm import random_k_file
-    for kind in ("q4_k", "q6_k"):  # as GGUF stores them: packed in the file's form
-        raw, w = random_k_file(g, kind, 32, 512)
+    from gguf import GGMLQuantizationType
+    from tensorfold.models import gguf_quants
+    def k_file(kind):  # random_k_file's blocks, and Q5_K's drawn the same way
+        if kind != "q5_k":
+            return random_k_file(g, kind, 32, 512)
+        blocks = torch.randint(0, 256, (64, 176), generator=g, dtype=torch.uint8)
+        for at in (0, 2):
+            h = (torch.randn(64, generator=g) * 2.0 ** torch.randint(-22, 4, (64,), generator=g)).half()
+            blocks[:, at:at + 2] = h.view(torch.uint8).reshape(-1, 2)
+        raw = blocks.reshape(-1)
+        return raw, gguf_quants.quant_weight(raw, GGMLQuantizationType.Q5_K, (32, 512))
+    for kind in ("q4_k", "q5_k", "q6_k"):  # as GGUF stores them: packed in the file's form
+        raw, w = k_file(kind)
         packed = cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
         assert packed.numel() < 1.05 * raw.numel(), kind + " not in the file's form"
         x = torch.randn(5, 512, generator=g) * 2.0 ** torch.randint(-30, 6, (5, 1), generator=g)

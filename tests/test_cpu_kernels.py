@@ -510,18 +510,42 @@ def test_quant_linear_equals_its_reference(draw, threads, dtype, kind, rows, n, 
     assert_bitwise(_cpu.quant_linear(x[-1:], packed, n, k), want[-1:], draw, "the last row alone")
 
 
+def k_file(gen: torch.Generator, kind: str, n: int, k: int):
+    """A K-quant matrix as a GGUF file holds it and its QuantWeight: test_quant_gemm.random_k_file's
+    Q4_K and Q6_K, and Q5_K drawn the same way (random bytes, d and dmin over many binades, a zero
+    and a subnormal among them)."""
+    from test_quant_gemm import random_k_file
+
+    if kind != "q5_k":
+        return random_k_file(gen, kind, n, k)
+    import gguf
+    from gguf import GGMLQuantizationType as QType
+
+    from tensorfold.models import gguf_quants
+
+    size = gguf.GGML_QUANT_SIZES[QType.Q5_K][1]
+    blocks = torch.randint(0, 256, (n * k // 256, size), generator=gen, dtype=torch.uint8)
+    for at in (0, 2):
+        h = (torch.randn(len(blocks), generator=gen) * 2.0 ** torch.randint(-22, 4, (len(blocks),), generator=gen)).half()
+        h[0], h[-1] = 0.0, 2.0 ** -20
+        blocks[:, at:at + 2] = h.view(torch.uint8).reshape(-1, 2)
+    raw = blocks.reshape(-1)
+    return raw, gguf_quants.quant_weight(raw, QType.Q5_K, (n, k))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (7, 16, 512), (19, 45, 768)])
 def test_quant_linear_with_k_quant_file_blocks_equals_its_reference(draw, threads, dtype, kind, rows, n, k):
-    """Q4_K and Q6_K as a GGUF file stores them, packed in the file's own form (d, dmin and the
-    sub-block scales decoded in registers; q6_k's codes as nibbles and two-bit planes): every row,
+    """Q4_K, Q5_K and Q6_K as a GGUF file stores them, packed in the file's own form (d, dmin and
+    the sub-block scales decoded in registers; q6_k's codes as nibbles and two-bit planes, q5_k's
+    as nibbles and a plane of fifth bits): every row,
     a row alone and the rows' order, bitwise the reference; the weight's rows as floats too."""
-    from test_quant_gemm import random_k_file, random_x
+    from test_quant_gemm import random_x
 
     from tensorfold.kernels import quant_gemm
 
-    raw, w = random_k_file(draw.gen, kind, n, k)
+    raw, w = k_file(draw.gen, kind, n, k)
     x = random_x(draw.gen, rows, k).to(dtype)
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     groups = (n + 15) // 16  # columns go in groups of 16; then a header, the column tops and lows
@@ -535,24 +559,23 @@ def test_quant_linear_with_k_quant_file_blocks_equals_its_reference(draw, thread
     assert torch.equal(_cpu.quant_rows(packed, ids, n, k), w.dequantize()[ids]), "rows as floats"
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 def test_quant_linear_with_k_quant_file_blocks_at_their_bounds(draw, threads, kind):
     """The file form's integer sums at their largest: every code and sub-block scale at its bound
     (q4_k: codes 15, sc and m 63; q6_k: codes -32, sc -128) against activations at +-127, so a
     super-block's sum of sc A (and of m sum(xq)) is as large as int32 sums get, on VNNI (1-4 rows)
     and AMX tiles (16 and more)."""
     from gguf import GGMLQuantizationType as QType
-    from test_quant_gemm import random_k_file
 
     from tensorfold.kernels import quant_gemm
     from tensorfold.models.gguf_quants import quant_weight
 
     n, k = 24, 512
-    raw = random_k_file(draw.gen, kind, n, k)[0].reshape(n * k // 256, -1).clone()
-    if kind == "q4_k":
-        raw[:, 4:144] = 0xFF  # sc = m = 63, every nibble 15
+    raw = k_file(draw.gen, kind, n, k)[0].reshape(n * k // 256, -1).clone()
+    if kind in ("q4_k", "q5_k"):
+        raw[:, 4:] = 0xFF  # sc = m = 63, every code 15 (q5_k: 31)
         raw[:, 4] = raw[:, 8] = 0xFE  # sc_0 = m_0 = 62: gcd 1, so the packer keeps the file's factoring
-        qtype = QType.Q4_K
+        qtype = QType.Q4_K if kind == "q4_k" else QType.Q5_K
     else:
         raw[:, 0:192] = 0  # codes u = 0: c = -32
         raw[:, 192:208] = 0x80  # sc = -128
@@ -570,13 +593,13 @@ def test_quant_linear_with_k_quant_file_blocks_at_their_bounds(draw, threads, ki
 
 
 def test_k_quant_file_form_is_the_files_size():
-    """A Q4_K / Q6_K matrix kept packed takes the file's bytes (1.00x, plus a small header and the
-    column tops), where the wide form of other K-quant scales takes 0.81 / 1.03 bytes a weight."""
-    from test_quant_gemm import random_generic, random_k_file
+    """A Q4_K / Q5_K / Q6_K matrix kept packed takes the file's bytes (1.00x, plus a small header
+    and the column tops), where the wide form of other K-quant scales takes more."""
+    from test_quant_gemm import random_generic
 
     g = torch.Generator().manual_seed(5)
-    for kind in ("q4_k", "q6_k"):
-        raw, w = random_k_file(g, kind, 256, 2048)
+    for kind in ("q4_k", "q5_k", "q6_k"):
+        raw, w = k_file(g, kind, 256, 2048)
         packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
         assert packed.numel() <= 1.01 * raw.numel(), (kind, packed.numel() / raw.numel())
         other = random_generic(g, kind, 256, 2048)  # scales that do not factor as a file's: the wide form
@@ -660,14 +683,14 @@ def test_quant_linear_at_the_codes_and_activations_bounds(draw, kind):
         assert_bitwise(_cpu.quant_linear(x, packed, 24, 256), quant_gemm.linear(x, w), draw, f"codes at {code}")
 
 
-@pytest.mark.parametrize("kind", [*QUANT_KINDS, "q4_k file", "q6_k file"])
+@pytest.mark.parametrize("kind", [*QUANT_KINDS, "q4_k file", "q5_k file", "q6_k file"])
 def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
     """A row's outputs are the same alone and among 2..64 others (every kind; "file": the K-quants
     as a GGUF file stores them, packed in its form)."""
-    from test_quant_gemm import random_generic, random_k_file, random_x
+    from test_quant_gemm import random_generic, random_x
 
     kind, _, form = kind.partition(" ")
-    w = random_k_file(draw.gen, kind, 40, 512)[1] if form else random_generic(draw.gen, kind, 40, 512)
+    w = k_file(draw.gen, kind, 40, 512)[1] if form else random_generic(draw.gen, kind, 40, 512)
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     probe = random_x(draw.gen, 1, 512)
     alone = _cpu.quant_linear(probe, packed, 40, 512)
@@ -721,18 +744,18 @@ def amx_tiles():
 
 
 @pytest.mark.parametrize("kind,file_blocks", [(kind, False) for kind in QUANT_KINDS] +
-                         [("q4_k", True), ("q6_k", True)])  # q4_k and q6_k also in their file's own form
+                         [("q4_k", True), ("q5_k", True), ("q6_k", True)])  # the K-quants also in their file's own form
 def test_quant_linear_on_amx_tiles_equals_vnni_and_its_reference(draw, threads, amx_tiles, kind, file_blocks):
     """Passes of 16 rows or more take AMX tiles of 16 rows, a run of 8 blocks at a time; fewer rows,
     and every row with set_quant_amx(False), take the VNNI registers. Both are the reference's
     integers: every row bitwise the same on either path, last tiles of 1..15 rows and a last run of
     fewer blocks among them, a row alone (VNNI) as among 70 (AMX)."""
-    from test_quant_gemm import random_generic, random_k_file, random_x
+    from test_quant_gemm import random_generic, random_x
 
     from tensorfold.kernels import quant_gemm
 
     n, k = 45, 768  # 24 blocks: runs of 8, 8, 8; a last column group of 13
-    w = random_k_file(draw.gen, kind, n, k)[1] if file_blocks else random_generic(draw.gen, kind, n, k)
+    w = k_file(draw.gen, kind, n, k)[1] if file_blocks else random_generic(draw.gen, kind, n, k)
     packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
     for rows in (16, 17, 33, 70):
         x = random_x(draw.gen, rows, k)

@@ -297,6 +297,16 @@ inline void add_top_bits(const uint8_t* bits, __m512i* u) {
   }
 }
 
+// q5_k's fifth bits into its codes' nibbles u[0..8): quad q's in bit q of each byte of `bits`
+// (16-bit shifts that move bit q to bit 4 of the same byte).
+inline void add_fifth_bit(const uint8_t* bits, __m512i* u) {
+  const __m512i v = _mm512_loadu_si512(bits), bit4 = _mm512_set1_epi8(0x10);
+  for (int q = 0; q < 8; ++q) {
+    const __m512i at4 = q <= 4 ? _mm512_slli_epi16(v, 4 - q) : _mm512_srli_epi16(v, q - 4);
+    u[q] = _mm512_or_si512(u[q], _mm512_and_si512(at4, bit4));
+  }
+}
+
 inline __m512i plane_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // A SUPER record's scales for 16 columns (k_scale, column_scales), once per super-block: into
@@ -349,6 +359,7 @@ inline void block_codes(const uint8_t* rec, const Layout& L, __m512i* u) {
     for (int q = 0; q < 8; ++q) u[q] = _mm512_loadu_si512(rec + q * 64);
   }
   if constexpr (FORM == SUPER && KIND == Q6K) add_top_bits(rec + L.code_bytes, u);  // a nibble and two bits
+  if constexpr (FORM == SUPER && KIND == Q5K) add_fifth_bit(rec + L.code_bytes, u);  // a nibble and a bit
 }
 
 // A block's scales for its 16 columns, shared by every row, as float64: S 2^(E - top + shift0)
@@ -1086,6 +1097,13 @@ void group_super8(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
           u[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         }
         if constexpr (Q6) add_top_bits8(rec + L.code_bytes, h, u);
+        if constexpr (KIND == Q5K) {  // the fifth bits (add_fifth_bit, eight columns)
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 32 * h));
+          for (int q = 0; q < 8; ++q) {
+            const __m256i at4 = q <= 4 ? _mm256_slli_epi16(v, 4 - q) : _mm256_srli_epi16(v, q - 4);
+            u[q] = _mm256_or_si256(u[q], _mm256_and_si256(at4, _mm256_set1_epi8(0x10)));
+          }
+        }
         const auto get = [&](int q) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(sc[q] + 8 * h)); };
         const __m256i s0 = get(Q6 ? 2 * i : i), s1 = get(Q6 ? 2 * i + 1 : SUPER_BLOCKS + i);
         for (int r = 0; r < R; ++r) {
@@ -1451,9 +1469,11 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
   };
   using F16_FORM = std::integral_constant<int, F16>;
   using WIDE_FORM = std::integral_constant<int, WIDE>;
-  if (L.form == SUPER) {  // q4_k or q6_k only
+  if (L.form == SUPER) {  // q4_k, q5_k or q6_k only
     if (kind == Q4K)
       tiles(std::integral_constant<int, SUPER>{}, std::integral_constant<int, Q4K>{});
+    else if (kind == Q5K)
+      tiles(std::integral_constant<int, SUPER>{}, std::integral_constant<int, Q5K>{});
     else
       tiles(std::integral_constant<int, SUPER>{}, std::integral_constant<int, Q6K>{});
   } else if (L.form == F16) {  // the 32-weight types with the file's float16 scales

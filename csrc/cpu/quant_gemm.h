@@ -13,7 +13,7 @@
 // (4-bit types two to a byte), then the 16 columns' scales, either as the float16 bits the file
 // stored (q8_0, q4_0, q4_1: S 2^E is a float16's significand and exponent, decoded in
 // registers; the bytes per weight are the file's), in the K-quants' super-block form (q4_k,
-// q6_k), or wide (S int32, E - top int8, M, F - top).
+// q5_k, q6_k), or wide (S int32, E - top int8, M, F - top).
 #pragma once
 
 #include <cstdint>
@@ -51,10 +51,11 @@ inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 // a float16's significand and exponent); SUPER, the K-quants' super-block form (q4_k, q6_k): per
 // 256 weights of a column the float16 d (and dmin) and the 6-bit (q6_k: 8-bit) sub-block scales,
 // so that S = dm sc and M = -(dminm m) are formed in registers, and q6_k's codes as a nibble plane
-// and a plane of their top two bits: the file's bytes per weight.
+// and a plane of their top two bits (q5_k's: a nibble plane and a plane of their fifth bits): the
+// file's bytes per weight.
 enum Form { WIDE = 0, F16 = 1, SUPER = 2 };
 constexpr int SUPER_BLOCKS = 8;     // blocks of 32 per K-quant super-block
-constexpr int Q4K = 3, Q6K = 5;     // the kinds with a SUPER form
+constexpr int Q4K = 3, Q5K = 4, Q6K = 5;  // the kinds with a SUPER form
 
 // Where things sit in a packed weight: the header, then group g's records (one per block of 32,
 // front to back; SUPER: one per super-block, a head of scales then its eight blocks' codes), then
@@ -75,13 +76,14 @@ struct Layout {
     code_bytes = kind.nibbles ? GROUP * BLOCK / 2 : GROUP * BLOCK;
     sexp_at = mexp_at = min_at = 0;
     if (form == SUPER) {
-      // q4_k head: d [16] u16, dmin [16] u16, the 12 scale bytes as planes [12][16]; q6_k head:
-      // d [16] u16, sc [16 sub-blocks][16] int8; a q6_k block: its low nibbles (as q4's codes),
-      // then their top two bits [2][64] (quad q's in bits 2 (q % 4) of row q / 4).
+      // q4_k and q5_k head: d [16] u16, dmin [16] u16, the 12 scale bytes as planes [12][16];
+      // q6_k head: d [16] u16, sc [16 sub-blocks][16] int8; a q6_k block: its low nibbles (as
+      // q4's codes), then their top two bits [2][64] (quad q's in bits 2 (q % 4) of row q / 4); a
+      // q5_k block: its low nibbles, then their fifth bits [64] (quad q's in bit q).
       const bool q6 = kind_id == Q6K;
       super_head = q6 ? 2 * GROUP + 16 * GROUP : 4 * GROUP + 12 * GROUP;
       code_bytes = GROUP * BLOCK / 2;
-      super_block = q6 ? code_bytes + GROUP * BLOCK / 4 : code_bytes;
+      super_block = q6 ? code_bytes + GROUP * BLOCK / 4 : kind_id == Q5K ? code_bytes + GROUP * BLOCK / 8 : code_bytes;
       super_bytes = super_head + SUPER_BLOCKS * super_block;
       record = super_bytes / SUPER_BLOCKS;
     } else if (form == F16) {  // d [16] u16, then m [16] u16
@@ -213,6 +215,8 @@ inline int code_at(const uint8_t* rec, const Layout& L, int j, int k) {
   if (L.form == SUPER && L.per == 2) {  // q6_k: the top two bits
     const int quad = k / 4;
     u |= ((rec[L.code_bytes + (quad / 4) * 64 + j * 4 + k % 4] >> (2 * (quad % 4))) & 3) << 4;
+  } else if (L.form == SUPER && L.kind.code_bits == 5) {  // q5_k: the fifth bit
+    u |= ((rec[L.code_bytes + j * 4 + k % 4] >> (k / 4)) & 1) << 4;
   }
   return u;
 }

@@ -94,6 +94,15 @@ bool super_scales_of(int kind, const int32_t* scale, const int32_t* scale_exp, c
   return true;
 }
 
+// q5_k's fifth bits of a column's block (codes u[32]) into its four bytes of the bit plane: quad
+// q's in bit q (code_at).
+void write_fifth_bits(const uint8_t* u, uint8_t* at) {
+  uint8_t bits[4] = {};
+  for (int q = 0; q < 8; ++q)
+    for (int i = 0; i < 4; ++i) bits[i] |= static_cast<uint8_t>(((u[4 * q + i] >> 4) & 1) << q);
+  std::memcpy(at, bits, 4);
+}
+
 // Column j of a SUPER record's head (head: the record's start) from its super-block's scales.
 void write_super_head(int kind, const SuperScales& s, int j, uint8_t* head) {
   std::memcpy(head + 2 * j, &s.d, 2);
@@ -139,6 +148,7 @@ void pack_column(const Layout& L, int kind, const int8_t* codes, const int32_t* 
           std::memcpy(rec + L.code_bytes + row * 64 + j * 4, bits, 4);
         }
       }
+      if (L.form == SUPER && kind == Q5K) write_fifth_bits(u, rec + L.code_bytes + j * 4);
     }
     const int64_t nb = n * L.blocks + b;
     if (L.form == SUPER) {
@@ -168,12 +178,12 @@ void pack_column(const Layout& L, int kind, const int8_t* codes, const int32_t* 
 
 }  // namespace
 
-// The form a weight packs in: SUPER for q4_k and q6_k whose scales factor as their file's do,
+// The form a weight packs in: SUPER for q4_k, q5_k and q6_k whose scales factor as their file's do,
 // F16 for the 32-weight types with float16 scales, else WIDE.
 int quant_pack_form(int kind, const int32_t* scale, const int32_t* scale_exp, const int32_t* min,
                     const int32_t* min_exp, int64_t N, int64_t K, int threads) {
   if (f16_scales(kind, scale, scale_exp, min, min_exp, N, K)) return F16;
-  if ((kind != Q4K && kind != Q6K) || K % (BLOCK * SUPER_BLOCKS) != 0) return WIDE;
+  if ((kind != Q4K && kind != Q5K && kind != Q6K) || K % (BLOCK * SUPER_BLOCKS) != 0) return WIDE;
   const int64_t per_row = K / (BLOCK * SUPER_BLOCKS);
   int factors = 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N * per_row >= 4096) reduction(&& : factors)
@@ -233,7 +243,7 @@ bool quant_packed_matches(const uint8_t* packed, int64_t bytes, int64_t N, int64
   if (bytes < static_cast<int64_t>(sizeof(Header))) return false;
   const Header* h = reinterpret_cast<const Header*>(packed);
   const bool form_ok = h->form == WIDE || h->form == F16 ||
-                       (h->form == SUPER && (h->kind == Q4K || h->kind == Q6K) && K % (BLOCK * SUPER_BLOCKS) == 0);
+                       (h->form == SUPER && (h->kind == Q4K || h->kind == Q5K || h->kind == Q6K) && K % (BLOCK * SUPER_BLOCKS) == 0);
   return h->magic == MAGIC && h->N == N && h->K == K && h->kind >= 0 && h->kind < NUM_KINDS && form_ok &&
          bytes == Layout(static_cast<int>(h->kind), static_cast<int>(h->form), N, K).total;
 }
@@ -251,9 +261,9 @@ namespace tf {
 // (3) per block re-lay the codes u = c + offset into the record (4-bit codes: the file's q4_0 /
 // q4_1 bytes are already quad q's nibbles low and quad q + 4's high), (4) write the scales in the
 // form a file's blocks always pack in: F16 for q8_0 / q4_0 / q4_1 (the file's float16 bits, a
-// -0 as +0), SUPER for q4_k / q6_k (the super-block's d, dmin and sub-block scales, factored
-// from S = dm sc exactly as pack_quant factors them: the file's own bytes whenever d > 0 and
-// the sub-block scales have gcd 1, the common case, else factor_scales' pick), WIDE for q5_k.
+// -0 as +0), SUPER for q4_k / q5_k / q6_k (the super-block's d, dmin and sub-block scales,
+// factored from S = dm sc exactly as pack_quant factors them: the file's own bytes whenever d > 0
+// and the sub-block scales have gcd 1, the common case, else factor_scales' pick).
 // Q5_1's blocks (kind q5_1) are not read here: they take pack_quant's route (module.cpp refuses).
 namespace {
 
@@ -340,6 +350,7 @@ inline void write_codes(const Layout& L, int kind, const uint8_t* u, uint8_t* re
       std::memcpy(rec + L.code_bytes + row * 64 + j * 4, bits, 4);
     }
   }
+  if (kind == Q5K) write_fifth_bits(u, rec + L.code_bytes + j * 4);
 }
 
 // v = dm f (f in [lo, hi]) as factor_scales would factor it: (dm, f) themselves where dm > 0 and
@@ -456,7 +467,7 @@ bool file_column_scales(const Layout& L, int kind, const uint8_t* row, uint8_t* 
       }
       uint8_t* rec = const_cast<uint8_t*>(record_at(packed, L, g, s * SUPER_BLOCKS));
       write_super_head(kind, out, j, const_cast<uint8_t*>(super_head(rec, L, s * SUPER_BLOCKS)));
-    } else {  // WIDE (q5_k): S = dm sc, E - top, M = -(mm m), F - top per block
+    } else {  // WIDE (no file kind packs so now): S = dm sc, E - top, M = -(mm m), F - top per block
       for (int i = 0; i < SUPER_BLOCKS; ++i) {
         uint8_t* rec = const_cast<uint8_t*>(record_at(packed, L, g, s * SUPER_BLOCKS + i));
         const int32_t S = dm * sc[i], M = -(mm * m[i]);
@@ -472,7 +483,7 @@ bool file_column_scales(const Layout& L, int kind, const uint8_t* row, uint8_t* 
 
 }  // namespace
 
-int quant_file_form(int kind) { return kind <= 2 ? F16 : (kind == Q4K || kind == Q6K) ? SUPER : WIDE; }
+int quant_file_form(int kind) { return kind <= 2 ? F16 : (kind == Q4K || kind == Q5K || kind == Q6K) ? SUPER : WIDE; }
 
 int64_t quant_file_row_bytes(int kind, int64_t K) { return K / FILE_KINDS[kind].weights * FILE_KINDS[kind].bytes; }
 
