@@ -18,8 +18,9 @@ from tensorfold.backends.base import Allocation, BlockGroup, Loaded
 from tensorfold.backends.torch_backend import DTYPES, kv_cache_dtype, read_checkpoint
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.mlx import delta_net, metal, ops
+from tensorfold.mlx.glm import LatentCache
 from tensorfold.mlx.model import Attention, MLXBatch, MLXModel, SequenceSpan, model_class, state_slots
-from tensorfold.models.cache import ModelCache, SharedKV, group_blocks
+from tensorfold.models.cache import LatentKV, ModelCache, SharedKV, group_blocks
 from tensorfold.models.config import ModelArgs
 from tensorfold.models.loader import served_tensors
 from tensorfold.models.progress import LoadProgress
@@ -78,6 +79,7 @@ class MLXBackend:
         config, specs, model = self.config, self.model.cache_specs(), self.model
         itemsize = torch.finfo(self.kv_dtype).bits // 8
         per_block = sum(spec.bytes_per_block(torch.float32, config.block_size) if spec.recurrent
+                        else spec.bytes_per_block(self.kv_dtype, config.block_size) if isinstance(spec, LatentKV)
                         else 2 * spec.num_kv_heads * (spec.head_dim * itemsize + 4) * config.block_size  # + exponents
                         for spec in specs if spec is not None and not isinstance(spec, SharedKV))
         num_blocks = max(int(config.kv_cache_gib * 2**30) // per_block, -(-context_length // config.block_size))
@@ -92,6 +94,7 @@ class MLXBackend:
             count = None if g is None else blocks[g]
             self.caches.append(None if spec is None else self.caches[spec.source] if isinstance(spec, SharedKV)
                                else delta_net.LayerState(spec, count) if spec.recurrent
+                               else LatentCache(count * config.block_size, spec, dtype) if isinstance(spec, LatentKV)
                                else ops.LayerCache(count * config.block_size, spec.num_kv_heads, spec.head_dim, dtype))
         mx.eval(*cache_arrays(self.caches))
         nbytes = sum(c.nbytes for c in {id(c): c for c in self.caches if c is not None}.values())  # shared once
@@ -190,14 +193,17 @@ def shader_problem(model: MLXModel) -> str | None:
     random rows over a random cache and on the model's first quantized weight; None when they do
     (the Metal compiler's math mode, contraction and subnormals are what this catches)."""
     rng = np.random.default_rng(99)
-    spec = next(layer.mixer.spec for layer in model.layers if isinstance(layer.mixer, Attention))
-    cache = ops.LayerCache(256, spec.num_kv_heads, spec.head_dim, ops.DTYPES[torch.bfloat16])
-    kv = [mx.array(rng.standard_normal((70, spec.num_kv_heads, spec.head_dim)).astype(np.float32)) for _ in range(2)]
-    ops.write_kv(cache, *kv, mx.arange(70))
-    q = mx.array(rng.standard_normal((3, spec.num_heads, spec.head_dim)).astype(np.float32))
-    positions = np.arange(67, 70)
-    slots = ops.key_slots(np.arange(8), 69, 32)
-    checks = {"attention": lambda kernels: kernels.attention(q, cache, positions, slots, spec.scale, spec.window)}
+    checks = {}
+    spec = next((layer.mixer.spec for layer in model.layers if isinstance(layer.mixer, Attention)), None)
+    if spec is not None:  # (latent attention, GLM-5's, has no shader: it runs as MLX ops)
+        cache = ops.LayerCache(256, spec.num_kv_heads, spec.head_dim, ops.DTYPES[torch.bfloat16])
+        kv = [mx.array(rng.standard_normal((70, spec.num_kv_heads, spec.head_dim)).astype(np.float32))
+              for _ in range(2)]
+        ops.write_kv(cache, *kv, mx.arange(70))
+        q = mx.array(rng.standard_normal((3, spec.num_heads, spec.head_dim)).astype(np.float32))
+        positions = np.arange(67, 70)
+        slots = ops.key_slots(np.arange(8), 69, 32)
+        checks["attention"] = lambda kernels: kernels.attention(q, cache, positions, slots, spec.scale, spec.window)
     quantized = [w.parts[0] for w in model.gemms().values() if isinstance(w.parts[0], ops.QuantParts)]
     if quantized:
         x = mx.array(rng.standard_normal((3, quantized[0].shape[1])).astype(np.float32))

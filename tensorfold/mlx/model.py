@@ -298,6 +298,9 @@ def model_class(family) -> type:
     if family.name == "gemma4":
         from tensorfold.mlx.gemma4 import Gemma4Model
         return Gemma4Model
+    if family.name == "glm_moe_dsa":
+        from tensorfold.mlx.glm import GLMModel
+        return GLMModel
     return MLXModel
 
 
