@@ -8,8 +8,8 @@
   == the row in a batch.
 - The tiny checkpoint (test_glm_moe_dsa's: q_lora, an indexer choosing fewer keys than the prompts,
   a shared-choice layer, a dense first layer, grouped noaux_tc routing, a shared expert): greedy 32
-  tokens == transformers' with the startup probes passing; llama.cpp's q8_0 glm-dsa GGUF gives the
-  cpu backend's logits every draw and its token_sha, greedy and sampled; chunked prefill == token
+  tokens == transformers' with the startup probes passing; llama.cpp's q8_0 glm-dsa GGUF and
+  --quantize q8_0 give the cpu backend's logits every draw and its token_sha, greedy and sampled; chunked prefill == token
   by token (logits and the latent cache); solo == batched and chunked; a cached prefix == fresh.
 """
 import random
@@ -150,7 +150,7 @@ def test_moe_block_is_the_references(dtype, fmt):
 from engine_cases import run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_glm_moe_dsa import _separated_checkpoint  # noqa: E402
-from test_mlx_backend import Recorder, forward_rows  # noqa: E402
+from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, forward_rows  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
@@ -167,9 +167,10 @@ def glm_dir(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def glm_q8(tmp_path_factory, smollm2_tokenizer):
+    """The GGUF sizes (rows multiples of 32): (the directory, its q8_0 glm-dsa GGUF)."""
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("mlx_glm_gguf")), "glm_moe_dsa",
                                 tokenizer=smollm2_tokenizer, **GLM_GGUF_SIZES)
-    return write_glm_gguf(path, "q8_0")
+    return path, write_glm_gguf(path, "q8_0")
 
 
 def test_greedy_32_tokens_equal_transformers(glm_dir):
@@ -185,7 +186,7 @@ def test_q8_0_gguf_gives_the_cpu_backends_logits_and_token_sha(glm_q8):
               SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
     shas, recorders = [], []
     for backend in ("cpu", "mlx"):
-        engine = Engine(glm_q8, EngineConfig(backend=backend, max_tokens_per_step=16, **SMALL))
+        engine = Engine(glm_q8[1], EngineConfig(backend=backend, max_tokens_per_step=16, **SMALL))
         assert engine.exact, engine.probe_failures
         assert "q8_0" in engine.backend.describe()["weights"]
         recorders.append(Recorder(engine))
@@ -263,3 +264,8 @@ def test_cached_prefix_equals_fresh_and_the_cache_is_latent(glm_dir):
     assert second.stats.cached_tokens > 0 and second.stats.cached_tokens % bs == 0
     assert "3 x LatentKV" in engine.info.cache
     assert [type(c).__name__ for c in engine.runner.caches] == ["LatentCache"] * 3
+
+
+def test_quantized_at_load_gives_the_cpu_backends_logits_and_token_sha(glm_q8):
+    """--quantize q8_0 of the directory (kv_b split per head as llama.cpp splits it) on both backends."""
+    check_quantized_cpu_equals_mlx(glm_q8[0], first_prompt=37, **SMALL)
