@@ -9,8 +9,9 @@
 - The tiny checkpoint (test_glm_moe_dsa's: q_lora, an indexer choosing fewer keys than the prompts,
   a shared-choice layer, a dense first layer, grouped noaux_tc routing, a shared expert): greedy 32
   tokens == transformers' with the startup probes passing; llama.cpp's q8_0 glm-dsa GGUF and
-  --quantize q8_0 give the cpu backend's logits every draw and its token_sha, greedy and sampled; chunked prefill == token
-  by token (logits and the latent cache); solo == batched and chunked; a cached prefix == fresh.
+  --quantize q8_0 give the cpu backend's logits every draw and its token_sha, greedy and
+  sampled; chunked prefill == token by token (logits and the latent cache); solo == batched and
+  chunked; a cached prefix == fresh.
 """
 import random
 

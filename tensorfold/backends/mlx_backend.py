@@ -71,7 +71,8 @@ class MLXBackend:
         """Every layer's cache within --kv-cache-gib, and at least one full window: attention's
         K/V (PagedKV: blocks of block_size tokens, each vector's exponent beside it) and Gated
         DeltaNet's and Mamba2's states per block (RecurrentState: float32, the torch backends'
-        layout, so the engine resumes such a model at block boundaries); a feed-forward layer
+        layout, so the engine resumes such a model at block boundaries), GLM-5's latent cache
+        (LatentKV: mlx/glm.LatentCache, its bytes counted as the torch backends'); a feed-forward layer
         (spec None) keeps nothing, a KV-shared layer (SharedKV) gets its source's LayerCache.
         Sliding-window layers live behind block tables of their own, one per window
         (models/cache.layer_groups, sized by group_blocks as on the torch backends), so the
