@@ -180,19 +180,22 @@ def test_greedy_32_tokens_equal_transformers(glm_dir):
 
 def test_q8_0_gguf_gives_the_cpu_backends_logits_and_token_sha(glm_q8):
     """llama.cpp's glm-dsa q8_0 file served as stored on both backends (the indexer selecting: 37
-    tokens > index_topk): every draw's logits row bitwise equal, greedy and sampled."""
+    tokens > index_topk): every draw's logits row bitwise equal, greedy and sampled; the latent
+    cache gets as many blocks from --kv-cache-gib on both."""
     rng = random.Random(1)
     prompts = [[rng.randrange(49152) for _ in range(37)], [rng.randrange(49152) for _ in range(9)] * 2]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
-    shas, recorders = [], []
+    shas, recorders, sizes = [], [], []
     for backend in ("cpu", "mlx"):
         engine = Engine(glm_q8[1], EngineConfig(backend=backend, max_tokens_per_step=16, **SMALL))
         assert engine.exact, engine.probe_failures
         assert "q8_0" in engine.backend.describe()["weights"]
+        sizes.append((engine.info.cache, engine.pool.num_blocks))  # the latent cache sized alike
         recorders.append(Recorder(engine))
         shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
     assert shas[0] == shas[1]
+    assert sizes[0] == sizes[1] and "3 x LatentKV" in sizes[0][0]
     want, got = recorders
     assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
     for key, logits in want.draws.items():
