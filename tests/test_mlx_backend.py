@@ -313,18 +313,22 @@ def test_q4_k_m_gguf_served_as_stored_gives_the_cpu_backends_logits(tiny_q4_k_m_
         assert np.array_equal(got.draws[key], logits), f"draw {key}"
 
 
-def check_quantized_cpu_equals_mlx(path: str, first_prompt: int, **config) -> None:
-    """--quantize q8_0 on both backends: every draw's logits row bitwise equal (batched, chunked,
-    drafted, greedy and sampled), so the same token_sha. config: the window and cache (SMALL)."""
+def check_quantized_cpu_equals_mlx(path: str, first_prompt: int, quantize: str | None = "q8_0", **config) -> list:
+    """`path` quantized at load to `quantize` (or with quantize None a q8_0 GGUF's blocks as
+    stored) on both backends: every draw's logits row bitwise equal (batched, chunked, drafted,
+    greedy and sampled), so the same token_sha. config: the window and cache (SMALL). Returns the
+    engines (cpu, mlx)."""
     config = config or SMALL
     rng = random.Random(1)
     prompts = [[rng.randrange(49152) for _ in range(first_prompt)], [rng.randrange(49152) for _ in range(9)] * 2]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
-    shas, recorders = [], []
+    shas, recorders, engines = [], [], []
     for backend in ("cpu", "mlx"):
-        engine = Engine(path, EngineConfig(backend=backend, quantize="q8_0", max_tokens_per_step=16, **config))
+        engine = Engine(path, EngineConfig(backend=backend, quantize=quantize, max_tokens_per_step=16, **config))
         assert engine.exact, engine.probe_failures
+        assert "q8_0" in engine.backend.describe()["weights"]
+        engines.append(engine)
         recorders.append(Recorder(engine))
         shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
     assert shas[0] == shas[1]
@@ -332,6 +336,7 @@ def check_quantized_cpu_equals_mlx(path: str, first_prompt: int, **config) -> No
     assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
     for key, logits in want.draws.items():
         assert np.array_equal(got.draws[key], logits), f"draw {key}"
+    return engines
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])

@@ -29,7 +29,6 @@ mx = pytest.importorskip("mlx.core")
 from engine_cases import check_solo_vs_batched, run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx  # noqa: E402
-from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.engine.block_pool import lane_blocks  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.engine.step_plan import ScheduledRequest, StepPlan  # noqa: E402
@@ -127,26 +126,7 @@ def test_q8_0_gguf_gives_the_cpu_backends_logits_and_token_sha(gguf_gemma):
     """llama.cpp's q8_0 gemma4 file served as stored on both backends: every draw's logits row
     bitwise equal (batched, chunked, greedy and sampled: prompts past the window), so the same
     token_sha."""
-    _check_file_on_both_backends(gguf_gemma)
-
-
-def _check_file_on_both_backends(gguf_path: str) -> None:
-    rng = random.Random(1)
-    prompts = [[rng.randrange(49152) for _ in range(37)], [rng.randrange(49152) for _ in range(9)] * 2]
-    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
-    shas, recorders = [], []
-    for backend in ("cpu", "mlx"):
-        engine = Engine(gguf_path, EngineConfig(backend=backend, max_tokens_per_step=16, **SMALL))
-        assert engine.exact, engine.probe_failures
-        assert "q8_0" in engine.backend.describe()["weights"]
-        recorders.append(Recorder(engine))
-        shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
-    assert shas[0] == shas[1]
-    want, got = recorders
-    assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
-    for key, logits in want.draws.items():
-        assert np.array_equal(got.draws[key], logits), f"draw {key}"
+    check_quantized_cpu_equals_mlx(gguf_gemma, first_prompt=37, quantize=None, **SMALL)
 
 
 def test_quantized_at_load_gives_the_cpu_backends_logits_and_token_sha(gemma):
@@ -284,7 +264,7 @@ def moe_gguf(tmp_path_factory, smollm2_tokenizer):
 def test_moe_q8_0_gguf_gives_the_cpu_backends_logits_and_token_sha(moe_gguf):
     """llama.cpp's gemma4 file with the experts stacked (ffn_gate_up_exps, ffn_down_exps, the
     router's scales): every draw's logits row bitwise the cpu backend's (its native MoE block)."""
-    _check_file_on_both_backends(moe_gguf)
+    check_quantized_cpu_equals_mlx(moe_gguf, first_prompt=37, quantize=None, **SMALL)
 
 
 def test_a_missing_expert_is_a_startup_error_naming_it(tmp_path, smollm2_tokenizer):

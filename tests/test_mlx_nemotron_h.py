@@ -195,7 +195,6 @@ def test_moe_block_is_the_references(dtype, fmt, latent):
 from engine_cases import check_solo_vs_batched, run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, forward_rows  # noqa: E402
-from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from tools.tiny_checkpoint import (NEMOTRON_H_GGUF_SIZES, make_tiny_checkpoint, well_separated_seed,  # noqa: E402
@@ -256,23 +255,7 @@ def test_dense_and_moe_greedy_32_tokens_equal_transformers(quantizable):
 def test_q8_0_gguf_gives_the_cpu_backends_logits_and_token_sha(quantizable):
     """llama.cpp's q8_0 file served as stored on both backends: every draw's logits row bitwise
     equal (batched, chunked, greedy and sampled), so the same token_sha."""
-    _, gguf_path = quantizable
-    rng = random.Random(1)
-    prompts = [[rng.randrange(49152) for _ in range(37)], [rng.randrange(49152) for _ in range(9)] * 2]
-    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)]
-    shas, recorders = [], []
-    for backend in ("cpu", "mlx"):
-        engine = Engine(gguf_path, EngineConfig(backend=backend, max_tokens_per_step=16, **SMALL))
-        assert engine.exact, engine.probe_failures
-        assert "q8_0" in engine.backend.describe()["weights"]
-        recorders.append(Recorder(engine))
-        shas.append([token_sha(r.output_ids) for r in run(engine, prompts, params)])
-    assert shas[0] == shas[1]
-    want, got = recorders
-    assert len(want.draws) >= 16 and want.draws.keys() == got.draws.keys()
-    for key, logits in want.draws.items():
-        assert np.array_equal(got.draws[key], logits), f"draw {key}"
+    check_quantized_cpu_equals_mlx(quantizable[1], first_prompt=37, quantize=None, **SMALL)
 
 
 def test_quantized_at_load_gives_the_cpu_backends_logits_and_token_sha(quantizable):
