@@ -740,6 +740,7 @@ struct alignas(64) DotTile {
 // A SUPER super-block's factors (super_factors), made once per group for all its row tiles.
 struct alignas(64) SuperInts {
   int32_t sc[16][GROUP];
+  int32_t m_pairs[SUPER_BLOCKS / 2][GROUP];  // with a minimum: m of blocks 2p (low int16) and 2p + 1 (high)
   __m512d dd[2], dmin[2];
 };
 struct AmxGroup {
@@ -778,6 +779,10 @@ void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0
       if (b % SUPER_BLOCKS == 0) {
         SuperInts& si = G->supers[b / SUPER_BLOCKS];
         super_factors<KIND == Q6K>(super_head(rec, L, b), topv, shift0, si.sc, si.dd, si.dmin);
+        if constexpr (KINDS[KIND].has_min)
+          for (int p = 0; p < SUPER_BLOCKS / 2; ++p)  // m < 64: each fits an int16 half
+            _mm512_store_si512(si.m_pairs[p], _mm512_or_si512(_mm512_load_si512(si.sc[SUPER_BLOCKS + 2 * p]),
+                                                              _mm512_slli_epi32(_mm512_load_si512(si.sc[SUPER_BLOCKS + 2 * p + 1]), 16)));
       }
     } else {
       G->scales[b] = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
@@ -870,8 +875,14 @@ void group_amx(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t
                                                              _mm512_mullo_epi32(d1, _mm512_load_si512(si.sc[2 * b + 1]))));
             } else {
               dsum = _mm512_add_epi32(dsum, _mm512_mullo_epi32(d0, _mm512_load_si512(si.sc[b])));
-              msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(_mm512_load_si512(si.sc[SUPER_BLOCKS + b]),
-                                                               _mm512_set1_epi32(row.xsum[b0 + b])));
+            }
+          }
+          if constexpr (KD.has_min) {  // m sum(xq) two blocks at a time: |sum(xq)| <= 32 127 fits an int16
+            const int32_t* xs = row.xsum.data() + b0;
+            for (int p = 0; p < SUPER_BLOCKS / 2; ++p) {
+              const int32_t pair = static_cast<int32_t>((static_cast<uint32_t>(xs[2 * p]) & 0xFFFF) |
+                                                        (static_cast<uint32_t>(xs[2 * p + 1]) << 16));
+              msum = _mm512_dpwssd_epi32(msum, _mm512_load_si512(si.m_pairs[p]), _mm512_set1_epi32(pair));
             }
           }
           super_int_terms<KD.has_min>(dsum, msum, si.dd, si.dmin, row.mf[b0 / SUPER_BLOCKS], &lo, &hi);
