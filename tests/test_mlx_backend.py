@@ -258,6 +258,20 @@ def forward_rows(engine: Engine, pieces, tables) -> np.ndarray:
     return np.array(logits)
 
 
+def prefill_in_chunks(engine, ids: list, other: list, tables: list, chunk: int):
+    """Sequence 0's prompt `ids` prefilled in chunks of `chunk` (table 0), each chunk beside one
+    decode row of sequence 1 (`other`, table 1, three tokens of it prefilled first); returns the
+    last chunk's last logits row."""
+    forward_rows(engine, [(1, other[:3], 0, False)], tables)
+    start, other_at, logits = 0, 3, None
+    while start < len(ids):
+        piece = ids[start:start + chunk]
+        logits = forward_rows(engine, [(1, other[other_at:other_at + 1], other_at, False),
+                                       (0, piece, start, False)], tables)[-1]
+        start, other_at = start + len(piece), other_at + 1
+    return logits
+
+
 @pytest.fixture(params=["tiny_llama", "tiny_qwen3"])
 def checkpoint_dir(request):
     return request.getfixturevalue(request.param)

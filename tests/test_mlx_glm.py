@@ -151,7 +151,7 @@ def test_moe_block_is_the_references(dtype, fmt):
 from engine_cases import run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_glm_moe_dsa import _separated_checkpoint  # noqa: E402
-from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, forward_rows  # noqa: E402
+from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, prefill_in_chunks  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from tools.glm_gguf import GLM_GGUF_SIZES, write_glm_gguf  # noqa: E402
@@ -199,13 +199,7 @@ def test_chunked_prefill_is_bitwise_token_by_token(glm_dir):
     slots = [tables[0][p // bs] * bs + p % bs for p in range(len(ids))]
     results = []
     for chunk in (40, 16, 3, 1):
-        forward_rows(engine, [(1, other[:3], 0, False)], tables)
-        start, other_at, logits = 0, 3, None
-        while start < len(ids):
-            piece = ids[start:start + chunk]
-            logits = forward_rows(engine, [(1, other[other_at:other_at + 1], other_at, False),
-                                           (0, piece, start, False)], tables)[-1]
-            start, other_at = start + len(piece), other_at + 1
+        logits = prefill_in_chunks(engine, ids, other, tables, chunk)
         caches = [np.array(a[mx.array(slots)]) for c in runner.caches for a in c.arrays]
         results.append((logits, caches))
     assert len(results[0][1]) == 5  # three layers' kv, two indexers' keys (layer 1 reuses layer 0's choice)

@@ -154,7 +154,7 @@ def test_a_layers_mixing_over_a_batch_is_the_references():
 # ---- the tiny qwen3_5 checkpoint on --backend mlx -------------------------------------------------
 
 from engine_cases import check_solo_vs_batched, run  # noqa: E402
-from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, forward_rows  # noqa: E402
+from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, prefill_in_chunks  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
@@ -205,13 +205,7 @@ def check_chunked_prefill(checkpoint: str) -> None:
     bs = runner.block_size
     results = []
     for chunk in (70, 16, 7, 1):
-        forward_rows(engine, [(1, other[:3], 0, False)], tables)
-        start, other_at, logits = 0, 3, None
-        while start < len(ids):
-            piece = ids[start:start + chunk]
-            logits = forward_rows(engine, [(1, other[other_at:other_at + 1], other_at, False),
-                                           (0, piece, start, False)], tables)[-1]
-            start, other_at = start + len(piece), other_at + 1
+        logits = prefill_in_chunks(engine, ids, other, tables, chunk)
         last = tables[0][(len(ids) - 1) // bs]
         states = [np.array(c.ssm[last]) for c in runner.caches if hasattr(c, "ssm")]
         results.append((logits, states))

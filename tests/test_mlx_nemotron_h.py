@@ -194,7 +194,7 @@ def test_moe_block_is_the_references(dtype, fmt, latent):
 
 from engine_cases import check_solo_vs_batched, run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
-from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, forward_rows  # noqa: E402
+from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, prefill_in_chunks  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from tools.tiny_checkpoint import (NEMOTRON_H_GGUF_SIZES, make_tiny_checkpoint, well_separated_seed,  # noqa: E402
@@ -274,13 +274,7 @@ def test_chunked_prefill_is_bitwise_token_by_token(nemotron):
     bs = runner.block_size
     results = []
     for chunk in (70, 16, 7, 1):
-        forward_rows(engine, [(1, other[:3], 0, False)], tables)
-        start, other_at, logits = 0, 3, None
-        while start < len(ids):
-            piece = ids[start:start + chunk]
-            logits = forward_rows(engine, [(1, other[other_at:other_at + 1], other_at, False),
-                                           (0, piece, start, False)], tables)[-1]
-            start, other_at = start + len(piece), other_at + 1
+        logits = prefill_in_chunks(engine, ids, other, tables, chunk)
         last = tables[0][(len(ids) - 1) // bs]
         states = [np.array(a[last]) for c in runner.caches if isinstance(c, LayerState) for a in c.arrays]
         results.append((logits, states))

@@ -42,7 +42,7 @@ from tensorfold.mlx.nemotron_h import route_sigmoid
 from tensorfold.models.cache import LatentKV
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.latent_attention import (INDEX_NORM_EPS, LATENT_NORM_EPS, IndexerSpec, LatentAttentionSpec,
-                                                absorbed_parts)
+                                                LatentWeights)
 from tensorfold.models.moe import MoESpec, block_gemms, float32_linear
 from tensorfold.models.spec import LayerSpec, MLPSpec
 from tensorfold.models.weights import WeightReader
@@ -243,46 +243,14 @@ class Indexer:
         return out
 
 
-class LatentAttention:
-    """models/latent_attention.LatentAttention on MLX arrays (the module docstring)."""
+class LatentAttention(LatentWeights):
+    """models/latent_attention.LatentAttention on MLX arrays (the module docstring); its weights
+    read as the torch layer reads them (LatentWeights)."""
 
     def __init__(self, spec: LatentAttentionSpec, w: WeightReader, eps: float):
-        self.spec, s = spec, spec
+        self.spec = spec
         self.rope = RopeRows(spec)
-        attn = w.under("self_attn.")
-        if s.q_lora_rank:
-            self.q_a = attn.linear("q_a_proj.weight", biases=("q_a_proj.bias",))
-            self.q_a_norm = _mx(attn.norm("q_a_layernorm.weight"))
-            self.q_b = attn.linear("q_b_proj.weight")
-        else:
-            self.q_a = self.q_a_norm = None
-            self.q_b = attn.linear("q_proj.weight")
-        self.kv_a = attn.linear("kv_a_proj_with_mqa.weight", biases=("kv_a_proj_with_mqa.bias",))
-        self.kv_a_norm = _mx(attn.norm("kv_a_layernorm.weight"))
-        self.o = attn.linear("o_proj.weight", biases=("o_proj.bias",))
-        if attn.has("kv_b_proj.weight"):  # a Hugging Face kv_b (dense): split as the torch model splits it
-            absorb = WeightReader(absorbed_parts(attn.dense("kv_b_proj.weight"), s, attn.prefix), w.dtype, w.device,
-                                  w.ops)
-        else:  # a GGUF's attn_k_b / attn_v_b (or --quantize's split), as stored
-            absorb = attn
-        self.absorb_k = [absorb.linear(f"absorb.{h}.k_b_proj.weight") for h in range(s.num_heads)]
-        self.absorb_v = [absorb.linear(f"absorb.{h}.v_b_proj.weight") for h in range(s.num_heads)]
-        self.indexer = None
-        if s.indexer is not None:
-            if not s.q_lora_rank:
-                raise CheckpointError(f"{attn.prefix}: the DSA indexer reads the q_lora residual; q_lora_rank is unset")
-            self.indexer = Indexer(s.indexer, attn.under("indexer."), s.rope_dim)
-        self.cache_spec = LatentKV(s.kv_lora_rank, s.rope_dim, s.indexer.head_dim if s.indexer else 0)
-
-    def gemms(self) -> dict:
-        named = {"q_b": self.q_b, "kv_a": self.kv_a, "o_proj": self.o}
-        if self.q_a is not None:
-            named["q_a"] = self.q_a
-        for h, (k, v) in enumerate(zip(self.absorb_k, self.absorb_v)):
-            named[f"absorb_k.{h}"], named[f"absorb_v.{h}"] = k, v
-        if self.indexer is not None:
-            named.update({f"indexer.{n}": g for n, g in self.indexer.gemms().items()})
-        return named
+        self.read_weights(spec, w, Indexer, norm=_mx)
 
     def __call__(self, x: mx.array, batch: MLXBatch, cache: LatentCache, rope_rows) -> mx.array:
         s, rows = self.spec, x.shape[0]

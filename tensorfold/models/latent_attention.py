@@ -102,20 +102,25 @@ def split_kv_b(tensors: dict, config: dict) -> None:
         tensors.update({prefix + part: t for part, t in absorbed_parts(kv_b, spec, prefix).items()})
 
 
-class LatentAttention:
-    def __init__(self, spec: LatentAttentionSpec, w: WeightReader, ctx):
-        self.spec, self.ops, s = spec, w.ops, spec
-        self.rope = ctx.rope_tables.get(spec.rope, spec.rope_dim, spec.max_position)
+class LatentWeights:
+    """A latent-attention layer's weights and GEMMs, read once for the torch layer below and the
+    mlx one (mlx/glm.py): the query path (q_lora or not), kv_a and its norm, o, the absorbed
+    per-head projections (a Hugging Face kv_b split here; llama.cpp's attn_k_b / attn_v_b, or
+    --quantize's split, as stored), the indexer and the cache kind. `norm` turns a norm weight
+    into the backend's array, `indexer` builds the backend's indexer."""
+
+    def read_weights(self, spec: LatentAttentionSpec, w: WeightReader, indexer, norm=lambda t: t) -> None:
+        s = spec
         attn = w.under("self_attn.")
         if s.q_lora_rank:
             self.q_a = attn.linear("q_a_proj.weight", biases=("q_a_proj.bias",))
-            self.q_a_norm = attn.norm("q_a_layernorm.weight")
+            self.q_a_norm = norm(attn.norm("q_a_layernorm.weight"))
             self.q_b = attn.linear("q_b_proj.weight")
         else:
             self.q_a = self.q_a_norm = None
             self.q_b = attn.linear("q_proj.weight")
         self.kv_a = attn.linear("kv_a_proj_with_mqa.weight", biases=("kv_a_proj_with_mqa.bias",))
-        self.kv_a_norm = attn.norm("kv_a_layernorm.weight")
+        self.kv_a_norm = norm(attn.norm("kv_a_layernorm.weight"))
         self.o = attn.linear("o_proj.weight", biases=("o_proj.bias",))
         if attn.has("kv_b_proj.weight"):  # a Hugging Face checkpoint's kv_b (dense): split here
             absorb = WeightReader(absorbed_parts(attn.dense("kv_b_proj.weight"), s, attn.prefix), w.dtype, w.device,
@@ -128,7 +133,7 @@ class LatentAttention:
         if s.indexer is not None:
             if not s.q_lora_rank:
                 raise CheckpointError(f"{attn.prefix}: the DSA indexer reads the q_lora residual; q_lora_rank is unset")
-            self.indexer = Indexer(s.indexer, attn.under("indexer."), s.rope_dim)
+            self.indexer = indexer(s.indexer, attn.under("indexer."), s.rope_dim)
         self.cache_spec = LatentKV(s.kv_lora_rank, s.rope_dim, s.indexer.head_dim if s.indexer else 0)
 
     def gemms(self) -> dict:
@@ -140,6 +145,13 @@ class LatentAttention:
         if self.indexer is not None:
             named.update({f"indexer.{n}": g for n, g in self.indexer.gemms().items()})
         return named
+
+
+class LatentAttention(LatentWeights):
+    def __init__(self, spec: LatentAttentionSpec, w: WeightReader, ctx):
+        self.spec, self.ops = spec, w.ops
+        self.rope = ctx.rope_tables.get(spec.rope, spec.rope_dim, spec.max_position)
+        self.read_weights(spec, w, Indexer)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerLatent) -> torch.Tensor:
         s, ops = self.spec, self.ops
