@@ -117,17 +117,9 @@ def test_reference_equals_the_integer_oracle(kind):
 @pytest.mark.parametrize("kind", LEGACY)
 def test_rows_alone_and_block_order_change_no_bit(kind):
     rng = torch.Generator().manual_seed(2)
-    w = random_weight(rng, kind, 16, 256)
-    x = random_x(rng, 9, 256)
-    y = qg.linear(x, w)
-    for i in range(x.shape[0]):
-        assert torch.equal(qg.linear(x[i:i + 1], w), y[i:i + 1])
     order = list(range(256 // 32))
     random.Random(3).shuffle(order)
-    cols = torch.cat([torch.arange(32 * b, 32 * b + 32) for b in order])
-    pick = (lambda t: None if t is None else t[:, order])
-    shuffled = qg.QuantWeight(kind, w.codes[:, cols], pick(w.scale), pick(w.scale_exp), pick(w.min), pick(w.min_exp))
-    assert torch.equal(qg.linear(x[:, cols], shuffled), y)
+    check_rows_alone_and_group_order(random_weight(rng, kind, 16, 256), random_x(rng, 9, 256), order)
 
 
 @pytest.mark.parametrize("kind,qtype", [("q8_0", QType.Q8_0), ("q4_0", QType.Q4_0), ("q4_1", QType.Q4_1)])
@@ -203,18 +195,22 @@ def random_k_file(rng: torch.Generator, kind: str, n: int, k: int) -> tuple[torc
 @pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 def test_k_quants_rows_alone_and_super_block_order_change_no_bit(kind):
     rng = torch.Generator().manual_seed(5)
-    w = random_generic(rng, kind, 16, 1024)
-    x = random_x(rng, 9, 1024)
+    order = [2, 0, 3, 1]  # super-blocks move whole: the groups, their E and their terms with them
+    check_rows_alone_and_group_order(random_generic(rng, kind, 16, 1024), random_x(rng, 9, 1024), order)
+
+
+def check_rows_alone_and_group_order(w: qg.QuantWeight, x: torch.Tensor, order: list) -> None:
+    """Each row alone gives its bits among the others, and moving whole activation groups (their
+    columns, sub-block scales and exponents) the same way in x and w changes no bit."""
     y = qg.linear(x, w)
     for i in range(x.shape[0]):
         assert torch.equal(qg.linear(x[i:i + 1], w), y[i:i + 1])
-    order = [2, 0, 3, 1]  # super-blocks move whole: the groups, their E and their terms with them
-    cols = torch.cat([torch.arange(256 * s, 256 * s + 256) for s in order])
-    blocks = torch.cat([torch.arange(8 * s, 8 * s + 8) for s in order])
-    subs = torch.cat([torch.arange(256 // qg.KINDS[kind].sub * s,
-                                   256 // qg.KINDS[kind].sub * (s + 1)) for s in order])
+    info = qg.KINDS[w.kind]
+    moved = (lambda width: torch.cat([torch.arange(width * g, width * (g + 1)) for g in order]))
+    cols, subs, blocks = moved(info.act), moved(info.act // info.sub), moved(info.blocks_per_group)
     pick = (lambda t: None if t is None else t[:, blocks])
-    shuffled = qg.QuantWeight(kind, w.codes[:, cols], w.scale[:, subs], pick(w.scale_exp), pick(w.min), pick(w.min_exp))
+    shuffled = qg.QuantWeight(w.kind, w.codes[:, cols], w.scale[:, subs], pick(w.scale_exp), pick(w.min),
+                              pick(w.min_exp))
     assert torch.equal(qg.linear(x[:, cols], shuffled), y)
 
 
