@@ -106,13 +106,18 @@ def test_moe_block_is_the_references(dtype, fmt, shared):
         tensors = _block_tensors(spec, hidden, fmt, gen)
         reference = MoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), _oracle()), None)
         block = moe.MoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), _WeightOps))
-        for rows in (1, 3, 37):
-            x = torch.randn(rows, hidden, generator=gen).to(dtype)
-            want = reference.compose(x)
-            got = block(ops.from_torch(x, ops.DTYPES[dtype]))
-            assert _same_bits(got, want), f"{rows} rows, normalize={normalize}: not the torch reference's bits"
-            alone = mx.concatenate([block(ops.from_torch(x[i:i + 1], ops.DTYPES[dtype])) for i in range(rows)])
-            assert np.array_equal(np.array(alone.astype(mx.float32)), np.array(got.astype(mx.float32)))
+        check_block_is_the_reference(block, reference.compose, hidden, dtype, gen)
+
+
+def check_block_is_the_reference(block, reference, hidden: int, dtype, gen: torch.Generator) -> None:
+    """An mlx block on 1, 3 and 37 random rows: the torch reference's bits (`reference`: rows ->
+    output), and each row alone the bits it has among the others."""
+    for rows in (1, 3, 37):
+        x = torch.randn(rows, hidden, generator=gen).to(dtype)
+        got = block(ops.from_torch(x, ops.DTYPES[dtype]))
+        assert _same_bits(got, reference(x)), f"{rows} rows: not the torch reference's bits"
+        alone = mx.concatenate([block(ops.from_torch(x[i:i + 1], ops.DTYPES[dtype])) for i in range(rows)])
+        assert np.array_equal(np.array(alone.astype(mx.float32)), np.array(got.astype(mx.float32)))
 
 
 # ---- the tiny MoE checkpoints on --backend mlx ----------------------------------------------------

@@ -37,7 +37,7 @@ from tensorfold.models.nemotron_h import NemotronMoE, NemotronMoESpec  # noqa: E
 from tensorfold.models.quantize import quantize  # noqa: E402
 from tensorfold.models.weights import WeightReader  # noqa: E402
 from test_mlx_hybrids import _Batch, mxa, same_bits, spread  # noqa: E402
-from test_mlx_moe import _oracle, _same_bits  # noqa: E402
+from test_mlx_moe import _oracle, check_block_is_the_reference  # noqa: E402
 
 H, P, G, N, TAPS = 4, 8, 2, 16, 4  # heads, head_dim, groups, state_size, conv taps
 CONV_DIM = H * P + 2 * G * N
@@ -182,12 +182,7 @@ def test_moe_block_is_the_references(dtype, fmt, latent):
     tensors = _moe_tensors(spec, hidden, fmt, gen)
     reference = NemotronMoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), _oracle()), None)
     block = nemotron_h.NemotronMoE(spec, WeightReader(tensors, dtype, torch.device("cpu"), _WeightOps))
-    for rows in (1, 3, 37):
-        x = torch.randn(rows, hidden, generator=gen).to(dtype)
-        got = block(ops.from_torch(x, ops.DTYPES[dtype]))
-        assert _same_bits(got, reference.forward(x)), f"{rows} rows: not the torch reference's bits"
-        alone = mx.concatenate([block(ops.from_torch(x[i:i + 1], ops.DTYPES[dtype])) for i in range(rows)])
-        assert np.array_equal(np.array(alone.astype(mx.float32)), np.array(got.astype(mx.float32)))
+    check_block_is_the_reference(block, reference.forward, hidden, dtype, gen)
 
 
 # ---- the tiny checkpoints on --backend mlx ---------------------------------------------------------
