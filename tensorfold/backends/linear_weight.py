@@ -121,7 +121,9 @@ class LinearWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_order is not None:
-            x = x.index_select(1, self.in_order.to(x.device))
+            if self.in_order.device != x.device:  # moved once, to where the activations are
+                self.in_order = self.in_order.to(x.device)
+            x = x.index_select(1, self.in_order)
         if len(self.parts) == 1:
             out = self.multiply(x, self.parts[0])
         else:  # each part whole, outputs side by side

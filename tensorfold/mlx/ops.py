@@ -324,6 +324,7 @@ class MLXLinear(LinearWeight):
     def __init__(self, parts: list, bias: torch.Tensor | None = None, shard=None):
         super().__init__(parts, None, shard)
         self.bias = None if bias is None else from_torch(bias)
+        self.in_order = None if self.in_order is None else from_torch(self.in_order)  # an mx index array, once
 
     def pack(self, part):
         if self.quantized(part):
@@ -332,7 +333,7 @@ class MLXLinear(LinearWeight):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.in_order is not None:  # a matrix in its file's column order (LinearWeight.in_order)
-            x = mx.take(x, from_torch(self.in_order), axis=1)
+            x = mx.take(x, self.in_order, axis=1)
         outs = [self.multiply(x, part) for part in self.parts]
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
         return out if self.bias is None else out + self.bias
