@@ -209,11 +209,15 @@ def check_weight(w: QuantWeight) -> Kind:
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] @ w^T -> [M, N] in x's dtype, by the steps of the module docstring."""
     kind = check_weight(w)
-    n, kdim = w.shape
-    if x.dim() != 2 or x.shape[1] != kdim:
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} against weights {w.shape}")
-    if x.shape[0] > ROW_CHUNK:  # rows are independent: chunks only bound the scratch memory
-        return torch.cat([linear(part, w) for part in x.split(ROW_CHUNK)])
+    # rows are independent: chunks only bound the scratch memory
+    return torch.cat([_linear_rows(part, w, kind) for part in (x.split(ROW_CHUNK) or (x,))])
+
+
+def _linear_rows(x: torch.Tensor, w: QuantWeight, kind: Kind) -> torch.Tensor:
+    """linear() on at most ROW_CHUNK rows of a checked weight."""
+    n, kdim = w.shape
     m, nb, per, bpg = x.shape[0], kdim // BLOCK, BLOCK // kind.sub, kind.blocks_per_group
     xq, xm, k, sm, se = quantize_activations(x, kind.act)
     xm, k = xm.to(torch.int64).unsqueeze(1), k.to(torch.int64)                               # [M, 1, G]
