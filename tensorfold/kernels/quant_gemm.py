@@ -185,7 +185,7 @@ def quantize_activations(x: torch.Tensor, act: int = BLOCK):
     xq = torch.round(groups * inverse.unsqueeze(-1)).clamp_(-X_MAX, X_MAX)    # round half to even
     xq = xq.masked_fill_(zero.unsqueeze(-1), 0)
     m, k = significand(d.clamp(max=F16_MAX).half())
-    s = (d.repeat_interleave(act // BLOCK, dim=1) * xq.reshape(rows, -1, BLOCK).sum(dim=-1)).clamp(-F16_MAX, F16_MAX)
+    s = (d.repeat_interleave(act // BLOCK, dim=1) * xq.reshape(rows, kdim // BLOCK, BLOCK).sum(dim=-1)).clamp(-F16_MAX, F16_MAX)
     sm, se = significand(s.half())                                            # float32 d sum(xq), to float16
     return xq.to(torch.int8).reshape(rows, kdim), m, k, sm, se
 
