@@ -4,14 +4,20 @@ row counts on one weight shape: what a K-quant costs next to Q4_0 on the CPU.
     python tools/bench_quant_kinds.py                                  # q4_0, q4_k, q6_k; 1 and 512 rows
     python tools/bench_quant_kinds.py --kinds q4_0,q4_k --rows 1,4,512 --n 8192 --k 3072 --repeats 7
     PYTHONPATH=/tmp/wt_old python tools/bench_quant_kinds.py           # another checkout's build
+    python tools/bench_quant_kinds.py --rows 1 --threads 2 --streamed 24   # from memory, as decode reads
 
 The weights are GGUF blocks of a random matrix (tensorfold.models.quantize.gguf_blocks, read back
 by gguf_quants.quant_weight, packed by _cpu.pack_quant: the K-quants in their file's form), the
 activations random float32 rows. Each cell is the best of --repeats timings, each the mean of
-enough calls to take about --budget seconds (AMX where the build and CPU allow it, as served).
+enough calls to take about --budget seconds (AMX where the build and CPU allow it, and the packed
+weights in huge pages, as served).
 To compare two builds, run each in its own process (a checkout's extension per PYTHONPATH) on a
 quiet machine, and take the best of several runs. Prints one markdown table: ms per call and
 the ratio to the first kind's time at the same rows.
+
+With --streamed N each call takes the next of N packed copies of the weight in turn, so that the
+weights come from memory rather than the caches (N copies must be well beyond the L3), as one-row
+decode of a real-size model reads them; the table then adds the GB/s read.
 """
 import argparse
 import os
@@ -52,28 +58,40 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.4, help="seconds per timing")
+    parser.add_argument("--streamed", type=int, default=1, help="cycle over this many copies of the weight")
     args = parser.parse_args()
     from tensorfold import _cpu
+    from tensorfold.backends.huge_pages import Arena
+
+    arena = Arena()  # the packed weights in huge pages, as the cpu backend places them
 
     torch.set_num_threads(args.threads)
     kinds, rows = args.kinds.split(","), [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     xs = {m: torch.randn(m, args.k, generator=gen) for m in rows}
-    times = {}
+    times, nbytes = {}, {}
     for kind in kinds:
         w = weight(kind, args.n, args.k, gen)
-        packed = _cpu.pack_quant(w.kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp)
+        copies = [arena.place(_cpu.pack_quant(w.kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp))
+                  for _ in range(args.streamed)]
+        nbytes[kind] = copies[0].numel() * copies[0].element_size()
+        turn = iter(range(1 << 62))
         for m in rows:
             x, out = xs[m], torch.empty(m, args.n)
-            times[kind, m] = min(timed(lambda: _cpu.quant_linear(x, packed, args.n, args.k, out=out), args.budget)
-                                 for _ in range(args.repeats))
+
+            def call() -> None:
+                _cpu.quant_linear(x, copies[next(turn) % len(copies)], args.n, args.k, out=out)
+            times[kind, m] = min(timed(call, args.budget) for _ in range(args.repeats))
+        del copies
     import tensorfold
     print(f"{os.path.dirname(tensorfold.__file__)}: {args.n} x {args.k}, {args.threads} thread(s), "
-          f"AMX {_cpu.quant_amx_path()}, best of {args.repeats}")
+          f"AMX {_cpu.quant_amx_path()}, best of {args.repeats}"
+          + (f", cycling over {args.streamed} copies" if args.streamed > 1 else ""))
     print("| kind | " + " | ".join(f"{m} rows ms (x {kinds[0]})" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for kind in kinds:
-        cells = [f"{times[kind, m] * 1e3:.3f} ({times[kind, m] / times[kinds[0], m]:.2f}x)" for m in rows]
+        cells = [f"{times[kind, m] * 1e3:.3f} ({times[kind, m] / times[kinds[0], m]:.2f}x, "
+                 f"{nbytes[kind] / times[kind, m] / 1e9:.1f} GB/s)" for m in rows]
         print(f"| {kind} | " + " | ".join(cells) + " |")
 
 
