@@ -244,7 +244,7 @@ def run_quant(shaders, x: torch.Tensor, w: qg.QuantWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("act", [32, 256])
 def test_quantize_activations(shaders, act):
-    """Step 1 alone, per group of 32 and of 256: xq, (m, k), (sm, se) equal
+    """Step 1 alone, per group of 32 and of 256: xq, (m, k), (sm, se) where the reference has them equal
     quant_gemm.quantize_activations' and xsum the exact sums of its xq per block (zero and
     subnormal groups, ties, saturated and subnormal float16 scales, a tiny non-zero group)."""
     gen = torch.Generator().manual_seed(4)
@@ -260,7 +260,8 @@ def test_quantize_activations(shaders, act):
     want = qg.quantize_activations(x, act)
     want += (want[0].to(torch.int32).reshape(5, 16, 32).sum(dim=-1, dtype=torch.int32),)
     for got, ref, name in zip(out, want, ("xq", "m", "k", "sm", "se", "xsum")):
-        same_bits(got, ref, f"{name} (act {act})")
+        if ref is not None:  # (sm, se): the 32-column groups' only; the K-quants' minimum takes xsum
+            same_bits(got, ref, f"{name} (act {act})")
 
 
 @pytest.mark.parametrize("kind", qg.TYPES)

@@ -173,8 +173,9 @@ def from_legacy(kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
 
 def quantize_activations(x: torch.Tensor, act: int = BLOCK):
     """x [M, K] (K a multiple of act) -> xq [M, K] int8, per group of `act` [M, K / act] the
-    scale's (m, k), and per block of 32 [M, K / 32] the minimum term's (sm, se) for the 32-column
-    groups (float16(d sum xq)), all int32 (step 1): x ~ xq m 2^k."""
+    scale's (m, k), and for the 32-column groups, per block [M, K / 32], the minimum term's
+    (sm, se) (float16(d sum xq); None for the K-quants' groups of 256, whose minimum terms take
+    the exact code sums instead), all int32 (step 1): x ~ xq m 2^k."""
     rows, kdim = x.shape
     groups = x.float().reshape(rows, kdim // act, act)
     amax = groups.abs().amax(dim=-1)                                          # [M, G] float32
@@ -185,7 +186,9 @@ def quantize_activations(x: torch.Tensor, act: int = BLOCK):
     xq = torch.round(groups * inverse.unsqueeze(-1)).clamp_(-X_MAX, X_MAX)    # round half to even
     xq = xq.masked_fill_(zero.unsqueeze(-1), 0)
     m, k = significand(d.clamp(max=F16_MAX).half())
-    s = (d.repeat_interleave(act // BLOCK, dim=1) * xq.reshape(rows, kdim // BLOCK, BLOCK).sum(dim=-1)).clamp(-F16_MAX, F16_MAX)
+    if act != BLOCK:
+        return xq.to(torch.int8).reshape(rows, kdim), m, k, None, None
+    s = (d * xq.sum(dim=-1)).clamp(-F16_MAX, F16_MAX)
     sm, se = significand(s.half())                                            # float32 d sum(xq), to float16
     return xq.to(torch.int8).reshape(rows, kdim), m, k, sm, se
 
