@@ -32,6 +32,15 @@ class EvenTokens(RowConstraint):
         bitmask[row, :len(self.row)] &= self.row
 
 
+def check_preemption(tight, prompts, params, solo) -> None:
+    """The requests together on `tight`, an engine whose pool holds too few blocks for all of
+    them, so that some are preempted and replayed: each replies as it did alone (`solo`: their
+    replies, token ids)."""
+    got = run(tight, prompts, params)
+    assert [r.output_ids for r in got] == solo
+    assert tight.scheduler.num_preemptions > 0
+
+
 def check_solo_vs_batched(solo, batched, recorder, same) -> None:
     """mixed_batch() run one request at a time on `solo` (no drafts) and all together on `batched`
     (drafts verified whole, draft_budget=False, so the verify path runs whatever the rows cost;

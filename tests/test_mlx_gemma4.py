@@ -26,7 +26,7 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_cases import check_solo_vs_batched, run  # noqa: E402
+from engine_cases import check_preemption, check_solo_vs_batched, run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx  # noqa: E402
 from tensorfold.engine.block_pool import lane_blocks  # noqa: E402
@@ -251,6 +251,20 @@ def test_cached_prefix_equals_fresh_runs(full_gemma):
     second = run(engine, [prompts[1]], [params[1]])[0]
     assert [first.output_ids, second.output_ids] == solo
     assert second.stats.cached_tokens >= 64
+
+
+def test_preempted_requests_reply_as_they_do_alone(full_gemma):
+    """Four requests (two past the sliding window) on a pool too small for all of them: the
+    preempted ones replay, their sliding and shared layers' caches written again, and reply as
+    they do alone."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (70, 30, 50, 9)]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=24, ignore_eos=True)
+              for i, t in enumerate((0.8, 0.0, 1.0, 0.8))]
+    alone = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, drafting=False, max_num_seqs=1, **SMALL))
+    tight = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, drafting=False, max_num_seqs=4, kv_cache_gib=1e-6,
+                                         context=128))
+    check_preemption(tight, prompts, params, [run(alone, [p], [sp])[0].output_ids for p, sp in zip(prompts, params)])
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ def test_moe_block_is_the_references(dtype, fmt):
 
 # ---- the tiny checkpoint on --backend mlx ---------------------------------------------------------
 
-from engine_cases import run  # noqa: E402
+from engine_cases import check_preemption, run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_glm_moe_dsa import _separated_checkpoint  # noqa: E402
 from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, prefill_in_chunks  # noqa: E402
@@ -241,6 +241,19 @@ def test_cached_prefix_equals_fresh_and_the_cache_is_latent(glm_dir):
     assert second.stats.cached_tokens > 0 and second.stats.cached_tokens % bs == 0
     assert "3 x LatentKV" in engine.info.cache
     assert [type(c).__name__ for c in engine.runner.caches] == ["LatentCache"] * 3
+
+
+def test_preempted_requests_reply_as_they_do_alone(glm_dir):
+    """Four requests (three past index_topk) on a pool too small for all of them: the preempted
+    ones replay (their latent cache and indexer keys written again) and reply as they do alone."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (40, 70, 13, 50)]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=24, ignore_eos=True)
+              for i, t in enumerate((0.8, 0.0, 1.0, 0.8))]
+    alone = Engine(glm_dir, EngineConfig(backend="mlx", probe=False, drafting=False, max_num_seqs=1, **SMALL))
+    tight = Engine(glm_dir, EngineConfig(backend="mlx", probe=False, drafting=False, max_num_seqs=4, kv_cache_gib=1e-6,
+                                         context=128))
+    check_preemption(tight, prompts, params, [run(alone, [p], [sp])[0].output_ids for p, sp in zip(prompts, params)])
 
 
 def test_quantized_at_load_gives_the_cpu_backends_logits_and_token_sha(glm_q8):

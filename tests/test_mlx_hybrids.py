@@ -153,7 +153,7 @@ def test_a_layers_mixing_over_a_batch_is_the_references():
 
 # ---- the tiny qwen3_5 checkpoint on --backend mlx -------------------------------------------------
 
-from engine_cases import check_solo_vs_batched, run  # noqa: E402
+from engine_cases import check_preemption, check_solo_vs_batched, run  # noqa: E402
 from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, prefill_in_chunks  # noqa: E402
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -251,7 +251,5 @@ def check_cached_prefix_and_preemption(checkpoint: str) -> None:
     assert [first.output_ids, second.output_ids] == solo[:2]
     bs = engine.config.block_size
     assert second.stats.cached_tokens > 0 and second.stats.cached_tokens % bs == 0
-    tight = Engine(checkpoint, EngineConfig(**config, max_num_seqs=4, kv_cache_gib=1e-6, context=128))
-    got = run(tight, prompts, params)
-    assert [r.output_ids for r in got] == solo
-    assert tight.scheduler.num_preemptions > 0
+    check_preemption(Engine(checkpoint, EngineConfig(**config, max_num_seqs=4, kv_cache_gib=1e-6, context=128)),
+                     prompts, params, solo)
