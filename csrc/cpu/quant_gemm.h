@@ -1,7 +1,7 @@
 // The exact quantized GEMM's packed weights (kernels/quant_gemm.py's QuantWeight, packed once):
 // the kinds' traits, where a column group's records, scales and tops sit, and how a record's
 // codes and scales read back as the reference's integers. Shared by the packer (quant_pack.cpp)
-// and the kernels (quant_gemm.cpp).
+// and the kernels (quant_gemm.cpp and its quant_gemm_*.h).
 //
 // The kinds differ in their activation groups (QKind::act): 32 columns, or a K-quant's super-block
 // of 256, over which the weight's E (and F) is one (pack_quant checks it), so that the kernels
