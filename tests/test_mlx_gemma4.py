@@ -26,9 +26,10 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_cases import check_preemption, check_solo_vs_batched, run  # noqa: E402
+from engine_cases import check_solo_vs_batched  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx  # noqa: E402
+from test_mlx_hybrids import check_cached_prefix_and_preemption  # noqa: E402
 from tensorfold.engine.block_pool import lane_blocks  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.engine.step_plan import ScheduledRequest, StepPlan  # noqa: E402
@@ -236,35 +237,11 @@ def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_gemma)
     check_solo_vs_batched(solo, batched, Recorder, np.array_equal)
 
 
-def test_cached_prefix_equals_fresh_runs(full_gemma):
-    """A prompt sharing a 70-token prefix (past the window) resumes from the cached blocks with
-    the reply of a fresh engine."""
-    rng = random.Random(4)
-    prefix = [rng.randrange(49152) for _ in range(70)]
-    prompts = [prefix + [rng.randrange(49152) for _ in range(n)] for n in (5, 9)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(2)]
-    config = dict(backend="mlx", probe=False, drafting=False)
-    solo = [run(Engine(full_gemma, EngineConfig(**config, **SMALL)), [p], [sp])[0].output_ids
-            for p, sp in zip(prompts, params)]
-    engine = Engine(full_gemma, EngineConfig(**config, **SMALL))
-    first = run(engine, [prompts[0]], [params[0]])[0]
-    second = run(engine, [prompts[1]], [params[1]])[0]
-    assert [first.output_ids, second.output_ids] == solo
-    assert second.stats.cached_tokens >= 64
-
-
-def test_preempted_requests_reply_as_they_do_alone(full_gemma):
-    """Four requests (two past the sliding window) on a pool too small for all of them: the
-    preempted ones replay, their sliding and shared layers' caches written again, and reply as
-    they do alone."""
-    rng = random.Random(7)
-    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (70, 30, 50, 9)]
-    params = [SamplingParams(temperature=t, seed=i, max_tokens=24, ignore_eos=True)
-              for i, t in enumerate((0.8, 0.0, 1.0, 0.8))]
-    alone = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, drafting=False, max_num_seqs=1, **SMALL))
-    tight = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, drafting=False, max_num_seqs=4, kv_cache_gib=1e-6,
-                                         context=128))
-    check_preemption(tight, prompts, params, [run(alone, [p], [sp])[0].output_ids for p, sp in zip(prompts, params)])
+def test_cached_prefix_and_preemption_equal_fresh_runs(full_gemma):
+    """test_mlx_hybrids' check on Gemma 4 (a 70-token prefix, past the sliding window): a cached
+    prefix resumes from the window's blocks, preempted requests replay (their sliding and shared
+    layers' caches written again)."""
+    check_cached_prefix_and_preemption(full_gemma)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from tensorfold.mlx.model import _WeightOps  # noqa: E402
 from tensorfold.models.moe import MoE, MoESpec, SigmoidRouting  # noqa: E402
 from tensorfold.models.quantize import quantize  # noqa: E402
 from tensorfold.models.weights import WeightReader  # noqa: E402
-from test_mlx_hybrids import same_bits, spread  # noqa: E402
+from test_mlx_hybrids import check_cached_prefix_and_preemption, same_bits, spread  # noqa: E402
 from test_mlx_moe import _oracle, check_block_is_the_reference  # noqa: E402
 
 
@@ -143,7 +143,7 @@ def test_moe_block_is_the_references(dtype, fmt):
 
 # ---- the tiny checkpoint on --backend mlx ---------------------------------------------------------
 
-from engine_cases import check_preemption, run  # noqa: E402
+from engine_cases import run  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_glm_moe_dsa import _separated_checkpoint  # noqa: E402
 from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, prefill_in_chunks  # noqa: E402
@@ -224,36 +224,16 @@ def test_replies_equal_solo_serial_vs_batched_chunked(glm_dir):
         assert np.array_equal(got.draws[key], logits), f"draw {key}"
 
 
-def test_cached_prefix_equals_fresh_and_the_cache_is_latent(glm_dir):
-    """A prompt sharing a 70-token prefix (past index_topk) with an earlier one resumes from the
-    cached blocks with the reply of a fresh engine; the cache is three latent layers."""
-    rng = random.Random(4)
-    prefix = [rng.randrange(49152) for _ in range(70)]
-    prompts = [prefix + [rng.randrange(49152) for _ in range(n)] for n in (5, 9)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True) for i in range(2)]
-    config = dict(backend="mlx", probe=False, drafting=False, **SMALL)
-    fresh = run(Engine(glm_dir, EngineConfig(**config)), [prompts[1]], [params[1]])[0]
-    engine = Engine(glm_dir, EngineConfig(**config))
-    run(engine, [prompts[0]], [params[0]])
-    second = run(engine, [prompts[1]], [params[1]])[0]
-    assert second.output_ids == fresh.output_ids
-    bs = engine.config.block_size
-    assert second.stats.cached_tokens > 0 and second.stats.cached_tokens % bs == 0
+def test_cached_prefix_and_preemption_equal_fresh_runs(glm_dir):
+    """test_mlx_hybrids' check on GLM-5 (prompts past index_topk): a cached prefix resumes from the
+    latent cache's blocks, preempted requests replay (latent cache and indexer keys written again)."""
+    check_cached_prefix_and_preemption(glm_dir)
+
+
+def test_the_cache_is_latent(glm_dir):
+    engine = Engine(glm_dir, EngineConfig(backend="mlx", probe=False, drafting=False, **SMALL))
     assert "3 x LatentKV" in engine.info.cache
     assert [type(c).__name__ for c in engine.runner.caches] == ["LatentCache"] * 3
-
-
-def test_preempted_requests_reply_as_they_do_alone(glm_dir):
-    """Four requests (three past index_topk) on a pool too small for all of them: the preempted
-    ones replay (their latent cache and indexer keys written again) and reply as they do alone."""
-    rng = random.Random(6)
-    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (40, 70, 13, 50)]
-    params = [SamplingParams(temperature=t, seed=i, max_tokens=24, ignore_eos=True)
-              for i, t in enumerate((0.8, 0.0, 1.0, 0.8))]
-    alone = Engine(glm_dir, EngineConfig(backend="mlx", probe=False, drafting=False, max_num_seqs=1, **SMALL))
-    tight = Engine(glm_dir, EngineConfig(backend="mlx", probe=False, drafting=False, max_num_seqs=4, kv_cache_gib=1e-6,
-                                         context=128))
-    check_preemption(tight, prompts, params, [run(alone, [p], [sp])[0].output_ids for p, sp in zip(prompts, params)])
 
 
 def test_quantized_at_load_gives_the_cpu_backends_logits_and_token_sha(glm_q8):

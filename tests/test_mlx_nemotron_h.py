@@ -36,7 +36,7 @@ from tensorfold.models.mamba2 import Mamba2Params  # noqa: E402
 from tensorfold.models.nemotron_h import NemotronMoE, NemotronMoESpec  # noqa: E402
 from tensorfold.models.quantize import quantize  # noqa: E402
 from tensorfold.models.weights import WeightReader  # noqa: E402
-from test_mlx_hybrids import _Batch, mxa, same_bits, spread  # noqa: E402
+from test_mlx_hybrids import _Batch, check_cached_prefix_and_preemption, mxa, same_bits, spread  # noqa: E402
 from test_mlx_moe import _oracle, check_block_is_the_reference  # noqa: E402
 
 H, P, G, N, TAPS = 4, 8, 2, 16, 4  # heads, head_dim, groups, state_size, conv taps
@@ -187,11 +187,10 @@ def test_moe_block_is_the_references(dtype, fmt, latent):
 
 # ---- the tiny checkpoints on --backend mlx ---------------------------------------------------------
 
-from engine_cases import check_solo_vs_batched, run  # noqa: E402
+from engine_cases import check_solo_vs_batched  # noqa: E402
 from family_cases import check_greedy_32_tokens, hf_model  # noqa: E402
 from test_mlx_backend import Recorder, check_quantized_cpu_equals_mlx, prefill_in_chunks  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
-from tensorfold.sampling.params import SamplingParams  # noqa: E402
 from tools.tiny_checkpoint import (NEMOTRON_H_GGUF_SIZES, make_tiny_checkpoint, well_separated_seed,  # noqa: E402
                                    write_tiny_gguf)
 
@@ -291,26 +290,9 @@ def test_replies_equal_solo_serial_vs_batched_chunked_drafted(small_vocab_nemotr
 
 
 def test_cached_prefix_and_preemption_equal_fresh_runs(nemotron):
-    """A prompt sharing a 70-token prefix resumes from a block's Mamba2 state (cached tokens a
-    multiple of the block) with the reply of a fresh engine; requests preempted by a pool of one
-    window's blocks reply as they do alone."""
-    rng = random.Random(4)
-    prefix = [rng.randrange(49152) for _ in range(70)]
-    prompts = [prefix + [rng.randrange(49152) for _ in range(n)] for n in (5, 9, 3, 6)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
-    config = dict(backend="mlx", probe=False, drafting=False)
-    solo = [run(Engine(nemotron, EngineConfig(**config, **SMALL)), [p], [sp])[0].output_ids
-            for p, sp in zip(prompts, params)]
-    engine = Engine(nemotron, EngineConfig(**config, **SMALL))
-    first = run(engine, [prompts[0]], [params[0]])[0]
-    second = run(engine, [prompts[1]], [params[1]])[0]
-    assert [first.output_ids, second.output_ids] == solo[:2]
-    bs = engine.config.block_size
-    assert second.stats.cached_tokens > 0 and second.stats.cached_tokens % bs == 0
-    tight = Engine(nemotron, EngineConfig(**config, max_num_seqs=4, kv_cache_gib=1e-6, context=128))
-    got = run(tight, prompts, params)
-    assert [r.output_ids for r in got] == solo
-    assert tight.scheduler.num_preemptions > 0
+    """test_mlx_hybrids' check on Nemotron-H: a cached prefix resumes from a block's Mamba2 state,
+    preempted requests replay it."""
+    check_cached_prefix_and_preemption(nemotron)
 
 
 def test_the_engine_counts_the_mamba2_states(nemotron):
