@@ -19,10 +19,11 @@ from tensorfold.backends.torch_backend import DTYPES, kv_cache_dtype, read_check
 from tensorfold.engine.step_plan import StepPlan
 from tensorfold.mlx import delta_net, metal, ops
 from tensorfold.mlx.glm import LatentCache
-from tensorfold.mlx.model import Attention, MLXBatch, MLXModel, SequenceSpan, model_class, state_slots
+from tensorfold.mlx.model import Attention, MLXBatch, MLXModel, mlx_batch, model_class
+from tensorfold.mlx.mtp import MLXMTPRunner
 from tensorfold.models.cache import LatentKV, ModelCache, SharedKV, group_blocks
 from tensorfold.models.config import ModelArgs
-from tensorfold.models.loader import served_tensors
+from tensorfold.models.loader import mtp_tensors, served_tensors
 from tensorfold.models.progress import LoadProgress
 from tensorfold.models.registry import model_family
 from tensorfold.sampling.sampler import sample
@@ -46,9 +47,14 @@ class MLXBackend:
         checkpoint, tokenizer = read_checkpoint(model_path, config)
         args = ModelArgs.from_hf(checkpoint.config, os.path.join(checkpoint.path, "config.json"))
         family = model_family(checkpoint.architecture, checkpoint.path)
-        tensors = LoadProgress(served_tensors(checkpoint.tensors, family))
+        # The MTP layer only where drafting may use it (the torch backends' rule: models/loader.mtp_tensors).
+        served, mtp_spec = mtp_tensors(served_tensors(checkpoint.tensors, family), family, args,
+                                       config.drafting and config.drafter != "ngram")
+        tensors = LoadProgress(served)
         self.model = model = model_class(family)(args, family.layer_specs(args), tensors, DTYPES[config.dtype],
                                                  family.norm_offset)
+        if mtp_spec is not None:
+            model.add_mtp(mtp_spec, tensors)
         tensors.finish()
         checkpoint.tensors = {}
         formats = model.weight_formats()
@@ -65,7 +71,8 @@ class MLXBackend:
                 ops.use_shaders(metal)
                 log.info("metal/ shaders: attention and the quantized GEMM give the MLX ops' bits here")
         self.config = config = narrowed(config, failures)
-        return Loaded(checkpoint, tokenizer, config, failures, args.vocab_size, args.max_position, args.num_layers)
+        return Loaded(checkpoint, tokenizer, config, failures, args.vocab_size, args.max_position, args.num_layers,
+                      mtp_layers=1 if model.mtp is not None else 0)
 
     def allocate(self, context_length: int) -> Allocation:
         """Every layer's cache within --kv-cache-gib, and at least one full window: attention's
@@ -130,46 +137,36 @@ class MLXBackend:
 
 class MLXRunner:
     """Executes a StepPlan on the MLX model: one forward, the caches and logits evaluated
-    together, the draws on the host."""
+    together, the draws on the host. Where an MTP layer is loaded, `mtp` (mlx/mtp.MLXMTPRunner)
+    holds every row's final hidden state for the engine's MTP drafter and runs the layer."""
 
     def __init__(self, model: MLXModel, caches: list[ops.LayerCache], block_size: int):
         self.model, self.caches, self.block_size = model, caches, block_size
+        self.mtp = MLXMTPRunner(model, caches[len(model.layers):], block_size) if model.mtp is not None else None
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
         batch = self._batch(plan)
-        logits = self.model.forward(batch, self.caches)
-        mx.eval(logits, *cache_arrays(self.caches))
+        if self.mtp is not None:  # every row's hidden state goes to the MTP layer's catch-up
+            logits, hidden = self.model.forward(batch, self.caches, hidden=True)
+            mx.eval(logits, hidden, *cache_arrays(self.caches))
+            self.mtp.keep(plan, hidden)
+        else:
+            logits = self.model.forward(batch, self.caches)
+            mx.eval(logits, *cache_arrays(self.caches))
         rows = [row for req in plan.requests for row in req.rows]
         return per_request(plan, sample(ops.to_torch(logits), rows, bitmask=plan.bitmask) if rows else [])
 
     def _batch(self, plan: StepPlan) -> MLXBatch:
-        bs = self.block_size
-        input_ids, positions, slots, sequences, logits_rows, tables = [], [], [], [], [], []
-        groups = [([], []) for _ in self.model.windows[1:]]  # per further cache group: slots, sequences
+        groups = len(self.model.windows) - 1  # the further cache groups (sliding windows)
+        pieces, logits_rows, end = [], [], 0
         for req in plan.requests:
-            start, num = len(input_ids), len(req.token_ids)
-            pos = np.arange(req.start_position, req.start_position + num)
-            table = np.asarray(req.block_ids, dtype=np.int64)
-            input_ids += req.token_ids
-            positions.append(pos)
-            tables.append(table)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            sequences.append(SequenceSpan(start, start + num, pos, ops.key_slots(table, int(pos[-1]), bs)))
-            if len(req.group_block_ids) != len(groups):
+            if len(req.group_block_ids) != groups:
                 raise ValueError(f"{req.req_id}: {len(req.group_block_ids)} further block tables, the cache has "
-                                 f"{len(groups)} sliding groups")
-            for (group_slots, group_seqs), group_table in zip(groups, req.group_block_ids):
-                # a freed block (NULL_BLOCK, -1) is before every row's window: never read, any id will do
-                group_table = np.maximum(np.asarray(group_table, dtype=np.int64), 0)
-                group_slots.append(group_table[pos // bs] * bs + pos % bs)
-                group_seqs.append(SequenceSpan(start, start + num, pos, ops.key_slots(group_table, int(pos[-1]), bs)))
-            logits_rows += range(start + num - len(req.rows), start + num)
-        state_in, state_out = state_slots(tables, positions, bs)
-        ids, rows = mx.array(np.asarray(input_ids, dtype=np.int32)), mx.array(np.asarray(logits_rows, dtype=np.int32))
-        positions = np.concatenate(positions)
-        views = [MLXBatch(ids, positions, mx.array(np.concatenate(s)), seqs, rows, state_in, state_out)
-                 for s, seqs in groups] if plan.requests else []
-        return MLXBatch(ids, positions, mx.array(np.concatenate(slots)), sequences, rows, state_in, state_out, views)
+                                 f"{groups} sliding groups")
+            pieces.append((req.start_position, req.token_ids, req.block_ids, req.group_block_ids))
+            end += len(req.token_ids)
+            logits_rows += range(end - len(req.rows), end)
+        return mlx_batch(pieces, logits_rows, self.block_size, groups)
 
 
 def cache_arrays(caches: list) -> list[mx.array]:

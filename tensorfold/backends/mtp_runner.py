@@ -1,100 +1,34 @@
 """Runs a model's MTP layer (models/mtp.py) for the engine's MTP drafter: the runner's half of
-engine/draft_plan.py.
-
-The target forward hands over every row's final hidden state (keep()); the runner holds, per
-request, the hidden states of one contiguous run of positions (a round from inside the run cuts
-it there: drafts rejected, a recurrent rewind; from elsewhere starts a new one: preemption) until
-the engine asks for them. catch_up() feeds asked rows to the MTP layer, which writes its K/V at
-their positions, and keeps, for a request that drafts, the last row's output hidden state and its
-greedy draft; draft() chains from there, one MTP forward per further draft, batched over the
-requests that want that many. Drafts are greedy on the MTP logits (argmax, ties to the lower
-id). Nothing here decides which tokens a reply keeps: the engine verifies every draft against
-the keyed draws.
+engine/draft_plan.py, on the torch backends. What it holds and when it runs the layer is
+backends/mtp_rows.py's (shared with the mlx backend's runner); here are the torch steps: the
+layer's ForwardBatch, its forward over the cache's layers after the model's, the greedy argmax
+(ties to the lower id).
 """
 import torch
 
-from tensorfold.engine.draft_plan import CatchUp, ChainDraft
+from tensorfold.backends.mtp_rows import HeldRows, MTPRows  # noqa: F401 (HeldRows: its old home)
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 
 
-class MTPRunner:
+class MTPRunner(MTPRows):
     def __init__(self, model, cache):
-        self.mtp, self.device = model.mtp, model.device
         # the MTP layer's parts: the cache's layers after the model's
-        self.caches = [cache.layer(len(model.layers) + i) for i in range(len(model.mtp.layers))]
-        self.block_size = cache.block_size
-        self._held: dict[str, HeldRows] = {}
-        self._chain: dict[str, tuple[int, torch.Tensor, int]] = {}  # req_id -> (position, h' [hidden], draft)
-        self.num_forwards = 0  # MTP layer passes run (catch-ups and chained steps)
+        super().__init__(model.mtp, [cache.layer(len(model.layers) + i) for i in range(len(model.mtp.layers))],
+                         cache.block_size)
+        self.device = model.device
 
-    def keep(self, plan, hidden: torch.Tensor) -> None:
-        """The last target forward's hidden states [num_rows, hidden], per scheduled request."""
-        row, held_by_id, alone = 0, self._held, len(plan.requests) == 1
-        for req in plan.requests:
-            num, start = len(req.token_ids), req.start_position
-            rows = hidden if alone else hidden[row:row + num]  # [num, hidden]
-            held = held_by_id.get(req.req_id)
-            if held is None:
-                held = held_by_id[req.req_id] = HeldRows()
-            if start == held.end and held.runs:  # a decode round: the run grows by its rows
-                held.runs.append(rows)
-                held.end = start + num
-            else:
-                held.put(start, rows)
-            row += num
+    def _forward(self, hidden: torch.Tensor, pieces, drawing: list[int]):
+        logits, out = self.mtp.forward(hidden, self._batch(pieces, drawing), self.caches)
+        return (logits.argmax(dim=-1).tolist() if logits.numel() else []), out
 
-    def held(self, req_id: str) -> tuple[int, int]:
-        """The positions [first, end) whose hidden states are held for req_id."""
-        held = self._held.get(req_id)
-        return (held.first, held.end) if held is not None else (0, 0)
+    def _cat(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(rows)
 
-    def catch_up(self, asks: list[CatchUp]) -> None:
-        """Each ask's rows through the MTP layer in one pass; the rows before the last one asked
-        are let go (the last stays: a drafting request runs it again for its draft)."""
-        if not asks:
-            return
-        rows = [self._held[ask.req_id].rows(ask.start_position, len(ask.token_ids)) for ask in asks]
-        pieces = [(ask.start_position, ask.token_ids, ask.block_ids) for ask in asks]
-        batch = self._batch(pieces, [i for i, ask in enumerate(asks) if ask.want_draft])
-        logits, out = self.mtp.forward(torch.cat(rows), batch, self.caches)
-        self.num_forwards += 1
-        for ask in asks:
-            self._held[ask.req_id].drop_before(ask.start_position + len(ask.token_ids) - 1)
-        drafts = logits.argmax(dim=-1).tolist() if logits.numel() else []
-        ends = batch.logits_rows.tolist()
-        for ask, draft, end in zip([a for a in asks if a.want_draft], drafts, ends):
-            self._chain[ask.req_id] = (ask.start_position + len(ask.token_ids) - 1, out[end], draft)
+    def _stack(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(rows)
 
-    def draft(self, asks: list[ChainDraft]) -> dict[str, list[int]]:
-        """Each ask's drafts: the caught-up one, then num_drafts - 1 chained ones (fewer where the
-        request has no caught-up state at ask.position)."""
-        proposals, live = {}, []
-        for ask in asks:
-            state = self._chain.pop(ask.req_id, None)
-            if state is None or state[0] != ask.position or ask.num_drafts < 1:
-                proposals[ask.req_id] = []
-                continue
-            proposals[ask.req_id] = [state[2]]
-            live.append((ask, state[1]))
-        step = 1
-        while True:
-            live = [(ask, h) for ask, h in live if ask.num_drafts > step]
-            if not live:
-                return proposals
-            # Step s's row sits at position p + s: h' from position p + s - 1 and the draft of
-            # the token at p + s + 1; it drafts the token at p + s + 2.
-            pieces = [(ask.position + step, [proposals[ask.req_id][-1]], ask.block_ids) for ask, _ in live]
-            batch = self._batch(pieces, list(range(len(live))))
-            logits, out = self.mtp.forward(torch.stack([h for _, h in live]), batch, self.caches)
-            self.num_forwards += 1
-            for i, ((ask, _), draft) in enumerate(zip(live, logits.argmax(dim=-1).tolist())):
-                proposals[ask.req_id].append(draft)
-                live[i] = (ask, out[i])
-            step += 1
-
-    def forget(self, req_id: str) -> None:
-        self._chain.pop(req_id, None)
-        self._held.pop(req_id, None)
+    def _copy(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.clone()
 
     def _batch(self, pieces, drawing: list[int]) -> ForwardBatch:
         """Rows (start position, tokens, block ids) per sequence; logits of the last row of each
@@ -112,39 +46,3 @@ class MTPRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(slots), sequences,
                             as_tensor([ends[i] for i in drawing]), positions_end=max(positions, default=-1) + 1)
-
-
-class HeldRows:
-    """One request's target hidden states for a contiguous run of positions [first, end): the
-    forward's own rows (views, no copy: a decode round adds one), joined when read. Rows put from
-    inside the run (or at its end) replace the run from there on (rejected drafts' rows, a
-    recurrent rewind's recomputed ones); rows from elsewhere start a new run (a preempted
-    request recomputing)."""
-
-    def __init__(self):
-        self.runs: list[torch.Tensor] = []  # each [rows, hidden], in position order
-        self.first = self.end = 0
-
-    def put(self, position: int, rows: torch.Tensor) -> None:
-        if position != self.end:
-            if self.first <= position < self.end:
-                self.runs = [self._joined()[:position - self.first]]
-            else:
-                self.first, self.runs = position, []
-        self.runs.append(rows)
-        self.end = position + len(rows)
-
-    def rows(self, position: int, num: int) -> torch.Tensor:
-        assert self.first <= position and position + num <= self.end, (position, num, self.first, self.end)
-        return self._joined()[position - self.first:position - self.first + num]  # [num, hidden]
-
-    def drop_before(self, position: int) -> None:
-        """Let the rows before `position` go (after the MTP layer read them)."""
-        position = min(max(position, self.first), self.end)
-        self.runs = [self._joined()[position - self.first:].clone()]
-        self.first = position
-
-    def _joined(self) -> torch.Tensor:
-        if len(self.runs) > 1:
-            self.runs = [torch.cat(self.runs)]
-        return self.runs[0]

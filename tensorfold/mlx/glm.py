@@ -354,6 +354,5 @@ class GLMModel(MLXModel):
     def layer(self, spec: LayerSpec, w: WeightReader):
         return GLMDecoderLayer(spec, w)
 
-    def forward(self, batch: MLXBatch, caches: list) -> mx.array:
+    def begin(self, batch: MLXBatch) -> None:
         batch.dsa_selections = {}
-        return super().forward(batch, caches)

@@ -64,6 +64,36 @@ class MLXBatch:
         return self if not g else self.groups[g - 1]
 
 
+def mlx_batch(pieces: list, logits_rows: list[int], block_size: int, num_groups: int = 0) -> MLXBatch:
+    """The MLXBatch of sequences laid end to end: pieces, one per sequence, (first position, token
+    ids, block ids, the further cache groups' block ids: num_groups lists); logits_rows: the
+    batch rows whose logits are returned. (The runner's rounds, the MTP layer's catch-ups and
+    chained steps.)"""
+    bs = block_size
+    input_ids, positions, slots, sequences, tables = [], [], [], [], []
+    groups = [([], []) for _ in range(num_groups)]  # per further cache group: slots, sequences
+    for first, token_ids, block_ids, group_block_ids in pieces:
+        start, num = len(input_ids), len(token_ids)
+        pos = np.arange(first, first + num)
+        table = np.asarray(block_ids, dtype=np.int64)
+        input_ids += token_ids
+        positions.append(pos)
+        tables.append(table)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        sequences.append(SequenceSpan(start, start + num, pos, ops.key_slots(table, int(pos[-1]), bs)))
+        for (group_slots, group_seqs), group_table in zip(groups, group_block_ids):
+            # a freed block (NULL_BLOCK, -1) is before every row's window: never read, any id will do
+            group_table = np.maximum(np.asarray(group_table, dtype=np.int64), 0)
+            group_slots.append(group_table[pos // bs] * bs + pos % bs)
+            group_seqs.append(SequenceSpan(start, start + num, pos, ops.key_slots(group_table, int(pos[-1]), bs)))
+    state_in, state_out = state_slots(tables, positions, bs)
+    ids, rows = mx.array(np.asarray(input_ids, dtype=np.int32)), mx.array(np.asarray(logits_rows, dtype=np.int32))
+    positions = np.concatenate(positions)
+    views = [MLXBatch(ids, positions, mx.array(np.concatenate(s)), seqs, rows, state_in, state_out)
+             for s, seqs in groups] if pieces else []
+    return MLXBatch(ids, positions, mx.array(np.concatenate(slots)), sequences, rows, state_in, state_out, views)
+
+
 def state_slots(tables: list[np.ndarray], positions: list[np.ndarray], block_size: int):
     """ForwardBatch.state_slots on the host: (state_in [num_seqs], state_out [rows]) for
     sequences with block tables `tables` running rows at `positions`: a sequence starts from the
@@ -232,6 +262,7 @@ class MLXModel:
     """forward(batch, caches) -> logits [num_logits, vocab] float32 (an mx.array). A family with
     layers or model-level parts of its own subclasses it (layer(), forward(): mlx/gemma4.py)."""
     weight_ops = _WeightOps
+    mtp = None  # the multi-token-prediction layer (mlx/mtp.py), where one is loaded
 
     def __init__(self, args: ModelArgs, specs: list[LayerSpec], tensors: dict, dtype: torch.dtype,
                  norm_offset: float = 0.0):
@@ -245,6 +276,7 @@ class MLXModel:
         self.layers = [self.layer(spec, w.under(f"model.layers.{i}.")) for i, spec in enumerate(self.specs)]
         self.group_of, self.windows = layer_groups(self.cache_specs())  # each layer's block table
         self.norm = _mx(w.norm("model.norm.weight"))
+        self.norm_offset = norm_offset
         quantized = ops.MLXLinear.quantized(embed)
         self.table = ops.MLXLinear.of(embed) if quantized else None
         self.embed = self.table.rows if quantized else ops.from_torch(embed).__getitem__
@@ -258,12 +290,43 @@ class MLXModel:
     def layer(self, spec: LayerSpec, w: WeightReader):
         return DecoderLayer(spec, w)
 
+    def add_mtp(self, spec, tensors: dict) -> None:
+        """Build the checkpoint's MTP layer (mlx/mtp.py, models/mtp.py's names) on this model's
+        embedding and head; its layers' caches follow the model's, behind the first block table."""
+        from tensorfold.mlx.mtp import MLXMultiTokenPredictor
+        w = WeightReader(tensors, self.dtype, torch.device("cpu"), self.weight_ops, norm_offset=self.norm_offset)
+        self.mtp = MLXMultiTokenPredictor(spec, w, self)
+        self.group_of, self.windows = layer_groups(self.cache_specs())
+        if any(g for g in self.group_of[len(self.layers):]):
+            raise CheckpointError(f"{spec.names.prefix}: a sliding-window layer in the MTP layer is not served")
+
     def cache_specs(self) -> list:
         """Each layer's cache kind (models/cache.PagedKV, SharedKV or RecurrentState; None: a
-        feed-forward layer)."""
-        return [layer.cache_spec for layer in self.layers]
+        feed-forward layer); the MTP layer's last."""
+        return [layer.cache_spec for layer in self.layers] + (self.mtp.cache_specs if self.mtp else [])
 
-    def forward(self, batch: MLXBatch, caches: list[ops.LayerCache]) -> mx.array:
+    def begin(self, batch: MLXBatch) -> None:
+        """Before a forward of this model's layers over `batch` (the model's or its MTP layer's):
+        what a family keeps per forward starts afresh (mlx/glm.py's DSA choices)."""
+
+    def forward(self, batch: MLXBatch, caches: list[ops.LayerCache], hidden: bool = False):
+        """hidden: also return every row's final hidden state (after the final norm, what the MTP
+        layer reads) as (logits, hidden [rows, hidden])."""
+        self.begin(batch)
+        residual = self.embed(batch.input_ids).astype(self.mx_dtype)
+        residual = self.run_layers(self.layers, residual, batch, caches, self.group_of)
+        eps = self.specs[-1].norm_eps
+        if hidden:  # the norm is per row: the logits rows' bits are those of the branch below
+            out = ops.rms_norm(residual, self.norm, eps)
+            return self.lm_head(out[batch.logits_rows]).astype(mx.float32), out
+        out = ops.rms_norm(residual[batch.logits_rows], self.norm, eps)
+        return self.lm_head(out).astype(mx.float32)
+
+    @staticmethod
+    def run_layers(layers: list, residual: mx.array, batch: MLXBatch, caches: list, group_of: list) -> mx.array:
+        """The residual stream through `layers` (each with its cache, caches[i], behind the block
+        table of group_of[i]): norm, the mixer and the feed-forward (or a single block) per
+        layer; returns the last layer's residual, before any final norm."""
         rope_cache: dict[int, tuple] = {}
 
         def rope_rows(table):  # each table's rows once per forward
@@ -271,23 +334,22 @@ class MLXModel:
                 rope_cache[id(table)] = table.at(batch.positions)
             return rope_cache[id(table)]
 
-        residual = self.embed(batch.input_ids).astype(self.mx_dtype)
-        x = ops.rms_norm(residual, self.layers[0].input_norm, self.layers[0].eps)
-        for i, layer in enumerate(self.layers):
+        x = ops.rms_norm(residual, layers[0].input_norm, layers[0].eps)
+        for i, layer in enumerate(layers):
             if layer.mixer is None:  # a single-block layer: x + block(norm(x))
                 residual = residual + layer.ffn(x)
             elif layer.ffn is None:
-                residual = residual + layer.mixer(x, batch.in_group(self.group_of[i]), caches[i], rope_rows)
+                residual = residual + layer.mixer(x, batch.in_group(group_of[i]), caches[i], rope_rows)
             else:
-                residual = residual + layer.mixer(x, batch.in_group(self.group_of[i]), caches[i], rope_rows)
+                residual = residual + layer.mixer(x, batch.in_group(group_of[i]), caches[i], rope_rows)
                 residual = residual + layer.ffn(ops.rms_norm(residual, layer.post_mixer_norm, layer.eps))
-            if i + 1 < len(self.layers):
-                x = ops.rms_norm(residual, self.layers[i + 1].input_norm, layer.eps)
-        out = ops.rms_norm(residual[batch.logits_rows], self.norm, self.specs[-1].norm_eps)
-        return self.lm_head(out).astype(mx.float32)
+            if i + 1 < len(layers):
+                x = ops.rms_norm(residual, layers[i + 1].input_norm, layer.eps)
+        return residual
 
     def gemms(self) -> dict:
-        return named_gemms(self.layers, self.lm_head)
+        """Every MLXLinear by name (layers.{i}.qkv, ..., lm_head; mtp.* where loaded)."""
+        return {**named_gemms(self.layers, self.lm_head), **(self.mtp.gemms() if self.mtp else {})}
 
     def weight_formats(self) -> dict[str, int]:
         return count_formats(self.gemms().values())

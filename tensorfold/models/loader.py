@@ -83,13 +83,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
     the multi-token-prediction layer, where the family and the checkpoint have one (one rank only)."""
     args = ModelArgs.from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
     family = model_family(ckpt.architecture, ckpt.path)
-    served = served_tensors(ckpt.tensors, family)
-    mtp_spec = family.mtp_layer(args) if family.mtp_layer is not None else None
-    with_mtp = mtp and group is None and has_mtp(mtp_spec, served)
-    if mtp_spec is not None:
-        served = _mtp_tensors(served, mtp_spec, with_mtp, "loaded" if with_mtp else
-                              "not asked for" if not mtp else "tensor parallel" if group is not None else
-                              "the config declares none" if not mtp_spec.declared else "none in the checkpoint")
+    served, mtp_spec = mtp_tensors(served_tensors(ckpt.tensors, family), family, args, mtp, group is not None)
     tensors = LoadProgress(served)
     reader, blocks = WeightReader, family.blocks
     if group is not None:
@@ -97,13 +91,28 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, ops, device: torch.device 
         reader, blocks = functools.partial(ShardReader, group=group), sharded_blocks(blocks, group, args)
     model = (family.model or Model)(args, family.layer_specs(args), tensors, dtype, ops, device, blocks,
                                     family.norm_offset, reader)
-    if with_mtp:
+    if mtp_spec is not None:
         model.add_mtp(mtp_spec, tensors, family.blocks, family.norm_offset)
     if vision:  # the tower reads the checkpoint's own names (the text model's served set skips them)
         model.vision = build_vision_tower(ckpt, dtype, ops, device)
         model.vision.preprocess = vision_info(ckpt).preprocess  # the image cache preprocesses on a miss
     tensors.finish()
     return model
+
+
+def mtp_tensors(served: dict, family, args: ModelArgs, mtp: bool, sharded: bool = False):
+    """(the served tensors, the MTP layer's spec where it is to be built, else None): the layer
+    is built where `mtp` asks for it (drafting may use it), the model runs on one rank (not
+    `sharded`), the family has one, the config declares it and the checkpoint holds its weights;
+    its tensors are left out otherwise (said in the log). Either backend's load calls it."""
+    spec = family.mtp_layer(args) if family.mtp_layer is not None else None
+    if spec is None:
+        return served, None
+    with_mtp = mtp and not sharded and has_mtp(spec, served)
+    served = _mtp_tensors(served, spec, with_mtp, "loaded" if with_mtp else "not asked for" if not mtp else
+                          "tensor parallel" if sharded else
+                          "the config declares none" if not spec.declared else "none in the checkpoint")
+    return served, spec if with_mtp else None
 
 
 def _mtp_tensors(served: dict, spec, keep: bool, why: str) -> dict:
