@@ -143,12 +143,14 @@ inline const uint8_t* super_head(const uint8_t* rec, const Layout& L, int64_t b)
   return rec - L.super_head - (b % SUPER_BLOCKS) * L.super_block;
 }
 
-// q4_k's 6-bit scale and minimum of sub-block i (0..7) from column j's 12 scale bytes, kept as
-// planes of 16 columns (byte t of column j at planes[16 t + j]), as GGUF packs them: bytes 0-3
-// and 4-7 the low 6 bits of sc_0..3 and m_0..3, their top 2 bits the bits 4-5 of sc_4..7 and
-// m_4..7, whose low 4 bits are the nibbles of bytes 8-11 (sc low, m high).
-inline void k_scale(const uint8_t* planes, int j, int i, int32_t* sc, int32_t* m) {
-  const auto byte = [&](int t) { return static_cast<int32_t>(planes[16 * t + j]); };
+// q4_k's 6-bit scale sc and minimum m of sub-block i (0..7) from its 12 scale bytes, as GGUF packs
+// them: bytes 0-3 and 4-7 the low 6 bits of sc_0..3 and m_0..3, their top 2 bits the bits 4-5 of
+// sc_4..7 and m_4..7, whose low 4 bits are the nibbles of bytes 8-11 (sc low, m high). byte(t)
+// gives byte t of one column (V int32_t) or of a register's columns, each in a 32-bit lane (V a
+// compiler vector of uint32_t, the kernels' 16 or 8 columns at once), so that one column's reading
+// and the kernels' decoding are the same steps.
+template <typename V, typename Byte>
+inline void unpack_k_scale(const Byte& byte, int i, V* sc, V* m) {
   if (i < 4) {
     *sc = byte(i) & 63;
     *m = byte(i + 4) & 63;
@@ -156,6 +158,11 @@ inline void k_scale(const uint8_t* planes, int j, int i, int32_t* sc, int32_t* m
     *sc = (byte(i + 4) & 15) | ((byte(i - 4) >> 6) << 4);
     *m = (byte(i + 4) >> 4) | ((byte(i) >> 6) << 4);
   }
+}
+
+// Column j's, its 12 bytes kept in planes of 16 columns (byte t of column j at planes[16 t + j]).
+inline void k_scale(const uint8_t* planes, int j, int i, int32_t* sc, int32_t* m) {
+  unpack_k_scale([&](int t) { return static_cast<int32_t>(planes[16 * t + j]); }, i, sc, m);
 }
 
 struct ColumnScales {

@@ -109,6 +109,9 @@ inline __m256i plane_u8x8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
+// A ymm's 8 int32 lanes as unpack_k_scale's V (the casts to and from __m256i move no bits).
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
 // super_scales for columns 8h..8h+7: into sup[t][8h..8h + 8).
 inline void super_scales8(const uint8_t* head, bool q6, int h, __m256i top, int32_t (*sup)[GROUP], __m256i* sexp,
                           __m256i* mexp) {
@@ -122,20 +125,12 @@ inline void super_scales8(const uint8_t* head, bool q6, int h, __m256i top, int3
   __m256i mm;
   decode_f16x8(head + 2 * GROUP + 16 * h, top, &mm, mexp);
   const uint8_t* planes = head + 4 * GROUP + 8 * h;
-  const auto byte = [&](int t) { return plane_u8x8(planes + 16 * t); };
-  const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15);
+  const auto byte = [&](int t) { return (u32x8)plane_u8x8(planes + 16 * t); };
   for (int i = 0; i < SUPER_BLOCKS; ++i) {
-    __m256i sc, m;
-    if (i < 4) {
-      sc = _mm256_and_si256(byte(i), low6);
-      m = _mm256_and_si256(byte(i + 4), low6);
-    } else {
-      const __m256i rest = byte(i + 4);
-      sc = _mm256_or_si256(_mm256_and_si256(rest, low4), _mm256_slli_epi32(_mm256_srli_epi32(byte(i - 4), 6), 4));
-      m = _mm256_or_si256(_mm256_srli_epi32(rest, 4), _mm256_slli_epi32(_mm256_srli_epi32(byte(i), 6), 4));
-    }
-    put(i, _mm256_mullo_epi32(dm, sc));
-    put(SUPER_BLOCKS + i, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(mm, m)));
+    u32x8 sc, m;
+    unpack_k_scale(byte, i, &sc, &m);
+    put(i, _mm256_mullo_epi32(dm, (__m256i)sc));
+    put(SUPER_BLOCKS + i, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(mm, (__m256i)m)));
   }
 }
 
@@ -181,20 +176,12 @@ void group_super8(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
             put(dm[1], _mm256_sub_epi32(_mm256_setzero_si256(), d));
             put(sexp[1], e);
             const uint8_t* planes = head + 4 * GROUP + 8 * h;
-            const auto byte = [&](int q) { return plane_u8x8(planes + 16 * q); };
-            const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15);
+            const auto byte = [&](int q) { return (u32x8)plane_u8x8(planes + 16 * q); };
             for (int j = 0; j < SUPER_BLOCKS; ++j) {
-              __m256i s, m;
-              if (j < 4) {
-                s = _mm256_and_si256(byte(j), low6);
-                m = _mm256_and_si256(byte(j + 4), low6);
-              } else {
-                const __m256i rest = byte(j + 4);
-                s = _mm256_or_si256(_mm256_and_si256(rest, low4), _mm256_slli_epi32(_mm256_srli_epi32(byte(j - 4), 6), 4));
-                m = _mm256_or_si256(_mm256_srli_epi32(rest, 4), _mm256_slli_epi32(_mm256_srli_epi32(byte(j), 6), 4));
-              }
-              put(sc[j], s);
-              put(sc[SUPER_BLOCKS + j], m);
+              u32x8 s, m;
+              unpack_k_scale(byte, j, &s, &m);
+              put(sc[j], (__m256i)s);
+              put(sc[SUPER_BLOCKS + j], (__m256i)m);
             }
           }
         }

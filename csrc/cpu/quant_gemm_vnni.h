@@ -59,6 +59,9 @@ inline void add_fifth_bit(const uint8_t* bits, __m512i* u) {
 
 inline __m512i plane_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// A zmm's 16 int32 lanes as unpack_k_scale's V (the casts to and from __m512i move no bits).
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
 // A SUPER record's scales for 16 columns (k_scale, column_scales), once per super-block: into
 // sup, S = dm sc of each sub-block (q4_k: sup[0..8), then M = -(dminm m) in sup[8..16); q6_k:
 // sup[0..16)), and the shifts E - top and q4_k's F - top.
@@ -76,20 +79,12 @@ inline void super_scales(const uint8_t* head, bool q6, __m512i top, int32_t (*su
   __m512i mm;
   decode_f16(head + 2 * GROUP, top, &mm, mexp);
   const uint8_t* planes = head + 4 * GROUP;
-  const auto byte = [&](int t) { return plane_u8(planes + 16 * t); };
-  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+  const auto byte = [&](int t) { return (u32x16)plane_u8(planes + 16 * t); };
   for (int i = 0; i < SUPER_BLOCKS; ++i) {
-    __m512i sc, m;
-    if (i < 4) {
-      sc = _mm512_and_si512(byte(i), low6);
-      m = _mm512_and_si512(byte(i + 4), low6);
-    } else {
-      const __m512i rest = byte(i + 4);
-      sc = _mm512_or_si512(_mm512_and_si512(rest, low4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i - 4), 6), 4));
-      m = _mm512_or_si512(_mm512_srli_epi32(rest, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i), 6), 4));
-    }
-    _mm512_store_si512(sup[i], _mm512_mullo_epi32(dm, sc));
-    _mm512_store_si512(sup[SUPER_BLOCKS + i], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(mm, m)));
+    u32x16 sc, m;
+    unpack_k_scale(byte, i, &sc, &m);
+    _mm512_store_si512(sup[i], _mm512_mullo_epi32(dm, (__m512i)sc));
+    _mm512_store_si512(sup[SUPER_BLOCKS + i], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(mm, (__m512i)m)));
   }
 }
 
@@ -302,20 +297,12 @@ inline void super_factors(const uint8_t* head, __m512i topv, int shift0, int32_t
   decode_f16(head + 2 * GROUP, topv, &mm, &mexp);
   scaled_pd(_mm512_sub_epi32(_mm512_setzero_si512(), mm), _mm512_add_epi32(mexp, grid), dmin);
   const uint8_t* planes = head + 4 * GROUP;
-  const auto byte = [&](int t) { return plane_u8(planes + 16 * t); };
-  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+  const auto byte = [&](int t) { return (u32x16)plane_u8(planes + 16 * t); };
   for (int i = 0; i < SUPER_BLOCKS; ++i) {
-    __m512i s, m;
-    if (i < 4) {
-      s = _mm512_and_si512(byte(i), low6);
-      m = _mm512_and_si512(byte(i + 4), low6);
-    } else {
-      const __m512i rest = byte(i + 4);
-      s = _mm512_or_si512(_mm512_and_si512(rest, low4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i - 4), 6), 4));
-      m = _mm512_or_si512(_mm512_srli_epi32(rest, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte(i), 6), 4));
-    }
-    _mm512_store_si512(sc[i], s);
-    _mm512_store_si512(sc[SUPER_BLOCKS + i], m);
+    u32x16 s, m;
+    unpack_k_scale(byte, i, &s, &m);
+    _mm512_store_si512(sc[i], (__m512i)s);
+    _mm512_store_si512(sc[SUPER_BLOCKS + i], (__m512i)m);
   }
 }
 
