@@ -12,7 +12,8 @@ its prompts, so acceptance is measurable there). On qwen3_5:
 - --drafter auto / mtp / ngram load (or not) the layer as on the torch backends, and the engine's
   info reports its weights and cache as theirs.
 On qwen3_5_moe, GLM-5's next-n layer and Nemotron 3's MTP layers: the q8_0 logits are the cpu
-backend's, and drafted == serial with the first drafts accepted.
+backend's; drafted == serial with the first drafts accepted, solo, concurrent, from a cached
+prefix and preempted.
 """
 import json
 import os
@@ -221,3 +222,25 @@ def test_next_n_drafted_equals_serial_solo_and_concurrent(nextn):
     on the memorised continuations, 5-9 of 5-9, as on the torch backends)."""
     path, prompts = nextn
     check_drafted_equals_serial(path, prompts[:3], [greedy(16), greedy(16), sampled(1, 16)])
+
+
+def test_next_n_cached_prefix_and_preemption_equal_serial(nextn):
+    """With MTP drafts: a prompt extending a finished request's text resumes from the prefix cache
+    (its MTP K/V included) with the serial reply; three requests on a pool of one window's blocks
+    are preempted and replay with the serial replies."""
+    path, prompts = nextn
+    serial = mlx_engine(path, drafting=False)
+    first = serial.generate(prompts[0], greedy(32)).token_ids
+    # two full blocks of the first request's text (the hit's last block is recomputed with MTP)
+    extended = prompts[0] + first[:24] + prompts[1]
+    engine = mlx_engine(path, drafter="mtp", draft_budget=False)
+    run(engine, [prompts[0]], [greedy(32)])
+    cached = run(engine, [extended], [sampled(3, 8)])[0]
+    assert cached.stats.cached_tokens >= 16 and cached.stats.drafted > 0
+    assert cached.output_ids == serial.generate(extended, sampled(3, 8)).token_ids
+    params = [greedy(16), sampled(4, 16), greedy(16)]
+    expected = [token_sha(r.output_ids) for r in run(serial, prompts[:3], params)]
+    tight = mlx_engine(path, drafter="mtp", draft_budget=False, kv_cache_gib=1e-6, context=48, max_num_seqs=3)
+    got = run(tight, prompts[:3], params)
+    assert [token_sha(r.output_ids) for r in got] == expected
+    assert tight.scheduler.num_preemptions > 0 and sum(r.stats.accepted for r in got) > 0
