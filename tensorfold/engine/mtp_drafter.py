@@ -1,6 +1,7 @@
 """Drafting with the checkpoint's multi-token-prediction layer (models/mtp.py), the engine's half:
 which rows the MTP layer runs and when, in plain data (engine/draft_plan.py); the runner's `mtp`
-(backends/mtp_runner.py) runs them and holds the target's hidden states meanwhile.
+(backends/mtp_rows.py: the torch backends' mtp_runner.py, the mlx backend's mlx/mtp.py) runs them
+and holds the target's hidden states meanwhile.
 
 The MTP layer keeps its own K/V, one more layer of the cache under the request's block ids; slot
 j holds the row of (h[j], t[j + 1]), so it can be written once t[j + 1] is known. Per request
