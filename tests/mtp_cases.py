@@ -74,16 +74,17 @@ def check_served_layer_equals_training_form(path: str, prompts: list) -> None:
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-def check_drafted_equals_serial(path: str, prompts: list, params: list) -> Engine:
+def check_drafted_equals_serial(path: str, prompts: list, params: list, **config) -> Engine:
     """The requests one at a time and all at once, every draft verified (draft_budget off): the
     serial replies bitwise; the greedy ones (the first two) had their first drafts mostly
     accepted (measured: every first draft on the memorised continuations; later positions fewer,
     chained drafts reading the layer's own hidden state), the sampled ones ran drafts too.
-    Returns the drafting engine."""
-    expected = [token_sha(r.output_ids) for r in run(Engine(path, EngineConfig(drafting=False, **BASE)),
+    `config`: the engines' other settings (a backend). Returns the drafting engine."""
+    config = {**BASE, **config}
+    expected = [token_sha(r.output_ids) for r in run(Engine(path, EngineConfig(drafting=False, **config)),
                                                       prompts, params)]
-    drafted = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **BASE))
-    assert drafted.drafter_name == "mtp"
+    drafted = Engine(path, EngineConfig(drafter="mtp", draft_budget=False, **config))
+    assert drafted.drafter_name == "mtp" and drafted.max_draft == 3
     solo = [run(drafted, [p], [sp])[0] for p, sp in zip(prompts, params)]
     assert [token_sha(r.output_ids) for r in solo] == expected
     together = run(drafted, prompts, params)

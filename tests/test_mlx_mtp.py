@@ -25,7 +25,8 @@ import torch
 mx = pytest.importorskip("mlx.core")
 
 from engine_cases import run  # noqa: E402
-from mtp_cases import BASE, ScriptedBudget, greedy, one_thread, sampled, trained_checkpoints  # noqa: E402,F401
+from mtp_cases import (BASE, ScriptedBudget, check_drafted_equals_serial, greedy, one_thread, sampled,  # noqa: E402,F401
+                       trained_checkpoints)
 from tensorfold.api.replies import token_sha  # noqa: E402
 from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.mlx.model import mlx_batch  # noqa: E402
@@ -88,24 +89,8 @@ def test_drafted_equals_serial_solo_and_batched(checkpoints):
     the serial token_sha; the greedy replies' first drafts mostly accepted (measured: 12 of 12 and
     11 of 11 solo and batched, the torch backends' counts), the sampled ones ran drafts too."""
     _, path, prompts = checkpoints
-    check_drafted_equals_serial(path, prompts[:4], [greedy(NEW), greedy(NEW), sampled(1, NEW), sampled(2, NEW)])
-
-
-def check_drafted_equals_serial(path: str, prompts: list, params: list) -> None:
-    """The requests one at a time and all at once, every draft run: the serial token_sha; the
-    first two (greedy) had their first drafts mostly accepted, the others ran drafts too."""
-    expected = [token_sha(r.output_ids) for r in run(mlx_engine(path, drafting=False), prompts, params)]
-    drafted = mlx_engine(path, drafter="mtp", draft_budget=False)
-    assert drafted.drafter_name == "mtp" and drafted.max_draft == 3
-    solo = [run(drafted, [p], [sp])[0] for p, sp in zip(prompts, params)]
-    assert [token_sha(r.output_ids) for r in solo] == expected
-    together = run(drafted, prompts, params)
-    assert [token_sha(r.output_ids) for r in together] == expected
-    for reqs in (solo, together):
-        for r in reqs[:2]:
-            drafted_first, accepted_first = r.stats.drafted_by_position[0], r.stats.accepted_by_position[0]
-            assert accepted_first >= 0.5 * drafted_first > 0, r.stats
-        assert sum(r.stats.drafted for r in reqs[2:]) > 0
+    check_drafted_equals_serial(path, prompts[:4], [greedy(NEW), greedy(NEW), sampled(1, NEW), sampled(2, NEW)],
+                                backend="mlx")
 
 
 def written_rows(engine, req) -> list[np.ndarray]:
@@ -221,7 +206,7 @@ def test_next_n_drafted_equals_serial_solo_and_concurrent(nextn):
     """Greedy and sampled, one at a time and three at once (measured: every first draft accepted
     on the memorised continuations, 5-9 of 5-9, as on the torch backends)."""
     path, prompts = nextn
-    check_drafted_equals_serial(path, prompts[:3], [greedy(16), greedy(16), sampled(1, 16)])
+    check_drafted_equals_serial(path, prompts[:3], [greedy(16), greedy(16), sampled(1, 16)], backend="mlx")
 
 
 def test_next_n_cached_prefix_and_preemption_equal_serial(nextn):

@@ -17,42 +17,17 @@ import numpy as np
 from tensorfold.backends.mtp_rows import MTPRows
 from tensorfold.mlx import ops
 from tensorfold.mlx.model import MLXBatch, mlx_batch
-from tensorfold.models.checkpoint import CheckpointError
-from tensorfold.models.mtp import MTPSpec
+from tensorfold.models.mtp import MTPLayerWeights, MTPSpec
 from tensorfold.models.weights import WeightReader
 
 
-class MLXMultiTokenPredictor:
+class MLXMultiTokenPredictor(MTPLayerWeights):
     def __init__(self, spec: MTPSpec, w: WeightReader, model):
         """w: a reader over the model's tensors (names under spec.names.prefix are read); model:
         the MLXModel whose layer kinds, embedding and head it uses."""
-        names = spec.names
-        if spec.declared != 1:
-            raise CheckpointError(f"{names.prefix}: {spec.declared} {names.label} declared; one is served")
-        w = w.under(names.prefix)
-        self.spec, self.names, self.mx_dtype = spec, names, model.mx_dtype
-        self.eps = spec.layers[0].norm_eps
-        self.norm_embedding = ops.from_torch(w.norm(names.norm_embedding))
-        self.norm_hidden = ops.from_torch(w.norm(names.norm_hidden))
-        self.fc = w.linear(names.fc)  # [hidden, 2 * hidden]: the embedding half first
-        self.layers = [model.layer(s, w.under(p)) for s, p in zip(spec.layers, names.layers)]
-        for layer, prefix in zip(self.layers, names.layers):
-            if getattr(layer.cache_spec, "recurrent", False):
-                raise CheckpointError(f"{w.prefix}{prefix}: a recurrent layer in the MTP layer is not served "
-                                      "(its drafted rows would have to be rewound)")
-        self.norm = ops.from_torch(w.norm(names.norm))
+        super().__init__(spec, w, model.layer, ops.from_torch)
+        self.mx_dtype = model.mx_dtype
         self.model = model  # its embed, lm_head, begin() and run_layers()
-
-    @property
-    def cache_specs(self) -> list:
-        """Each of its layers' cache kind (None: keeps nothing), after the model's layers'."""
-        return [layer.cache_spec for layer in self.layers]
-
-    def gemms(self) -> dict:
-        named = {"mtp.fc": self.fc}
-        for i, layer in enumerate(self.layers):
-            named.update({f"mtp.layers.{i}.{k}": v for k, v in layer.gemms().items()})
-        return named
 
     def forward(self, hidden: mx.array, batch: MLXBatch, caches: list) -> tuple[mx.array | None, mx.array]:
         """hidden [rows, hidden]: h[j] per row; batch.input_ids: t[j + 1]; batch.positions: j;

@@ -74,26 +74,27 @@ def has_mtp(spec: MTPSpec | None, tensors) -> bool:
             and any(n.startswith(spec.names.prefix) for n in tensors))
 
 
-class MultiTokenPredictor:
-    def __init__(self, spec: MTPSpec, w: WeightReader, rope_tables: RopeTables, blocks: dict, embed, lm_head):
-        """w: the model's reader (names under spec.names.prefix are read)."""
+class MTPLayerWeights:
+    """What every backend's MTP layer reads and checks: the norms, fc and decoder layers under the
+    family's names (make_layer(spec, reader) builds a layer of the backend's kinds; as_array turns
+    a norm's tensor into the backend's array), one declared layer, none recurrent."""
+
+    def __init__(self, spec: MTPSpec, w: WeightReader, make_layer, as_array=lambda t: t):
         names = spec.names
         if spec.declared != 1:
             raise CheckpointError(f"{names.prefix}: {spec.declared} {names.label} declared; one is served")
         w = w.under(names.prefix)
-        self.spec, self.names, self.ops, self.dtype = spec, names, w.ops, w.dtype
+        self.spec, self.names = spec, names
         self.eps = spec.layers[0].norm_eps
-        self.norm_embedding = w.norm(names.norm_embedding)
-        self.norm_hidden = w.norm(names.norm_hidden)
+        self.norm_embedding = as_array(w.norm(names.norm_embedding))
+        self.norm_hidden = as_array(w.norm(names.norm_hidden))
         self.fc = w.linear(names.fc)  # [hidden, 2 * hidden]: the embedding half first
-        self.layers = [DecoderLayer(s, w.under(p), rope_tables, blocks) for s, p in zip(spec.layers, names.layers)]
+        self.layers = [make_layer(s, w.under(p)) for s, p in zip(spec.layers, names.layers)]
         for layer, prefix in zip(self.layers, names.layers):
             if getattr(layer.cache_spec, "recurrent", False):
                 raise CheckpointError(f"{w.prefix}{prefix}: a recurrent layer in the MTP layer is not served "
                                       "(its drafted rows would have to be rewound)")
-        self.norm = w.norm(names.norm)
-        self.embed, self.lm_head = embed, lm_head
-        self._run = [self.ops.fuse(layer) or layer.forward for layer in self.layers]
+        self.norm = as_array(w.norm(names.norm))
 
     @property
     def cache_specs(self) -> list:
@@ -105,6 +106,15 @@ class MultiTokenPredictor:
         for i, layer in enumerate(self.layers):
             named.update({f"mtp.layers.{i}.{k}": v for k, v in layer.gemms().items()})
         return named
+
+
+class MultiTokenPredictor(MTPLayerWeights):
+    def __init__(self, spec: MTPSpec, w: WeightReader, rope_tables: RopeTables, blocks: dict, embed, lm_head):
+        """w: the model's reader (names under spec.names.prefix are read)."""
+        super().__init__(spec, w, lambda layer_spec, lw: DecoderLayer(layer_spec, lw, rope_tables, blocks))
+        self.ops, self.dtype = w.ops, w.dtype
+        self.embed, self.lm_head = embed, lm_head
+        self._run = [self.ops.fuse(layer) or layer.forward for layer in self.layers]
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, caches: list) -> tuple[torch.Tensor, torch.Tensor]:
