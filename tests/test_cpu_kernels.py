@@ -704,7 +704,7 @@ def test_quant_linear_row_alone_equals_row_among_others(draw, threads, kind):
 @pytest.mark.parametrize("kind", QUANT_KINDS)
 def test_quant_linear_tiles_without_negative_shifts_equal_their_reference(draw, threads, kind):
     """Scales within a few binades and ordinary activations: no term can have a negative shift,
-    so the row tiles take the unchecked kernel (quant_gemm.cpp: group_unchecked). Among them, rows
+    so the row tiles take the unchecked kernel (quant_gemm_avx2.h: group_unchecked). Among them, rows
     with an outlier or a zero block (far below the row's largest: checked tiles), zero scales
     and minimums, and every tile height (1-4 rows) alone and beside the others."""
     from test_quant_gemm import random_generic

@@ -85,8 +85,6 @@ void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0
   __m512d units[2];
   group_units(topv, shift0, units);
   const int64_t ahead = prefetch_distance(L, 0);
-  alignas(64) int32_t sup[16][GROUP];
-  __m512i sup_sexp = _mm512_setzero_si512(), sup_mexp = sup_sexp;
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m512i u[8];
@@ -103,7 +101,7 @@ void prepare_group(const Layout& L, const uint8_t* packed, int64_t g, int shift0
                                                               _mm512_slli_epi32(_mm512_load_si512(si.sc[SUPER_BLOCKS + 2 * p + 1]), 16)));
       }
     } else {
-      G->scales[b] = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
+      G->scales[b] = block_scales<FORM, KIND>(rec, L, topv, shift0, units);
     }
   }
 }

@@ -112,28 +112,6 @@ inline __m256i plane_u8x8(const uint8_t* p) {
 // A ymm's 8 int32 lanes as unpack_k_scale's V (the casts to and from __m256i move no bits).
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-// super_scales for columns 8h..8h+7: into sup[t][8h..8h + 8).
-inline void super_scales8(const uint8_t* head, bool q6, int h, __m256i top, int32_t (*sup)[GROUP], __m256i* sexp,
-                          __m256i* mexp) {
-  __m256i dm;
-  decode_f16x8(head + 16 * h, top, &dm, sexp);
-  const auto put = [&](int t, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(sup[t] + 8 * h), v); };
-  if (q6) {
-    for (int t = 0; t < 16; ++t) put(t, _mm256_mullo_epi32(dm, load_i8x8(head + 2 * GROUP + 16 * t + 8 * h)));
-    return;
-  }
-  __m256i mm;
-  decode_f16x8(head + 2 * GROUP + 16 * h, top, &mm, mexp);
-  const uint8_t* planes = head + 4 * GROUP + 8 * h;
-  const auto byte = [&](int t) { return (u32x8)plane_u8x8(planes + 16 * t); };
-  for (int i = 0; i < SUPER_BLOCKS; ++i) {
-    u32x8 sc, m;
-    unpack_k_scale(byte, i, &sc, &m);
-    put(i, _mm256_mullo_epi32(dm, (__m256i)sc));
-    put(SUPER_BLOCKS + i, _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_mullo_epi32(mm, (__m256i)m)));
-  }
-}
-
 // The SUPER form on AVX2 (group_super's sums, eight columns to a register): per super-block the
 // head decoded once into int32 sub-block scales (and Q4_K's minimums) and, per column, dm, -dminm
 // and the shifts E - top, F - top; per row and block the dots A (not yet times m) times sc added
@@ -243,27 +221,14 @@ void group_super8(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     for (int c = 0; c < 4; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * GROUP + 4 * c), a[r][c]);
 }
 
-// Sub-block i's scales of columns 8h..8h+7 from super_scales8's sup.
-inline void super_block_scales8(const int32_t (*sup)[GROUP], int i, bool q6, int h, __m256i* s0, __m256i* s1,
-                                __m256i* mv) {
-  const auto get = [&](int t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup[t] + 8 * h)); };
-  *s0 = get(q6 ? 2 * i : i);
-  if (q6)
-    *s1 = get(2 * i + 1);
-  else
-    *mv = get(SUPER_BLOCKS + i);
-}
-
+// R rows against group g, block by block, for the WIDE and F16 forms (the file's K-quant form
+// has its own kernel, group_super8).
 template <int R, int FORM, int KIND>
-void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
-                  const int32_t* top, int64_t* acc) {
-  if constexpr (FORM == SUPER) {  // the file's form: its own kernel
-    group_super8<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
-    return;
-  }
+void group_blocks8(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                   const int32_t* top, int64_t* acc) {
+  static_assert(FORM != SUPER, "the SUPER form runs group_super8");
   constexpr QKind KD = KINDS[KIND];  // the kind's traits as constants: no branch left in the block loop
-  constexpr bool NIBBLES = KD.nibbles || FORM == SUPER, HAS_MIN = KD.has_min;
-  constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
+  constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
   constexpr int PER = BLOCK / KD.sub;
   constexpr bool SIGNED = KD.code_bits == 8;  // q8_0: c = u - 128 as a signed byte
   constexpr int BPG = KD.act / BLOCK;  // blocks per activation group: 1, or 8 (the K-quants)
@@ -276,8 +241,6 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   const __m256i top_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
   const __m256i top_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8));
   const int64_t ahead = prefetch_distance(L, r0);
-  alignas(32) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales8), both halves
-  __m256i sup_sexp[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sup_mexp[2] = {sup_sexp[0], sup_sexp[0]};
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m256i u[8][2];  // quad q, columns 8h..8h+7
@@ -294,24 +257,12 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
           if constexpr (SIGNED) u[q][h] = _mm256_xor_si256(u[q][h], _mm256_set1_epi8(static_cast<char>(0x80)));
         }
       }
-      if constexpr (TOP_BITS) {
-        __m256i half[8];
-        for (int q = 0; q < 8; ++q) half[q] = u[q][h];
-        add_top_bits8(rec + L.code_bytes, h, half);
-        for (int q = 0; q < 8; ++q) u[q][h] = half[q];
-      }
     }
     __m256i s0[2], sexp[2], mv[2], mexp[2], s1[2];
     for (int h = 0; h < 2; ++h) {
       mv[h] = mexp[h] = s1[h] = _mm256_setzero_si256();
       const __m256i t = h == 0 ? top_lo : top_hi;
-      if constexpr (FORM == SUPER) {  // the super-block's scales decoded at its first block
-        const int i = static_cast<int>(b % SUPER_BLOCKS);
-        if (i == 0) super_scales8(super_head(rec, L, b), KIND == Q6K, h, t, sup, &sup_sexp[h], &sup_mexp[h]);
-        super_block_scales8(sup, i, KIND == Q6K, h, &s0[h], &s1[h], &mv[h]);
-        sexp[h] = sup_sexp[h];
-        mexp[h] = sup_mexp[h];
-      } else if constexpr (FORM == F16) {
+      if constexpr (FORM == F16) {
         decode_f16x8(rec + L.code_bytes + 16 * h, t, &s0[h], &sexp[h]);
         if constexpr (HAS_MIN) decode_f16x8(rec + L.min_at + 16 * h, t, &mv[h], &mexp[h]);
       } else {
@@ -331,8 +282,7 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       m64[2 * h] = widen4_lo(mv[h]), m64[2 * h + 1] = widen4_hi(mv[h]);
       mexp64[2 * h] = widen4_lo(mexp[h]), mexp64[2 * h + 1] = widen4_hi(mexp[h]);
       if constexpr (PER == 2) {
-        if constexpr (FORM != SUPER)
-          s1[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 4 * GROUP + 32 * h));
+        s1[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 4 * GROUP + 32 * h));
         s1_64[2 * h] = widen4_lo(s1[h]), s1_64[2 * h + 1] = widen4_hi(s1[h]);
       }
     }
@@ -397,15 +347,11 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
 // [0, 63] reads from its int32 lane by a mask (even) or a shift (odd); a negative count, which
 // only a zero term can have here, reads as more than 63 and adds 0, as the term itself would.
 template <int R, int FORM, int KIND>
-void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
-                     const int32_t* top, int64_t* acc) {
-  if constexpr (FORM == SUPER) {  // the file's form: its own kernel, which checks its few shifts
-    group_super8<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
-    return;
-  }
+void group_unchecked_blocks8(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g,
+                             int shift0, const int32_t* top, int64_t* acc) {
+  static_assert(FORM != SUPER, "the SUPER form runs group_super8");
   constexpr QKind KD = KINDS[KIND];
-  constexpr bool NIBBLES = KD.nibbles || FORM == SUPER, HAS_MIN = KD.has_min;
-  constexpr bool TOP_BITS = FORM == SUPER && KIND == Q6K;  // q6_k's codes: a nibble and two bits
+  constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
   constexpr int PER = BLOCK / KD.sub;
   constexpr bool SIGNED = KD.code_bits == 8;
   constexpr int BPG = KD.act / BLOCK;  // blocks per activation group: 1, or 8 (the K-quants)
@@ -415,20 +361,12 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
     for (int h = 0; h < 2; ++h) even[r][h] = odd[r][h] = sde[r][h] = sdo[r][h] = sme[r][h] = smo[r][h] = _mm256_setzero_si256();
   const __m256i nib = _mm256_set1_epi8(0x0F), low32 = _mm256_set1_epi64x(0xFFFFFFFF);
   const int64_t ahead = prefetch_distance(L, r0);
-  alignas(32) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales8), both halves
-  __m256i sup_sexp[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sup_mexp[2] = {sup_sexp[0], sup_sexp[0]};
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     for (int h = 0; h < 2; ++h) {
       const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 8 * h));
       __m256i s0, sexp, mv = _mm256_setzero_si256(), mexp = mv, s1 = mv;
-      if constexpr (FORM == SUPER) {  // the super-block's scales decoded at its first block
-        const int i = static_cast<int>(b % SUPER_BLOCKS);
-        if (i == 0) super_scales8(super_head(rec, L, b), KIND == Q6K, h, t, sup, &sup_sexp[h], &sup_mexp[h]);
-        super_block_scales8(sup, i, KIND == Q6K, h, &s0, &s1, &mv);
-        sexp = sup_sexp[h];
-        mexp = sup_mexp[h];
-      } else if constexpr (FORM == F16) {
+      if constexpr (FORM == F16) {
         decode_f16x8(rec + L.code_bytes + 16 * h, t, &s0, &sexp);
         if constexpr (HAS_MIN) decode_f16x8(rec + L.min_at + 16 * h, t, &mv, &mexp);
       } else {
@@ -444,13 +382,7 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
       const __m256i m_odd = _mm256_srli_epi64(mv, 32);
       // quad q of this half's 8 columns as bytes (R == 1 reads them where they are used)
       const auto codes = [&](int q) {
-        if constexpr (TOP_BITS) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (q % 4) * 64 + 32 * h));
-          const __m256i low = q < 4 ? _mm256_and_si256(v, nib) : _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.code_bytes + 64 * (q / 4) + 32 * h));
-          const __m256i two = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (q % 4)), _mm256_set1_epi8(3));
-          return _mm256_or_si256(low, _mm256_slli_epi16(two, 4));
-        } else if constexpr (NIBBLES) {
+        if constexpr (NIBBLES) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (q % 4) * 64 + 32 * h));
           return q < 4 ? _mm256_and_si256(v, nib) : _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         } else {
@@ -517,6 +449,27 @@ void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, i
         acc[r * GROUP + 8 * h + 2 * i + 1] = o[i];
       }
     }
+}
+
+// R rows against group g: the file's K-quant form by its own kernel (group_super8, which checks
+// its few shifts itself), the other forms block by block, checked (group_vector) or, where
+// group_rows found no term of the tile can have a negative shift, unchecked.
+template <int R, int FORM, int KIND>
+void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                  const int32_t* top, int64_t* acc) {
+  if constexpr (FORM == SUPER)
+    group_super8<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
+  else
+    group_blocks8<R, FORM, KIND>(L, packed, rows, r0, g, shift0, top, acc);
+}
+
+template <int R, int FORM, int KIND>
+void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                     const int32_t* top, int64_t* acc) {
+  if constexpr (FORM == SUPER)
+    group_super8<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
+  else
+    group_unchecked_blocks8<R, FORM, KIND>(L, packed, rows, r0, g, shift0, top, acc);
 }
 
 }  // namespace

@@ -62,32 +62,6 @@ inline __m512i plane_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_load
 // A zmm's 16 int32 lanes as unpack_k_scale's V (the casts to and from __m512i move no bits).
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-// A SUPER record's scales for 16 columns (k_scale, column_scales), once per super-block: into
-// sup, S = dm sc of each sub-block (q4_k: sup[0..8), then M = -(dminm m) in sup[8..16); q6_k:
-// sup[0..16)), and the shifts E - top and q4_k's F - top.
-inline void super_scales(const uint8_t* head, bool q6, __m512i top, int32_t (*sup)[GROUP], __m512i* sexp,
-                         __m512i* mexp) {
-  __m512i dm;
-  decode_f16(head, top, &dm, sexp);
-  if (q6) {
-    for (int t = 0; t < 16; ++t) {
-      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 2 * GROUP + 16 * t)));
-      _mm512_store_si512(sup[t], _mm512_mullo_epi32(dm, sc));
-    }
-    return;
-  }
-  __m512i mm;
-  decode_f16(head + 2 * GROUP, top, &mm, mexp);
-  const uint8_t* planes = head + 4 * GROUP;
-  const auto byte = [&](int t) { return (u32x16)plane_u8(planes + 16 * t); };
-  for (int i = 0; i < SUPER_BLOCKS; ++i) {
-    u32x16 sc, m;
-    unpack_k_scale(byte, i, &sc, &m);
-    _mm512_store_si512(sup[i], _mm512_mullo_epi32(dm, (__m512i)sc));
-    _mm512_store_si512(sup[SUPER_BLOCKS + i], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(mm, (__m512i)m)));
-  }
-}
-
 // Block b's 16 columns' codes u = c + offset as eight rows of 64 bytes: quad q (k = 4q..4q+3)
 // of every column in row q, which is vpdpbusd's operand and an AMX tile's B rows alike.
 template <int FORM, int KIND>
@@ -137,25 +111,17 @@ inline void group_units(__m512i topv, int shift0, __m512d* units) {
   scaled_pd(_mm512_set1_epi32(1), _mm512_sub_epi32(_mm512_set1_epi32(shift0), topv), units);
 }
 
-// Group g's block b (codes at rec); units: group_units. The float16 scales (F16) are the file's
-// d = S 2^E itself, so S 2^(E - top + shift0) = d units. SUPER records decode their super-block's
-// scales at its first block into sup / sup_sexp / sup_mexp, which the next seven blocks read.
+// Group g's block b (codes at rec) in the WIDE or F16 form (the file's K-quant form takes its
+// super-block's factors instead: super_factors); units: group_units. The float16 scales (F16) are
+// the file's d = S 2^E itself, so S 2^(E - top + shift0) = d units.
 template <int FORM, int KIND>
-inline BlockScales block_scales(const uint8_t* rec, const Layout& L, int64_t b, __m512i topv, int shift0,
-                                const __m512d* units, int32_t (*sup)[GROUP], __m512i* sup_sexp, __m512i* sup_mexp) {
+inline BlockScales block_scales(const uint8_t* rec, const Layout& L, __m512i topv, int shift0, const __m512d* units) {
+  static_assert(FORM != SUPER, "the SUPER form's scales are super_factors'");
   constexpr QKind KD = KINDS[KIND];
   constexpr bool HAS_MIN = KD.has_min;
   constexpr int PER = BLOCK / KD.sub;
   __m512i s0, s1 = _mm512_setzero_si512(), mv = s1, sexp, mexp = s1;
-  if constexpr (FORM == SUPER) {  // the super-block's scales decoded at its first block
-    const int i = static_cast<int>(b % SUPER_BLOCKS);
-    if (i == 0) super_scales(super_head(rec, L, b), KIND == Q6K, topv, sup, sup_sexp, sup_mexp);
-    s0 = _mm512_load_si512(sup[KIND == Q6K ? 2 * i : i]);
-    if constexpr (KIND == Q6K) s1 = _mm512_load_si512(sup[2 * i + 1]);
-    if constexpr (HAS_MIN) mv = _mm512_load_si512(sup[SUPER_BLOCKS + i]);
-    sexp = *sup_sexp;
-    mexp = *sup_mexp;
-  } else if constexpr (FORM == F16) {
+  if constexpr (FORM == F16) {
     BlockScales c;
     f16_pd(rec + L.code_bytes, c.s[0]);
     if constexpr (HAS_MIN) f16_pd(rec + L.min_at, c.mn);
@@ -392,15 +358,13 @@ void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   __m512d units[2];
   group_units(topv, shift0, units);
   const int64_t ahead = prefetch_distance(L, r0);
-  alignas(64) int32_t sup[16][GROUP];  // SUPER: the super-block's scales (super_scales)
-  __m512i sup_sexp = _mm512_setzero_si512(), sup_mexp = sup_sexp;
   constexpr bool SUPER_TERMS = KINDS[KIND].act != BLOCK;  // the K-quants: terms per super-block
   __m512d dsum[R][2], msum[R][2];  // SUPER_TERMS: the super-block's sums so far (row_super_products)
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m512i u[8];
     block_codes<FORM, KIND>(rec, L, u);
-    const BlockScales c = block_scales<FORM, KIND>(rec, L, b, topv, shift0, units, sup, &sup_sexp, &sup_mexp);
+    const BlockScales c = block_scales<FORM, KIND>(rec, L, topv, shift0, units);
     if constexpr (SUPER_TERMS)
       if (b % SUPER_BLOCKS == 0)
         for (int r = 0; r < R; ++r) dsum[r][0] = dsum[r][1] = msum[r][0] = msum[r][1] = _mm512_setzero_pd();
