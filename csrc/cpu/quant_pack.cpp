@@ -290,12 +290,7 @@ int small_gcd(const int32_t* v, int n) {
 
 // q4_k / q5_k's 12 scale bytes -> sc[8], m[8] (gguf_quants._k_scales).
 inline void file_k_scales(const uint8_t* s, int32_t* sc, int32_t* m) {
-  for (int i = 0; i < 4; ++i) {
-    sc[i] = s[i] & 63;
-    m[i] = s[i + 4] & 63;
-    sc[i + 4] = (s[i + 8] & 15) | ((s[i] >> 6) << 4);
-    m[i + 4] = (s[i + 8] >> 4) | ((s[i + 4] >> 6) << 4);
-  }
+  for (int i = 0; i < 8; ++i) unpack_k_scale([&](int t) { return static_cast<int32_t>(s[t]); }, i, &sc[i], &m[i]);
 }
 
 // The codes u of block b (32 weights) of a row whose file bytes start at `row`.
