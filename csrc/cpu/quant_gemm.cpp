@@ -185,13 +185,15 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
     by_row_tiles(r0, r1, [&](auto tile_rows, int64_t r) {
       constexpr int R = decltype(tile_rows)::value;
 #if defined(TF_QUANT_AVX2)
-      bool checked = false;  // whether a nonzero term of these rows can have a negative shift
-      for (int i = 0; i < R; ++i)
-        checked = checked || lows[0] + rows[r + i].kmin + shift0 < 0 ||
-                  (L.kind.has_min && lows[1] + rows[r + i].smin + shift0 < 0);
-      if (!checked)
-        return group_unchecked<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
-                                                                                    acc + (r - r0) * GROUP);
+      if constexpr (decltype(form)::value != SUPER) {  // (the file's K-quant form checks its few shifts itself)
+        bool checked = false;  // whether a nonzero term of these rows can have a negative shift
+        for (int i = 0; i < R; ++i)
+          checked = checked || lows[0] + rows[r + i].kmin + shift0 < 0 ||
+                    (L.kind.has_min && lows[1] + rows[r + i].smin + shift0 < 0);
+        if (!checked)
+          return group_unchecked<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0,
+                                                                                      top, acc + (r - r0) * GROUP);
+      }
 #endif
       group_vector<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
                                                                        acc + (r - r0) * GROUP);

@@ -347,8 +347,8 @@ void group_blocks8(const Layout& L, const uint8_t* packed, const RowQ* rows, int
 // [0, 63] reads from its int32 lane by a mask (even) or a shift (odd); a negative count, which
 // only a zero term can have here, reads as more than 63 and adds 0, as the term itself would.
 template <int R, int FORM, int KIND>
-void group_unchecked_blocks8(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g,
-                             int shift0, const int32_t* top, int64_t* acc) {
+void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                     const int32_t* top, int64_t* acc) {
   static_assert(FORM != SUPER, "the SUPER form runs group_super8");
   constexpr QKind KD = KINDS[KIND];
   constexpr bool NIBBLES = KD.nibbles, HAS_MIN = KD.has_min;
@@ -452,8 +452,8 @@ void group_unchecked_blocks8(const Layout& L, const uint8_t* packed, const RowQ*
 }
 
 // R rows against group g: the file's K-quant form by its own kernel (group_super8, which checks
-// its few shifts itself), the other forms block by block, checked (group_vector) or, where
-// group_rows found no term of the tile can have a negative shift, unchecked.
+// its few shifts itself), the other forms block by block (group_blocks8; group_unchecked where
+// group_rows found that no term of the tile can have a negative shift).
 template <int R, int FORM, int KIND>
 void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                   const int32_t* top, int64_t* acc) {
@@ -461,15 +461,6 @@ void group_vector(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     group_super8<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
   else
     group_blocks8<R, FORM, KIND>(L, packed, rows, r0, g, shift0, top, acc);
-}
-
-template <int R, int FORM, int KIND>
-void group_unchecked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
-                     const int32_t* top, int64_t* acc) {
-  if constexpr (FORM == SUPER)
-    group_super8<R, KIND>(L, packed, rows, r0, g, shift0, top, acc);
-  else
-    group_unchecked_blocks8<R, FORM, KIND>(L, packed, rows, r0, g, shift0, top, acc);
 }
 
 }  // namespace
