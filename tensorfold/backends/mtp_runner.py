@@ -6,7 +6,7 @@ layer's ForwardBatch, its forward over the cache's layers after the model's, the
 """
 import torch
 
-from tensorfold.backends.mtp_rows import HeldRows, MTPRows  # noqa: F401 (HeldRows: its old home)
+from tensorfold.backends.mtp_rows import MTPRows, last_rows
 from tensorfold.models.forward_batch import ForwardBatch, SequenceRows
 
 
@@ -34,7 +34,7 @@ class MTPRunner(MTPRows):
         """Rows (start position, tokens, block ids) per sequence; logits of the last row of each
         sequence in `drawing`."""
         bs, device = self.block_size, self.device
-        ids, positions, slots, sequences, ends = [], [], [], [], []
+        ids, positions, slots, sequences = [], [], [], []
         for start, tokens, blocks in pieces:
             first = len(ids)
             pos = range(start, start + len(tokens))
@@ -42,7 +42,7 @@ class MTPRunner(MTPRows):
             positions += pos
             slots += [blocks[p // bs] * bs + p % bs for p in pos]
             sequences.append(SequenceRows(first, len(ids), torch.tensor(blocks, dtype=torch.int64, device=device)))
-            ends.append(len(ids) - 1)
+        ends = last_rows(pieces)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(slots), sequences,
                             as_tensor([ends[i] for i in drawing]), positions_end=max(positions, default=-1) + 1)

@@ -14,7 +14,7 @@ main model's logits are the torch backends' (quantized GEMMs: bitwise), the MTP 
 import mlx.core as mx
 import numpy as np
 
-from tensorfold.backends.mtp_rows import MTPRows
+from tensorfold.backends.mtp_rows import MTPRows, last_rows
 from tensorfold.mlx import ops
 from tensorfold.mlx.model import MLXBatch, mlx_batch
 from tensorfold.models.mtp import MTPLayerWeights, MTPSpec
@@ -54,9 +54,9 @@ class MLXMTPRunner(MTPRows):
         super().__init__(model.mtp, caches, block_size)
 
     def _forward(self, hidden: mx.array, pieces, drawing: list[int]):
-        ends = np.cumsum([len(tokens) for _, tokens, _ in pieces]) - 1
+        ends = last_rows(pieces)
         batch = mlx_batch([(start, tokens, blocks, ()) for start, tokens, blocks in pieces],
-                          [int(ends[i]) for i in drawing], self.block_size)
+                          [ends[i] for i in drawing], self.block_size)
         logits, out = self.mtp.forward(hidden, batch, self.caches)
         mx.eval(*([] if logits is None else [logits]), out, *(a for c in self.caches if c is not None for a in c.arrays))
         return ([] if logits is None else np.argmax(np.array(logits), axis=-1).tolist()), out
