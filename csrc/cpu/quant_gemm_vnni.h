@@ -292,6 +292,15 @@ inline void super_int_terms(__m512i dsum, __m512i msum, const __m512d* dd, const
   }
 }
 
+// R rows' int64 sums, columns 0-7 (lo) and 8-15 (hi), into acc [R][16].
+template <int R>
+inline void store_sums(const __m512i* lo, const __m512i* hi, int64_t* acc) {
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_si512(acc + r * GROUP, lo[r]);
+    _mm512_storeu_si512(acc + r * GROUP + 8, hi[r]);
+  }
+}
+
 // group_vector for the SUPER form: per row and super-block the integer sums of sc A (vpmulld,
 // below 2^25 for q4_k, 2^27 for q6_k) and of m sum(xq) (below 2^21), then two terms
 // (super_int_terms). Per block and row that is the dots and one or two multiply-adds of int32.
@@ -339,10 +348,7 @@ void group_super(const Layout& L, const uint8_t* packed, const RowQ* rows, int64
     }
     for (int r = 0; r < R; ++r) super_int_terms<!Q6>(dsum[r], msum[r], dd, dmin, rows[r0 + r].mf[sb], &lo[r], &hi[r]);
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_si512(acc + r * GROUP, lo[r]);
-    _mm512_storeu_si512(acc + r * GROUP + 8, hi[r]);
-  }
+  store_sums<R>(lo, hi, acc);
 }
 
 // R rows at once against group g: the codes are unpacked once per block and serve every row.
@@ -388,10 +394,7 @@ void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       if (b % SUPER_BLOCKS == SUPER_BLOCKS - 1)
         for (int r = 0; r < R; ++r) row_super_terms<KIND>(dsum[r], msum[r], rows[r0 + r], b / SUPER_BLOCKS, &lo[r], &hi[r]);
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_si512(acc + r * GROUP, lo[r]);
-    _mm512_storeu_si512(acc + r * GROUP + 8, hi[r]);
-  }
+  store_sums<R>(lo, hi, acc);
 }
 
 // R rows against group g: the SUPER form by its integer sums (group_super), the others block by block.
