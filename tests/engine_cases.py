@@ -32,13 +32,14 @@ class EvenTokens(RowConstraint):
         bitmask[row, :len(self.row)] &= self.row
 
 
-def check_preemption(tight, prompts, params, solo) -> None:
+def check_preemption(tight, prompts, params, solo) -> list:
     """The requests together on `tight`, an engine whose pool holds too few blocks for all of
     them, so that some are preempted and replayed: each replies as it did alone (`solo`: their
-    replies, token ids)."""
+    replies, token ids). Returns the requests."""
     got = run(tight, prompts, params)
     assert [r.output_ids for r in got] == solo
     assert tight.scheduler.num_preemptions > 0
+    return got
 
 
 def check_solo_vs_batched(solo, batched, recorder, same) -> None:

@@ -24,7 +24,7 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_cases import run  # noqa: E402
+from engine_cases import check_preemption, run  # noqa: E402
 from mtp_cases import (BASE, ScriptedBudget, check_drafted_equals_serial, greedy, one_thread, sampled,  # noqa: E402,F401
                        trained_checkpoints)
 from tensorfold.api.replies import token_sha  # noqa: E402
@@ -125,12 +125,16 @@ def test_a_prefix_hit_keeps_the_mtp_cache_a_fresh_run_writes_and_preemption_repl
         engine.step()
     assert cached.output_ids == serial.generate(prompt, greedy(NEW)).token_ids
 
-    params = [greedy(NEW), sampled(5, NEW), greedy(NEW)]
-    expected = [token_sha(r.output_ids) for r in run(serial, prompts[:3], params)]
-    tight = mlx_engine(path, drafter="mtp", draft_budget=False, kv_cache_gib=1e-6, context=64, max_num_seqs=3)
-    got = run(tight, prompts[:3], params)
-    assert [token_sha(r.output_ids) for r in got] == expected
-    assert tight.scheduler.num_preemptions > 0 and sum(r.stats.accepted for r in got) > 0
+    check_drafted_preemption(serial, path, prompts[:3], [greedy(NEW), sampled(5, NEW), greedy(NEW)], context=64)
+
+
+def check_drafted_preemption(serial, path: str, prompts: list, params: list, context: int) -> None:
+    """The requests drafting with the MTP layer on a pool of one window's blocks (`context`): the
+    preempted ones replay with `serial`'s replies, and drafts were accepted."""
+    tight = mlx_engine(path, drafter="mtp", draft_budget=False, kv_cache_gib=1e-6, context=context,
+                       max_num_seqs=len(prompts))
+    got = check_preemption(tight, prompts, params, [r.output_ids for r in run(serial, prompts, params)])
+    assert sum(r.stats.accepted for r in got) > 0
 
 
 def test_a_paused_stretch_catches_up_to_what_row_by_row_writes(checkpoints):
@@ -223,9 +227,4 @@ def test_next_n_cached_prefix_and_preemption_equal_serial(nextn):
     cached = run(engine, [extended], [sampled(3, 8)])[0]
     assert cached.stats.cached_tokens >= 16 and cached.stats.drafted > 0
     assert cached.output_ids == serial.generate(extended, sampled(3, 8)).token_ids
-    params = [greedy(16), sampled(4, 16), greedy(16)]
-    expected = [token_sha(r.output_ids) for r in run(serial, prompts[:3], params)]
-    tight = mlx_engine(path, drafter="mtp", draft_budget=False, kv_cache_gib=1e-6, context=48, max_num_seqs=3)
-    got = run(tight, prompts[:3], params)
-    assert [token_sha(r.output_ids) for r in got] == expected
-    assert tight.scheduler.num_preemptions > 0 and sum(r.stats.accepted for r in got) > 0
+    check_drafted_preemption(serial, path, prompts[:3], [greedy(16), sampled(4, 16), greedy(16)], context=48)
