@@ -292,6 +292,21 @@ inline void super_int_terms(__m512i dsum, __m512i msum, const __m512d* dd, const
   }
 }
 
+// A block's dots u . xq for 16 columns against one row's 32 codes xq, as the sums of its first
+// and last four quads (h0: k 0-15, h1: k 16-31). Quads q and q + 2 share a chain: four
+// independent vpdpbusd chains of two (an integer sum: any split gives the same value).
+inline void block_dots(const __m512i* u, const int8_t* row_xq, __m512i* h0, __m512i* h1) {
+  const int32_t* xq = reinterpret_cast<const int32_t*>(row_xq);
+  __m512i d[4];
+  for (int ch = 0; ch < 4; ++ch) {
+    const int q = (ch & 1) + (ch >> 1) * 4;  // chains start at quads 0, 1, 4, 5
+    d[ch] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[q], _mm512_set1_epi32(xq[q]));
+    d[ch] = _mm512_dpbusd_epi32(d[ch], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
+  }
+  *h0 = _mm512_add_epi32(d[0], d[1]);
+  *h1 = _mm512_add_epi32(d[2], d[3]);
+}
+
 // R rows' int64 sums, columns 0-7 (lo) and 8-15 (hi), into acc [R][16].
 template <int R>
 inline void store_sums(const __m512i* lo, const __m512i* hi, int64_t* acc) {
@@ -327,14 +342,8 @@ void group_super(const Layout& L, const uint8_t* packed, const RowQ* rows, int64
       const __m512i s1 = _mm512_load_si512(sc[Q6 ? 2 * i + 1 : SUPER_BLOCKS + i]);  // q4_k: the minimums m
       for (int r = 0; r < R; ++r) {
         const RowQ& row = rows[r0 + r];
-        const int32_t* xq = reinterpret_cast<const int32_t*>(row.xq + b * BLOCK);
-        __m512i d[4];
-        for (int ch = 0; ch < 4; ++ch) {
-          const int q = (ch & 1) + (ch >> 1) * 4;  // chains start at quads 0, 1, 4, 5
-          d[ch] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[q], _mm512_set1_epi32(xq[q]));
-          d[ch] = _mm512_dpbusd_epi32(d[ch], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
-        }
-        const __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
+        __m512i h0, h1;  // quads 0-3, 4-7
+        block_dots(u, row.xq + b * BLOCK, &h0, &h1);
         if constexpr (Q6) {  // halves of 16, offset 32: A = u . xq - 32 sum(xq)
           const int32_t* xsum = row.xsum.data() + 2 * b;
           const __m512i a0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(32 * xsum[0]));
@@ -351,9 +360,8 @@ void group_super(const Layout& L, const uint8_t* packed, const RowQ* rows, int64
   store_sums<R>(lo, hi, acc);
 }
 
-// R rows at once against group g: the codes are unpacked once per block and serve every row.
-// Each block dot runs as four independent vpdpbusd chains (an integer sum: any split gives the
-// same value).
+// R rows at once against group g: the codes are unpacked once per block and serve every row
+// (block_dots).
 template <int R, int FORM, int KIND>
 void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
                   const int32_t* top, int64_t* acc) {
@@ -375,15 +383,8 @@ void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       if (b % SUPER_BLOCKS == 0)
         for (int r = 0; r < R; ++r) dsum[r][0] = dsum[r][1] = msum[r][0] = msum[r][1] = _mm512_setzero_pd();
     for (int r = 0; r < R; ++r) {
-      const int32_t* xq = reinterpret_cast<const int32_t*>(rows[r0 + r].xq + b * BLOCK);
-      // Quads c and c + 2 share a chain: four chains of two, summed per half (PER == 2) or whole.
-      __m512i d[4];
-      for (int ch = 0; ch < 4; ++ch) {
-        const int q = (ch & 1) + (ch >> 1) * 4;  // chains start at quads 0, 1, 4, 5
-        d[ch] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[q], _mm512_set1_epi32(xq[q]));
-        d[ch] = _mm512_dpbusd_epi32(d[ch], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
-      }
-      const __m512i h0 = _mm512_add_epi32(d[0], d[1]), h1 = _mm512_add_epi32(d[2], d[3]);  // quads 0-3, 4-7
+      __m512i h0, h1;  // quads 0-3, 4-7, summed per half (PER == 2) or whole below
+      block_dots(u, rows[r0 + r].xq + b * BLOCK, &h0, &h1);
       const __m512i first = PER == 1 ? _mm512_add_epi32(h0, h1) : h0;
       if constexpr (SUPER_TERMS)
         row_super_products<KIND>(first, h1, c, rows[r0 + r], b, dsum[r], msum[r]);
