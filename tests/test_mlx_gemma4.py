@@ -208,6 +208,17 @@ def test_a_long_prompt_holds_a_window_of_sliding_blocks_and_draws_what_one_table
     assert req.output_ids == _one_table_greedy(engine, ids, 12)
 
 
+def test_the_sliding_groups_sizing_counts_this_backends_bytes(full_gemma):
+    """With a budget past every floor, the mlx caches (K and V with an exponent each, the sliding
+    layers behind their own tables) fit --kv-cache-gib: the groups are sized on this backend's
+    bytes per block, not the torch layout's."""
+    budget = 0.05
+    engine = Engine(full_gemma, EngineConfig(backend="mlx", probe=False, drafting=False, context=256,
+                                             max_num_seqs=2, max_tokens_per_step=32, kv_cache_gib=budget))
+    assert engine.book.windows == [None, 16]
+    assert budget * 2**30 * 0.98 < engine.info.cache_bytes <= budget * 2**30
+
+
 @pytest.fixture(scope="module")
 def small_vocab_gemma(tmp_path_factory, small_vocab_llama):
     """gemma4 over small_vocab_llama's 512-token tokenizer, with its head tied to the embedding

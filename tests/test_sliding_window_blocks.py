@@ -147,12 +147,18 @@ def test_the_budget_goes_to_the_full_group_past_what_the_lanes_windows_need():
     full, sliding = 2 * 32 * 4 * 32, 4 * 2 * 16 * 4 * 32  # bytes per block of each group
     lanes, chunk = 4, 64
     want = lanes * (lane_blocks(16, 32, chunk) + 1)
-    blocks = group_blocks(specs, 1000 * full + want * sliding, torch.float32, 32, 1024, lanes, chunk)
+    f32 = lambda spec: spec.bytes_per_block(torch.float32, 32)  # noqa: E731
+    blocks = group_blocks(specs, 1000 * full + want * sliding, f32, 32, 1024, lanes, chunk)
     assert blocks == [1000, want]
     # a small budget: at least one window of context in the full group, one lane in the sliding one
-    assert group_blocks(specs, 1, torch.float32, 32, 1024, lanes, chunk) == [32, lane_blocks(16, 32, chunk)]
+    assert group_blocks(specs, 1, f32, 32, 1024, lanes, chunk) == [32, lane_blocks(16, 32, chunk)]
     # no sliding layers: one group, the budget's blocks (as before groups)
-    assert group_blocks([PagedKV(1, 32)] * 2, 100 * 2 * full, torch.float32, 32, 1024, lanes, chunk) == [100]
+    assert group_blocks([PagedKV(1, 32)] * 2, 100 * 2 * full, f32, 32, 1024, lanes, chunk) == [100]
+    # the backend's own bytes per block (mlx's K and V exponents beside its K/V): the same budget holds
+    # fewer blocks of a dearer layout
+    dearer = lambda spec: 2 * f32(spec)  # noqa: E731
+    assert group_blocks(specs, 2 * (1000 * full + want * sliding), dearer, 32, 1024, lanes, chunk) == [1000, want]
+    assert group_blocks(specs, 1000 * full + want * sliding, dearer, 32, 1024, lanes, chunk)[0] < 1000
 
 
 def test_a_layer_reads_its_groups_slots_and_tables():

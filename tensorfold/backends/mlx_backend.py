@@ -86,15 +86,21 @@ class MLXBackend:
         engine frees the blocks their window has left."""
         config, specs, model = self.config, self.model.cache_specs(), self.model
         itemsize = torch.finfo(self.kv_dtype).bits // 8
-        per_block = sum(spec.bytes_per_block(torch.float32, config.block_size) if spec.recurrent
-                        else spec.bytes_per_block(self.kv_dtype, config.block_size) if isinstance(spec, LatentKV)
-                        else 2 * spec.num_kv_heads * (spec.head_dim * itemsize + 4) * config.block_size  # + exponents
-                        for spec in specs if spec is not None and not isinstance(spec, SharedKV))
+
+        def block_bytes(spec) -> int:  # this backend's layout of one block of a layer's cache
+            if spec.recurrent:
+                return spec.bytes_per_block(torch.float32, config.block_size)
+            if isinstance(spec, LatentKV):
+                return spec.bytes_per_block(self.kv_dtype, config.block_size)
+            if isinstance(spec, SharedKV):
+                return 0
+            return 2 * spec.num_kv_heads * (spec.head_dim * itemsize + 4) * config.block_size  # K, V and their exponents
+        per_block = sum(block_bytes(spec) for spec in specs if spec is not None)
         num_blocks = max(int(config.kv_cache_gib * 2**30) // per_block, -(-context_length // config.block_size))
         blocks = [num_blocks]
-        if len(model.windows) > 1:  # the torch backends' split (their layout's bytes, V's exponents counted)
-            blocks = group_blocks(specs, int(config.kv_cache_gib * 2**30), self.kv_dtype, config.block_size,
-                                  context_length, config.max_num_seqs, config.max_tokens_per_step, True)
+        if len(model.windows) > 1:  # the torch backends' split, on this layout's bytes
+            blocks = group_blocks(specs, int(config.kv_cache_gib * 2**30), block_bytes, config.block_size,
+                                  context_length, config.max_num_seqs, config.max_tokens_per_step)
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
         dtype = ops.DTYPES[self.kv_dtype]
         self.caches = []

@@ -88,8 +88,9 @@ class TorchBackend:
         config, specs = self.config, self.model.cache_specs()
         record = keeps_v_exponents(self.ops)
         per_block = ModelCache.bytes_per_block(specs, self.kv_dtype, config.block_size, record)
-        blocks = group_blocks(specs, int(config.kv_cache_gib * 2**30), self.kv_dtype, config.block_size,
-                              context_length, config.max_num_seqs, config.max_tokens_per_step, record)
+        blocks = group_blocks(specs, int(config.kv_cache_gib * 2**30),
+                              lambda spec: spec.bytes_per_block(self.kv_dtype, config.block_size, record),
+                              config.block_size, context_length, config.max_num_seqs, config.max_tokens_per_step)
         cached = None if config.prompt_cache_gib is None else int(config.prompt_cache_gib * 2**30 // per_block)
         self.cache = cache = ModelCache(specs, blocks[0], config.block_size, self.kv_dtype, self.device, record, blocks)
         groups = tuple(BlockGroup(w, n, cache.group_of.count(g))

@@ -191,9 +191,10 @@ def layer_groups(specs: list) -> tuple[list[int | None], list[int | None]]:
     return [None if spec is None else windows.index(key) for spec, key in zip(specs, keys)], windows
 
 
-def group_blocks(specs: list, budget_bytes: int, dtype: torch.dtype, block_size: int, context_length: int,
-                 max_num_seqs: int, max_chunk: int, v_exponents: bool = False) -> list[int]:
-    """Blocks per group (layer_groups) within budget_bytes. A sliding group needs at most
+def group_blocks(specs: list, budget_bytes: int, block_bytes, block_size: int, context_length: int,
+                 max_num_seqs: int, max_chunk: int) -> list[int]:
+    """Blocks per group (layer_groups) within budget_bytes, a block of layer spec s costing
+    block_bytes(s) (the backend's own layout: its dtype, its exponent records). A sliding group needs at most
     lane_blocks per running request; it gets that for every lane plus one window per lane, so the
     windows of as many finished requests stay in the prefix cache (a hit needs its window's
     blocks, engine/cache_book.py), and never more than the full groups. The full groups take the
@@ -203,7 +204,7 @@ def group_blocks(specs: list, budget_bytes: int, dtype: torch.dtype, block_size:
     cost = [0] * len(windows)
     for spec, g in zip(specs, group_of):
         if g is not None:
-            cost[g] += spec.bytes_per_block(dtype, block_size, v_exponents)
+            cost[g] += block_bytes(spec)
     whole = -(-context_length // block_size)
     if not windows:
         return []
