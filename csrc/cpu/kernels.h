@@ -48,6 +48,7 @@ struct QuantJob {
   const uint8_t* packed;
   void* out;
   int64_t M, N, K;
+  int64_t out_stride = 0;  // elements from one output row to the next (0: N, rows back to back)
 };
 void quant_linears(int dtype, const QuantJob* jobs, int64_t count, int threads);
 // Prompt rows' block dots on AMX-INT8 tiles (where the build and the CPU have them and the kernel

@@ -105,22 +105,26 @@ std::tuple<torch::Tensor, torch::Tensor> ffn_and_next_norm(int code, const torch
   return {torch::Tensor(), h + mlp};  // the last layer: the add alone (torch's, as the model does it)
 }
 
-// A GEMM of a batch: weight, input rows, output rows.
+// A GEMM of a batch: weight, input rows, output rows (out_stride elements apart; 0: the weight's n).
 struct GemmCall {
   const LayerGemm* w;
   const void* x;
   void* out;
   int64_t rows;
+  int64_t out_stride = 0;
 };
 
-// The calls' GEMMs: the quantized ones in one parallel region (tf::quant_linears), dense ones each.
+// The calls' GEMMs: the quantized ones in one parallel region (tf::quant_linears), dense ones each
+// (their outputs' rows back to back).
 void run_gemms(int code, const std::vector<GemmCall>& calls, int nt) {
   std::vector<tf::QuantJob> quant;
   for (const GemmCall& c : calls) {
-    if (c.w->quant)
-      quant.push_back({c.x, c.w->packed.data_ptr<uint8_t>(), c.out, c.rows, c.w->n, c.w->k});
-    else
+    if (c.w->quant) {
+      quant.push_back({c.x, c.w->packed.data_ptr<uint8_t>(), c.out, c.rows, c.w->n, c.w->k, c.out_stride});
+    } else {
+      TORCH_CHECK(c.out_stride == 0 || c.out_stride == c.w->n, "run_gemms: a dense GEMM writes its rows back to back");
       tf::linear(code, c.x, c.w->packed.data_ptr(), c.out, c.rows, c.w->n, c.w->k, nt);
+    }
   }
   if (!quant.empty()) tf::quant_linears(code, quant.data(), static_cast<int64_t>(quant.size()), nt);
 }
@@ -178,28 +182,33 @@ DecoderLayer::DecoderLayer(const std::vector<torch::Tensor>& qkv, const std::vec
   }
 }
 
-// x @ qkv^T into qkv [tokens, qkv_width]: one GEMM, or each part's into its own output (run_gemms:
-// the quantized ones in one parallel region) and the outputs side by side, as LinearWeight
-// concatenates them.
+// x @ qkv^T into qkv [tokens, qkv_width]: one GEMM, or the parts' side by side, as LinearWeight
+// concatenates them: each quantized part writes its columns of qkv in place (run_gemms: in one
+// parallel region), a dense one its own output, copied in.
 void DecoderLayer::qkv_gemms(int code, const torch::Tensor& x, torch::Tensor& qkv, int nt) const {
-  const int64_t tokens = x.size(0);
+  const int64_t tokens = x.size(0), width = qkv.size(1);
   if (qkv_.size() == 1) {
-    tf::matmul(code, x.data_ptr(), qkv_[0].packed.data_ptr(), qkv_[0].quant, qkv.data_ptr(), tokens, qkv.size(1),
+    tf::matmul(code, x.data_ptr(), qkv_[0].packed.data_ptr(), qkv_[0].quant, qkv.data_ptr(), tokens, width,
                shape_.hidden, nt);
     return;
   }
-  std::vector<torch::Tensor> outs;
+  std::vector<torch::Tensor> dense_outs;  // the dense parts' outputs, with their columns
+  std::vector<int64_t> dense_at;
   std::vector<GemmCall> calls;
+  char* out = static_cast<char*>(qkv.data_ptr());
+  int64_t at = 0;
   for (const auto& part : qkv_) {
-    outs.push_back(torch::empty({tokens, part.n}, x.options()));
-    calls.push_back({&part, x.data_ptr(), outs.back().data_ptr(), tokens});
+    if (part.quant) {
+      calls.push_back({&part, x.data_ptr(), out + at * qkv.element_size(), tokens, width});
+    } else {
+      dense_outs.push_back(torch::empty({tokens, part.n}, x.options()));
+      dense_at.push_back(at);
+      calls.push_back({&part, x.data_ptr(), dense_outs.back().data_ptr(), tokens});
+    }
+    at += part.n;
   }
   run_gemms(code, calls, nt);
-  int64_t at = 0;
-  for (size_t i = 0; i < qkv_.size(); ++i) {
-    qkv.narrow(1, at, qkv_[i].n).copy_(outs[i]);
-    at += qkv_[i].n;
-  }
+  for (size_t i = 0; i < dense_outs.size(); ++i) qkv.narrow(1, dense_at[i], dense_outs[i].size(1)).copy_(dense_outs[i]);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> DecoderLayer::forward(const LayerBatch& b) const {

@@ -251,6 +251,7 @@ void job_groups(const GemmJob& j, const RowQ* row_q, int64_t g0, int64_t g1) {
   const int32_t* top = reinterpret_cast<const int32_t*>(packed + L.top);
   const RowQ* rows = row_q + j.row0;
   T* out = static_cast<T*>(q.out);
+  const int64_t out_stride = q.out_stride > 0 ? q.out_stride : q.N;
   int64_t acc[ROWS_PER_PASS * GROUP];
   current_call = j.call;
   for (int64_t g = g0; g < g1; ++g) {
@@ -262,7 +263,7 @@ void job_groups(const GemmJob& j, const RowQ* row_q, int64_t g0, int64_t g1) {
         for (int64_t c = 0; c < cols; ++c) {
           const int grid = top[g * GROUP + c] + rows[r].kmax + L.kind.term_bits - 62 + j.log_terms;
           const double y = static_cast<double>(acc[(r - r0) * GROUP + c]) * pow2(grid);
-          out[r * q.N + g * GROUP + c] = from_f32<T>(static_cast<float>(y));
+          out[r * out_stride + g * GROUP + c] = from_f32<T>(static_cast<float>(y));
         }
     }
   }
