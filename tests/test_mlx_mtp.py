@@ -11,7 +11,7 @@ its prompts, so acceptance is measurable there). On qwen3_5:
   up every round writes;
 - --drafter auto / mtp / ngram load (or not) the layer as on the torch backends, and the engine's
   info reports its weights and cache as theirs.
-On qwen3_5_moe, GLM-5's next-n layer and Nemotron 3's MTP layers: the q8_0 logits are the cpu
+On qwen3_5_moe, qwen3_next (Flash Next), GLM-5's next-n layer and Nemotron 3's MTP layers: the q8_0 logits are the cpu
 backend's; drafted == serial with the first drafts accepted, solo, concurrent, from a cached
 prefix and preempted.
 """
@@ -178,10 +178,10 @@ def test_the_drafter_choice_and_what_the_backend_reports(checkpoints):
         mlx_engine(base, drafter="mtp")
 
 
-# ---- Qwen3.5/3.6-MoE's MTP layer (gated attention, the MoE), GLM-5's next-n layer (latent
+# ---- Qwen3.5/3.6-MoE's and Qwen3-Next's MTP layer (gated attention, the MoE), GLM-5's next-n layer (latent
 # attention, its own DSA indexer, MoE) and Nemotron 3's MTP layers (attention, then MoE) ----
 
-@pytest.fixture(scope="module", params=["qwen3_5_moe", "glm_moe_dsa", "nemotron_h"])
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next", "glm_moe_dsa", "nemotron_h"])
 def nextn(request, one_thread, tmp_path_factory, smollm2_tokenizer):
     """(the tiny checkpoint, at sizes whose rows --quantize q8_0 takes (GLM's and Nemotron's GGUF
     tests'), with a trained MTP layer; its training prompts)."""
@@ -199,9 +199,9 @@ def nextn(request, one_thread, tmp_path_factory, smollm2_tokenizer):
 
 
 def test_the_next_n_layers_logits_are_the_cpu_backends(nextn):
-    """Nemotron 3's: hidden states and logits bitwise; Qwen3.5-MoE's and GLM-5's: the logits
-    (measured: their hidden states differ in last bits, in 31 and 23 of 32 rows: their routers'
-    (and GLM's indexer heads') dense float32 GEMMs are MLX's matmul)."""
+    """Nemotron 3's: hidden states and logits bitwise; Qwen3.5-MoE's, Qwen3-Next's and GLM-5's:
+    the logits (measured: the hidden states of the first and last differ in last bits, in 31 and
+    23 of 32 rows: their routers' (and GLM's indexer heads') dense float32 GEMMs are MLX's matmul)."""
     path, prompts = nextn
     check_logits_are_the_cpu_backends(path, prompts, hidden_bitwise="nemotron" in path)
 

@@ -1,7 +1,9 @@
 """MTP drafting from GLM-5's next-n layer (glm_moe_dsa: model.layers.{L}.{enorm, hnorm, eh_proj,
-<a latent-attention + DSA indexer + MoE layer>, shared_head.norm}, its cache the latent cache) and
+<a latent-attention + DSA indexer + MoE layer>, shared_head.norm}, its cache the latent cache),
 Nemotron 3's MTP layers (nemotron_h: mtp.layers.{0, 1}, attention then MoE, enorm / hnorm /
-eh_proj on the first, final_layernorm on the last), each on its tiny checkpoint with the layer
+eh_proj on the first, final_layernorm on the last) and Qwen3-Next's (qwen3_next: mtp.fc, the
+pre-fc norms, mtp.layers.0 a gated full-attention layer with the MoE, mtp.norm; Flash Next's
+layout, as Qwen3.6's), each on its tiny checkpoint with the layer
 trained by tools/train_mtp.py (it memorises the model's greedy continuations of its prompts, so
 acceptance is measurable there):
 - the served layer's logits equal its transformers training form's (the names, the order of
@@ -32,12 +34,13 @@ from tensorfold.models.loader import build_model  # noqa: E402
 from tools.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from tools.train_mtp import train  # noqa: E402
 
-# A tensor of each family's MTP layer, by its checkpoint name
-MTP_TENSOR = {"glm_moe_dsa": "model.layers.3.eh_proj.weight",
-              "nemotron_h": "mtp.layers.1.mixer.gate.weight"}
+# A tensor of each family's MTP layer, by its checkpoint name, and what the error says of it
+MTP_TENSOR = {"glm_moe_dsa": ("model.layers.3.eh_proj.weight", "eh_proj.weight"),
+              "nemotron_h": ("mtp.layers.1.mixer.gate.weight", "mtp.layers.1.mlp.gate"),
+              "qwen3_next": ("mtp.layers.0.mlp.gate.weight", "mtp.layers.0.mlp.gate")}
 
 
-@pytest.fixture(scope="module", params=["glm_moe_dsa", "nemotron_h"])
+@pytest.fixture(scope="module", params=["glm_moe_dsa", "nemotron_h", "qwen3_next"])
 def family(request, one_thread, tmp_path_factory, smollm2_tokenizer):
     """(arch, the tiny checkpoint without next-n weights, the same with a trained next-n layer,
     its training prompts)."""
@@ -66,8 +69,9 @@ def test_a_one_pass_catch_up_writes_what_row_by_row_does(family):
 def test_a_missing_next_n_tensor_is_a_startup_error_naming_it(family):
     arch, _, path, _ = family
     ckpt = load_hf_dir(path)
-    del ckpt.tensors[MTP_TENSOR[arch]]
-    with pytest.raises(CheckpointError, match="eh_proj.weight" if arch == "glm_moe_dsa" else "mtp.layers.1.mlp.gate"):
+    name, said = MTP_TENSOR[arch]
+    del ckpt.tensors[name]
+    with pytest.raises(CheckpointError, match=said):
         build_model(ckpt, torch.float32, cpu_ops, mtp=True)
     build_model(ckpt, torch.float32, cpu_ops)  # not asked for: skipped
 

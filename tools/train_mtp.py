@@ -4,7 +4,7 @@ accept in tests and benchmarks (random MTP weights would accept nothing).
     python tools/train_mtp.py IN_DIR OUT_DIR [--seconds 5] [--seed 0]
 
 IN_DIR is a transformers-saved tiny checkpoint (tools/tiny_checkpoint.py) of a family with an MTP
-layer: qwen3_5 and qwen3_5_moe (Qwen3.5/3.6's mtp.*), glm_moe_dsa (GLM-5's next-n layer, model.layers.{L}.*) or
+layer: qwen3_5, qwen3_5_moe and qwen3_next (Qwen3.5/3.6's and Flash Next's mtp.*), glm_moe_dsa (GLM-5's next-n layer, model.layers.{L}.*) or
 nemotron_h (Nemotron 3's mtp.layers.*). The script greedy-decodes the model's own continuations of
 random prompts with transformers, takes its final hidden states (after the final norm, what the
 server feeds the MTP layer), and trains the MTP layer in torch on the CPU for a few seconds: row j
@@ -12,8 +12,8 @@ sees (h[j], t[j+1]) at position j and learns t[j+2], on the rows whose target th
 (a random prompt's tokens are not predictable). The softmax runs over the tokens the data holds
 plus random others (a sampled softmax: the full 49k-column head would leave time for a handful of
 steps). The layer is the one models/mtp.py serves, in its training form (MTPLayer): fc over
-[norm(embed(t)), norm(h)], the family's decoder layers (transformers' own: Qwen3_5DecoderLayer or
-Qwen3_5MoeDecoderLayer, GlmMoeDsaDecoderLayer with an indexer of its own, NemotronHBlocks in the
+[norm(embed(t)), norm(h)], the family's decoder layers (transformers' own: Qwen3_5DecoderLayer,
+Qwen3_5MoeDecoderLayer or Qwen3NextDecoderLayer, GlmMoeDsaDecoderLayer with an indexer of its own, NemotronHBlocks in the
 config's MTP pattern), a final norm, the model's embedding and head (frozen, shared). OUT_DIR gets the checkpoint with the
 MTP tensors added under the family's names (models/mtp.MTPNames; GLM's also with the copies of the
 embedding and head a real checkpoint stores), the config's count set to 1
@@ -109,6 +109,21 @@ class QwenMoeForm(QwenForm):
         super().init(mtp)
 
 
+class QwenNextForm(QwenMoeForm):
+    """Qwen3-Next's (Flash Next's) MTP layer: a full-attention decoder layer with the model's MoE,
+    as Qwen3.6's, in Qwen3-Next's modules; its rope is one row of positions (no M-RoPE)."""
+
+    def norm(self):
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+        return Qwen3NextRMSNorm(self.text.hidden_size, eps=self.text.rms_norm_eps)
+
+    def layers(self):
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+        return [Qwen3NextDecoderLayer(self.text, self.text.layer_types.index("full_attention"))]
+
+    context = Form.context
+
+
 class GlmForm(Form):
     """GLM-5's next-n layer: a decoder layer at index num_hidden_layers with an indexer of its own
     and the MoE."""
@@ -161,7 +176,8 @@ class NemotronForm(Form):
         config.pop("mtp_layers_block_type", None)
 
 
-FORMS = {"qwen3_5": QwenForm, "qwen3_5_text": QwenForm, "qwen3_5_moe": QwenMoeForm, "qwen3_5_moe_text": QwenMoeForm, "glm_moe_dsa": GlmForm, "nemotron_h": NemotronForm}
+FORMS = {"qwen3_5": QwenForm, "qwen3_5_text": QwenForm, "qwen3_5_moe": QwenMoeForm, "qwen3_5_moe_text": QwenMoeForm,
+         "qwen3_next": QwenNextForm, "glm_moe_dsa": GlmForm, "nemotron_h": NemotronForm}
 
 
 def _init_fresh(mtp, std: float = 0.1) -> None:
