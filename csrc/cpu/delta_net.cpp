@@ -544,16 +544,23 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
   write_out(q_row, q_sum, q_step, rw.e_q[q_row * KH + kh]);
 }
 
-constexpr int64_t ITEM_COLUMNS = 16;  // a work item's columns: 64 bytes of each state row, a cache line
+// The columns run_columns takes at most: 64 bytes of each state row, a cache line.
+constexpr int64_t RUN_COLUMNS = 16;
+// A work item's columns: four lines of each state row, so that one thread reads a row's
+// neighbouring lines. (With an item per line, two threads took alternate lines of every row, and
+// each core's adjacent-line prefetch fetched the other's line too: two threads were no faster
+// than one. Any split gives the same bits: a column never reads another.)
+constexpr int64_t ITEM_COLUMNS = 4 * RUN_COLUMNS;
 
-// One work item: columns [j0, j0 + ITEM_COLUMNS) of (sequence s, head h), two native vectors at a
-// time, then one, then column by column (an odd value_dim's last columns). S: dk ITEM_COLUMNS floats.
+// One work item: columns [j0, j0 + ITEM_COLUMNS) of (sequence s, head h), RUN_COLUMNS at a time
+// (two native vectors at a time, then one, then column by column: an odd value_dim's last
+// columns). S: dk RUN_COLUMNS floats.
 template <typename T>
 void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
   const int64_t end = std::min(c.dv, j0 + ITEM_COLUMNS);
   int64_t j = j0;
   if constexpr (Native::L > 1) {
-    constexpr int NV = ITEM_COLUMNS / Native::L;  // the whole item at once: AVX2 four, AVX-512 two
+    constexpr int NV = RUN_COLUMNS / Native::L;  // a whole run at once: AVX2 four, AVX-512 two
     for (; j + NV * Native::L <= end; j += NV * Native::L) run_columns<Native, NV, T>(c, rw, s, h, j, S);
     for (; j + 2 * Native::L <= end; j += 2 * Native::L) run_columns<Native, 2, T>(c, rw, s, h, j, S);
     for (; j + Native::L <= end; j += Native::L) run_columns<Native, 1, T>(c, rw, s, h, j, S);
@@ -632,7 +639,7 @@ void delta_net_impl(const Call& c) {
   const bool parallel_items = c.threads > 1 && num_items > 1;
 #pragma omp parallel num_threads(c.threads) if (parallel_items)
   {
-    alignas(64) float S[MAX_KEY_DIM * ITEM_COLUMNS];  // the item's running state
+    alignas(64) float S[MAX_KEY_DIM * RUN_COLUMNS];  // the running state of the item's columns at hand
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) run_item<T>(c, rw, items[i].s, items[i].h, items[i].j0, S);
   }

@@ -52,7 +52,12 @@ namespace {
 constexpr int STATE_BITS = 22;  // delta_net.STATE_BITS (grid_dot's)
 constexpr int NORM_BITS = 20;   // reference.NORM_BITS
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // phase A and the norm split rows over threads above this
-constexpr int ITEM_COLUMNS = 16;                // a work item's columns: 64 bytes of each state row
+constexpr int RUN_COLUMNS = 16;                 // the columns run_columns takes at most: 64 bytes of each state row
+// A work item's columns: a whole head's row of 64 (four lines), so that one thread reads a row's
+// neighbouring lines. (With an item per line, two threads took alternate lines of every row, and
+// each core's adjacent-line prefetch fetched the other's line too: two threads were slower than
+// one. Any split gives the same bits: a column never reads another.)
+constexpr int ITEM_COLUMNS = 4 * RUN_COLUMNS;
 using recurrent::conv_tap;
 using recurrent::silu_inplace;
 using recurrent::softplus32;
@@ -295,12 +300,12 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
   }
 }
 
-// One work item: columns [j0, j0 + ITEM_COLUMNS), sixteen at once, then eight, four, one.
+// One work item: columns [j0, j0 + ITEM_COLUMNS), RUN_COLUMNS (sixteen) at once, then eight, four, one.
 void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
   const int64_t end = std::min<int64_t>(c.head_dim, j0 + ITEM_COLUMNS);
   int64_t j = j0;
 #if defined(__GNUC__)
-  for (; j + 16 <= end; j += 16) run_columns<16>(c, rw, s, h, j, S);
+  for (; j + RUN_COLUMNS <= end; j += RUN_COLUMNS) run_columns<RUN_COLUMNS>(c, rw, s, h, j, S);
   for (; j + 8 <= end; j += 8) run_columns<8>(c, rw, s, h, j, S);
   for (; j + 4 <= end; j += 4) run_columns<4>(c, rw, s, h, j, S);
 #endif
@@ -375,7 +380,7 @@ void mamba2_impl(const Call& c) {
   const bool parallel_items = c.threads > 1 && num_items > 1;
 #pragma omp parallel num_threads(c.threads) if (parallel_items)
   {
-    std::vector<float> S(N * ITEM_COLUMNS);  // the item's running state
+    std::vector<float> S(N * RUN_COLUMNS);  // the running state of the item's columns at hand
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) run_item(c, rw, items[i].s, items[i].h, items[i].j0, S.data());
   }
