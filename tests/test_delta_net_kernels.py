@@ -111,7 +111,7 @@ def check_against_reference(draw, layer, dtype, spans, block_size):
 
 SHAPES = [  # key_heads, group, key_dim, value_dim
     (1, 1, 16, 16), (2, 2, 32, 24), (1, 4, 16, 40), (2, 3, 128, 16), (3, 1, 32, 128),
-    (1, 2, 16, 84)]  # a head of two work items (64 columns, then 20)
+    (1, 2, 16, 84)]  # a head of 84 columns: work items of 16 to 64 (1 or 2 threads), runs of 16, then 4
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])

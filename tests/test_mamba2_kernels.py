@@ -112,7 +112,7 @@ def check_against_reference(draw, layer, dtype, spans, block_size):
 
 SHAPES = [  # heads, head_dim, groups, state_size
     (1, 16, 1, 16), (4, 8, 2, 16), (3, 29, 1, 32), (4, 16, 4, 128), (2, 36, 1, 64),
-    (2, 84, 1, 16)]  # a head of two work items (64 columns, then 20)
+    (2, 84, 1, 16)]  # a head of 84 columns: work items of 16 to 64 (1 or 2 threads), runs of 16, then 4
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])

@@ -546,18 +546,13 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
 
 // The columns run_columns takes at most: 64 bytes of each state row, a cache line.
 constexpr int64_t RUN_COLUMNS = 16;
-// A work item's columns: four lines of each state row, so that one thread reads a row's
-// neighbouring lines. (With an item per line, two threads took alternate lines of every row, and
-// each core's adjacent-line prefetch fetched the other's line too: two threads were no faster
-// than one. Any split gives the same bits: a column never reads another.)
-constexpr int64_t ITEM_COLUMNS = 4 * RUN_COLUMNS;
 
-// One work item: columns [j0, j0 + ITEM_COLUMNS) of (sequence s, head h), RUN_COLUMNS at a time
-// (two native vectors at a time, then one, then column by column: an odd value_dim's last
-// columns). S: dk RUN_COLUMNS floats.
+// One work item: columns [j0, j1) of (sequence s, head h), RUN_COLUMNS at a time (two native
+// vectors at a time, then one, then column by column: an odd value_dim's last columns). S: dk
+// RUN_COLUMNS floats.
 template <typename T>
-void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
-  const int64_t end = std::min(c.dv, j0 + ITEM_COLUMNS);
+void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, int64_t j1, float* S) {
+  const int64_t end = j1;
   int64_t j = j0;
   if constexpr (Native::L > 1) {
     constexpr int NV = RUN_COLUMNS / Native::L;  // a whole run at once: AVX2 four, AVX-512 two
@@ -625,14 +620,17 @@ void delta_net_impl(const Call& c) {
       }
     }
   }
-  // Phase B: the recurrence, (sequence, head, ITEM_COLUMNS columns) per work item, longest
-  // sequences first.
-  struct Item { int64_t s, h, j0; };
+  // Phase B: the recurrence, (sequence, head, columns [j0, j1)) per work item
+  // (recurrent::item_columns), longest sequences first.
+  struct Item { int64_t s, h, j0, j1; };
   std::vector<Item> items;
+  int64_t seq_heads = 0;
+  for (int64_t s = 0; s < c.num_seqs; ++s) seq_heads += c.row_starts[s + 1] > c.row_starts[s] ? H : 0;
+  const int64_t columns = recurrent::item_columns(seq_heads, c.dv, c.threads, RUN_COLUMNS);
   for (int64_t s = 0; s < c.num_seqs; ++s)
     if (c.row_starts[s + 1] > c.row_starts[s])
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t j0 = 0; j0 < c.dv; j0 += ITEM_COLUMNS) items.push_back({s, h, j0});
+        for (int64_t j0 = 0; j0 < c.dv; j0 += columns) items.push_back({s, h, j0, std::min(c.dv, j0 + columns)});
   auto length = [&](int64_t s) { return c.row_starts[s + 1] - c.row_starts[s]; };
   std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return length(x.s) > length(y.s); });
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -641,7 +639,7 @@ void delta_net_impl(const Call& c) {
   {
     alignas(64) float S[MAX_KEY_DIM * RUN_COLUMNS];  // the running state of the item's columns at hand
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) run_item<T>(c, rw, items[i].s, items[i].h, items[i].j0, S);
+    for (int64_t i = 0; i < num_items; ++i) run_item<T>(c, rw, items[i].s, items[i].h, items[i].j0, items[i].j1, S);
   }
 }
 

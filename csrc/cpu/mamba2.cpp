@@ -53,11 +53,6 @@ constexpr int STATE_BITS = 22;  // delta_net.STATE_BITS (grid_dot's)
 constexpr int NORM_BITS = 20;   // reference.NORM_BITS
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;  // phase A and the norm split rows over threads above this
 constexpr int RUN_COLUMNS = 16;                 // the columns run_columns takes at most: 64 bytes of each state row
-// A work item's columns: a whole head's row of 64 (four lines), so that one thread reads a row's
-// neighbouring lines. (With an item per line, two threads took alternate lines of every row, and
-// each core's adjacent-line prefetch fetched the other's line too: two threads were slower than
-// one. Any split gives the same bits: a column never reads another.)
-constexpr int ITEM_COLUMNS = 4 * RUN_COLUMNS;
 using recurrent::conv_tap;
 using recurrent::silu_inplace;
 using recurrent::softplus32;
@@ -300,9 +295,9 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
   }
 }
 
-// One work item: columns [j0, j0 + ITEM_COLUMNS), RUN_COLUMNS (sixteen) at once, then eight, four, one.
-void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
-  const int64_t end = std::min<int64_t>(c.head_dim, j0 + ITEM_COLUMNS);
+// One work item: columns [j0, j1), RUN_COLUMNS (sixteen) at once, then eight, four, one.
+void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, int64_t j1, float* S) {
+  const int64_t end = j1;
   int64_t j = j0;
 #if defined(__GNUC__)
   for (; j + RUN_COLUMNS <= end; j += RUN_COLUMNS) run_columns<RUN_COLUMNS>(c, rw, s, h, j, S);
@@ -366,14 +361,17 @@ void mamba2_impl(const Call& c) {
       }
     }
   }
-  // Phase B: the recurrence, (sequence, head, ITEM_COLUMNS columns) per work item, longest
-  // sequences first.
-  struct Item { int64_t s, h, j0; };
+  // Phase B: the recurrence, (sequence, head, columns [j0, j1)) per work item
+  // (recurrent::item_columns), longest sequences first.
+  struct Item { int64_t s, h, j0, j1; };
   std::vector<Item> items;
+  int64_t seq_heads = 0;
+  for (int64_t s = 0; s < c.num_seqs; ++s) seq_heads += c.row_starts[s + 1] > c.row_starts[s] ? H : 0;
+  const int64_t P = c.head_dim, columns = recurrent::item_columns(seq_heads, P, c.threads, RUN_COLUMNS);
   for (int64_t s = 0; s < c.num_seqs; ++s)
     if (c.row_starts[s + 1] > c.row_starts[s])
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t j0 = 0; j0 < c.head_dim; j0 += ITEM_COLUMNS) items.push_back({s, h, j0});
+        for (int64_t j0 = 0; j0 < P; j0 += columns) items.push_back({s, h, j0, std::min(P, j0 + columns)});
   auto length = [&](int64_t s) { return c.row_starts[s + 1] - c.row_starts[s]; };
   std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return length(x.s) > length(y.s); });
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -382,7 +380,7 @@ void mamba2_impl(const Call& c) {
   {
     std::vector<float> S(N * RUN_COLUMNS);  // the running state of the item's columns at hand
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) run_item(c, rw, items[i].s, items[i].h, items[i].j0, S.data());
+    for (int64_t i = 0; i < num_items; ++i) run_item(c, rw, items[i].s, items[i].h, items[i].j0, items[i].j1, S.data());
   }
 }
 

@@ -131,5 +131,19 @@ inline void write_windows(const Starts& starts, const int64_t* row_starts, const
   }
 }
 
+// The columns of a work item of the recurrence (items: (sequence, head, columns) of the state,
+// each row `width` columns of float32): `run` (a cache line's) doubled while that leaves every
+// thread ITEMS_PER_THREAD items or more, up to the whole row. Wider items let one thread read a
+// row's neighbouring lines, which the core's prefetchers bring in together: with an item per
+// line, two threads took alternate lines of every row, each fetched the other's too, and two
+// threads were no faster than one. Any split gives the same bits (a column never reads another).
+constexpr int64_t ITEMS_PER_THREAD = 4;
+inline int64_t item_columns(int64_t seq_heads, int64_t width, int threads, int64_t run) {
+  int64_t columns = run;
+  while (columns < width && seq_heads * ((width + 2 * columns - 1) / (2 * columns)) >= ITEMS_PER_THREAD * threads)
+    columns *= 2;
+  return columns;
+}
+
 }  // namespace recurrent
 }  // namespace tf
