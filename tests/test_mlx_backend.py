@@ -27,7 +27,7 @@ from tensorfold.engine.engine import Engine, EngineConfig  # noqa: E402
 from tensorfold.engine.step_plan import ScheduledRequest, StepPlan  # noqa: E402
 from tensorfold.exact import float32 as exact32, grid as tgrid  # noqa: E402
 from tensorfold.kernels import paged_attention as pa, quant_gemm, reference  # noqa: E402
-from tensorfold.mlx import grid, ops  # noqa: E402
+from tensorfold.mlx import grid, ops, quant_carried  # noqa: E402
 from tensorfold.models.checkpoint import CheckpointError  # noqa: E402
 from tensorfold.models.loader import load_checkpoint  # noqa: E402
 from tensorfold.models.gguf_quants import quant_weight  # noqa: E402
@@ -169,6 +169,48 @@ def test_quantized_gemm_is_the_references_for_every_block_type(tiny_q4_k_m_gguf,
     moved.scale_exp[2, 9] -= 1  # E apart within a super-block: refused, not computed per block
     with pytest.raises(ValueError, match="one scale_exp per super-block"):
         ops.QuantParts(moved)
+
+
+@pytest.mark.parametrize("log_terms", [0, 1, 5, 12])
+def test_carried_terms_sum_exactly_in_float64_up_to_the_grids_bound(log_terms):
+    """quant_carried.rounded_parts: 2^L terms below the grid's 2^(62 - L) (the largest float64
+    below it, ties of both parities, small fractions, either sign) rounded half to even as
+    high + low, whose float64 sums are exact (their int64 sum is the exact sum of the rounded
+    terms) and whose one rounded addition is the int64 total's float64."""
+    from fractions import Fraction
+    rng = np.random.default_rng(log_terms)
+    n, bound = 1 << log_terms, 2.0 ** (62 - log_terms)
+    top = np.nextafter(bound, 0.0)
+    cases = [np.full(n, top), np.full(n, -top), np.resize([top, -top, 2.5, -3.5, 0.5], n)]
+    spread = rng.uniform(-1, 1, n) * np.exp2(rng.integers(-4, 62 - log_terms, n))   # fractions at every scale
+    cases += [spread, np.trunc(spread * 2) / 2, np.where(rng.random(n) < 0.5, top, np.trunc(spread * 2) / 2)]
+    for t in cases:
+        want = [round(Fraction(v)) for v in t]                        # half to even
+        high, low = quant_carried.rounded_parts(mx.array(t, dtype=mx.float64))
+        assert [int(h) + int(lo) for h, lo in zip(np.array(high), np.array(low))] == want
+        high_sum, low_sum = high.sum(), low.sum()
+        assert int(np.array(high_sum)) + int(np.array(low_sum)) == sum(want)
+        assert np.array(high_sum + low_sum).item() == float(sum(want))  # int64 to float64: half to even
+
+
+@pytest.mark.parametrize("kind", list(quant_gemm.KINDS))
+def test_packed_sub_block_dots_come_apart_exactly(kind):
+    """quant_carried.unpack_fields on words of `count` dots at the kind's bound (and at the
+    largest field the packing admits): every dot back, exactly."""
+    count, f = quant_carried.PACKING[kind]
+    bound = quant_gemm.X_MAX * quant_carried.max_code(kind) * quant_gemm.KINDS[kind].sub
+    assert bound < 1 << (f - 1) and bound * sum(1 << (f * i) for i in range(count)) < 1 << 53
+    rng = np.random.default_rng(7)
+    widest = (1 << (f - 1)) - 1
+    fields = rng.integers(-bound, bound + 1, (count, 3, 2, 64))
+    fields[..., :8] = np.array([bound, -bound, widest, -widest, 0, 1, -1, bound])[None, None, None, :]
+    fields[:, 0, 0, 8:16] = np.array([[bound], [-bound], [bound]][:count])  # alternating signs down a word
+    words = sum(fields[i].astype(object) << (f * i) for i in range(count))
+    exact = np.array([[[float(w) == w for w in row] for row in s] for s in words])
+    fields = np.where(exact[None], fields, 0)                      # words beyond 2^53 (the widest fields) left out
+    words = sum(fields[i].astype(np.float64) * 2.0 ** (f * i) for i in range(count))
+    got = quant_carried.unpack_fields(mx.array(words, dtype=mx.float64), count, f)
+    assert np.array_equal(np.array(got), fields.astype(np.float64))
 
 
 # ---- RMSNorm and attention: exact int64 sums, the references' float32 finishes -----------------

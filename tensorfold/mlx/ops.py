@@ -5,7 +5,7 @@ sums in float64 and finish in float32; here the same integers are int64 and the 
 same float32 operations in the same order, so every op below but the dense GEMM gives the
 references' bits (and the C++ and Triton kernels' bits: a quantized checkpoint's logits are
 equal across backends). On MLX's CPU device the exact integers ride in float64 instead
-(grid.float64_carrier; _attend_carried, _carried_rows): the same integers, the same bits.
+(grid.float64_carrier; _attend_carried, quant_carried.rows): the same integers, the same bits.
 
     silu_and_mul, sigmoid_and_mul, apply_rope     the reference's float32 steps: bitwise
     (silu32, sigmoid32 their activations)
@@ -27,7 +27,7 @@ from tensorfold.backends.linear_weight import LinearWeight
 from tensorfold.kernels import quant_gemm
 from tensorfold.kernels.paged_attention import L_BITS, QK_BITS, SPLIT_SIZE, V_BITS, W_BITS
 from tensorfold.kernels.reference import MAX_NORM_WIDTH, NORM_BITS, ROW_PAD
-from tensorfold.mlx import grid, metal_kernels
+from tensorfold.mlx import grid, metal_kernels, quant_carried
 
 DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
 
@@ -380,7 +380,7 @@ class QuantParts:
         self.top = from_torch(weight.top()).astype(mx.int64)                     # [N]
         self.grid_offset = metal_kernels.grid_bias(weight.kind, k)  # g = top + kmax + grid_offset (step 3)
 
-    def _sub_blocks(self) -> torch.Tensor:
+    def sub_blocks(self) -> torch.Tensor:
         """The codes as [S, sub, N] (sub-block s, its element i, column n)."""
         n, k = self.shape
         sub = quant_gemm.KINDS[self.kind].sub
@@ -389,7 +389,7 @@ class QuantParts:
     @functools.cached_property
     def codes(self) -> mx.array:
         """The codes as float32 [S, sub, N]: exact, and their sub-block dots too (< 2^19)."""
-        return from_torch(self._sub_blocks().float().contiguous())
+        return from_torch(self.sub_blocks().float().contiguous())
 
     @property
     def arrays(self) -> tuple[mx.array, ...]:
@@ -398,38 +398,9 @@ class QuantParts:
             () if self.min is None else (self.min, self.min_exp))
 
     @functools.cached_property
-    def packed(self) -> mx.array:
-        """Three columns' codes in one float64, c[n] + c[n + N3] 2^f + c[n + 2 N3] 2^2f (f =
-        PACK_BITS[kind], columns padded to 3 N3 with zero codes) as [S, sub, N3]: 8 bytes for
-        three codes where float32 codes take 12, on a device whose decode GEMMs wait on memory.
-        A float64 matmul gives A[n] + A[n + N3] 2^f + A[n + 2 N3] 2^2f exactly (every partial
-        sum below 2^53), and unpack3 takes the three sub-block dots apart."""
-        f = PACK_BITS[self.kind]
-        c = self._sub_blocks().double()
-        if c.abs().max() > _max_code(self.kind):
-            raise ValueError(f"{self.kind} codes outside the kind's range")
-        n3 = -(-self.shape[0] // 3)
-        c = torch.nn.functional.pad(c, (0, 3 * n3 - self.shape[0]))
-        words = c[..., :n3] + c[..., n3:2 * n3] * 2.0 ** f + c[..., 2 * n3:] * 2.0 ** (2 * f)  # exact
-        return mx.array(words.contiguous().numpy(), dtype=mx.float64)
-
-    @functools.cached_property
-    def carried(self) -> tuple[mx.array, ...]:
-        """The weight side of the float64-carried terms (grid.float64_carrier): per scale
-        S 2^(E - top - grid_offset) [S, N] and per block M 2^(F - top - grid_offset) [B, N],
-        exact (S, M < 2^19 times a power of two), kept as float32 where that holds them exactly
-        (the exponents of real files are far inside its range; else float64)."""
-        per = quant_gemm.BLOCK // quant_gemm.KINDS[self.kind].sub
-        exp = self.scale_exp if per == 1 else mx.repeat(self.scale_exp, per, axis=0)
-        base = self.top[None, :] + self.grid_offset
-        out = [self.scale.astype(mx.float64) * grid.pow2_64(exp - base)]
-        if self.min is not None:
-            out.append(self.min.astype(mx.float64) * grid.pow2_64(self.min_exp - base))
-        narrow = [a.astype(mx.float32) for a in out]
-        if all(mx.array_equal(n.astype(mx.float64), a).item() for n, a in zip(narrow, out)):
-            out = narrow
-        mx.eval(*out)
-        return tuple(out)
+    def carried(self) -> "quant_carried.CarriedWeight":
+        """The arrays of the float64-carried form (MLX's CPU device), made on first use."""
+        return quant_carried.CarriedWeight(self)
 
     @classmethod
     def of(cls, weight: quant_gemm.QuantWeight) -> "QuantParts":
@@ -451,24 +422,14 @@ def _significand16(h: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def quantize_activations(x: mx.array, act: int = quant_gemm.BLOCK):
-    """quant_gemm.quantize_activations' float32 steps over groups of `act` columns: xq [M, B, 32]
-    float32 integers (blocks of 32), per group (m, k) [M, K / act] and per block (sm, se)
-    [M, B], all int64, bitwise the reference's (the K-quants' GEMMs leave sm, se unused: traced
-    lazily, they cost nothing there)."""
-    rows, kdim = x.shape
-    groups = x.astype(mx.float32).reshape(rows, kdim // act, act)
-    amax = mx.abs(groups).max(axis=-1)
-    zero = grid.exponent(amax) < -120
-    safe = mx.where(zero, 1.0, amax)
-    d = mx.where(zero, 0.0, safe / quant_gemm.X_MAX)
-    inverse = mx.full(safe.shape, quant_gemm.X_MAX, dtype=mx.float32) / safe
-    xq = mx.clip(mx.round(groups * inverse[..., None]), -quant_gemm.X_MAX, quant_gemm.X_MAX)
-    xq = mx.where(zero[..., None], 0.0, xq).reshape(rows, kdim // quant_gemm.BLOCK, quant_gemm.BLOCK)
-    m, k = _significand16(mx.minimum(d, quant_gemm.F16_MAX).astype(mx.float16))
-    per_block = mx.repeat(d, act // quant_gemm.BLOCK, axis=1) if act != quant_gemm.BLOCK else d
-    s = mx.clip(per_block * xq.sum(axis=-1), -quant_gemm.F16_MAX, quant_gemm.F16_MAX)
-    sm, se = _significand16(s.astype(mx.float16))
-    return xq, m, k, sm, se
+    """quant_gemm.quantize_activations' float32 steps over groups of `act` columns
+    (quant_carried.activations): xq [M, B, 32] float32 integers (blocks of 32), per group (m, k)
+    [M, K / act] and, for the 32-column kinds, per block (sm, se) [M, B] (else None), all int64,
+    bitwise the reference's."""
+    xq, d16, s16 = quant_carried.activations(x, act)                   # group-major
+    m, k = _significand16(d16[..., 0].T)
+    sm, se = (None, None) if s16 is None else _significand16(s16[..., 0].T)
+    return xq.transpose(1, 0, 2).reshape(x.shape[0], x.shape[1] // quant_gemm.BLOCK, quant_gemm.BLOCK), m, k, sm, se
 
 
 @grid.integer_only
@@ -478,39 +439,11 @@ def _terms(a, s, m, e_w, e_x, g):
     return grid.shift(a.astype(mx.int64) * s * m, e_w + e_x - g)
 
 
-def _max_code(kind_name: str) -> int:
-    """max |c| of a kind's codes: unsigned for the kinds with a minimum, centred for the rest."""
-    kind = quant_gemm.KINDS[kind_name]
-    return (1 << kind.code_bits) - 1 if kind.has_min else 1 << (kind.code_bits - 1)
-
-
-def _pack_bits(kind_name: str) -> int | None:
-    """f for QuantParts.packed: each sub-block dot |A| <= X_MAX max|c| sub < 2^(f - 1) (so it is
-    the centred remainder mod 2^f), and the word's dot A1 + A2 2^f + A3 2^2f below 2^53 (exact);
-    None where three do not fit (q8_0: 2^19 per dot)."""
-    bound = quant_gemm.X_MAX * _max_code(kind_name) * quant_gemm.KINDS[kind_name].sub
-    f = bound.bit_length() + 1
-    return f if bound * (1 + (1 << f) + (1 << 2 * f)) < 1 << 53 else None
-
-
-PACK_BITS = {name: _pack_bits(name) for name in quant_gemm.KINDS}
-
-
-def unpack3(p: mx.array, f: int) -> mx.array:
-    """[..., N3] float64 words A1 + A2 2^f + A3 2^2f (integers, |Ai| < 2^(f - 1)) -> [..., 3 N3]
-    [A1 | A2 | A3]: each the centred remainder, by rint, exact steps on integers below 2^53."""
-    step, inverse = float(2 ** f), float(2.0 ** -f)
-    a1 = p - step * grid.rint64(p * inverse)
-    p = (p - a1) * inverse
-    a2 = p - step * grid.rint64(p * inverse)
-    return mx.concatenate([a1, a2, (p - a2) * inverse], axis=-1)
-
-
 def quant_linear(x: mx.array, w: QuantParts) -> mx.array:
     """x [M, K] @ w^T by quant_gemm.linear's steps 1-4, bitwise: the sub-block dots as float32
     matmuls (exact: < 2^19), one term per activation group (a block of 32; a K-quant's super-block
     of 256, its sub-blocks' S A and its blocks' M sum(xq) summed exactly first) on the output's
-    grid as an exact integer (int64, or float64-carried on MLX's CPU device: _carried_rows),
+    grid as an exact integer (int64, or float64-carried on MLX's CPU device: quant_carried),
     their int64 sum, and step 4's two roundings (without float64 where there is none:
     grid.float32_of_int). Rows go ROW_CHUNK at a time (they are independent; chunks bound the
     scratch and meet one trace)."""
@@ -535,8 +468,7 @@ def quant_totals(x: mx.array, w: QuantParts) -> tuple[mx.array, mx.array]:
 
 def _rows_and_arrays(w: QuantParts, totals: bool):
     if grid.float64_carrier():
-        dots = w.codes if PACK_BITS[w.kind] is None else w.packed
-        return _carried_rows(w.kind, totals), (dots, w.top, mx.array(w.grid_offset, dtype=mx.int64), *w.carried)
+        return quant_carried.rows(w.kind, totals), w.carried.arrays
     return _quant_rows(w.kind, totals), w.arrays
 
 
@@ -573,62 +505,5 @@ def _quant_rows(kind_name: str, totals: bool):
         if totals:
             return total, g
         return grid.float32_of_int(total, g).astype(x.dtype)
-
-    return rows_times_weights
-
-
-def _term_ints(t: mx.array) -> mx.array:
-    """Carried terms (exact float64 values below 2^62) rounded half to even, as int64: a term
-    that needs rounding had a negative shift, so it is below 2^T <= 2^49 and grid.rint64 takes
-    it; one at or past 2^51 is an integer already."""
-    return mx.where(mx.abs(t) < 2.0 ** 51, grid.rint64(t), t).astype(mx.int64)
-
-
-@functools.cache
-def _carried_rows(kind_name: str, totals: bool):
-    """quant_linear's rows on MLX's CPU device: the same steps, the terms carried in float64
-    (grid.float64_carrier). A sub-block's A (< 2^19, exact in float32) times the weight side
-    S 2^(E - top - grid_offset) (QuantParts.carried) is exact; an activation group's products
-    share one E (a block's, or a K-quant super-block's), so their sum is an integer count of
-    one power of two, below 2^(T - 11) of it (T the kind's term_bits: 2^38 for q6_k's 16
-    sub-blocks), exact in any order. Times the activation side m 2^(k - kmax) (m < 2^11) it
-    stays below 2^T <= 2^49 significant bits: exact, the exponents far inside float64's range, so the one rounding is
-    rint's, half to even: quant_gemm._on_grid's integer, or no rounding where its shift is not
-    negative. A K-quant's minimum is the float64 matmul of the blocks' code sums (< 2^12) against
-    M 2^(F - top - grid_offset) (< 2^17 each, 8 terms: exact), times the same activation side;
-    a 32-column kind's is M sm 2^(F + se). Terms (< 2^62) become int64 exactly and are summed
-    as int64; step 4 is then the reference's own float64 steps, float32(float64(total) 2^g).
-    The sub-block dots come from the packed codes (QuantParts.packed, a float64 matmul) where
-    the kind allows, else from float32 codes."""
-    kind, pack = quant_gemm.KINDS[kind_name], PACK_BITS[kind_name]
-
-    @grid.fused
-    def rows_times_weights(x, dots_weight, top, grid_offset, weight_side, *min_side):
-        rows, kdim = x.shape
-        n, nb, per, bpg = weight_side.shape[-1], kdim // quant_gemm.BLOCK, quant_gemm.BLOCK // kind.sub, kind.blocks_per_group
-        xq, xm, k, sm, se = quantize_activations(x, kind.act)             # xq [M, B, 32], xm, k [M, G]
-        xs = xq.reshape(rows, nb * per, kind.sub).transpose(1, 0, 2)      # [S, M, sub]
-        if pack is None:
-            a = mx.matmul(xs, dots_weight).astype(mx.float64)             # [S, M, N], exact integers
-        else:
-            a = unpack3(mx.matmul(xs.astype(mx.float64), dots_weight), pack)[..., :n]
-        kmax = k.max(axis=1, keepdims=True)                               # [M, 1]
-        terms = a * weight_side.astype(mx.float64)[:, None, :]            # [S, M, N]
-        if per * bpg > 1:  # a group's sub-blocks first (q6_k's halves, a super-block's)
-            terms = terms.reshape(nb // bpg, per * bpg, rows, n).sum(axis=1)  # [G, M, N]
-        x_side = (xm.astype(mx.float64) * grid.pow2_64(k - kmax)).T[..., None]       # [G, M, 1]
-        total = _term_ints(terms * x_side)
-        if kind.has_min and bpg == 1:
-            low_side = (sm.astype(mx.float64) * grid.pow2_64(se - kmax)).T[..., None]
-            total = total + _term_ints(min_side[0].astype(mx.float64)[:, None, :] * low_side)
-        elif kind.has_min:  # per super-block sum_b sum(xq of b) M_b 2^(F - top - grid_offset)
-            sums = xq.sum(axis=-1).astype(mx.float64).reshape(rows, nb // bpg, bpg).transpose(1, 0, 2)  # [G, M, bpg]
-            lows = mx.matmul(sums, min_side[0].astype(mx.float64).reshape(nb // bpg, bpg, n))  # [G, M, N]
-            total = total + _term_ints(lows * x_side)
-        total = total.sum(axis=0)                                         # [M, N] int64: exact
-        g = top[None, :] + kmax + grid_offset
-        if totals:
-            return total, g
-        return (total.astype(mx.float64) * grid.pow2_64(g)).astype(mx.float32).astype(x.dtype)
 
     return rows_times_weights
