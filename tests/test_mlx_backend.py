@@ -248,8 +248,12 @@ def _cache_of(k: torch.Tensor, v: torch.Tensor, dtype=torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_write_is_the_references(dtype, carrier):
     k, v = spread(40, 2, 32, seed=6), spread(40, 2, 32, seed=7)
+    k[3], v[4, 1] = 0.0, 0.0                                      # zero vectors; one lifted to 2^0:
+    v[4, 1, :3] = torch.tensor([1.0 - 2.0 ** -24, 0.25, -1e-40])
     cache, kc, vc = _cache_of(k, v, dtype)
     assert torch.equal(back(cache.k), kc[:, 0]) and torch.equal(back(cache.v), vc[:, 0])
+    for stored, exps in ((cache.k, cache.k_exp), (cache.v, cache.v_exp)):  # what attention starts from
+        assert torch.equal(back(exps), back(grid.vector_exponent(stored)))
 
 
 @pytest.mark.parametrize("head_dim", [32, 48])  # scale 2^-2.5 and 1/sqrt(48): not a power of two

@@ -6,6 +6,7 @@ The draw is the keyed sampler on the host (sampling/sampler.py, torch on the CPU
 rows come back from MLX (unified memory on Apple silicon: no copy across a bus), so a row's
 token is the one the cpu backend draws from the same logits, grammar masks and all.
 """
+import contextlib
 import logging
 import os
 import mlx.core as mx
@@ -151,6 +152,10 @@ class MLXRunner:
         self.mtp = MLXMTPRunner(model, caches[len(model.layers):], block_size) if model.mtp is not None else None
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
+        with one_torch_thread():
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> list[list[int]]:
         batch = self._batch(plan)
         if self.mtp is not None:  # every row's hidden state goes to the MTP layer's catch-up
             logits, hidden = self.model.forward(batch, self.caches, hidden=True)
@@ -173,6 +178,19 @@ class MLXRunner:
             end += len(req.token_ids)
             logits_rows += range(end - len(req.rows), end)
         return mlx_batch(pieces, logits_rows, self.block_size, groups)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread for a round's host work (the sampler, embedding rows): after a
+    parallel region OpenMP's workers spin, taking the cores MLX's stream thread computes on (on
+    a 2-core machine, a tenth of a decode round). Nothing torch computes here depends on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cache_arrays(caches: list) -> list[mx.array]:

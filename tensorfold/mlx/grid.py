@@ -197,19 +197,39 @@ def on_grid(x: mx.array, bits: int) -> mx.array:
     """x with each vector (last dim) rounded to its grid, as float32: the torch reference's
     values (exact.grid.on_grid), including its second pass where rounding lifts the largest
     element to the next power of two."""
-    if float64_carrier():  # the same integers in float64: x 2^(bits - 1 - e) is exact, rint rounds it
-        x = x.astype(mx.float32)
-        e = exponent(mx.abs(x).max(axis=-1, keepdims=True)).astype(mx.int64)
-        ints = rint64(x.astype(mx.float64) * pow2_64(bits - 1 - e))   # <= 2^bits
-        lifted = mx.abs(ints).max(axis=-1, keepdims=True) >= (1 << bits)
-        ints = mx.where(lifted, rint64(ints * 0.5), ints)           # shift_round(ints, 1)
-        return (ints * pow2_64(e + lifted.astype(mx.int64) - bits + 1)).astype(mx.float32)  # one rounding, as scale's
+    if float64_carrier():
+        return _on_grid_carried(x, bits)[0]
     ints, e = to_fixed(x, bits)
     e = e[..., None].astype(mx.int64)
     lifted = (mx.abs(ints).max(axis=-1, keepdims=True) >= (1 << bits))
     ints = mx.where(lifted, shift_round(ints, mx.array(1, mx.int64)), ints)
     e = e + lifted.astype(mx.int64)
     return scale(ints.astype(mx.float32), e - bits + 1)
+
+
+def on_grid_with_exponent(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """on_grid(x, bits) and vector_exponent of it (int32, one less dim). Carried in float64, the
+    exponent is the rounding's own e + lifted, with no second pass over the values: the largest
+    element of x lies in [2^e, 2^(e + 1)) (or below 2^-126 with e = -127) and stays there on the
+    grid unless it is lifted to 2^(e + 1); its grid (spacing 2^(e - bits + 1) >= 2^-149 for
+    bits <= 23) holds every value exactly in float32, so the conversion moves nothing."""
+    if float64_carrier() and bits <= 23:
+        y, e = _on_grid_carried(x, bits)
+        return y, e[..., 0].astype(mx.int32)
+    y = on_grid(x, bits)
+    return y, vector_exponent(y)
+
+
+def _on_grid_carried(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """on_grid's integers in float64: x 2^(bits - 1 - e) is exact, rint rounds it; the values and
+    their grid's top exponent e + lifted (int64, keepdims)."""
+    x = x.astype(mx.float32)
+    e = exponent(mx.abs(x).max(axis=-1, keepdims=True)).astype(mx.int64)
+    ints = rint64(x.astype(mx.float64) * pow2_64(bits - 1 - e))   # <= 2^bits
+    lifted = mx.abs(ints).max(axis=-1, keepdims=True) >= (1 << bits)
+    ints = mx.where(lifted, rint64(ints * 0.5), ints)           # shift_round(ints, 1)
+    top = e + lifted.astype(mx.int64)
+    return (ints * pow2_64(top - bits + 1)).astype(mx.float32), top  # one rounding, as scale's
 
 
 def _limb_stack(ints: mx.array, count: int, axis: int) -> mx.array:

@@ -167,8 +167,8 @@ def write_kv(cache: "LayerCache", k: mx.array, v: mx.array, slots: mx.array) -> 
 def _kv_on_grid(k: mx.array, v: mx.array):
     """k, v on their grids in their dtype (exact: the grid fits it), and the exponent of each
     stored vector's largest element (what to_fixed of the stored vector starts from)."""
-    k, v = grid.on_grid(k, QK_BITS).astype(k.dtype), grid.on_grid(v, V_BITS).astype(v.dtype)
-    return k, v, grid.vector_exponent(k), grid.vector_exponent(v)
+    (k_grid, k_exp), (v_grid, v_exp) = grid.on_grid_with_exponent(k, QK_BITS), grid.on_grid_with_exponent(v, V_BITS)
+    return k_grid.astype(k.dtype), v_grid.astype(v.dtype), k_exp, v_exp
 
 
 class LayerCache:

@@ -34,6 +34,9 @@ SPLIT_MAGIC = 1.5 * 2.0 ** (52 + SPLIT_BITS)   # (t + M) - M: t to a multiple of
 SCALE_RANGE = (-990, 940)  # top + grid_offset kept here: step 4's two scalings stay exact (column_pow)
 
 
+HIGH_FIRST = mx.array(np.array([True, False]).reshape(2, 1, 1, 1, 1))  # rounded_parts' two, on one axis
+
+
 def max_code(kind_name: str) -> int:
     """max |c| of a kind's codes: unsigned for the kinds with a minimum, centred for the rest."""
     kind = quant_gemm.KINDS[kind_name]
@@ -199,7 +202,8 @@ def rows(kind_name: str, totals: bool):
        M 2^(F - top - grid_offset) times float16(d sum xq) 2^-kmax = sm 2^(se - kmax); a
        K-quant's, the float64 matmul of the blocks' xq sums (< 2^12) against M 2^(F - top -
        grid_offset) (< 2^17 each, 8 blocks sharing F: exact), times the activation side.
-    4. The high and low parts summed over the groups (exact), float64(total) = high + low (one
+    4. The high and low parts summed over the groups (exact; side by side on a new axis, so one
+       kernel makes both and one reduction sums them), float64(total) = high + low (one
        addition, rounded half to even as int64 to float64 rounds), times 2^(top + grid_offset)
        and 2^kmax: exact scalings (CarriedWeight checks the first's range; kmax is in [-24, 5]),
        so float32 of it is the reference's float32(float64(total) 2^g).
@@ -217,12 +221,12 @@ def rows(kind_name: str, totals: bool):
         terms = unpack_fields(mx.matmul(_sub_blocks(xq, kind.sub), packed), count, f) * scale_side  # [count, S, M, Nw]
         if per * bpg > 1:  # a group's sub-blocks first (q6_k's halves, a super-block's)
             terms = terms.reshape(count, num_groups, per * bpg, num_rows, width).sum(axis=2)  # [count, G, M, Nw]
-        x_side = d16.astype(mx.float64) * inverse_row                    # [G, M, 1]
-        high, low = rounded_parts(terms * x_side)
+        x_side = per_group(d16.astype(mx.float64) * inverse_row)         # [G, M, 1]
+        parts = rounded_parts(terms * x_side)
         if kind.has_min:
-            low_high, low_low = rounded_parts(_min_terms(xq, s16, inverse_row, x_side, min_side[0]))
-            high, low = high + low_high, low + low_low                   # partial sums: exact
-        high, low = high.sum(axis=1, keepdims=True), low.sum(axis=1, keepdims=True)  # [count, 1, M, Nw], exact
+            min_parts = rounded_parts(_min_terms(xq, s16, inverse_row, x_side, min_side[0]))
+            parts = [a + b for a, b in zip(parts, min_parts)]            # partial sums: exact
+        high, low = mx.where(HIGH_FIRST, *parts).sum(axis=2, keepdims=True)   # [count, 1, M, Nw] each, exact
         if totals:
             total = _by_column(high.astype(mx.int64) + low.astype(mx.int64), n)
             return total, top[None, :] + kmax[0] + grid_offset
@@ -230,6 +234,12 @@ def rows(kind_name: str, totals: bool):
         return _by_column(out.astype(mx.float32), n).astype(x.dtype)
 
     return rows_times_weights
+
+
+def per_group(side: mx.array) -> mx.array:
+    """A per-group factor made once: without the barrier MLX's fuser folds its steps (float16
+    conversions included) into the terms' kernel, once per term."""
+    return mx.contiguous(side)
 
 
 def _sub_blocks(xq: mx.array, sub: int) -> mx.array:
@@ -252,6 +262,6 @@ def _min_terms(xq, s16, inverse_row, x_side, min_side):
     """The minimum terms on the output's grid, [count, G, M, Nw] (exact: rows' step 3)."""
     count, num_groups, bpg, width = min_side.shape
     if bpg == 1:  # M 2^(F - top - grid_offset) sm 2^(se - kmax) per block
-        return min_side.astype(mx.float64) * (s16.astype(mx.float64) * inverse_row)
+        return min_side.astype(mx.float64) * per_group(s16.astype(mx.float64) * inverse_row)
     sums = xq.reshape(num_groups, xq.shape[1], bpg, BLOCK).sum(axis=-1).astype(mx.float64)  # [G, M, bpg]
     return mx.matmul(sums, min_side.astype(mx.float64)) * x_side      # [count, G, M, Nw]
