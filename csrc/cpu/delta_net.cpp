@@ -547,12 +547,11 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
 // The columns run_columns takes at most: 64 bytes of each state row, a cache line.
 constexpr int64_t RUN_COLUMNS = 16;
 
-// One work item: columns [j0, j1) of (sequence s, head h), RUN_COLUMNS at a time (two native
+// One work item: columns [j0, end) of (sequence s, head h), RUN_COLUMNS at a time (two native
 // vectors at a time, then one, then column by column: an odd value_dim's last columns). S: dk
 // RUN_COLUMNS floats.
 template <typename T>
-void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, int64_t j1, float* S) {
-  const int64_t end = j1;
+void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, int64_t end, float* S) {
   int64_t j = j0;
   if constexpr (Native::L > 1) {
     constexpr int NV = RUN_COLUMNS / Native::L;  // a whole run at once: AVX2 four, AVX-512 two
@@ -620,19 +619,10 @@ void delta_net_impl(const Call& c) {
       }
     }
   }
-  // Phase B: the recurrence, (sequence, head, columns [j0, j1)) per work item
-  // (recurrent::item_columns), longest sequences first.
-  struct Item { int64_t s, h, j0, j1; };
-  std::vector<Item> items;
-  int64_t seq_heads = 0;
-  for (int64_t s = 0; s < c.num_seqs; ++s) seq_heads += c.row_starts[s + 1] > c.row_starts[s] ? H : 0;
-  const int64_t columns = recurrent::item_columns(seq_heads, c.dv, c.threads, RUN_COLUMNS);
-  for (int64_t s = 0; s < c.num_seqs; ++s)
-    if (c.row_starts[s + 1] > c.row_starts[s])
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t j0 = 0; j0 < c.dv; j0 += columns) items.push_back({s, h, j0, std::min(c.dv, j0 + columns)});
-  auto length = [&](int64_t s) { return c.row_starts[s + 1] - c.row_starts[s]; };
-  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return length(x.s) > length(y.s); });
+  // Phase B: the recurrence, a work item (sequence, head, state columns) at a time
+  // (recurrent::work_items).
+  const std::vector<recurrent::WorkItem> items =
+      recurrent::work_items(c.num_seqs, c.row_starts, H, c.dv, c.threads, RUN_COLUMNS);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const bool parallel_items = c.threads > 1 && num_items > 1;
 #pragma omp parallel num_threads(c.threads) if (parallel_items)

@@ -295,9 +295,8 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
   }
 }
 
-// One work item: columns [j0, j1), RUN_COLUMNS (sixteen) at once, then eight, four, one.
-void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, int64_t j1, float* S) {
-  const int64_t end = j1;
+// One work item: columns [j0, end), RUN_COLUMNS (sixteen) at once, then eight, four, one.
+void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, int64_t end, float* S) {
   int64_t j = j0;
 #if defined(__GNUC__)
   for (; j + RUN_COLUMNS <= end; j += RUN_COLUMNS) run_columns<RUN_COLUMNS>(c, rw, s, h, j, S);
@@ -361,19 +360,10 @@ void mamba2_impl(const Call& c) {
       }
     }
   }
-  // Phase B: the recurrence, (sequence, head, columns [j0, j1)) per work item
-  // (recurrent::item_columns), longest sequences first.
-  struct Item { int64_t s, h, j0, j1; };
-  std::vector<Item> items;
-  int64_t seq_heads = 0;
-  for (int64_t s = 0; s < c.num_seqs; ++s) seq_heads += c.row_starts[s + 1] > c.row_starts[s] ? H : 0;
-  const int64_t P = c.head_dim, columns = recurrent::item_columns(seq_heads, P, c.threads, RUN_COLUMNS);
-  for (int64_t s = 0; s < c.num_seqs; ++s)
-    if (c.row_starts[s + 1] > c.row_starts[s])
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t j0 = 0; j0 < P; j0 += columns) items.push_back({s, h, j0, std::min(P, j0 + columns)});
-  auto length = [&](int64_t s) { return c.row_starts[s + 1] - c.row_starts[s]; };
-  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) { return length(x.s) > length(y.s); });
+  // Phase B: the recurrence, a work item (sequence, head, state columns) at a time
+  // (recurrent::work_items).
+  const std::vector<recurrent::WorkItem> items =
+      recurrent::work_items(c.num_seqs, c.row_starts, H, c.head_dim, c.threads, RUN_COLUMNS);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const bool parallel_items = c.threads > 1 && num_items > 1;
 #pragma omp parallel num_threads(c.threads) if (parallel_items)

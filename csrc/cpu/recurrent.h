@@ -131,18 +131,39 @@ inline void write_windows(const Starts& starts, const int64_t* row_starts, const
   }
 }
 
-// The columns of a work item of the recurrence (items: (sequence, head, columns) of the state,
-// each row `width` columns of float32): `run` (a cache line's) doubled while that leaves every
-// thread ITEMS_PER_THREAD items or more, up to the whole row. Wider items let one thread read a
-// row's neighbouring lines, which the core's prefetchers bring in together: with an item per
-// line, two threads took alternate lines of every row, each fetched the other's too, and two
-// threads were no faster than one. Any split gives the same bits (a column never reads another).
+// The recurrence's work items: (sequence s, head h, state columns [j0, j1)), each row of a head's
+// state `width` columns of float32. An item is `run` columns (a cache line's) doubled while every
+// thread keeps ITEMS_PER_THREAD items or more, up to the whole row: one thread then reads a row's
+// neighbouring lines, which the core's prefetchers bring in together (with an item per line, two
+// threads took alternate lines of every row, each fetched the other's too, and two threads were
+// no faster than one). Any split gives the same bits: a column never reads another.
+struct WorkItem {
+  int64_t s, h, j0, j1;
+};
 constexpr int64_t ITEMS_PER_THREAD = 4;
+
 inline int64_t item_columns(int64_t seq_heads, int64_t width, int threads, int64_t run) {
   int64_t columns = run;
   while (columns < width && seq_heads * ((width + 2 * columns - 1) / (2 * columns)) >= ITEMS_PER_THREAD * threads)
     columns *= 2;
   return columns;
+}
+
+// Every sequence's items (those with rows), the longest sequences first.
+inline std::vector<WorkItem> work_items(int64_t num_seqs, const int64_t* row_starts, int64_t heads, int64_t width,
+                                        int threads, int64_t run) {
+  auto length = [&](int64_t s) { return row_starts[s + 1] - row_starts[s]; };
+  int64_t seq_heads = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) seq_heads += length(s) > 0 ? heads : 0;
+  const int64_t columns = item_columns(seq_heads, width, threads, run);
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    if (length(s) > 0)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t j0 = 0; j0 < width; j0 += columns) items.push_back({s, h, j0, std::min(width, j0 + columns)});
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const WorkItem& x, const WorkItem& y) { return length(x.s) > length(y.s); });
+  return items;
 }
 
 }  // namespace recurrent
