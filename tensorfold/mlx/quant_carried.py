@@ -222,9 +222,9 @@ def rows(kind_name: str, totals: bool):
         if per * bpg > 1:  # a group's sub-blocks first (q6_k's halves, a super-block's)
             terms = terms.reshape(count, num_groups, per * bpg, num_rows, width).sum(axis=2)  # [count, G, M, Nw]
         x_side = per_group(d16.astype(mx.float64) * inverse_row)         # [G, M, 1]
-        parts = rounded_parts(terms * x_side)
+        parts = rounded_parts(mx.contiguous(terms * x_side))
         if kind.has_min:
-            min_parts = rounded_parts(_min_terms(xq, s16, inverse_row, x_side, min_side[0]))
+            min_parts = rounded_parts(mx.contiguous(_min_terms(xq, s16, inverse_row, x_side, min_side[0])))
             parts = [a + b for a, b in zip(parts, min_parts)]            # partial sums: exact
         high, low = mx.where(HIGH_FIRST, *parts).sum(axis=2, keepdims=True)   # [count, 1, M, Nw] each, exact
         if totals:
