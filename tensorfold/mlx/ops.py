@@ -366,8 +366,8 @@ def dense_linear(x: mx.array, weight: mx.array) -> mx.array:
 class QuantParts:
     """A QuantWeight's arrays as MLX arrays (scales int64), plus the torch QuantWeight for row
     lookups. The codes for step 2's matmuls are made on first use, in the form the device's
-    GEMM reads: float32 [S, sub, N] (`codes`), or on MLX's CPU device three columns' codes to a
-    float64 word (`packed`, where the kind's dots fit)."""
+    GEMM reads: float32 [S, sub, N] (`codes`, the int64 form's), or on MLX's CPU device the
+    float64-carried form's arrays (`carried`: two or three columns' codes to a float64 word)."""
 
     def __init__(self, weight: quant_gemm.QuantWeight):
         quant_gemm.check_weight(weight)
