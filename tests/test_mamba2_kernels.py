@@ -112,7 +112,8 @@ def check_against_reference(draw, layer, dtype, spans, block_size):
 
 SHAPES = [  # heads, head_dim, groups, state_size
     (1, 16, 1, 16), (4, 8, 2, 16), (3, 29, 1, 32), (4, 16, 4, 128), (2, 36, 1, 64),
-    (2, 84, 1, 16)]  # a head of 84 columns: work items of 16 to 64 (1 or 2 threads), runs of 16, then 4
+    (2, 84, 1, 16),  # a head of 84 columns: work items of 16 to 64 (1 or 2 threads), runs of 16, then 4
+    (8, 64, 2, 32)]  # whole 64-column rows per item: four runs of 16 in one pass
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])

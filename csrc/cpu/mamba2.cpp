@@ -5,7 +5,7 @@
 //     acc + x_j w_j), + bias, SiLU (silu32); dt = clamp(softplus(dt + dt_bias), lo, hi) (softplus in
 //     float64 with exp64 / log64, rounded once), decay = exp_neg(-(rate dt)); each group's C on its
 //     22-bit grid (grid_dot's v_int);
-//   phase B, per (sequence, head, 16 columns of the state) (items over the threads), row after row
+//   phase B, per work item (sequence, head, columns of the state: up to a whole row, recurrent.h)
 //     (mamba2.ssm_step):
 //       x_dt = x dt;  h = h decay;  h = h + B x_dt^T;  y = grid_dot(h, C);  out = y + x D.
 // grid_dot is exact: each column of h and C as integers on their own 22-bit grids, the products
@@ -157,7 +157,8 @@ struct Rows {
 // eight doubles (one AVX-512 register: GCC keeps a wider vector in memory, and the add chain then
 // waits on a store each step).
 template <int G>
-inline void read_out_f64(const float* S, int64_t N, const double* scale, const double* c_int, double* sums) {
+inline void read_out_f64(const float* S, int64_t stride, int64_t N, const double* scale, const double* c_int,
+                         double* sums) {
   constexpr int W = G >= 8 ? 8 : G, A = G / W;
   using HF = typename Lanes<W>::F;
   using HD = typename Lanes<W>::D;
@@ -169,7 +170,7 @@ inline void read_out_f64(const float* S, int64_t N, const double* scale, const d
   for (int64_t i = 0; i < N; ++i) {
     const double ci = c_int[i];
     for (int a = 0; a < A; ++a) {
-      const HD on_grid = (Lanes<W>::widen(load<HF>(S + i * G + a * W)) * sv[a] + ROUND_MAGIC) - ROUND_MAGIC;
+      const HD on_grid = (Lanes<W>::widen(load<HF>(S + i * stride + a * W)) * sv[a] + ROUND_MAGIC) - ROUND_MAGIC;
       acc[a] = acc[a] + on_grid * ci;
     }
   }
@@ -184,11 +185,12 @@ inline void read_out_f64(const float* S, int64_t N, const double* scale, const d
 // nearest even (MXCSR's default) as round_even does; the products (< 2^44) and sums (< 2^52) are
 // exact in int64, the even and odd columns summed apart (vpmuldq reads each 64-bit lane's low half).
 #if defined(__AVX512F__)
-inline void int_dot16(const float* S, int64_t N, const float* scale_f, const double* c_int, double* sums) {
+inline void int_dot16(const float* S, int64_t stride, int64_t N, const float* scale_f, const double* c_int,
+                      double* sums) {
   const __m512 sv = _mm512_loadu_ps(scale_f);
   __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
   for (int64_t i = 0; i < N; ++i) {
-    const __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(S + i * 16), sv));
+    const __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(S + i * stride), sv));
     const __m512i ci = _mm512_set1_epi32(static_cast<int32_t>(c_int[i]));
     even = _mm512_add_epi64(even, _mm512_mul_epi32(xi, ci));
     odd = _mm512_add_epi64(odd, _mm512_mul_epi32(_mm512_srli_epi64(xi, 32), ci));
@@ -202,13 +204,14 @@ inline void int_dot16(const float* S, int64_t N, const float* scale_f, const dou
   }
 }
 #else  // AVX2: the sixteen columns as two registers of eight
-inline void int_dot16(const float* S, int64_t N, const float* scale_f, const double* c_int, double* sums) {
+inline void int_dot16(const float* S, int64_t stride, int64_t N, const float* scale_f, const double* c_int,
+                      double* sums) {
   const __m256 lo = _mm256_loadu_ps(scale_f), hi = _mm256_loadu_ps(scale_f + 8);
   __m256i even_lo = _mm256_setzero_si256(), odd_lo = even_lo, even_hi = even_lo, odd_hi = even_lo;
   for (int64_t i = 0; i < N; ++i) {
     const __m256i ci = _mm256_set1_epi32(static_cast<int32_t>(c_int[i]));
-    const __m256i xl = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(S + i * 16), lo));
-    const __m256i xh = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(S + i * 16 + 8), hi));
+    const __m256i xl = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(S + i * stride), lo));
+    const __m256i xh = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(S + i * stride + 8), hi));
     even_lo = _mm256_add_epi64(even_lo, _mm256_mul_epi32(xl, ci));
     odd_lo = _mm256_add_epi64(odd_lo, _mm256_mul_epi32(_mm256_srli_epi64(xl, 32), ci));
     even_hi = _mm256_add_epi64(even_hi, _mm256_mul_epi32(xh, ci));
@@ -227,78 +230,104 @@ inline void int_dot16(const float* S, int64_t N, const float* scale_f, const dou
 #endif
 #endif
 
-// Columns [j0, j0 + G) of (sequence s, head h): the recurrence over the sequence's rows. S: the
-// item's running state [N, G].
-template <int G>
-void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* S) {
+// Columns [j0, j0 + R G) of (sequence s, head h), as R runs of G lanes side by side: the recurrence
+// over the sequence's rows. The running state is `buffer` ([N, R G]), or, for a single row whose
+// state goes back where it came from (a decode step within a block), the cache's own rows, updated
+// in place: each state line is then read once and written once. A state row's R G columns are
+// contiguous (R = 4, G = 16: a head's whole 64-column row). Every lane takes its column's own steps,
+// whatever R, G and the state's place, so the bits are those of one column at a time.
+template <int G, int R = 1>
+void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, float* buffer) {
   using L = Lanes<G>;
   using F = typename L::F;
   using U = typename L::U;
   const int64_t N = c.state_size, P = c.head_dim, H = c.heads, C = c.channels(), I = c.width();
   const int64_t g = h / (H / c.groups);  // group g serves heads g * H / groups ...
   const int64_t start = c.row_starts[s], n = c.row_starts[s + 1] - start;
-  if (rw.start[s] == nullptr) {
-    std::memset(S, 0, N * G * sizeof(float));
+  const float* src = rw.start[s] == nullptr ? nullptr : rw.start[s] + h * N * P + j0;
+  const int64_t last_slot = n > 0 ? c.state_out[start + n - 1] : -1;
+  float* home = last_slot < 0 ? nullptr : c.ssm + (last_slot * H + h) * N * P + j0;
+  const bool in_place = n == 1 && src != nullptr && src == home;
+  float* S = in_place ? home : buffer;
+  const int64_t stride = in_place ? P : R * G;
+  if (in_place) {
+  } else if (src == nullptr) {
+    std::memset(S, 0, N * stride * sizeof(float));
   } else {
-    const float* src = rw.start[s] + h * N * P + j0;
-    for (int64_t i = 0; i < N; ++i) std::memcpy(S + i * G, src + i * P, G * sizeof(float));
+    for (int64_t i = 0; i < N; ++i) std::memcpy(S + i * stride, src + i * P, R * G * sizeof(float));
   }
   const float skip = c.d[h];
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t r = start + t;
-    const float decay = rw.decay[r * H + h], step = rw.step[r * H + h];
-    const float* x = rw.mixed + r * C + h * P + j0;
-    const float* b = rw.mixed + r * C + I + g * N;
-    const F xv = load<F>(x);
-    const F x_dt = xv * step;
-    U top = U{} + 0u;
+    const int64_t row = start + t;
+    const float decay = rw.decay[row * H + h], step = rw.step[row * H + h];
+    const float* x = rw.mixed + row * C + h * P + j0;
+    const float* b = rw.mixed + row * C + I + g * N;
+    F x_dt[R];
+    U top[R];
+    for (int r = 0; r < R; ++r) {
+      x_dt[r] = load<F>(x + r * G) * step;
+      top[r] = U{} + 0u;
+    }
     for (int64_t i = 0; i < N; ++i) {  // h = h decay, then h + B x_dt^T (the product rounded, then the sum)
-      F v = load<F>(S + i * G) * decay;
-      v = v + b[i] * x_dt;
-      store(S + i * G, v);
-      top = L::max(top, load<U>(&v) & 0x7FFFFFFFu);
+      for (int r = 0; r < R; ++r) {
+        float* cell = S + i * stride + r * G;
+        F v = load<F>(cell) * decay;
+        v = v + b[i] * x_dt[r];
+        store(cell, v);
+        top[r] = L::max(top[r], load<U>(&v) & 0x7FFFFFFFu);
+      }
     }
-    const int64_t slot = c.state_out[r];
-    if (slot >= 0) {
+    const int64_t slot = c.state_out[row];
+    if (slot >= 0 && !in_place) {
       float* dst = c.ssm + (slot * H + h) * N * P + j0;
-      for (int64_t i = 0; i < N; ++i) std::memcpy(dst + i * P, S + i * G, G * sizeof(float));
+      for (int64_t i = 0; i < N; ++i) std::memcpy(dst + i * P, S + i * stride, R * G * sizeof(float));
     }
-    // grid_dot(h, C): each column on its grid (scale 2^(21 - e_j)), times C's integers, summed exactly
-    uint32_t tops[G];
-    double scale[G], unit[G];
-    store(tops, top);
-    const int e_c = rw.e_c[r * c.groups + g];
+    const int e_c = rw.e_c[row * c.groups + g];
     const double c_unit = pow2(e_c - STATE_BITS + 1);
-    float scale_f[G];
-    bool normal = true;  // every column's scale a normal float32 (int_dot16's condition)
-    for (int j = 0; j < G; ++j) {
-      const int e = exponent(f32_from_bits(tops[j]));
-      scale[j] = pow2(STATE_BITS - 1 - e);
-      unit[j] = pow2(e - STATE_BITS + 1) * c_unit;
-      normal = normal && e >= -106 && e <= 127;
-      scale_f[j] = normal ? pow2f(STATE_BITS - 1 - e) : 0.0f;
-    }
-    const double* c_int = rw.c_int + (r * c.groups + g) * N;
-    double sums[G];
+    const double* c_int = rw.c_int + (row * c.groups + g) * N;
+    for (int r = 0; r < R; ++r) {
+      // grid_dot(h, C): each column on its grid (scale 2^(21 - e_j)), times C's integers, summed exactly
+      const float* Sr = S + r * G;
+      uint32_t tops[G];
+      double scale[G], unit[G];
+      store(tops, top[r]);
+      float scale_f[G];
+      bool normal = true;  // every column's scale a normal float32 (int_dot16's condition)
+      for (int j = 0; j < G; ++j) {
+        const int e = exponent(f32_from_bits(tops[j]));
+        scale[j] = pow2(STATE_BITS - 1 - e);
+        unit[j] = pow2(e - STATE_BITS + 1) * c_unit;
+        normal = normal && e >= -106 && e <= 127;
+        scale_f[j] = normal ? pow2f(STATE_BITS - 1 - e) : 0.0f;
+      }
+      double sums[G];
 #if defined(TF_MAMBA2_INT_DOTS)
-    if constexpr (G == 16) {
-      if (normal) int_dot16(S, N, scale_f, c_int, sums);
-    }
-    if (G != 16 || !normal)
+      if constexpr (G == 16) {
+        if (normal) int_dot16(Sr, stride, N, scale_f, c_int, sums);
+      }
+      if (G != 16 || !normal)
 #endif
-    read_out_f64<G>(S, N, scale, c_int, sums);
-    float* o = c.out + (r * H + h) * P + j0;
-    for (int j = 0; j < G; ++j) {
-      const float y = static_cast<float>(sums[j] * unit[j]);
-      o[j] = y + x[j] * skip;
+      read_out_f64<G>(Sr, stride, N, scale, c_int, sums);
+      float* o = c.out + (row * H + h) * P + j0 + r * G;
+      const float* xr = x + r * G;
+      for (int j = 0; j < G; ++j) {
+        const float y = static_cast<float>(sums[j] * unit[j]);
+        o[j] = y + xr[j] * skip;
+      }
     }
   }
 }
 
-// One work item: columns [j0, end), RUN_COLUMNS (sixteen) at once, then eight, four, one.
+// One work item: columns [j0, end), up to four runs of RUN_COLUMNS (a 64-column row) in one pass
+// (two where that is what is left), then sixteen, eight, four, one at a time.
 void run_item(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0, int64_t end, float* S) {
   int64_t j = j0;
 #if defined(__GNUC__)
+  for (; j + 4 * RUN_COLUMNS <= end; j += 4 * RUN_COLUMNS) run_columns<RUN_COLUMNS, 4>(c, rw, s, h, j, S);
+  if (j + 2 * RUN_COLUMNS <= end) {
+    run_columns<RUN_COLUMNS, 2>(c, rw, s, h, j, S);
+    j += 2 * RUN_COLUMNS;
+  }
   for (; j + RUN_COLUMNS <= end; j += RUN_COLUMNS) run_columns<RUN_COLUMNS>(c, rw, s, h, j, S);
   for (; j + 8 <= end; j += 8) run_columns<8>(c, rw, s, h, j, S);
   for (; j + 4 <= end; j += 4) run_columns<4>(c, rw, s, h, j, S);
@@ -368,9 +397,11 @@ void mamba2_impl(const Call& c) {
   const bool parallel_items = c.threads > 1 && num_items > 1;
 #pragma omp parallel num_threads(c.threads) if (parallel_items)
   {
-    std::vector<float> S(N * RUN_COLUMNS);  // the running state of the item's columns at hand
+    std::vector<float> S(4 * N * RUN_COLUMNS);  // the running state of the item's columns at hand
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) run_item(c, rw, items[i].s, items[i].h, items[i].j0, items[i].j1, S.data());
+    for (int64_t i = 0; i < num_items; ++i) {
+      run_item(c, rw, items[i].s, items[i].h, items[i].j0, items[i].j1, S.data());
+    }
   }
 }
 
