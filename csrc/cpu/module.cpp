@@ -647,21 +647,26 @@ std::tuple<torch::Tensor, torch::Tensor> top_keys(const torch::Tensor& keys, int
   return {values, index};
 }
 
-// sampler.sample's draw for rows without an order-dependent cut (draw.cpp): (tokens, status).
-std::tuple<torch::Tensor, torch::Tensor> draw_rows(const torch::Tensor& x, const torch::Tensor& temps,
-                                                   const torch::Tensor& keys, const torch::Tensor& min_q,
-                                                   int64_t offset) {
+// sampler.sample's draw for rows without an order-dependent cut (draw.cpp): (tokens, status), one
+// per row. The per-row settings come and go as host lists: a decode round's draw is then one
+// call, without a tensor made for each of them.
+std::pair<std::vector<int64_t>, std::vector<int32_t>> draw_rows(const torch::Tensor& x, const std::vector<double>& temps,
+                                                                const std::vector<int64_t>& keys,
+                                                                const std::vector<int64_t>& min_q, int64_t offset) {
   check_cpu(x, "draw_rows: logits");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "draw_rows: float32 logits [R, V] expected");
   const int64_t rows = x.size(0);
-  TORCH_CHECK(temps.scalar_type() == torch::kFloat64 && temps.numel() == rows && keys.scalar_type() == torch::kInt64 &&
-                  keys.numel() == rows && min_q.scalar_type() == torch::kInt64 && min_q.numel() == rows,
-              "draw_rows: float64 temps, int64 keys and min_q, one per row, expected");
-  auto xc = x.contiguous(), tc = temps.contiguous(), kc = keys.contiguous(), qc = min_q.contiguous();
-  auto tokens = torch::empty({rows}, keys.options());
-  auto status = torch::empty({rows}, keys.options().dtype(torch::kInt32));
-  tf::draw_rows(xc.data_ptr<float>(), rows, x.size(1), tc.data_ptr<double>(), kc.data_ptr<int64_t>(),
-                qc.data_ptr<int64_t>(), offset, tokens.data_ptr<int64_t>(), status.data_ptr<int32_t>(), threads());
+  TORCH_CHECK(static_cast<int64_t>(temps.size()) == rows && static_cast<int64_t>(keys.size()) == rows &&
+                  static_cast<int64_t>(min_q.size()) == rows,
+              "draw_rows: temps, keys and min_q, one per row, expected");
+  auto xc = x.contiguous();
+  std::vector<int64_t> tokens(rows);
+  std::vector<int32_t> status(rows);
+  {
+    py::gil_scoped_release released;
+    tf::draw_rows(xc.data_ptr<float>(), rows, x.size(1), temps.data(), keys.data(), min_q.data(), offset,
+                  tokens.data(), status.data(), threads());
+  }
   return {tokens, status};
 }
 

@@ -41,8 +41,10 @@ class MTPRunner(MTPRows):
             ids += tokens
             positions += pos
             slots += [blocks[p // bs] * bs + p % bs for p in pos]
-            sequences.append(SequenceRows(first, len(ids), torch.tensor(blocks, dtype=torch.int64, device=device)))
+            sequences.append(SequenceRows(first, len(ids), torch.tensor(blocks, dtype=torch.int64, device=device),
+                                          list(blocks)))
         ends = last_rows(pieces)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return ForwardBatch(as_tensor(ids), as_tensor(positions), as_tensor(slots), sequences,
-                            as_tensor([ends[i] for i in drawing]), positions_end=max(positions, default=-1) + 1)
+                            as_tensor([ends[i] for i in drawing]), positions_end=max(positions, default=-1) + 1,
+                            host_positions=positions)

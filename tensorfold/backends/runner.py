@@ -59,7 +59,7 @@ class ModelRunner:
             input_ids += req.token_ids
             positions += pos
             slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in pos]
-            sequences.append(SequenceRows(start_row, start_row + num, as_tensor(req.block_ids)))
+            sequences.append(SequenceRows(start_row, start_row + num, as_tensor(req.block_ids), req.block_ids))
             for (group_slots, tables), table in zip(groups, req.group_block_ids):
                 group_slots += [table[p // block_size] * block_size + p % block_size for p in pos]
                 # A freed block (NULL_BLOCK, -1) is before every row's window: never read, any id will do.
@@ -68,7 +68,7 @@ class ModelRunner:
         return ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slots),
                             sequences, as_tensor(logits_rows),
                             [(as_tensor(s), t) for s, t in groups] if plan.requests and groups else [],
-                            positions_end=max(positions, default=-1) + 1)
+                            positions_end=max(positions, default=-1) + 1, host_positions=positions)
 
     def _place_images(self, plan: StepPlan, batch: ForwardBatch) -> None:
         """Every row's M-RoPE positions, and the image embeddings of the pad rows this round

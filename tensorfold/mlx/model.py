@@ -22,6 +22,7 @@ import torch
 from tensorfold.backends.linear_weight import count_formats, named_gemms
 from tensorfold.models.checkpoint import CheckpointError
 from tensorfold.models.config import ModelArgs, rope_inv_freq
+from tensorfold.models.forward_batch import state_slots
 from tensorfold.models.linear_attention import LinearAttentionSpec, input_matrices, read_params
 from tensorfold.models.cache import PagedKV, RecurrentState, layer_groups
 from tensorfold.models.moe import MoESpec
@@ -86,28 +87,12 @@ def mlx_batch(pieces: list, logits_rows: list[int], block_size: int, num_groups:
             group_table = np.maximum(np.asarray(group_table, dtype=np.int64), 0)
             group_slots.append(group_table[pos // bs] * bs + pos % bs)
             group_seqs.append(SequenceSpan(start, start + num, pos, ops.key_slots(group_table, int(pos[-1]), bs)))
-    state_in, state_out = state_slots(tables, positions, bs)
+    state_in, state_out = (np.asarray(x, dtype=np.int64) for x in state_slots(tables, positions, bs))
     ids, rows = mx.array(np.asarray(input_ids, dtype=np.int32)), mx.array(np.asarray(logits_rows, dtype=np.int32))
     positions = np.concatenate(positions)
     views = [MLXBatch(ids, positions, mx.array(np.concatenate(s)), seqs, rows, state_in, state_out)
              for s, seqs in groups] if pieces else []
     return MLXBatch(ids, positions, mx.array(np.concatenate(slots)), sequences, rows, state_in, state_out, views)
-
-
-def state_slots(tables: list[np.ndarray], positions: list[np.ndarray], block_size: int):
-    """ForwardBatch.state_slots on the host: (state_in [num_seqs], state_out [rows]) for
-    sequences with block tables `tables` running rows at `positions`: a sequence starts from the
-    block holding the state after the position before its first row (-1 at position 0); a row's
-    state goes to its block where it ends a block or is the sequence's last row."""
-    state_in, state_out = [], []
-    for table, pos in zip(tables, positions):
-        first = int(pos[0])
-        state_in.append(int(table[(first - 1) // block_size]) if first > 0 else -1)
-        writes = pos % block_size == block_size - 1
-        writes[-1] = True
-        state_out.append(np.where(writes, table[pos // block_size], -1))
-    return (np.asarray(state_in, dtype=np.int64),
-            np.concatenate(state_out) if state_out else np.zeros(0, dtype=np.int64))
 
 
 class RopeRows:

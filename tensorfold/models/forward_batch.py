@@ -16,6 +16,7 @@ class SequenceRows:
     start: int                 # first row of this sequence in the flattened batch
     end: int                   # one past its last row
     block_table: torch.Tensor  # [num_blocks] int64: cache blocks holding positions 0, 1, ...
+    blocks: list[int] | None = None  # the same block ids on the host, where the batch's maker has them
 
 
 @dataclass
@@ -37,6 +38,8 @@ class ForwardBatch:
     # One past the largest position, as the host knows it (the rope tables grow to it); None: read
     # from the positions (a device sync where they live on a GPU).
     positions_end: int | None = None
+    # The positions as host ints, where the batch's maker has them (None: read from `positions`).
+    host_positions: list[int] | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     def in_group(self, g: int) -> "ForwardBatch":
@@ -51,7 +54,8 @@ class ForwardBatch:
         sequences = [SequenceRows(seq.start, seq.end, table) for seq, table in zip(self.sequences, tables)]
         return ForwardBatch(self.input_ids, self.positions, slots, sequences, self.logits_rows,
                             rope_positions=self.rope_positions, image_rows=self.image_rows,
-                            positions_end=self.positions_end, _memo=self._memo)
+                            positions_end=self.positions_end, host_positions=self.host_positions,
+                            _memo=self._memo)
 
     def memo(self, key, make):
         """make() once per forward and key: what every layer of the forward reads alike (rope rows,
@@ -90,20 +94,15 @@ class ForwardBatch:
         return self.memo(("state", block_size, id(self.sequences)), lambda: self._state_slots(block_size))
 
     def _state_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions, device = self.positions, self.positions.device
-        if not self.sequences or positions.numel() == 0:
-            return (torch.full((len(self.sequences),), -1, dtype=torch.int64, device=device),
-                    torch.full(positions.shape, -1, dtype=torch.int64, device=device))
-        starts = self.row_starts_tensor.to(device)
-        seqs = torch.arange(len(self.sequences), device=device)
-        tables = self.block_tables
-        row_seq = torch.repeat_interleave(seqs, starts[1:] - starts[:-1])
-        writes = positions % block_size == block_size - 1
-        writes[starts[1:] - 1] = True  # each sequence's last row
-        state_out = torch.where(writes, tables[row_seq, positions // block_size], -1)
-        first = positions[starts[:-1]]
-        state_in = torch.where(first > 0, tables[seqs, (first - 1).clamp_min(0) // block_size], -1)
-        return state_in, state_out
+        # On the host: a decode round's few integers cost far less as Python ints than as a dozen
+        # tensor ops, whose code runs cold after the weights have streamed through the caches.
+        positions = self.host_positions if self.host_positions is not None else self.positions.tolist()
+        tables = [seq.blocks if seq.blocks is not None else seq.block_table.tolist() for seq in self.sequences]
+        state_in, state_out = state_slots(tables, [positions[seq.start:seq.end] for seq in self.sequences],
+                                          block_size)
+        device = self.positions.device
+        return (torch.tensor(state_in, dtype=torch.int64, device=device),
+                torch.tensor(state_out, dtype=torch.int64, device=device))
 
     @cached_property
     def block_tables(self) -> torch.Tensor:
@@ -119,3 +118,21 @@ class ForwardBatch:
     def row_starts_tensor(self) -> torch.Tensor:
         """row_starts as an int64 CPU tensor (what the C++ attention reads)."""
         return torch.tensor(self.row_starts, dtype=torch.int64)
+
+
+def state_slots(tables, positions, block_size: int) -> tuple[list[int], list[int]]:
+    """(state_in [num_seqs], state_out [rows]) of the sequences with block tables `tables` running
+    rows at `positions` (per sequence, in order): a sequence starts from the block holding the
+    state after the position before its first row (-1: position 0, a zero state; a sequence of no
+    rows: -1 too); a row's state goes to its block where the row ends a block or is its sequence's
+    last, else nowhere (-1). Host ints (lists or arrays) in, lists out."""
+    state_in, state_out = [], []
+    for table, pos in zip(tables, positions):
+        if len(pos) == 0:
+            state_in.append(-1)
+            continue
+        first, last = int(pos[0]), len(pos) - 1
+        state_in.append(int(table[(first - 1) // block_size]) if first > 0 else -1)
+        state_out += [int(table[p // block_size]) if p % block_size == block_size - 1 or i == last else -1
+                      for i, p in enumerate(pos)]
+    return state_in, state_out

@@ -92,6 +92,11 @@ def row_keys(seeds: list[int], positions: list[int]) -> torch.Tensor:
     return torch.tensor(keys, dtype=torch.int64).reshape(-1, 1)
 
 
+def row_key_words(rows) -> list[int]:
+    """row_keys of rows with .seed and .position, as host ints (the native draw's form)."""
+    return [_signed(row_key(r.seed, r.position)) for r in rows]
+
+
 def token_hash(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """64-bit hash words of (row key, token id); broadcasts keys [R, 1] against ids [R|1, N]."""
     return mix64_tensor(keys + (token_ids + 1) * _signed(GAMMA))

@@ -122,9 +122,13 @@ def _pick(scores: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor):
     return best.squeeze(1), tok
 
 
-def _min_q(rows: list[RowSampling]) -> torch.Tensor:
+def _min_q_of(row: RowSampling) -> int:
     # min_p * 2^32 is exact in float64, so its floor is the exact fixed-point threshold.
-    return torch.tensor([int(r.min_p * Q_ONE) for r in rows], dtype=torch.int64).reshape(-1, 1)
+    return int(row.min_p * Q_ONE)
+
+
+def _min_q(rows: list[RowSampling]) -> torch.Tensor:
+    return torch.tensor([_min_q_of(r) for r in rows], dtype=torch.int64).reshape(-1, 1)
 
 
 # ---- the decision on the global head of the key order ----
@@ -199,14 +203,12 @@ def _sample_native(native: NativeSteps, logits: torch.Tensor, rows: list[RowSamp
     a cleared bit; without one the call itself reports NaN.)"""
     _check(logits, rows, 0, bitmask)
     x = logits if bitmask is None else _masked(logits, bitmask, 0)
-    temps = torch.tensor([r.temperature for r in rows], dtype=torch.float64)
-    keys = keyed.row_keys([r.seed for r in rows], [r.position for r in rows]).view(-1)
-    tokens, status = native.draw_rows(x, temps, keys, _min_q(rows).view(-1), 0)
-    found = set(status.tolist())
+    tokens, status = native.draw_rows(x, [r.temperature for r in rows], keyed.row_key_words(rows),
+                                      [_min_q_of(r) for r in rows], 0)
     for code, message in _DRAW_ERRORS.items():
-        if code in found:
+        if code in status:
             raise ValueError(message)
-    return tokens.tolist()
+    return tokens
 
 
 def _sample_steps(logits: torch.Tensor, rows: list[RowSampling], num_candidates: int,
