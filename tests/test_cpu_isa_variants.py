@@ -147,6 +147,7 @@ for dtype in (torch.float32, torch.bfloat16):
     assert torch.equal(cpu.gelu_tanh_and_mul(gate, up), reference.gelu_tanh_and_mul(gate, up)), "gelu_tanh_and_mul"
     logits = torch.randn(2, 3000, generator=g) * 40
     assert torch.equal(cpu.softcap(logits, 30.0), reference.softcap(logits, 30.0)), "softcap"
+    assert torch.equal(cpu.relu_squared(gate), reference.relu_squared(gate)), "relu_squared"
     k_cache = torch.zeros(8, 16, 3, 64, dtype=dtype)
     v_cache = k_cache.clone()
     attention_ref.write_kv_ref(k_cache, v_cache, torch.randn(128, 3, 64, generator=g).to(dtype),

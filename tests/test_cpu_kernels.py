@@ -179,6 +179,19 @@ def test_softcap_equals_its_reference(draw, threads, cap):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_relu_squared_equals_its_reference(draw, threads, dtype):
+    """Nemotron-H's relu^2: values over many scales (squares that round, overflow to inf and
+    underflow), the specials (NaN stays NaN, signed zeros), a short row alone and 3 x 21,504 (the
+    parallel split)."""
+    x = randn(draw, 3, 21504, scale=1.0) * (2.0 ** torch.randint(-80, 70, (3, 21504), generator=draw.gen)).float()
+    x[1, 7:16] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39, 3.0e38, -2.5e38])
+    x = x.to(dtype)
+    want = reference.relu_squared(x)
+    assert same_bits(_cpu.relu_squared(x).double(), want.double()), str(draw)
+    assert same_bits(_cpu.relu_squared(x[1:2, :69]).double(), want[1:2, :69].double()), "a short row alone"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_row_ops_on_special_values(draw, dtype):
     """NaN, infinities, signed zeros, subnormals and huge values, in the vector body and the tail
     (width 64 + 5): the kernels' results equal the references' (NaN equal to any NaN)."""

@@ -93,6 +93,8 @@ void sigmoid_and_mul(int dtype, const void* gate, const void* up, int64_t in_str
 // out [rows, width] = gelu(gate) * up with GELU's tanh form (Gemma's GeGLU), the same layout.
 void gelu_tanh_and_mul(int dtype, const void* gate, const void* up, int64_t in_stride, void* out,
                        int64_t rows, int64_t width, int threads);
+// out[i] = relu(x[i])^2 in the dtype (reference.relu_squared: Nemotron-H's MLPs), n elements.
+void relu_squared(int dtype, const void* x, void* out, int64_t n, int threads);
 // out[i] = cap tanh32(x[i] / cap) (reference.softcap: Gemma's final logit soft-capping), float32.
 void softcap(const float* x, float* out, int64_t n, float cap, int threads);
 

@@ -292,6 +292,16 @@ torch::Tensor gate_and_mul(const torch::Tensor& gate, const torch::Tensor& up, c
   return out;
 }
 
+// reference.relu_squared of x (any shape), a new tensor of x's dtype.
+torch::Tensor relu_squared(const torch::Tensor& x) {
+  check_cpu(x, "relu_squared: x");
+  const int code = dtype_code(x, "relu_squared");
+  const torch::Tensor xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  if (xc.numel() > 0) tf::relu_squared(code, xc.data_ptr(), out.data_ptr(), xc.numel(), threads());
+  return out;
+}
+
 // reference.softcap of float32 logits (any shape), a new tensor.
 torch::Tensor softcap(const torch::Tensor& logits, double cap) {
   check_cpu(logits, "softcap: logits");
@@ -812,6 +822,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), py::arg("cos"), py::arg("sin"), out);
   m.def("silu_and_mul", &gate_and_mul<SILU>, "reference.silu_and_mul", py::arg("gate"), py::arg("up"), out);
   m.def("sigmoid_and_mul", &gate_and_mul<SIGMOID>, "reference.sigmoid_and_mul", py::arg("gate"), py::arg("up"), out);
+  m.def("relu_squared", &relu_squared, "reference.relu_squared: relu(x)^2 in x's dtype", py::arg("x"));
   m.def("softcap", &softcap, "reference.softcap: cap * tanh32(logits / cap), float32", py::arg("logits"),
         py::arg("cap"));
   m.def("gelu_tanh_and_mul", &gate_and_mul<GELU_TANH>, "reference.gelu_tanh_and_mul", py::arg("gate"), py::arg("up"),

@@ -1,5 +1,5 @@
 // Row-wise exact ops: RMSNorm (+ the residual add), LayerNorm (the DSA indexer's), rope (+ qwen3's per-head norm), SiLU-, sigmoid- and
-// GELU(tanh)-and-mul.
+// GELU(tanh)-and-mul, ReLU squared, the logits' soft cap.
 // Each line is one IEEE rounding in the order of kernels/reference.py; the one reduction (the sum
 // of squares) is an exact integer sum, so its order is free.
 #include <algorithm>
@@ -282,6 +282,26 @@ void rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, 
   else
     rms_norm_impl(in<bf16>(x), x_stride, in<bf16>(residual), r_stride, io<bf16>(h_out), in<bf16>(weight),
                   io<bf16>(out), rows, width, eps, threads);
+}
+
+// reference.relu_squared (Nemotron-H's MLPs and experts): r = relu(x) (a NaN stays NaN, as
+// torch.relu), then r r rounded to the dtype: one rounding.
+template <typename T>
+void relu_squared_impl(const T* x, T* out, int64_t n, int threads) {
+  const bool parallel = threads > 1 && n >= PARALLEL_ELEMENTS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_f32(x[i]);
+    const float r = v > 0.0f || v != v ? v : 0.0f;
+    out[i] = from_f32<T>(r * r);
+  }
+}
+
+void relu_squared(int dtype, const void* x, void* out, int64_t n, int threads) {
+  if (dtype == 0)
+    relu_squared_impl(in<float>(x), io<float>(out), n, threads);
+  else
+    relu_squared_impl(in<bf16>(x), io<bf16>(out), n, threads);
 }
 
 // reference.softcap: y = x / cap, then reference.tanh32(y): below |y| = 0.625 the odd polynomial

@@ -17,7 +17,7 @@ from tensorfold.backends.linear_weight import LinearWeight, per_head
 from tensorfold.kernels import paged_attention
 from tensorfold.kernels.paged_attention import pad_block_tables
 # elementwise, on torch ops that round each step (invariant as they are): Gemma's soft cap, Nemotron-H's relu^2
-from tensorfold.kernels.reference import pad_rows, relu_squared, rope_table  # noqa: F401
+from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.kernels.reference import layer_norm as reference_layer_norm
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer
 from tensorfold.models.checkpoint import CheckpointError
@@ -108,6 +108,11 @@ def route(logits, top_k, normalize):
 def route_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, scale):
     """kernels/moe.route_sigmoid's choice and weights (C++): GLM-5's and Nemotron-H's routing."""
     return _cpu.moe_route_sigmoid(logits, bias, top_k, n_group, topk_group, normalize, scale)
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """reference.relu_squared (Nemotron-H's MLPs and experts) in C++: one pass, the same bits."""
+    return _cpu.relu_squared(x)
 
 
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:

@@ -106,7 +106,12 @@ class ForwardBatch:
 
     @cached_property
     def block_tables(self) -> torch.Tensor:
-        """[num_seqs, longest table] int64, each row zero-padded (the padding is never read)."""
+        """[num_seqs, longest table] int64, each row zero-padded (the padding is never read); from
+        the host's block ids where every sequence has them (one tensor made, not one per table)."""
+        if self.sequences and all(seq.blocks is not None for seq in self.sequences):
+            width = max(len(seq.blocks) for seq in self.sequences)
+            return torch.tensor([seq.blocks + [0] * (width - len(seq.blocks)) for seq in self.sequences],
+                                dtype=torch.int64, device=self.input_ids.device)
         return pad_block_tables([seq.block_table for seq in self.sequences]).to(self.input_ids.device)
 
     @cached_property
