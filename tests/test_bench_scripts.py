@@ -7,7 +7,7 @@ run; bench_native.py decodes a few tokens next to llama.cpp (when installed); be
 its four sections (speed, memory, agreement, K-quants) at tiny sizes; bench_grammar.py runs each
 grammar constrained and free; bench_attention.py times the decode attention over a few hundred
 keys; bench_gemm.py the default model's layer GEMMs at two row counts; bench_mlx.py both backends
-on a tiny quantized llama.
+on a tiny quantized llama; bench_round.py a tiny llama's decode round, layer by layer.
 """
 import os
 import re
@@ -113,6 +113,16 @@ def test_bench_mlx_runs(tiny_llama):
                    "--prompt-tokens", "8", "--repeats", "1")
     assert "same token_sha: True" in out, out
     assert re.search(r"\| quant_linear +\| \d+\.\d +\|", out), out
+
+
+def test_bench_round_runs(tiny_llama):
+    """A tiny llama quantized at load: a row per layer and the head, each with its GEMMs alone, and
+    the round's total."""
+    out = run_tool("tools/bench_round.py", tiny_llama, "--quantize", "q8_0", "--tokens", "4", "--repeats", "1",
+                   "--gemm-passes", "1")
+    layers = [line for line in out.splitlines() if re.match(r"\| layer \d+ \| \w+", line)]
+    assert len(layers) >= 2 and re.search(r"\| head \| lm_head \| \d+\.\d{3} \| \d+\.\d{3} \|", out), out
+    assert re.search(r"\| \*\*the round\*\* \| \| \*\*\d+\.\d{3}\*\* \|", out), out
 
 
 def test_bench_hybrid_runs(tmp_path):
