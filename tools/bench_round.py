@@ -20,9 +20,8 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+if "PYTHONPATH" not in os.environ:  # else the checkout it names (its build and its tools)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.bench_families import layer_kind  # noqa: E402
 from tools.bench_native import prompt_ids  # noqa: E402
