@@ -175,13 +175,36 @@ def layer_kind(layer) -> str:
     return " + ".join(parts)
 
 
-class LayerClocks:
+class Clocks:
+    """Seconds per label, summed over the timed calls since reset()."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    def _timed(self, fn, label: str):
+        def run(*a, **k):
+            started = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.add(label, time.perf_counter() - started)
+        return run
+
+    def add(self, label: str, seconds: float) -> None:
+        self.seconds[label] = self.seconds.get(label, 0.0) + seconds
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+
+class LayerClocks(Clocks):
     """Seconds spent in each layer kind (layer_kind's label): the model's per-layer call (the
     decoder's _run entry, or the layer's forward where the family's model calls it directly), and
     within a layer that runs in Python, its mixer's and its feed-forward's."""
 
     def __init__(self, model):
-        self.seconds, self.count = {}, {}
+        super().__init__()
+        self.count = {}
         for i, layer in enumerate(model.layers):
             kind = layer_kind(layer)
             self.count[kind] = self.count.get(kind, 0) + 1
@@ -191,18 +214,6 @@ class LayerClocks:
                 block = getattr(layer, part, None)
                 if block is not None:
                     block.forward = self._timed(block.forward, f"{kind} | {part}")
-
-    def _timed(self, fn, label: str):
-        def run(*a, **k):
-            started = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - started
-        return run
-
-    def reset(self) -> None:
-        self.seconds = {}
 
     def shares(self, total_s: float) -> dict:
         return {label: s / total_s for label, s in self.seconds.items()}

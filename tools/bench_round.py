@@ -23,37 +23,22 @@ import time
 if "PYTHONPATH" not in os.environ:  # else the checkout it names (its build and its tools)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.bench_families import layer_kind  # noqa: E402
+from tools.bench_families import Clocks, layer_kind  # noqa: E402
 from tools.bench_native import prompt_ids  # noqa: E402
 
 
-class RoundClocks:
+class RoundClocks(Clocks):
     """Seconds per label over the steps since reset(): each layer's call, the head, the forward
     and the step."""
 
     def __init__(self, engine):
-        self.seconds = {}
+        super().__init__()
         model = engine.backend.model
         for i in range(len(model.layers)):
             model._run[i] = self._timed(model._run[i], f"layer {i}")
         model.lm_head = _TimedWeight(model.lm_head, self, "head")
         model.forward = self._timed(model.forward, "forward")
         engine.step = self._timed(engine.step, "step")
-
-    def _timed(self, fn, label: str):
-        def run(*a, **k):
-            started = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.add(label, time.perf_counter() - started)
-        return run
-
-    def add(self, label: str, seconds: float) -> None:
-        self.seconds[label] = self.seconds.get(label, 0.0) + seconds
-
-    def reset(self) -> None:
-        self.seconds = {}
 
 
 class _TimedWeight:
