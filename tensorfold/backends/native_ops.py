@@ -16,7 +16,7 @@ from tensorfold.backends.huge_pages import arena
 from tensorfold.backends.linear_weight import LinearWeight, per_head
 from tensorfold.kernels import paged_attention
 from tensorfold.kernels.paged_attention import pad_block_tables
-# elementwise, on torch ops that round each step (invariant as they are): Gemma's soft cap, Nemotron-H's relu^2
+# the references' own: padding rows, and the rope tables (made once, read by every op set)
 from tensorfold.kernels.reference import pad_rows, rope_table  # noqa: F401
 from tensorfold.kernels.reference import layer_norm as reference_layer_norm
 from tensorfold.models.blocks import MLP, Attention, DecoderLayer

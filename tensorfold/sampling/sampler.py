@@ -64,7 +64,7 @@ class NativeSteps(Protocol):
     """Compiled spellings of the draw's vocabulary-wide steps (tensorfold._cpu: csrc/cpu/draw.cpp,
     module.cpp), each with the bits of the torch step named beside it."""
 
-    def draw_rows(self, logits, temps, keys, min_q, offset): ...  # sample, order-free rows
+    def draw_rows(self, logits, temps, keys, min_q, offset): ...  # sample, order-free rows (host lists in and out)
 
     def sample_keys(self, z, m, ids): ...  # _keys
 
