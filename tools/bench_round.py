@@ -85,7 +85,7 @@ def gemms_alone(model, passes: int) -> dict:
     import torch
 
     weights = [(f"layer {i}", w) for i, layer in enumerate(model.layers) for w in layer.gemms().values()]
-    weights.append(("head", model.lm_head._weight if isinstance(model.lm_head, _TimedWeight) else model.lm_head))
+    weights.append(("head", model.lm_head))
     rows = {}
     times = [[] for _ in weights]
     for p in range(passes + 1):

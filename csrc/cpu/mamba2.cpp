@@ -250,11 +250,9 @@ void run_columns(const Call& c, const Rows& rw, int64_t s, int64_t h, int64_t j0
   const bool in_place = n == 1 && src != nullptr && src == home;
   float* S = in_place ? home : buffer;
   const int64_t stride = in_place ? P : R * G;
-  if (in_place) {
-  } else if (src == nullptr) {
-    std::memset(S, 0, N * stride * sizeof(float));
-  } else {
-    for (int64_t i = 0; i < N; ++i) std::memcpy(S + i * stride, src + i * P, R * G * sizeof(float));
+  if (!in_place) {  // the buffer starts from the sequence's state, or zeros
+    if (src == nullptr) std::memset(S, 0, N * stride * sizeof(float));
+    else for (int64_t i = 0; i < N; ++i) std::memcpy(S + i * stride, src + i * P, R * G * sizeof(float));
   }
   const float skip = c.d[h];
   for (int64_t t = 0; t < n; ++t) {
@@ -399,9 +397,7 @@ void mamba2_impl(const Call& c) {
   {
     std::vector<float> S(4 * N * RUN_COLUMNS);  // the running state of the item's columns at hand
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) {
-      run_item(c, rw, items[i].s, items[i].h, items[i].j0, items[i].j1, S.data());
-    }
+    for (int64_t i = 0; i < num_items; ++i) run_item(c, rw, items[i].s, items[i].h, items[i].j0, items[i].j1, S.data());
   }
 }
 

@@ -59,7 +59,7 @@ class ModelRunner:
             input_ids += req.token_ids
             positions += pos
             slots += [req.block_ids[p // block_size] * block_size + p % block_size for p in pos]
-            sequences.append(SequenceRows(start_row, start_row + num, as_tensor(req.block_ids), req.block_ids))
+            sequences.append(SequenceRows(start_row, start_row + num, as_tensor(req.block_ids), list(req.block_ids)))
             for (group_slots, tables), table in zip(groups, req.group_block_ids):
                 group_slots += [table[p // block_size] * block_size + p % block_size for p in pos]
                 # A freed block (NULL_BLOCK, -1) is before every row's window: never read, any id will do.

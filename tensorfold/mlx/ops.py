@@ -414,11 +414,10 @@ class QuantParts:
 def _significand16(h: mx.array) -> tuple[mx.array, mx.array]:
     """float16 h -> (dm, de) int64 with h == dm 2^de (quant_gemm.significand's integers)."""
     bits = h.view(mx.uint16).astype(mx.int64)
-    exp, frac = (bits >> 10) & 0x1F, bits & 0x3FF
-    normal = exp > 0
-    dm = mx.where(normal, frac | 0x400, frac)
+    frac = bits & 0x3FF
+    dm = mx.where(((bits >> 10) & 0x1F) > 0, frac | 0x400, frac)  # the implicit bit of a normal value
     dm = mx.where((bits >> 15) == 1, -dm, dm)
-    return dm, mx.where(normal, exp - 25, -24)
+    return dm, quant_carried.exponent16(h)
 
 
 def quantize_activations(x: mx.array, act: int = quant_gemm.BLOCK):

@@ -145,8 +145,8 @@ def activations(x: mx.array, act: int):
 
 
 def exponent16(h: mx.array) -> mx.array:
-    """k of non-negative float16 h = m 2^k, m its integer significand (quant_gemm.significand's
-    k: biased exponent - 25, or -24 for subnormals and 0), as int64."""
+    """k of float16 h = m 2^k, m its integer significand (quant_gemm.significand's k: biased
+    exponent - 25, or -24 for subnormals and zeros), as int64; the sign does not enter."""
     biased = (h.view(mx.uint16).astype(mx.int64) >> 10) & 0x1F
     return mx.where(biased > 0, biased - 25, -24)
 

@@ -86,15 +86,14 @@ def mix64_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def row_key_words(seeds: list[int], positions: list[int]) -> list[int]:
+    """Stream keys of a batch of rows as int64 words, host ints (the native draw's form)."""
+    return [_signed(row_key(s, p)) for s, p in zip(seeds, positions, strict=True)]
+
+
 def row_keys(seeds: list[int], positions: list[int]) -> torch.Tensor:
-    """Stream keys of a batch of rows as int64 words.  # [num_rows, 1]"""
-    keys = [_signed(row_key(s, p)) for s, p in zip(seeds, positions, strict=True)]
-    return torch.tensor(keys, dtype=torch.int64).reshape(-1, 1)
-
-
-def row_key_words(rows) -> list[int]:
-    """row_keys of rows with .seed and .position, as host ints (the native draw's form)."""
-    return [_signed(row_key(r.seed, r.position)) for r in rows]
+    """row_key_words as a tensor.  # [num_rows, 1]"""
+    return torch.tensor(row_key_words(seeds, positions), dtype=torch.int64).reshape(-1, 1)
 
 
 def token_hash(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

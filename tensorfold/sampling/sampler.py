@@ -203,8 +203,8 @@ def _sample_native(native: NativeSteps, logits: torch.Tensor, rows: list[RowSamp
     a cleared bit; without one the call itself reports NaN.)"""
     _check(logits, rows, 0, bitmask)
     x = logits if bitmask is None else _masked(logits, bitmask, 0)
-    tokens, status = native.draw_rows(x, [r.temperature for r in rows], keyed.row_key_words(rows),
-                                      [_min_q_of(r) for r in rows], 0)
+    keys = keyed.row_key_words([r.seed for r in rows], [r.position for r in rows])
+    tokens, status = native.draw_rows(x, [r.temperature for r in rows], keys, [_min_q_of(r) for r in rows], 0)
     for code, message in _DRAW_ERRORS.items():
         if code in status:
             raise ValueError(message)
