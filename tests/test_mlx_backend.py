@@ -213,6 +213,26 @@ def test_packed_sub_block_dots_come_apart_exactly(kind):
     assert np.array_equal(np.array(got), fields.astype(np.float64))
 
 
+# ---- the dense GEMM: MLX's matmul in the form the device reads fastest ------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_gemm_rows_keep_their_bits_in_any_batch(dtype):
+    """dense_linear's rows alone equal the same rows inside batches of other sizes (what the
+    startup probes check on the loaded shapes), its values are the float64 product's to float32
+    accuracy rounded to the dtype, and the DenseWeight's rows (an embedding lookup) are the
+    matrix's own."""
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(200, 96, generator=gen).to(dtype), torch.randn(64, 96, generator=gen).to(dtype)
+    weight = ops.DenseWeight(mxa(w))
+    got = back(ops.dense_linear(mxa(x), weight))
+    assert got.dtype == dtype and got.shape == (64, 200)
+    want = (x.double() @ w.double().T).to(dtype)
+    assert torch.allclose(got.double(), want.double(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-3)
+    for rows in (1, 2, 7, 13, 64):
+        assert torch.equal(back(ops.dense_linear(mxa(x[:rows]), weight)), got[:rows])
+    assert torch.equal(back(weight.rows(mx.array([3, 0, 199]))), w[[3, 0, 199]])
+
+
 # ---- RMSNorm and attention: exact int64 sums, the references' float32 finishes -----------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,7 +37,7 @@ class _MLXDenseLinear(cpu_ops.ReferenceLinear):
     def multiply(self, x, part):
         if self.quantized(part):
             return super().multiply(x, part)
-        return ops.to_torch(ops.dense_linear(ops.from_torch(x), ops.from_torch(part))).to(x.dtype)
+        return ops.to_torch(ops.dense_linear(ops.from_torch(x), ops.DenseWeight(ops.from_torch(part)))).to(x.dtype)
 
 
 def _oracle():

@@ -13,7 +13,8 @@ equal across backends). On MLX's CPU device the exact integers ride in float64 i
     rms_norm, l2_norm, gated_rms_norm             the exact sum as int64, float32 finish: bitwise
     attention                                     exact int64 sums, float32 finish: bitwise
     QuantLinear                                   the exact quantized GEMM: bitwise
-    DenseLinear                                   MLX's matmul (rows padded to 8 on the GPU):
+    dense_linear                                  MLX's matmul (float32 [K, N] on the CPU
+                                                  device, rows padded to 8 on the GPU):
                                                   row-invariant where MLX keeps one kernel per
                                                   shape (the startup probes check it)
 """
@@ -317,7 +318,7 @@ def _f32(value: float) -> float:
 # ---- GEMMs ----
 
 class MLXLinear(LinearWeight):
-    """A GEMM weight on MLX arrays: a dense part is an mx.array [N, K], a quantized one its
+    """A GEMM weight on MLX arrays: a dense part is a DenseWeight, a quantized one its
     QuantWeight's arrays (QuantParts). Parts of different formats are computed whole and laid
     side by side, as on every backend."""
 
@@ -329,7 +330,7 @@ class MLXLinear(LinearWeight):
     def pack(self, part):
         if self.quantized(part):
             return QuantParts.of(part)
-        return from_torch(part)
+        return DenseWeight(from_torch(part))
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.in_order is not None:  # a matrix in its file's column order (LinearWeight.in_order)
@@ -348,19 +349,46 @@ class MLXLinear(LinearWeight):
         part = self.single
         if isinstance(part, QuantParts):
             return part.dequantize_rows(ids)
-        return part[ids]
+        return part.rows(ids)
 
 
-def dense_linear(x: mx.array, weight: mx.array) -> mx.array:
-    """x [M, K] @ weight^T. On the GPU, M padded to a multiple of ROW_PAD, so a row meets one
-    matmul kernel per padded size (Metal's GEMV and GEMM tile differently); on the CPU device,
-    whose matmul costs rows times the one-row cost (no blocking to win), rows as they come. The
-    startup probes check on the loaded shapes that MLX keeps a row's bits whatever the batch."""
+class DenseWeight:
+    """A dense GEMM matrix [N, K] in the form this device's matmul reads fastest. On MLX's CPU
+    device: float32 [K, N] (`columns`). Its matmul computes bfloat16 and float16 in float32
+    anyway, and streams a float32 [K, N] operand 2-4x faster than the stored [N, K] in the
+    checkpoint's dtype (docs/benchmarks.md). Elsewhere (Metal): the matrix as stored."""
+
+    def __init__(self, matrix: mx.array):
+        self.dtype, self.shape = matrix.dtype, tuple(matrix.shape)
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        self.columns = mx.contiguous(matrix.astype(mx.float32).T) if on_cpu else None
+        self.matrix = None if on_cpu else matrix
+        mx.eval(self.columns if on_cpu else matrix)  # now, on the loading thread's stream
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Rows `ids` of the matrix, in its dtype (an embedding lookup)."""
+        if self.matrix is not None:
+            return self.matrix[ids]
+        return self.columns[:, ids].T.astype(self.dtype)
+
+
+def dense_linear(x: mx.array, weight: DenseWeight) -> mx.array:
+    """x [M, K] @ weight^T in x's dtype, rows as they come. On MLX's CPU device one float32
+    matmul against `columns` (the weight first rounded to x's dtype where that is narrower, as
+    a matmul in x's dtype would); its cost is rows times a row's, nothing to win by blocking.
+    On the GPU, M is padded to a multiple of ROW_PAD so a row meets one matmul kernel per padded
+    size (Metal's GEMV and GEMM tile differently). The startup probes check on the loaded
+    shapes that MLX keeps a row's bits whatever the batch."""
+    if weight.columns is not None:
+        columns = weight.columns
+        if x.dtype not in (mx.float32, weight.dtype):
+            columns = columns.astype(x.dtype).astype(mx.float32)
+        return mx.matmul(x.astype(mx.float32), columns).astype(x.dtype)
     rows = x.shape[0]
-    pad = -rows % ROW_PAD if mx.default_device().type == mx.DeviceType.gpu else 0
+    pad = -rows % ROW_PAD
     if pad:
         x = mx.concatenate([x, mx.zeros((pad, x.shape[1]), dtype=x.dtype)])
-    return mx.matmul(x, weight.astype(x.dtype).T)[:rows]
+    return mx.matmul(x, weight.matrix.astype(x.dtype).T)[:rows]
 
 
 class QuantParts:
