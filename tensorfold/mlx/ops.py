@@ -374,8 +374,9 @@ class DenseWeight:
 
 def dense_linear(x: mx.array, weight: DenseWeight) -> mx.array:
     """x [M, K] @ weight^T in x's dtype, rows as they come. On MLX's CPU device one float32
-    matmul against `columns` (the weight first rounded to x's dtype where that is narrower, as
-    a matmul in x's dtype would); its cost is rows times a row's, nothing to win by blocking.
+    matmul against `columns` (the weight first rounded to x's dtype where x is a 16-bit type
+    the weight is not, as a matmul in x's dtype would); its cost is rows times a row's, nothing
+    to win by blocking.
     On the GPU, M is padded to a multiple of ROW_PAD so a row meets one matmul kernel per padded
     size (Metal's GEMV and GEMM tile differently). The startup probes check on the loaded
     shapes that MLX keeps a row's bits whatever the batch."""
