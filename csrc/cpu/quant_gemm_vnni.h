@@ -294,7 +294,9 @@ inline void super_int_terms(__m512i dsum, __m512i msum, const __m512d* dd, const
 
 // A block's dots u . xq for 16 columns against one row's 32 codes xq, as the sums of its first
 // and last four quads (h0: k 0-15, h1: k 16-31). Quads q and q + 2 share a chain: four
-// independent vpdpbusd chains of two (an integer sum: any split gives the same value).
+// independent vpdpbusd chains of two (an integer sum: any split gives the same value). Always
+// inlined: as a call (GCC's choice without it) the eight code registers went through the stack
+// for every block and row.
 __attribute__((always_inline)) inline void block_dots(const __m512i* u, const int8_t* row_xq, __m512i* h0, __m512i* h1) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(row_xq);
   __m512i d[4];

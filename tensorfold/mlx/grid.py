@@ -99,10 +99,15 @@ def fusion_exact() -> bool:
     return _FUSION_EXACT[device]
 
 
+def on_cpu() -> bool:
+    """Whether MLX's default device is its CPU device (else Metal's GPU)."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
 def float64_carrier() -> bool:
     """Whether exact integers may ride in float64 on the default device: MLX's CPU device has
     float64 (and builds int64 ops as scalar loops); Metal has none."""
-    return mx.default_device().type == mx.DeviceType.cpu
+    return on_cpu()
 
 
 def pow2_64(e: mx.array) -> mx.array:

@@ -360,7 +360,7 @@ class DenseWeight:
 
     def __init__(self, matrix: mx.array):
         self.dtype, self.shape = matrix.dtype, tuple(matrix.shape)
-        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        on_cpu = grid.on_cpu()
         self.columns = mx.contiguous(matrix.astype(mx.float32).T) if on_cpu else None
         self.matrix = None if on_cpu else matrix
         mx.eval(self.columns if on_cpu else matrix)  # now, on the loading thread's stream
