@@ -207,14 +207,14 @@ inline void run_terms(const AmxGroup& G, const DotTile* dots, const RowQ& row, i
     for (int64_t b = 0; b < blocks; ++b) {
       const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);
       const __m512i d1 = _mm512_load_si512(dots[PER * b + PER - 1].v[i]);
-      row_super_products<KIND, true>(d0, d1, G.scales[b0 + b], row, b0 + b, dsum, msum);
+      row_super_products<KIND>(d0, d1, G.scales[b0 + b], row, b0 + b, dsum, msum);
     }
     row_super_terms<KIND>(dsum, msum, row, b0 / SUPER_BLOCKS, lo, hi);
   } else {
     for (int64_t b = 0; b < blocks; ++b) {
       const __m512i d0 = _mm512_load_si512(dots[PER * b].v[i]);
       const __m512i d1 = _mm512_load_si512(dots[PER * b + PER - 1].v[i]);
-      row_terms<KIND, true>(d0, d1, G.scales[b0 + b], row, b0 + b, lo, hi);
+      row_terms<KIND>(d0, d1, G.scales[b0 + b], row, b0 + b, lo, hi);
     }
   }
 }

@@ -155,8 +155,8 @@ inline __m512i round_pd(__m512d v) {
 }
 
 // The 32-column kinds: one row's terms of a block for 16 columns, added to its int64 sums lo (columns 0-7) and hi
-// (8-15): dot0 the block's dots u . xq (PER == 2: the first half's, dot1 the second's), less
-// offset times the row's sums, times the columns' S 2^(E - top + shift0), times the row's
+// (8-15): a0 the block's dots less the offset term (block_dots; PER == 2: the first half's, a1
+// the second's), times the columns' S 2^(E - top + shift0), times the row's
 // m 2^(k - kmax), rounded onto the grid; then, for the kinds with a minimum, M sm on the grid.
 //
 // Exact, though in float64: each term is the reference's integer (|I| < 2^T, T = 41 for the
@@ -164,13 +164,11 @@ inline __m512i round_pd(__m512d v) {
 // product and the halves' sum stay below 2^53 times their power of two, so no operation rounds
 // (exponents stay far inside float64's range), and the conversion's one rounding, to nearest even,
 // is on_grid's where the shift is negative. The same order of operations for every row.
-// SIGNED_DOTS: the dots are already c . xq (the AMX tiles multiply the signed codes), no offset.
-template <int KIND, bool SIGNED_DOTS = false>
-inline void row_terms(__m512i dot0, __m512i dot1, const BlockScales& c, const RowQ& row, int64_t b, __m512i* lo,
+template <int KIND>
+inline void row_terms(__m512i a0, __m512i a1, const BlockScales& c, const RowQ& row, int64_t b, __m512i* lo,
                       __m512i* hi) {
   constexpr QKind KD = KINDS[KIND];
-  constexpr int PER = BLOCK / KD.sub, OFFSET = SIGNED_DOTS ? 0 : KD.offset;
-  const int32_t* xsum = row.xsum.data() + b * PER;
+  constexpr int PER = BLOCK / KD.sub;
   const __m512d m = _mm512_set1_pd(row.mf[b]);
   __m512d t[2];
   const auto halves = [](__m512i v, __m512d* out) {  // int32 columns 0-7 and 8-15 as float64
@@ -178,12 +176,12 @@ inline void row_terms(__m512i dot0, __m512i dot1, const BlockScales& c, const Ro
     out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
   };
   __m512d d0[2];
-  halves(OFFSET != 0 ? _mm512_sub_epi32(dot0, _mm512_set1_epi32(OFFSET * xsum[0])) : dot0, d0);
+  halves(a0, d0);
   if constexpr (PER == 1) {
     for (int h = 0; h < 2; ++h) t[h] = _mm512_mul_pd(_mm512_mul_pd(d0[h], c.s[0][h]), m);
   } else {  // two halves of 16, each with its own scale: A0 S0 + A1 S1, then times m
     __m512d d1[2];
-    halves(OFFSET != 0 ? _mm512_sub_epi32(dot1, _mm512_set1_epi32(OFFSET * xsum[1])) : dot1, d1);
+    halves(a1, d1);
     for (int h = 0; h < 2; ++h)
       t[h] = _mm512_mul_pd(_mm512_add_pd(_mm512_mul_pd(d0[h], c.s[0][h]), _mm512_mul_pd(d1[h], c.s[1][h])), m);
   }
@@ -197,28 +195,28 @@ inline void row_terms(__m512i dot0, __m512i dot1, const BlockScales& c, const Ro
 }
 
 // The K-quants (act 256): one row's products of a block for 16 columns added to its super-block's
-// float64 sums: dsum += A S 2^(E - top + shift0) per sub-block (A = dot0, dot1 less offset times
-// the row's sub-block sums), and for q4_k / q5_k msum += M 2^(F - top + shift0) times the block's
+// float64 sums: dsum += A S 2^(E - top + shift0) per sub-block (A = a0, a1: the dots less the offset
+// term, block_dots), and for q4_k / q5_k msum += M 2^(F - top + shift0) times the block's
 // sum of xq. Exact: E (and F) is one per super-block (pack_quant checks it), so every product is
 // an integer times the same power of two, and the integers' sums stay below 2^53 (a super-block's
 // S A below 2^38, M sum(xq) below 2^32: quant_gemm.KINDS' bounds), so the fused multiply-adds
 // round nothing. row_super_terms then rounds each sum once, as the reference rounds its one term.
-template <int KIND, bool SIGNED_DOTS = false>
-inline void row_super_products(__m512i dot0, __m512i dot1, const BlockScales& c, const RowQ& row, int64_t b,
+template <int KIND>
+inline void row_super_products(__m512i a0, __m512i a1, const BlockScales& c, const RowQ& row, int64_t b,
                                __m512d* dsum, __m512d* msum) {
   constexpr QKind KD = KINDS[KIND];
-  constexpr int PER = BLOCK / KD.sub, OFFSET = SIGNED_DOTS ? 0 : KD.offset;
+  constexpr int PER = BLOCK / KD.sub;
   const int32_t* xsum = row.xsum.data() + b * PER;
   const auto halves = [](__m512i v, __m512d* out) {  // int32 columns 0-7 and 8-15 as float64
     out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(v));
     out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
   };
   __m512d d0[2];
-  halves(OFFSET != 0 ? _mm512_sub_epi32(dot0, _mm512_set1_epi32(OFFSET * xsum[0])) : dot0, d0);
+  halves(a0, d0);
   for (int h = 0; h < 2; ++h) dsum[h] = _mm512_fmadd_pd(d0[h], c.s[0][h], dsum[h]);
   if constexpr (PER == 2) {
     __m512d d1[2];
-    halves(OFFSET != 0 ? _mm512_sub_epi32(dot1, _mm512_set1_epi32(OFFSET * xsum[1])) : dot1, d1);
+    halves(a1, d1);
     for (int h = 0; h < 2; ++h) dsum[h] = _mm512_fmadd_pd(d1[h], c.s[1][h], dsum[h]);
   }
   if constexpr (KD.has_min) {
@@ -292,21 +290,41 @@ inline void super_int_terms(__m512i dsum, __m512i msum, const __m512d* dd, const
   }
 }
 
-// A block's dots u . xq for 16 columns against one row's 32 codes xq, as the sums of its first
-// and last four quads (h0: k 0-15, h1: k 16-31). Quads q and q + 2 share a chain: four
-// independent vpdpbusd chains of two (an integer sum: any split gives the same value). Always
-// inlined: as a call (GCC's choice without it) the eight code registers went through the stack
-// for every block and row.
-__attribute__((always_inline)) inline void block_dots(const __m512i* u, const int8_t* row_xq, __m512i* h0, __m512i* h1) {
+// A block's dots less the kind's offset times the row's sums, A = u . xq - offset sum(xq) = c . xq,
+// for 16 columns against one row's 32 codes xq: h0 over its first four quads (k 0-15), h1 over
+// its last four (k 16-31), each a chain of vpdpbusd that starts at minus the offset term
+// (offset_starts), so that no subtraction follows. SPLIT: each half as two chains of two joined by
+// an add, for a row alone (R == 1), whose blocks wait on the chains' latency; tiles of rows have
+// other rows' chains to run meanwhile and take one chain of four, without the zeros and the adds.
+// (An integer sum: any order gives the same value.) Always inlined: as a call (GCC's choice
+// without it) the eight code registers went through the stack for every block and row.
+template <bool SPLIT>
+__attribute__((always_inline)) inline void block_dots(const __m512i* u, const int8_t* row_xq, __m512i start0,
+                                                      __m512i start1, __m512i* h0, __m512i* h1) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(row_xq);
-  __m512i d[4];
-  for (int ch = 0; ch < 4; ++ch) {
-    const int q = (ch & 1) + (ch >> 1) * 4;  // chains start at quads 0, 1, 4, 5
-    d[ch] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[q], _mm512_set1_epi32(xq[q]));
-    d[ch] = _mm512_dpbusd_epi32(d[ch], u[q + 2], _mm512_set1_epi32(xq[q + 2]));
+  const auto dot = [&](__m512i acc, int q) { return _mm512_dpbusd_epi32(acc, u[q], _mm512_set1_epi32(xq[q])); };
+  if constexpr (SPLIT) {
+    *h0 = _mm512_add_epi32(dot(dot(start0, 0), 2), dot(dot(_mm512_setzero_si512(), 1), 3));
+    *h1 = _mm512_add_epi32(dot(dot(start1, 4), 6), dot(dot(_mm512_setzero_si512(), 5), 7));
+  } else {
+    *h0 = dot(dot(dot(dot(start0, 0), 1), 2), 3);
+    *h1 = dot(dot(dot(dot(start1, 4), 5), 6), 7);
   }
-  *h0 = _mm512_add_epi32(d[0], d[1]);
-  *h1 = _mm512_add_epi32(d[2], d[3]);
+}
+
+// Where block_dots' chains start for block b of a row: minus the kind's offset times the row's
+// sums of xq over each half (PER == 2: sub-blocks of 16) or over the whole block (PER == 1: all
+// of it on the first half, whose dots the second's join).
+template <int KIND>
+inline void offset_starts(const RowQ& row, int64_t b, __m512i* start0, __m512i* start1) {
+  constexpr QKind KD = KINDS[KIND];
+  constexpr int PER = BLOCK / KD.sub;
+  *start0 = *start1 = _mm512_setzero_si512();
+  if constexpr (KD.offset != 0) {
+    const int32_t* xsum = row.xsum.data() + b * PER;
+    *start0 = _mm512_set1_epi32(-KD.offset * xsum[0]);
+    if constexpr (PER == 2) *start1 = _mm512_set1_epi32(-KD.offset * xsum[1]);
+  }
 }
 
 // R rows' int64 sums, columns 0-7 (lo) and 8-15 (hi), into acc [R][16].
@@ -344,15 +362,13 @@ void group_super(const Layout& L, const uint8_t* packed, const RowQ* rows, int64
       const __m512i s1 = _mm512_load_si512(sc[Q6 ? 2 * i + 1 : SUPER_BLOCKS + i]);  // q4_k: the minimums m
       for (int r = 0; r < R; ++r) {
         const RowQ& row = rows[r0 + r];
-        __m512i h0, h1;  // quads 0-3, 4-7
-        block_dots(u, row.xq + b * BLOCK, &h0, &h1);
-        if constexpr (Q6) {  // halves of 16, offset 32: A = u . xq - 32 sum(xq)
-          const int32_t* xsum = row.xsum.data() + 2 * b;
-          const __m512i a0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(32 * xsum[0]));
-          const __m512i a1 = _mm512_sub_epi32(h1, _mm512_set1_epi32(32 * xsum[1]));
+        __m512i a0, a1, start0, start1;  // quads 0-3, 4-7, less the offset term
+        offset_starts<KIND>(row, b, &start0, &start1);
+        block_dots<R == 1>(u, row.xq + b * BLOCK, start0, start1, &a0, &a1);
+        if constexpr (Q6) {  // halves of 16, each with its scale
           dsum[r] = _mm512_add_epi32(dsum[r], _mm512_add_epi32(_mm512_mullo_epi32(a0, s0), _mm512_mullo_epi32(a1, s1)));
-        } else {  // offset 0: A = u . xq
-          dsum[r] = _mm512_add_epi32(dsum[r], _mm512_mullo_epi32(_mm512_add_epi32(h0, h1), s0));
+        } else {  // one sub-block of 32
+          dsum[r] = _mm512_add_epi32(dsum[r], _mm512_mullo_epi32(_mm512_add_epi32(a0, a1), s0));
           msum[r] = _mm512_add_epi32(msum[r], _mm512_mullo_epi32(s1, _mm512_set1_epi32(row.xsum[b])));
         }
       }
@@ -385,13 +401,14 @@ void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       if (b % SUPER_BLOCKS == 0)
         for (int r = 0; r < R; ++r) dsum[r][0] = dsum[r][1] = msum[r][0] = msum[r][1] = _mm512_setzero_pd();
     for (int r = 0; r < R; ++r) {
-      __m512i h0, h1;  // quads 0-3, 4-7, summed per half (PER == 2) or whole below
-      block_dots(u, rows[r0 + r].xq + b * BLOCK, &h0, &h1);
-      const __m512i first = PER == 1 ? _mm512_add_epi32(h0, h1) : h0;
+      __m512i a0, a1, start0, start1;  // quads 0-3, 4-7 less the offset term: per half (PER == 2) or whole below
+      offset_starts<KIND>(rows[r0 + r], b, &start0, &start1);
+      block_dots<R == 1>(u, rows[r0 + r].xq + b * BLOCK, start0, start1, &a0, &a1);
+      const __m512i first = PER == 1 ? _mm512_add_epi32(a0, a1) : a0;
       if constexpr (SUPER_TERMS)
-        row_super_products<KIND>(first, h1, c, rows[r0 + r], b, dsum[r], msum[r]);
+        row_super_products<KIND>(first, a1, c, rows[r0 + r], b, dsum[r], msum[r]);
       else
-        row_terms<KIND>(first, h1, c, rows[r0 + r], b, &lo[r], &hi[r]);
+        row_terms<KIND>(first, a1, c, rows[r0 + r], b, &lo[r], &hi[r]);
     }
     if constexpr (SUPER_TERMS)
       if (b % SUPER_BLOCKS == SUPER_BLOCKS - 1)
