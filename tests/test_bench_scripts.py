@@ -161,3 +161,7 @@ def test_bench_quant_kinds_runs():
                    "--k", "512", "--repeats", "1", "--budget", "0.01")
     for kind in ("q4_0", "q4_k", "q5_1"):
         assert re.search(rf"\| {kind} \| \d+\.\d+ \(\d+\.\d\dx\) \| \d+\.\d+ \(\d+\.\d\dx\) \|", out), out
+    # streamed: the GB/s read and its share of torch's own read rate, timed in pairs
+    out = run_tool("tools/bench_quant_kinds.py", "--kinds", "q4_0", "--rows", "1", "--n", "48", "--k", "512",
+                   "--repeats", "2", "--budget", "0.01", "--streamed", "3")
+    assert re.search(r"\| q4_0 \| \d+\.\d+ \(1\.00x, \d+\.\d GB/s, \d+% of read\) \|", out), out

@@ -60,6 +60,31 @@ def machine_line() -> str:
             f"load average {loadavg()}")
 
 
+class ReadRate:
+    """The machine's read bandwidth as torch's own code reaches it: a 1 GiB int64 tensor summed on
+    `threads` threads, GB/s. On a shared host it moves with the neighbours' traffic (30-56 GB/s
+    within minutes on the Zen 4 VM), so a benchmark that sets a rate beside it measures it again
+    next to each of its own timings."""
+
+    def __init__(self, threads: int):
+        import torch
+
+        self.threads = threads
+        self.x = torch.ones(2**27, dtype=torch.int64)
+
+    def once(self) -> float:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        started = time.perf_counter()
+        self.x.sum()
+        return self.x.numel() * 8 / (time.perf_counter() - started) / 1e9
+
+    def best(self, times: int = 5) -> float:
+        self.once()  # the pages touched
+        return max(self.once() for _ in range(times))
+
+
 def print_table(headers: list[str], rows: list[list], title: str | None = None) -> str:
     """A GitHub-markdown table (readable as plain text too); returns what it printed."""
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]

@@ -17,10 +17,14 @@ the ratio to the first kind's time at the same rows.
 
 With --streamed N each call takes the next of N packed copies of the weight in turn, so that the
 weights come from memory rather than the caches (N copies must be well beyond the L3), as one-row
-decode of a real-size model reads them; the table then adds the GB/s read.
+decode of a real-size model reads them; the table then adds the GB/s read and "of read": that
+over the machine's read bandwidth (bench_core.ReadRate, torch's int64 sum on the same threads)
+timed right after each of the GEMM's timings, the median of those paired ratios (a shared host's
+bandwidth moves from minute to minute; a pair sees the same neighbours).
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -28,6 +32,8 @@ if "PYTHONPATH" not in os.environ:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from tools.bench_core import ReadRate  # noqa: E402
 
 
 def weight(kind: str, n: int, k: int, gen: torch.Generator):
@@ -69,7 +75,8 @@ def main() -> None:
     kinds, rows = args.kinds.split(","), [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     xs = {m: torch.randn(m, args.k, generator=gen) for m in rows}
-    times, nbytes = {}, {}
+    read = ReadRate(args.threads) if args.streamed > 1 else None
+    times, nbytes, shares = {}, {}, {}
     for kind in kinds:
         w = weight(kind, args.n, args.k, gen)
         copies = [arena.place(_cpu.pack_quant(w.kind, w.codes, w.scale, w.scale_exp, w.min, w.min_exp))
@@ -81,7 +88,13 @@ def main() -> None:
 
             def call() -> None:
                 _cpu.quant_linear(x, copies[next(turn) % len(copies)], args.n, args.k, out=out)
-            times[kind, m] = min(timed(call, args.budget) for _ in range(args.repeats))
+            timings, pairs = [], []
+            for _ in range(args.repeats):
+                timings.append(timed(call, args.budget))
+                if read:
+                    pairs.append(nbytes[kind] / timings[-1] / 1e9 / read.best(2))
+            times[kind, m] = min(timings)
+            shares[kind, m] = statistics.median(pairs) if pairs else None
         del copies
     import tensorfold
     print(f"{os.path.dirname(tensorfold.__file__)}: {args.n} x {args.k}, {args.threads} thread(s), "
@@ -90,8 +103,9 @@ def main() -> None:
     print("| kind | " + " | ".join(f"{m} rows ms (x {kinds[0]})" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for kind in kinds:
-        read = (lambda m: f", {nbytes[kind] / times[kind, m] / 1e9:.1f} GB/s") if args.streamed > 1 else (lambda m: "")
-        cells = [f"{times[kind, m] * 1e3:.3f} ({times[kind, m] / times[kinds[0], m]:.2f}x{read(m)})" for m in rows]
+        rate = ((lambda m: f", {nbytes[kind] / times[kind, m] / 1e9:.1f} GB/s, {100 * shares[kind, m]:.0f}% of read")
+                if read else (lambda m: ""))
+        cells = [f"{times[kind, m] * 1e3:.3f} ({times[kind, m] / times[kinds[0], m]:.2f}x{rate(m)})" for m in rows]
         print(f"| {kind} | " + " | ".join(cells) + " |")
 
 

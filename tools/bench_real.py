@@ -13,7 +13,11 @@ quantized by llama.cpp's own quantizer), made once and kept. Per file:
   prompt (drafting off), a --prefill-tokens prefill, four streams' aggregate decode, with the
   ratios ours / llama.cpp; "GB/s" is the decode's weight bytes per token (the packed matrices)
   times its tokens/s, the read bandwidth it reaches, and "of read" that over the machine's read
-  bandwidth (a 1 GiB int64 sum by torch on the same threads, best of 5, printed first).
+  bandwidth (bench_core.ReadRate: a 1 GiB int64 sum by torch on the same threads), measured
+  again beside each repeat, as the engines are, and the best reading kept: on a shared host the
+  rate moves with the neighbours' traffic, so a reading taken once at the start may be another
+  machine's than the one the engines ran on. "llama.cpp of read" is the same for the peer, its
+  bytes per token the file's matrices.
 TensorFold serves the blocks as stored (dtype auto); llama.cpp runs the same file with its f16 KV
 cache. The peer's columns read "-" without llama-cpp-python. --long N adds a prompt of N tokens
 (both engines' context sized to hold it): its prefill tokens/s, then decode at that depth.
@@ -32,7 +36,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tools import peer_llama_cpp  # noqa: E402
-from tools.bench_core import fmt, machine_line, print_table, rss_mib  # noqa: E402
+from tools.bench_core import ReadRate, fmt, machine_line, print_table, rss_mib  # noqa: E402
 from tools.bench_native import (long_round, peer_long_round, peer_round, prompt_ids, ratio,  # noqa: E402
                                 streams_decode_tps)
 from tools.real_shapes import SHAPES, real_shape_gguf  # noqa: E402
@@ -58,21 +62,6 @@ def tensor_bytes(path: str) -> int:
     import gguf
 
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1)
-
-
-def read_bandwidth(threads: int) -> float:
-    """The machine's read bandwidth in GB/s: a 1 GiB int64 tensor summed by torch, best of 5."""
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones(2**27, dtype=torch.int64)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - started)
-    return x.numel() * 8 / best / 1e9
 
 
 def load_child(path: str, threads: int) -> dict:
@@ -155,9 +144,10 @@ def main(argv=None) -> None:
         print(json.dumps(load_child(args.load_child, args.threads)))
         return
     print(machine_line())
-    bandwidth = read_bandwidth(args.threads)
-    print(f"read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
-    load_rows, speed_rows = [], []
+    read = ReadRate(args.threads)
+    bandwidth = read.best()
+    print(f"read bandwidth at the start: {bandwidth:.1f} GB/s ({args.threads} threads)")
+    load_rows, speed_rows, shares = [], [], []
     for qtype in args.types.split(","):
         path = real_shape_gguf(args.shape, qtype)
         name = os.path.basename(path)
@@ -173,9 +163,12 @@ def main(argv=None) -> None:
         for _ in range(args.repeats):
             ours_once()
             peer_once()
+            bandwidth = max(bandwidth, read.best(3))
         gbs = ours["packed"] * ours["decode"] / 1e9
+        peer_gbs = tensor_bytes(path) * peer["decode"] / 1e9 if peer.get("decode") else None
+        shares.append((len(speed_rows), gbs, peer_gbs))  # "of read" once the run's best reading is known
         speed_rows.append([name, ours["ops"], ours["exact"], fmt(ours["decode"], 1), fmt(peer.get("decode"), 1),
-                           ratio(ours["decode"], peer.get("decode")), fmt(gbs, 1), f"{100 * gbs / bandwidth:.0f}%",
+                           ratio(ours["decode"], peer.get("decode")), fmt(gbs, 1), "", "",
                            fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
                            fmt(ours["four"], 1), fmt(peer.get("four"), 1), ratio(ours["four"], peer.get("four")),
                            f"{ours['four'] / ours['decode']:.2f}x"])
@@ -189,7 +182,11 @@ def main(argv=None) -> None:
         print_table(["file", "MiB", "load s", "runtime RSS MiB", "peak RSS MiB", "packed MiB", "cache MiB",
                      "peak - packed - cache - runtime", "resident / file"], load_rows,
                     f"load, a fresh process each, {args.threads} threads")
-    print_table(["file", "ops", "exact", "decode tok/s", "llama.cpp", "ratio", "decode GB/s", "of read",
+    print(f"read bandwidth, the best reading beside the repeats: {bandwidth:.1f} GB/s")
+    for row, gbs, peer_gbs in shares:
+        speed_rows[row][7] = f"{100 * gbs / bandwidth:.0f}%"
+        speed_rows[row][8] = f"{100 * peer_gbs / bandwidth:.0f}%" if peer_gbs else "-"
+    print_table(["file", "ops", "exact", "decode tok/s", "llama.cpp", "ratio", "decode GB/s", "of read", "llama.cpp of read",
                  f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams tok/s", "llama.cpp", "ratio",
                  "4 / 1 streams"] + ([f"prefill {args.long} tok/s", "llama.cpp", "ratio", f"decode @{args.long}",
                                       "llama.cpp", "ratio"] if args.long else []), speed_rows,
