@@ -147,17 +147,17 @@ def main(argv=None) -> None:
     read = ReadRate(args.threads)
     bandwidth = read.best()
     print(f"read bandwidth at the start: {bandwidth:.1f} GB/s ({args.threads} threads)")
-    load_rows, speed_rows, shares = [], [], []
+    load_rows, speeds = [], []  # speeds: a file's cells before and after its two "of read" cells
     for qtype in args.types.split(","):
         path = real_shape_gguf(args.shape, qtype)
         name = os.path.basename(path)
-        file_mib = os.path.getsize(path) / 2**20
+        file_mib, matrix_bytes = os.path.getsize(path) / 2**20, tensor_bytes(path)
         ld = None if args.no_load else measure_load(path, args.threads)
         if ld:
             load_rows.append([name, fmt(file_mib, 0), fmt(ld["load_s"], 1), fmt(ld["runtime"], 0), fmt(ld["peak"], 0),
                               fmt(ld["packed"] / 2**20, 0), fmt(ld["cache"], 0),
                               fmt(ld["peak"] - ld["packed"] / 2**20 - ld["cache"] - ld["runtime"], 0),
-                              f"{ld['packed'] / tensor_bytes(path):.3f}x"])
+                              f"{ld['packed'] / matrix_bytes:.3f}x"])
         ours, ours_once, engine = tensorfold_bench(path, args)
         peer, peer_once = llama_cpp_bench(path, args)
         for _ in range(args.repeats):
@@ -165,17 +165,17 @@ def main(argv=None) -> None:
             peer_once()
             bandwidth = max(bandwidth, read.best(3))
         gbs = ours["packed"] * ours["decode"] / 1e9
-        peer_gbs = tensor_bytes(path) * peer["decode"] / 1e9 if peer.get("decode") else None
-        shares.append((len(speed_rows), gbs, peer_gbs))  # "of read" once the run's best reading is known
-        speed_rows.append([name, ours["ops"], ours["exact"], fmt(ours["decode"], 1), fmt(peer.get("decode"), 1),
-                           ratio(ours["decode"], peer.get("decode")), fmt(gbs, 1), "", "",
-                           fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
-                           fmt(ours["four"], 1), fmt(peer.get("four"), 1), ratio(ours["four"], peer.get("four")),
-                           f"{ours['four'] / ours['decode']:.2f}x"])
+        peer_gbs = matrix_bytes * peer["decode"] / 1e9 if peer.get("decode") else None
+        head = [name, ours["ops"], ours["exact"], fmt(ours["decode"], 1), fmt(peer.get("decode"), 1),
+                ratio(ours["decode"], peer.get("decode")), fmt(gbs, 1)]
+        tail = [fmt(ours["prefill"], 0), fmt(peer.get("prefill"), 0), ratio(ours["prefill"], peer.get("prefill")),
+                fmt(ours["four"], 1), fmt(peer.get("four"), 1), ratio(ours["four"], peer.get("four")),
+                f"{ours['four'] / ours['decode']:.2f}x"]
         if args.long:
-            speed_rows[-1] += [fmt(ours["long_prefill"], 0), fmt(peer.get("long_prefill"), 0),
-                               ratio(ours["long_prefill"], peer.get("long_prefill")), fmt(ours["long_decode"], 1),
-                               fmt(peer.get("long_decode"), 1), ratio(ours["long_decode"], peer.get("long_decode"))]
+            tail += [fmt(ours["long_prefill"], 0), fmt(peer.get("long_prefill"), 0),
+                     ratio(ours["long_prefill"], peer.get("long_prefill")), fmt(ours["long_decode"], 1),
+                     fmt(peer.get("long_decode"), 1), ratio(ours["long_decode"], peer.get("long_decode"))]
+        speeds.append((head, gbs, peer_gbs, tail))
         del engine, ours_once, peer_once
         gc.collect()
     if load_rows:
@@ -183,9 +183,8 @@ def main(argv=None) -> None:
                      "peak - packed - cache - runtime", "resident / file"], load_rows,
                     f"load, a fresh process each, {args.threads} threads")
     print(f"read bandwidth, the best reading beside the repeats: {bandwidth:.1f} GB/s")
-    for row, gbs, peer_gbs in shares:
-        speed_rows[row][7] = f"{100 * gbs / bandwidth:.0f}%"
-        speed_rows[row][8] = f"{100 * peer_gbs / bandwidth:.0f}%" if peer_gbs else "-"
+    share = (lambda gbs: f"{100 * gbs / bandwidth:.0f}%" if gbs else "-")  # of the run's best reading
+    speed_rows = [head + [share(gbs), share(peer_gbs)] + tail for head, gbs, peer_gbs, tail in speeds]
     print_table(["file", "ops", "exact", "decode tok/s", "llama.cpp", "ratio", "decode GB/s", "of read", "llama.cpp of read",
                  f"prefill {args.prefill_tokens} tok/s", "llama.cpp", "ratio", "4 streams tok/s", "llama.cpp", "ratio",
                  "4 / 1 streams"] + ([f"prefill {args.long} tok/s", "llama.cpp", "ratio", f"decode @{args.long}",

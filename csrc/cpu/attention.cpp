@@ -438,19 +438,15 @@ void chunk_offsets(const ItemState& s, const Cache<T>& c, int64_t c0, int64_t n,
   for (int64_t j = 0; j < n; ++j) offsets[j] = c0 + j < k_end ? c.offset(s.table, c0 + j, s.h0) : -1;
 }
 
-// The rows of KV head `head` of keys [j, j + n) in `ahead` (the next chunk's offsets), asked for
-// ahead of their use in `base` and, if given, in `also` (a hint: no effect on any result), into
-// the outer caches: a chunk's rows asked into L1 at once (prefetcht0, 64 lines a head) filled the
-// core's miss buffers and stalled it until they came, 18% of the item's samples; one decode row
-// over 8,100 keys at Llama-3.2-1B's heads took 2.28-2.80 ms, 1.84-2.01 ms with the far hint (an
-// AMD EPYC, Zen 4, 2 threads).
+// The rows of KV head `head` of keys [j, j + n) in `ahead` (the next chunk's offsets) of `base`,
+// asked for ahead of their use (a hint: no effect on any result), into the outer caches: a
+// chunk's rows asked into L1 at once (prefetcht0, 64 lines a head) filled the core's miss buffers
+// and stalled it until they came (docs/benchmarks.md, "The Zen 4 EPYC again").
 template <typename T>
-inline void prefetch_keys(const int64_t* ahead, int64_t j, int64_t n, int64_t head, int64_t d, const T* base,
-                          const T* also) {
+inline void prefetch_keys(const int64_t* ahead, int64_t j, int64_t n, int64_t head, int64_t d, const T* base) {
   for (int64_t i = j; i < j + n; ++i) {
     if (ahead[i] < 0) return;
     prefetch_lines<TO_FAR>(base + ahead[i] + head * d, d * static_cast<int64_t>(sizeof(T)));
-    if (also != nullptr) prefetch_lines<TO_FAR>(also + ahead[i] + head * d, d * static_cast<int64_t>(sizeof(T)));
   }
 }
 
@@ -539,7 +535,7 @@ void sums_direct(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_
     std::copy_n(ahead, KEY_CHUNK, offsets);
     chunk_offsets(s, c, c0 + KEY_CHUNK, KEY_CHUNK, k1, ahead);
     for (int64_t hh = 0; hh < s.heads(); ++hh) {
-      prefetch_keys(ahead, 0, KEY_CHUNK, hh, d, c.v, static_cast<const T*>(nullptr));
+      prefetch_keys(ahead, 0, KEY_CHUNK, hh, d, c.v);
       key_scales(s.v_exp.data() + hh * s.keys + (c0 - s.first), n, n8, key_up, key_down);
       for (int64_t j = 0; j < n; ++j) rows[j] = c.v + offsets[j] + hh * d;
       const int64_t* lanes = t.lanes.data() + hh * per_head;
