@@ -298,18 +298,30 @@ def test_attention_is_the_reference_and_a_row_alone_equals_its_chunk(head_dim, d
     assert torch.equal(windowed, want)
 
 
+@pytest.mark.parametrize("keys", [520, 1100])
 @pytest.mark.parametrize("window", [None, 700])
-def test_attention_past_one_split_of_keys_is_the_reference(carrier, window):
-    """More keys than SPLIT_SIZE: the weighted sum in chunks (float64-carried) or limbs (int64),
-    over keys spread across many binades (the weights' shifts and the grid's rounding)."""
-    keys, heads, kv_heads, head_dim = 1100, 4, 2, 32
+def test_attention_past_one_split_of_keys_is_the_reference(carrier, window, keys):
+    """More keys than SPLIT_SIZE: the weighted sum in equal chunks (float64-carried: 2 x 260 and
+    3 x 367 keys) or limbs (int64), over keys spread across many binades (the weights' shifts and
+    the grid's rounding)."""
+    heads, kv_heads, head_dim = 4, 2, 32
     k, v = spread(keys, kv_heads, head_dim, seed=11), spread(keys, kv_heads, head_dim, seed=12)
     q = spread(3, heads, head_dim, seed=13) * 1e-5
-    positions = np.array([600, 1000, 1099])
+    positions = np.array([keys // 2, keys - 100, keys - 1])
     cache, kc, vc = _cache_of(k, v)
     got = back(ops.attention(mxa(q), cache, positions, mx.arange(keys), 0.125, window))
     want = pa.paged_attention_ref(q, kc, vc, torch.from_numpy(positions), torch.arange(keys), 0.125, window=window)
     assert torch.equal(got, want)
+
+
+def test_key_chunks_hold_at_most_a_split_and_pad_less_than_one_key_each():
+    """The float64-carried weighted sum is exact only over at most SPLIT_SIZE keys a chunk
+    (w v < 2^44 each, the sum below 2^53): a chunk past that could round where the output's
+    float32 would rarely show it, so the rule is checked on the sizes themselves."""
+    for keys in range(ops.SPLIT_SIZE + 1, 20 * ops.SPLIT_SIZE, 7):
+        chunks, size = ops.key_chunks(keys)
+        assert size <= ops.SPLIT_SIZE and chunks == -(-keys // ops.SPLIT_SIZE)
+        assert 0 <= chunks * size - keys < chunks
 
 
 # ---- the model against transformers ------------------------------------------------------------

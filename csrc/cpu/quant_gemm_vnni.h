@@ -89,12 +89,18 @@ struct BlockScales {
   __m512d s[2][2], mn[2];  // [half][columns 0-7, 8-15], [columns 0-7, 8-15]
 };
 
+// 16 int32 lanes as float64, columns 0-7 and 8-15 (exact).
+inline void int32_pd(__m512i v, __m512d* out) {
+  out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(v));
+  out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
+}
+
 // x 2^e, lane by lane, for int32 x and e (vscalefpd: exact, as nothing leaves float64's range).
 inline void scaled_pd(__m512i x, __m512i e, __m512d* out) {
-  const __m256i x_lo = _mm512_castsi512_si256(x), x_hi = _mm512_extracti64x4_epi64(x, 1);
-  const __m256i e_lo = _mm512_castsi512_si256(e), e_hi = _mm512_extracti64x4_epi64(e, 1);
-  out[0] = _mm512_scalef_pd(_mm512_cvtepi32_pd(x_lo), _mm512_cvtepi32_pd(e_lo));
-  out[1] = _mm512_scalef_pd(_mm512_cvtepi32_pd(x_hi), _mm512_cvtepi32_pd(e_hi));
+  __m512d xd[2], ed[2];
+  int32_pd(x, xd);
+  int32_pd(e, ed);
+  for (int h = 0; h < 2; ++h) out[h] = _mm512_scalef_pd(xd[h], ed[h]);
 }
 
 // 16 float16s (their bits at p) as float64, columns 0-7 and 8-15 (exact: every float16, its
@@ -171,17 +177,13 @@ inline void row_terms(__m512i a0, __m512i a1, const BlockScales& c, const RowQ& 
   constexpr int PER = BLOCK / KD.sub;
   const __m512d m = _mm512_set1_pd(row.mf[b]);
   __m512d t[2];
-  const auto halves = [](__m512i v, __m512d* out) {  // int32 columns 0-7 and 8-15 as float64
-    out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(v));
-    out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
-  };
   __m512d d0[2];
-  halves(a0, d0);
+  int32_pd(a0, d0);
   if constexpr (PER == 1) {
     for (int h = 0; h < 2; ++h) t[h] = _mm512_mul_pd(_mm512_mul_pd(d0[h], c.s[0][h]), m);
   } else {  // two halves of 16, each with its own scale: A0 S0 + A1 S1, then times m
     __m512d d1[2];
-    halves(a1, d1);
+    int32_pd(a1, d1);
     for (int h = 0; h < 2; ++h)
       t[h] = _mm512_mul_pd(_mm512_add_pd(_mm512_mul_pd(d0[h], c.s[0][h]), _mm512_mul_pd(d1[h], c.s[1][h])), m);
   }
@@ -207,16 +209,12 @@ inline void row_super_products(__m512i a0, __m512i a1, const BlockScales& c, con
   constexpr QKind KD = KINDS[KIND];
   constexpr int PER = BLOCK / KD.sub;
   const int32_t* xsum = row.xsum.data() + b * PER;
-  const auto halves = [](__m512i v, __m512d* out) {  // int32 columns 0-7 and 8-15 as float64
-    out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(v));
-    out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
-  };
   __m512d d0[2];
-  halves(a0, d0);
+  int32_pd(a0, d0);
   for (int h = 0; h < 2; ++h) dsum[h] = _mm512_fmadd_pd(d0[h], c.s[0][h], dsum[h]);
   if constexpr (PER == 2) {
     __m512d d1[2];
-    halves(a1, d1);
+    int32_pd(a1, d1);
     for (int h = 0; h < 2; ++h) dsum[h] = _mm512_fmadd_pd(d1[h], c.s[1][h], dsum[h]);
   }
   if constexpr (KD.has_min) {

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 from tensorfold.exact.float32 import f32
 from tensorfold.kernels.latent_attention import dot_bits
-from tensorfold.kernels.paged_attention import L_BITS, NO_KEY_EXPONENT, SPLIT_SIZE, V_BITS, W_BITS
+from tensorfold.kernels.paged_attention import L_BITS, NO_KEY_EXPONENT, V_BITS, W_BITS
 from tensorfold.kernels.reference import MAX_NORM_WIDTH, NORM_BITS
 from tensorfold.mlx import grid, ops
 from tensorfold.mlx.model import MLP, DecoderLayer, MLXBatch, MLXModel, RopeRows
@@ -109,7 +109,8 @@ def latent_attention(q: mx.array, keys: mx.array, seen: mx.array, scale: float, 
     v_exp = grid.vector_exponent(values).astype(mx.int64)                  # [L]
     top = mx.where(seen, v_exp[None, :], NO_KEY_EXPONENT).max(axis=-1)      # [R]
     top = mx.where(top == NO_KEY_EXPONENT, 0, top)[:, None, None]          # [R, 1, 1]
-    chunks, pad = -(-num_keys // SPLIT_SIZE), -num_keys % SPLIT_SIZE
+    chunks, size = ops.key_chunks(num_keys)
+    pad = chunks * size - num_keys
     if grid.float64_carrier():
         p64 = p.astype(mx.float64)
         den = grid.rint64(p64 * float(2 ** L_BITS)).sum(axis=-1)           # exact integers
@@ -117,10 +118,10 @@ def latent_attention(q: mx.array, keys: mx.array, seen: mx.array, scale: float, 
         v = _grid_side(values, V_BITS) * grid.pow2_64(V_BITS - 1 - v_exp[:, None])  # v_int, exact
         if chunks == 1:
             num = mx.matmul(w, v).astype(mx.int64)                         # below 2^53: exact
-        else:  # chunks of SPLIT_SIZE keys (each exact in float64), added as int64
-            w = mx.pad(w, [(0, 0), (0, 0), (0, pad)]).reshape(rows, heads, chunks, SPLIT_SIZE)
-            v = mx.pad(v, [(0, pad), (0, 0)]).reshape(chunks, SPLIT_SIZE, latent_dim)
-            num = mx.matmul(w.transpose(2, 0, 1, 3).reshape(chunks, rows * heads, SPLIT_SIZE), v)
+        else:  # equal chunks of at most SPLIT_SIZE keys (each exact in float64), added as int64
+            w = mx.pad(w, [(0, 0), (0, 0), (0, pad)]).reshape(rows, heads, chunks, size)
+            v = mx.pad(v, [(0, pad), (0, 0)]).reshape(chunks, size, latent_dim)
+            num = mx.matmul(w.transpose(2, 0, 1, 3).reshape(chunks, rows * heads, size), v)
             num = num.astype(mx.int64).sum(axis=0).reshape(rows, heads, latent_dim)
         weighted = (num.astype(mx.float64) * grid.pow2_64(top - V_BITS - W_BITS + 1)).astype(mx.float32)
     else:

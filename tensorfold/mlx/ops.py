@@ -229,7 +229,7 @@ def _attend_carried(q, k_cache, v_cache, v_exp, key_slots, lane_pos, scale, wind
     every partial sum below 2^53 of those units: exact in any order), made float32 once; den and
     the weights w_j rint of exact scalings of p; the weighted sum one float64 matmul of
     w_j 2^(V_BITS - 1 - e_j) against v_j (each product the integer w_j v_int_j < 2^44, summed
-    over at most SPLIT_SIZE keys: below 2^53), chunks of SPLIT_SIZE keys added as int64."""
+    over at most SPLIT_SIZE keys: below 2^53), equal chunks of at most SPLIT_SIZE keys added as int64."""
     rows, heads, dim = q.shape
     k, v = k_cache[key_slots], v_cache[key_slots]                         # [L, KVH, D]
     keys, kv_heads = k.shape[:2]
@@ -257,15 +257,23 @@ def _attend_carried(q, k_cache, v_cache, v_exp, key_slots, lane_pos, scale, wind
     v = v.transpose(1, 0, 2).astype(mx.float64)                           # [KVH, L, D]
     if keys <= SPLIT_SIZE:
         num = mx.matmul(w, v)                                             # [KVH, M, D], exact
-    else:  # chunks of SPLIT_SIZE keys (zero weights pad the last), added as int64
-        chunks, pad = -(-keys // SPLIT_SIZE), -keys % SPLIT_SIZE
-        w = mx.pad(w, [(0, 0), (0, 0), (0, pad)]).reshape(kv_heads, group * rows, chunks, SPLIT_SIZE)
-        v = mx.pad(v, [(0, 0), (0, pad), (0, 0)]).reshape(kv_heads, chunks, SPLIT_SIZE, dim)
+    else:  # equal chunks of at most SPLIT_SIZE keys (zero weights pad the last), added as int64
+        chunks, size = key_chunks(keys)
+        pad = chunks * size - keys
+        w = mx.pad(w, [(0, 0), (0, 0), (0, pad)]).reshape(kv_heads, group * rows, chunks, size)
+        v = mx.pad(v, [(0, 0), (0, pad), (0, 0)]).reshape(kv_heads, chunks, size, dim)
         num = mx.matmul(w.transpose(0, 2, 1, 3), v).astype(mx.int64).sum(axis=1).astype(mx.float64)
     total = mx.maximum(den, 1).astype(mx.float32) * _f32(2.0 ** -L_BITS)  # sum of p: exact scaling
     out = (num * grid.pow2_64(top - V_BITS - W_BITS + 1)).astype(mx.float32) / total[..., None]
     out = out.reshape(kv_heads, group, rows, dim).transpose(2, 0, 1, 3).reshape(rows, heads, dim)
     return out.astype(q.dtype)
+
+
+def key_chunks(keys: int) -> tuple[int, int]:
+    """The fewest chunks of at most SPLIT_SIZE keys, all of one size: (count, size). 576 keys are
+    2 x 288, not 2 x 512 (the float64 weighted sum's cost is its padded keys)."""
+    chunks = -(-keys // SPLIT_SIZE)
+    return chunks, -(-keys // chunks)
 
 
 @grid.fused
