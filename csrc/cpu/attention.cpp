@@ -165,6 +165,7 @@ struct ItemState {
 // Per-thread buffers.
 struct Scratch {
   std::vector<double> rows;      // [KV head][KEY_CHUNK][d]: a chunk's K or V rows as float64
+  std::vector<double> columns;   // [d][KEY_CHUNK]: a chunk's K rows by column (scores_of's dots4x32)
   std::vector<double> scales;    // [KV head][2][KEY_CHUNK]: per key 2^e_j and 2^(V_BITS - 1 - e_j)
   std::vector<double> num_part;  // [lane][d]: the weighted sums of up to SPLIT_SIZE keys
   std::vector<float> m;          // [lane]: the largest score over all splits
@@ -313,9 +314,30 @@ void scores_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t 
     load_chunk(s, c, c.k, v_read, c0, n, k1, kf, [&](int64_t hh, int64_t j, const T* k_row) {
       ve[hh * s.keys + j] = c.v_exponent(k_row - c.k);
     });
-    for (int64_t hh = 0; hh < s.heads(); ++hh)  // a short chunk's last eight: their dots are not used
-      std::fill(kf + (hh * KEY_CHUNK + n) * d, kf + (hh * KEY_CHUNK + (n + 7) / 8 * 8) * d, 0.0);
-    for (int64_t lane = 0; lane < s.lanes; ++lane) {
+    for (int64_t hh = 0; hh < s.heads(); ++hh)  // a short chunk's last keys: their dots are not used
+      std::fill(kf + (hh * KEY_CHUNK + n) * d, kf + (hh * KEY_CHUNK + KEY_CHUNK) * d, 0.0);
+    int64_t lane = 0;
+#if defined(__AVX512F__)
+    if (s.heads() == 1 && s.lanes >= 8) {  // a prefill item: four lanes at a time over K by column
+      t.columns.resize(d * KEY_CHUNK);
+      for (int64_t j = 0; j < KEY_CHUNK; ++j)
+        for (int64_t i = 0; i < d; ++i) t.columns[i * KEY_CHUNK + j] = kf[j * d + i];
+      for (; lane + 4 <= s.lanes; lane += 4) {
+        std::pair<int64_t, int64_t> runs[4];
+        bool any = false;
+        for (int l = 0; l < 4; ++l) {
+          runs[l] = seen_run(s, lane + l, c0, n);
+          any |= runs[l].first < runs[l].second;
+        }
+        alignas(64) double dots[4 * KEY_CHUNK];
+        if (any) dots4x32(s.q.data() + lane * d, t.columns.data(), dots, d);
+        for (int l = 0; l < 4; ++l)
+          record_scores(s, lane + l, split, c0, n, runs[l].first, runs[l].second, dots + l * KEY_CHUNK, scale32,
+                        s.v_exp.data() + (c0 - s.first));
+      }
+    }
+#endif
+    for (; lane < s.lanes; ++lane) {
       const int64_t hh = lane % per_row / group;
       const auto [j0, j1] = seen_run(s, lane, c0, n);
       double dots[KEY_CHUNK];
@@ -387,14 +409,33 @@ void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t sp
     for (int64_t hh = 0; hh < s.heads(); ++hh)
       key_scales(s.v_exp.data() + hh * s.keys + (c0 - s.first), n, n8, t.scales.data() + (hh * 2) * KEY_CHUNK,
                  t.scales.data() + (hh * 2 + 1) * KEY_CHUNK);
+    int64_t waiting = -1;  // (AVX-512, d a multiple of 64) a lane whose weights wait for a second lane of its KV head
+    double w[2][KEY_CHUNK];
     for (int64_t lane = 0; lane < s.lanes; ++lane) {
       if (s.hi[lane] < c0 || s.lo[lane] >= c0 + n) continue;
       const int64_t hh = lane % per_row / group;
       const double* key_up = t.scales.data() + (hh * 2) * KEY_CHUNK;
-      double w[KEY_CHUNK];
-      lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w);
-      weighted_sum(w, vf + hh * KEY_CHUNK * d, n, t.num_part.data() + lane * d, d);
+      const double* rows = vf + hh * KEY_CHUNK * d;
+#if defined(__AVX512F__)
+      if (d % 64 == 0) {
+        if (waiting >= 0 && waiting % per_row / group == hh) {
+          lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w[1]);
+          weighted_sum2(w[0], w[1], rows, n, t.num_part.data() + waiting * d, t.num_part.data() + lane * d, d);
+          waiting = -1;
+          continue;
+        }
+        if (waiting >= 0) weighted_sum(w[0], vf + (waiting % per_row / group) * KEY_CHUNK * d, n,
+                                       t.num_part.data() + waiting * d, d);
+        lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w[0]);
+        waiting = lane;
+        continue;
+      }
+#endif
+      lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w[0]);
+      weighted_sum(w[0], rows, n, t.num_part.data() + lane * d, d);
     }
+    if (waiting >= 0)
+      weighted_sum(w[0], vf + (waiting % per_row / group) * KEY_CHUNK * d, n, t.num_part.data() + waiting * d, d);
   }
   flush_partial(t, num);
 }

@@ -123,6 +123,31 @@ inline void dots8(const double* q, const double* k, double* dots, int64_t d) {
   }
 }
 
+#if defined(__AVX512F__)
+// dots[l * 32 + j] = q_l . k_j for four lanes l (q_l = q + l * d) and 32 keys stored by column
+// (element i of key j at kt[i * 32 + j]): each lane's dots are four registers of eight keys, one
+// product added per element, so no sums are folded across lanes at the end (dots8's last steps),
+// and each key element loaded serves four lanes.
+inline void dots4x32(const double* q, const double* kt, double* dots, int64_t d) {
+  __m512d acc[4][4];
+  for (int l = 0; l < 4; ++l)
+    for (int b = 0; b < 4; ++b) acc[l][b] = _mm512_setzero_pd();
+  for (int64_t i = 0; i < d; ++i) {
+    __m512d k[4];
+    for (int b = 0; b < 4; ++b) {
+      k[b] = _mm512_loadu_pd(kt + i * 32 + 8 * b);
+      __asm__("" : "+v"(k[b]));  // loaded once into a register (GCC would fold a load into each lane's FMA)
+    }
+    for (int l = 0; l < 4; ++l) {
+      const __m512d ql = _mm512_set1_pd(q[l * d + i]);
+      for (int b = 0; b < 4; ++b) acc[l][b] = _mm512_fmadd_pd(ql, k[b], acc[l][b]);
+    }
+  }
+  for (int l = 0; l < 4; ++l)
+    for (int b = 0; b < 4; ++b) _mm512_storeu_pd(dots + l * 32 + 8 * b, acc[l][b]);
+}
+#endif
+
 // out[j] = float(dots[j]) * scale, j < n (two roundings, as the reference: the exact dot to
 // float32, then the float32 product); returns the largest of m and the out[j] (a NaN score is passed over, as std::max does).
 inline float scale_scores(const double* dots, float scale, float* out, int64_t n, float m) {
@@ -157,6 +182,35 @@ inline float scale_scores(const double* dots, float scale, float* out, int64_t n
   }
   return m;
 }
+
+#if defined(__AVX512F__)
+// weighted_sum for two lanes over the same rows, d a multiple of 64: each V element loaded serves
+// both lanes' sums (acc_a with weights wa, acc_b with wb).
+inline void weighted_sum2(const double* wa, const double* wb, const double* v, int64_t n, double* acc_a,
+                          double* acc_b, int64_t d) {
+  for (int64_t c = 0; c < d; c += 64) {  // 64 columns (eight registers a lane) at a time
+    __m512d a[8], b[8];
+    for (int r = 0; r < 8; ++r) {
+      a[r] = _mm512_loadu_pd(acc_a + c + 8 * r);
+      b[r] = _mm512_loadu_pd(acc_b + c + 8 * r);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512d wj = _mm512_set1_pd(wa[j]), xj = _mm512_set1_pd(wb[j]);
+      const double* row = v + j * d + c;
+      for (int r = 0; r < 8; ++r) {
+        __m512d x = _mm512_loadu_pd(row + 8 * r);
+        __asm__("" : "+v"(x));  // one load for both lanes' FMAs
+        a[r] = _mm512_fmadd_pd(wj, x, a[r]);
+        b[r] = _mm512_fmadd_pd(xj, x, b[r]);
+      }
+    }
+    for (int r = 0; r < 8; ++r) {
+      _mm512_storeu_pd(acc_a + c + 8 * r, a[r]);
+      _mm512_storeu_pd(acc_b + c + 8 * r, b[r]);
+    }
+  }
+}
+#endif
 
 // acc[i] += sum_j w[j] v_j[i] over the n rows v_j = v + j * d (float64, exact sums).
 inline void weighted_sum(const double* w, const double* v, int64_t n, double* acc, int64_t d) {
