@@ -171,7 +171,7 @@ struct Scratch {
   std::vector<float> m;          // [lane]: the largest score over all splits
   std::vector<double> lane_up;   // [lane]: 2^(W_BITS - E), E the largest V exponent over all splits
   std::vector<double> w;         // [lane][KEY_CHUNK]: a chunk's integer weights (the direct path)
-  std::vector<int64_t> lanes;    // the item's lanes by KV head (the direct path)
+  std::vector<int64_t> lanes;    // the item's lanes by KV head (the direct path); sums_of's lanes of a chunk
   std::vector<double> dots;      // [lane by KV head][KEY_CHUNK]: a chunk's dot products (the direct path)
   ItemState whole;               // the state of an item this thread runs alone
 };
@@ -409,33 +409,28 @@ void sums_of(ItemState& s, const Cache<T>& c, int64_t k0, int64_t k1, int64_t sp
     for (int64_t hh = 0; hh < s.heads(); ++hh)
       key_scales(s.v_exp.data() + hh * s.keys + (c0 - s.first), n, n8, t.scales.data() + (hh * 2) * KEY_CHUNK,
                  t.scales.data() + (hh * 2 + 1) * KEY_CHUNK);
-    int64_t waiting = -1;  // (AVX-512, d a multiple of 64) a lane whose weights wait for a second lane of its KV head
-    double w[2][KEY_CHUNK];
-    for (int64_t lane = 0; lane < s.lanes; ++lane) {
-      if (s.hi[lane] < c0 || s.lo[lane] >= c0 + n) continue;
-      const int64_t hh = lane % per_row / group;
+    t.lanes.clear();  // the lanes that see keys of this chunk
+    for (int64_t lane = 0; lane < s.lanes; ++lane)
+      if (s.hi[lane] >= c0 && s.lo[lane] < c0 + n) t.lanes.push_back(lane);
+    const auto head = [&](int64_t lane) { return lane % per_row / group; };
+    for (size_t i = 0; i < t.lanes.size();) {
+      const int64_t lane = t.lanes[i], hh = head(lane);
       const double* key_up = t.scales.data() + (hh * 2) * KEY_CHUNK;
       const double* rows = vf + hh * KEY_CHUNK * d;
+      double w[2][KEY_CHUNK];
+      lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w[0]);
 #if defined(__AVX512F__)
-      if (d % 64 == 0) {
-        if (waiting >= 0 && waiting % per_row / group == hh) {
-          lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w[1]);
-          weighted_sum2(w[0], w[1], rows, n, t.num_part.data() + waiting * d, t.num_part.data() + lane * d, d);
-          waiting = -1;
-          continue;
-        }
-        if (waiting >= 0) weighted_sum(w[0], vf + (waiting % per_row / group) * KEY_CHUNK * d, n,
-                                       t.num_part.data() + waiting * d, d);
-        lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w[0]);
-        waiting = lane;
+      if (d % 64 == 0 && i + 1 < t.lanes.size() && head(t.lanes[i + 1]) == hh) {  // two lanes share each V load
+        const int64_t next = t.lanes[i + 1];
+        lane_weights(s, t, next, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w[1]);
+        weighted_sum2(w[0], w[1], rows, n, t.num_part.data() + lane * d, t.num_part.data() + next * d, d);
+        i += 2;
         continue;
       }
 #endif
-      lane_weights(s, t, lane, split, c0, n, n8, key_up, key_up + KEY_CHUNK, w[0]);
       weighted_sum(w[0], rows, n, t.num_part.data() + lane * d, d);
+      i += 1;
     }
-    if (waiting >= 0)
-      weighted_sum(w[0], vf + (waiting % per_row / group) * KEY_CHUNK * d, n, t.num_part.data() + waiting * d, d);
   }
   flush_partial(t, num);
 }
