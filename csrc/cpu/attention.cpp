@@ -139,6 +139,7 @@ void on_grid(const T* x, T* out, int64_t n, int bits) {
 
 constexpr int64_t ROWS_PER_ITEM = 16;  // prefill rows of one sequence that share each K/V load
 constexpr int64_t KEY_CHUNK = 32;      // keys converted to float64 at a time (divides SPLIT_SIZE; a multiple of 8)
+static_assert(KEY_CHUNK == 32, "scores_of's dots4x32 takes a chunk of 32 keys by column");
 constexpr int64_t SPLIT_ROWS = 4;      // items of at most this many rows (decode, verify) take every KV head
 constexpr int64_t SPLIT_KEYS = 256;    // and split their keys into runs of at most this many (a multiple of KEY_CHUNK)
 
