@@ -745,6 +745,82 @@ def test_quant_linear_tiles_without_negative_shifts_equal_their_reference(draw, 
         assert_bitwise(_cpu.quant_linear(x[rows], packed, n, k), want[rows], draw, f"{kind}, rows {rows}")
 
 
+def _blocks_of_activations(k: int, plan: dict[int, tuple[float, int, int, bool]]) -> torch.Tensor:
+    """One row of K activations whose block b (of 32) is plan[b] = (sign, m, e, first_only): the
+    block's scale d = m 2^e exactly and xq = sign 127 at every element, or at the first only
+    (the rest 0); the blocks not in the plan are zero."""
+    x = torch.zeros(k)
+    for b, (sign, m, e, first_only) in plan.items():
+        a = sign * 127.0 * m * 2.0 ** e  # amax / 127 = m 2^e in float32, exactly
+        if first_only:
+            x[32 * b] = a
+        else:
+            x[32 * b:32 * b + 32] = a
+    return x
+
+
+@pytest.mark.parametrize("kind,wide", [("q8_0", False), ("q8_0", True), ("q4_0", False)])
+def test_quant_linear_sums_in_float64_only_as_far_as_they_are_exact(draw, kind, wide):
+    """Where no term can have a negative shift the VNNI path sums a chunk of blocks' terms in
+    float64 before one conversion (quant_gemm.cpp: float_chunk): the chunk is as long as the
+    largest terms allow and no longer. Blocks 0..J hold J + 1 terms at the largest magnitude the
+    kind allows, then one odd term whose scale is `spread` binades below theirs, then J + 1 equal
+    terms of the other sign: a chunk of 2J blocks would round the odd term off when it joins the
+    J + 1 large ones; the reference keeps it, and it is all that is left of the sum."""
+    from tensorfold.kernels import quant_gemm
+
+    n, k, chunk = 16, 1024, 8
+    info = quant_gemm.KINDS[kind]
+    c_big = -128 if kind == "q8_0" else -8
+    dot_bits = 19 if kind == "q8_0" else 15  # |A| < 2^bits: 32 |c_big| 127
+    bits = info.term_bits if wide else dot_bits + 22
+    spread = 53 - bits - 3  # the largest spread that still leaves a chunk of 8 = 2^3 blocks
+    e = 30 if wide else spread - 24  # 2047 2^30 is no float16 (the wide packing); 2^-24 is one
+    odd = chunk + 1
+    codes = torch.zeros(n, k, dtype=torch.int8)
+    codes[:, :32 * (2 * chunk + 3)] = c_big
+    codes[:, 32 * odd:32 * odd + 32] = 1  # A = 127: only the block's first activation is not 0
+    scale = torch.full((n, k // 32), 2047, dtype=torch.int32)
+    exps = torch.full((n, k // 32), e, dtype=torch.int32)
+    scale[:, odd], exps[:, odd] = 1, e - spread  # float16's smallest subnormal where not wide
+    w = quant_gemm.QuantWeight(kind, codes, scale, exps)
+    plan = {b: (-1.0, 2047, 0, False) for b in range(odd)}                 # A = 32 c_big (-127) > 0
+    plan[odd] = (1.0, 1025, 0, True)                                      # I = 127 1 1025: odd
+    plan.update({b: (1.0, 2047, 0, False) for b in range(odd + 1, 2 * chunk + 3)})
+    x = _blocks_of_activations(k, plan).repeat(5, 1)
+    x[4] *= -1.0
+    packed = _cpu.pack_quant(kind, w.codes, w.scale, w.scale_exp, None, None)
+    as_wide = _cpu.pack_quant(kind, *not_float16(w))
+    assert (packed.numel() == as_wide.numel()) == wide, "the packing the test means"
+    want = quant_gemm.linear(x, w)
+    left = torch.tensor(127.0 * 1025 * 2.0 ** (e - spread), dtype=torch.float64).float()
+    assert want[0, 0] == left and want[4, 0] == -left, "the odd term is what is left"
+    assert_bitwise(_cpu.quant_linear(x, packed, n, k), want, draw, f"{kind}, wide {wide}, four rows and one")
+    assert_bitwise(_cpu.quant_linear(x[:1], packed, n, k), want[:1], draw, f"{kind}, wide {wide}, a row alone")
+
+
+def test_quant_linear_rounds_each_term_where_a_shift_is_negative(draw):
+    """Two terms of odd I one binade below the grid (their shift -1): the reference rounds each
+    half to even, so together they lose 1 where their float64 sum would keep it. The group's
+    scales reach 14 binades below its top, one past shift0 = 13 at K = 8,192, which the float64
+    chunks must leave to the term-by-term path even though their bound alone would allow them."""
+    from tensorfold.kernels import quant_gemm
+
+    n, k = 16, 8192
+    codes = torch.zeros(n, k, dtype=torch.int8)
+    codes[:, 32] = codes[:, 64] = 1
+    scale = torch.ones(n, k // 32, dtype=torch.int32)
+    exps = torch.full((n, k // 32), -24, dtype=torch.int32)  # 2^-24: a float16 subnormal
+    scale[:, 0], exps[:, 0] = 1024, -10  # the top, 14 binades up; its codes are 0
+    w = quant_gemm.QuantWeight("q4_0", codes, scale, exps)
+    x = _blocks_of_activations(k, {b: (1.0, 1025, 0, True) for b in range(3)}).repeat(4, 1)
+    want = quant_gemm.linear(x, w)
+    assert want[0, 0] != 0
+    packed = _cpu.pack_quant("q4_0", w.codes, w.scale, w.scale_exp, None, None)
+    assert_bitwise(_cpu.quant_linear(x, packed, n, k), want, draw, "four rows")
+    assert_bitwise(_cpu.quant_linear(x[:1], packed, n, k), want[:1], draw, "a row alone")
+
+
 @pytest.fixture
 def amx_tiles():
     """The AMX-INT8 path of the quantized GEMM, where this build and CPU have it (else a skip that

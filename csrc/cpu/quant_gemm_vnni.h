@@ -196,6 +196,32 @@ inline void row_terms(__m512i a0, __m512i a1, const BlockScales& c, const RowQ& 
   }
 }
 
+// The 32-column kinds where the tile's terms may be summed before they are rounded (float_chunk
+// says for how many blocks): one row's terms of a block for 16 columns added to its float64 sums,
+// A m 2^(k - kmax) times S 2^(E - top + shift0), and for the kinds with a minimum M sm on the grid.
+// Exact: A m is below 2^30 and each product below 2^53 times its power of two; every term is an
+// integer on the grid (no shift is negative) and a chunk's sums stay below 2^53 times the smallest
+// term's power of two, so no fused multiply-add rounds, and the sums' conversion (flush_sums) is
+// the sum of the reference's terms.
+template <int KIND>
+inline void row_chunk_products(__m512i a, const BlockScales& c, const RowQ& row, int64_t b, __m512d* sum) {
+  const __m512d m = _mm512_set1_pd(row.mf[b]);
+  __m512d d[2];
+  int32_pd(a, d);
+  for (int h = 0; h < 2; ++h) sum[h] = _mm512_fmadd_pd(_mm512_mul_pd(d[h], m), c.s[0][h], sum[h]);
+  if constexpr (KINDS[KIND].has_min) {
+    const __m512d sm = _mm512_set1_pd(row.smf[b]);
+    for (int h = 0; h < 2; ++h) sum[h] = _mm512_fmadd_pd(c.mn[h], sm, sum[h]);
+  }
+}
+
+// A chunk's float64 sums (integers, exact) into the int64 sums lo and hi, and zeroed.
+inline void flush_sums(__m512d* sum, __m512i* lo, __m512i* hi) {
+  *lo = _mm512_add_epi64(*lo, round_pd(sum[0]));
+  *hi = _mm512_add_epi64(*hi, round_pd(sum[1]));
+  sum[0] = sum[1] = _mm512_setzero_pd();
+}
+
 // The K-quants (act 256): one row's products of a block for 16 columns added to its super-block's
 // float64 sums: dsum += A S 2^(E - top + shift0) per sub-block (A = a0, a1: the dots less the offset
 // term, block_dots), and for q4_k / q5_k msum += M 2^(F - top + shift0) times the block's
@@ -411,6 +437,41 @@ void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
     if constexpr (SUPER_TERMS)
       if (b % SUPER_BLOCKS == SUPER_BLOCKS - 1)
         for (int r = 0; r < R; ++r) row_super_terms<KIND>(dsum[r], msum[r], rows[r0 + r], b / SUPER_BLOCKS, &lo[r], &hi[r]);
+  }
+  store_sums<R>(lo, hi, acc);
+}
+
+// group_blocks for the 32-column kinds where group_rows found that the tile's terms may be summed
+// in float64 over `chunk` blocks before their one conversion to int64 (float_chunk): per row and
+// block two multiplies and two fused multiply-adds (three with a minimum) instead of a rounding
+// of each term.
+template <int R, int FORM, int KIND>
+void group_chunked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
+                   const int32_t* top, int chunk, int64_t* acc) {
+  static_assert(KINDS[KIND].act == BLOCK && KINDS[KIND].sub == BLOCK, "the 32-column kinds");
+  __m512i lo[R], hi[R];  // columns 0-7 and 8-15
+  __m512d sum[R][2];     // the chunk's sums so far
+  for (int r = 0; r < R; ++r) {
+    lo[r] = hi[r] = _mm512_setzero_si512();
+    sum[r][0] = sum[r][1] = _mm512_setzero_pd();
+  }
+  const __m512i topv = _mm512_loadu_si512(top);
+  __m512d units[2];
+  group_units(topv, shift0, units);
+  const int64_t ahead = prefetch_distance(L, r0);
+  for (int64_t b = 0; b < L.blocks; ++b) {
+    const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
+    __m512i u[8];
+    block_codes<FORM, KIND>(rec, L, u);
+    const BlockScales c = block_scales<FORM, KIND>(rec, L, topv, shift0, units);
+    for (int r = 0; r < R; ++r) {
+      __m512i a0, a1, start0, start1;
+      offset_starts<KIND>(rows[r0 + r], b, &start0, &start1);
+      block_dots<R == 1>(u, rows[r0 + r].xq + b * BLOCK, start0, start1, &a0, &a1);
+      row_chunk_products<KIND>(_mm512_add_epi32(a0, a1), c, rows[r0 + r], b, sum[r]);
+    }
+    if (((b + 1) & (chunk - 1)) == 0 || b + 1 == L.blocks)  // (chunk: a power of two)
+      for (int r = 0; r < R; ++r) flush_sums(sum[r], &lo[r], &hi[r]);
   }
   store_sums<R>(lo, hi, acc);
 }
