@@ -35,15 +35,20 @@ inline __m512i load_i8x16(const uint8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// q6_k's top two bits into its codes' nibbles u[0..8): quad q's in bits 2 (q % 4) of row q / 4 of `bits`.
+// u | (bits & mask), byte by byte, in one vpternlogd.
+inline __m512i or_masked(__m512i u, __m512i bits, __m512i mask) { return _mm512_ternarylogic_epi32(u, bits, mask, 0xF8); }
+
+// q6_k's top two bits into its codes' nibbles u[0..8): quad q's in bits 2 (q % 4) of row q / 4 of
+// `bits`, moved to bits 4-5 by a 16-bit shift (the mask keeps the byte's own two).
 inline void add_top_bits(const uint8_t* bits, __m512i* u) {
-  const __m512i three = _mm512_set1_epi8(3);
+  const __m512i at45 = _mm512_set1_epi8(0x30);
   for (int row = 0; row < 2; ++row) {
     const __m512i v = _mm512_loadu_si512(bits + 64 * row);
-    for (int i = 0; i < 4; ++i) {
-      const __m512i two = _mm512_and_si512(_mm512_srli_epi16(v, 2 * i), three);  // bits of the byte itself
-      u[4 * row + i] = _mm512_or_si512(u[4 * row + i], _mm512_slli_epi16(two, 4));
-    }
+    __m512i* quads = u + 4 * row;
+    quads[0] = or_masked(quads[0], _mm512_slli_epi16(v, 4), at45);
+    quads[1] = or_masked(quads[1], _mm512_slli_epi16(v, 2), at45);
+    quads[2] = or_masked(quads[2], v, at45);
+    quads[3] = or_masked(quads[3], _mm512_srli_epi16(v, 2), at45);
   }
 }
 
@@ -51,10 +56,8 @@ inline void add_top_bits(const uint8_t* bits, __m512i* u) {
 // (16-bit shifts that move bit q to bit 4 of the same byte).
 inline void add_fifth_bit(const uint8_t* bits, __m512i* u) {
   const __m512i v = _mm512_loadu_si512(bits), bit4 = _mm512_set1_epi8(0x10);
-  for (int q = 0; q < 8; ++q) {
-    const __m512i at4 = q <= 4 ? _mm512_slli_epi16(v, 4 - q) : _mm512_srli_epi16(v, q - 4);
-    u[q] = _mm512_or_si512(u[q], _mm512_and_si512(at4, bit4));
-  }
+  for (int q = 0; q < 8; ++q)
+    u[q] = or_masked(u[q], q == 4 ? v : q < 4 ? _mm512_slli_epi16(v, 4 - q) : _mm512_srli_epi16(v, q - 4), bit4);
 }
 
 inline __m512i plane_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
