@@ -176,7 +176,7 @@ void by_row_tiles(int64_t r0, int64_t r1, const Run& run) {
 // and M are float16 significands (below 2^11), as the rows' m and sm are, so a dot term is below
 // 32 |c|max 127 2^22 and a minimum term below 2^34 (M sm 2^(F + se - g): F <= top, se <= k + 12);
 // the WIDE form's integers keep only the reference's bound, 2^T a term.
-int block_term_bits(const QKind& kd, int form) {
+constexpr int block_term_bits(const QKind& kd, int form) {
   if (form != F16) return kd.term_bits + (kd.has_min ? 1 : 0);
   const int64_t c_max = kd.offset != 0 ? kd.offset : (1 << kd.code_bits) - 1;
   const int64_t dot_max = BLOCK * c_max * 127;  // |A|, as |xq| <= 127
@@ -184,21 +184,25 @@ int block_term_bits(const QKind& kd, int form) {
   while ((int64_t{1} << bits) <= dot_max) ++bits;
   return bits + 22 + (kd.has_min ? 1 : 0);
 }
+static_assert(block_term_bits(KINDS[1], F16) == 37 && block_term_bits(KINDS[2], F16) == 39 &&
+              block_term_bits(KINDS[0], F16) == 41, "q4_0, q4_1, q8_0 in the float16 form");
 
-// For how many blocks a tile of rows' terms against a group (the 32-column kinds) may be summed
+// For how many blocks a tile of R rows' terms against a group (the 32-column kinds) may be summed
 // in float64 before the sums are converted to int64 (group_chunked), or 0 where not even two.
 // Where no term can have a negative shift each is an integer on the grid, a multiple of
 // 2^(shift0 - spread) (spread: how far the group's lows and the rows' kmin, smin reach below the
 // tops), so n blocks' sums, below n 2^(bits + shift0), stay exact while that is at most
 // 2^(53 + shift0 - spread).
-int float_chunk(const QKind& kd, int form, const int32_t* lows, const RowQ* rows, int R, int shift0) {
-  if (kd.act != BLOCK) return 0;
+template <int KIND, int FORM>
+int float_chunk(const int32_t* lows, const RowQ* rows, int R, int shift0) {
+  constexpr QKind KD = KINDS[KIND];
+  static_assert(KD.act == BLOCK, "the 32-column kinds");
   int spread = 0;
   for (int i = 0; i < R; ++i) {
     spread = std::max(spread, -(lows[0] + rows[i].kmin));
-    if (kd.has_min) spread = std::max(spread, -(lows[1] + rows[i].smin));
+    if constexpr (KD.has_min) spread = std::max(spread, -(lows[1] + rows[i].smin));
   }
-  const int log_blocks = 53 - block_term_bits(kd, form) - spread;
+  const int log_blocks = 53 - block_term_bits(KD, FORM) - spread;
   if (spread > shift0 || log_blocks < 1) return 0;
   return 1 << std::min(log_blocks, 6);
 }
@@ -230,7 +234,7 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
 #endif
 #if defined(TF_QUANT_VNNI)
       if constexpr (decltype(form)::value != SUPER && KINDS[decltype(kind_id)::value].act == BLOCK) {
-        const int chunk = float_chunk(L.kind, L.form, lows, rows + r, R, shift0);
+        const int chunk = float_chunk<decltype(kind_id)::value, decltype(form)::value>(lows, rows + r, R, shift0);
         if (chunk > 1)
           return group_chunked<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
                                                                                     chunk, acc + (r - r0) * GROUP);
