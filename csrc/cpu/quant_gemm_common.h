@@ -80,10 +80,18 @@ inline int64_t prefetch_distance(const Layout& L, int64_t r0) {
   return r0 == 0 ? (PREFETCH_BYTES + L.record - 1) / L.record * L.record : 0;
 }
 
-// Block b of group g's record, asking for the one `ahead` bytes on (none when ahead is 0).
+// Block b of group g's record, asking for the one `ahead` bytes on into L1 and the one
+// L2_AHEAD times as far into L2 (none when ahead is 0). The L2 requests keep more of the stream in
+// flight than L1's few fill buffers allow: where a tile of rows takes longer over each block than
+// the memory does (four streams, Q8_0), the stream no longer waits on the memory block by block
+// (four rows of Q8_0, 8192 x 2048 from memory on the 2-core Zen 4: 0.75-0.79 -> 0.48-0.58 ms).
+constexpr int64_t L2_AHEAD = 4;
 inline const uint8_t* streamed_record(const uint8_t* packed, const Layout& L, int64_t g, int64_t b, int64_t ahead) {
   const uint8_t* rec = record_at(packed, L, g, b);
-  if (ahead > 0) prefetch_lines(rec + ahead, L.record);
+  if (ahead > 0) {
+    prefetch_lines(rec + ahead, L.record);
+    prefetch_lines<TO_L2>(rec + L2_AHEAD * ahead, L.record);
+  }
   return rec;
 }
 
