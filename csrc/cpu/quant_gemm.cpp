@@ -171,6 +171,20 @@ void by_row_tiles(int64_t r0, int64_t r1, const Run& run) {
 }
 #endif
 
+#if defined(TF_QUANT_VNNI) || defined(TF_QUANT_AVX2)
+// How far a tile of R rows' terms against a group can reach below the grid's top, in binades:
+// the group's lows (its smallest E - top and F - top) plus the rows' kmin and smin. No term of
+// the tile can have a negative shift where this is at most shift0.
+inline int tile_spread(const QKind& kd, const int32_t* lows, const RowQ* rows, int R) {
+  int spread = 0;
+  for (int i = 0; i < R; ++i) {
+    spread = std::max(spread, -(lows[0] + rows[i].kmin));
+    if (kd.has_min) spread = std::max(spread, -(lows[1] + rows[i].smin));
+  }
+  return spread;
+}
+#endif
+
 #if defined(TF_QUANT_VNNI)
 // A bound on one block's terms for one output, 2^(bits + shift0) on the grid. The F16 form's S
 // and M are float16 significands (below 2^11), as the rows' m and sm are, so a dot term is below
@@ -187,22 +201,15 @@ constexpr int block_term_bits(const QKind& kd, int form) {
 static_assert(block_term_bits(KINDS[1], F16) == 37 && block_term_bits(KINDS[2], F16) == 39 &&
               block_term_bits(KINDS[0], F16) == 41, "q4_0, q4_1, q8_0 in the float16 form");
 
-// For how many blocks a tile of R rows' terms against a group (the 32-column kinds) may be summed
-// in float64 before the sums are converted to int64 (group_chunked), or 0 where not even two.
-// Where no term can have a negative shift each is an integer on the grid, a multiple of
-// 2^(shift0 - spread) (spread: how far the group's lows and the rows' kmin, smin reach below the
-// tops), so n blocks' sums, below n 2^(bits + shift0), stay exact while that is at most
-// 2^(53 + shift0 - spread).
+// For how many blocks a tile's terms against a group (the 32-column kinds) may be summed in
+// float64 before the sums are converted to int64 (group_blocks, CHUNKED), or 0 where not even two.
+// Where no term can have a negative shift (spread <= shift0: tile_spread) each is an integer on
+// the grid, a multiple of 2^(shift0 - spread), so n blocks' sums, below n 2^(bits + shift0), stay
+// exact while that is at most 2^(53 + shift0 - spread).
 template <int KIND, int FORM>
-int float_chunk(const int32_t* lows, const RowQ* rows, int R, int shift0) {
-  constexpr QKind KD = KINDS[KIND];
-  static_assert(KD.act == BLOCK, "the 32-column kinds");
-  int spread = 0;
-  for (int i = 0; i < R; ++i) {
-    spread = std::max(spread, -(lows[0] + rows[i].kmin));
-    if constexpr (KD.has_min) spread = std::max(spread, -(lows[1] + rows[i].smin));
-  }
-  const int log_blocks = 53 - block_term_bits(KD, FORM) - spread;
+int float_chunk(int spread, int shift0) {
+  static_assert(KINDS[KIND].act == BLOCK, "the 32-column kinds");
+  const int log_blocks = 53 - block_term_bits(KINDS[KIND], FORM) - spread;
   if (spread > shift0 || log_blocks < 1) return 0;
   return 1 << std::min(log_blocks, 6);
 }
@@ -223,21 +230,18 @@ void group_rows(const Layout& L, int kind, const uint8_t* packed, const RowQ* ro
       constexpr int R = decltype(tile_rows)::value;
 #if defined(TF_QUANT_AVX2)
       if constexpr (decltype(form)::value != SUPER) {  // (the file's K-quant form checks its few shifts itself)
-        bool checked = false;  // whether a nonzero term of these rows can have a negative shift
-        for (int i = 0; i < R; ++i)
-          checked = checked || lows[0] + rows[r + i].kmin + shift0 < 0 ||
-                    (L.kind.has_min && lows[1] + rows[r + i].smin + shift0 < 0);
-        if (!checked)
+        if (tile_spread(L.kind, lows, rows + r, R) <= shift0)  // no nonzero term can have a negative shift
           return group_unchecked<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0,
                                                                                       top, acc + (r - r0) * GROUP);
       }
 #endif
 #if defined(TF_QUANT_VNNI)
       if constexpr (decltype(form)::value != SUPER && KINDS[decltype(kind_id)::value].act == BLOCK) {
-        const int chunk = float_chunk<decltype(kind_id)::value, decltype(form)::value>(lows, rows + r, R, shift0);
+        const int chunk =
+            float_chunk<decltype(kind_id)::value, decltype(form)::value>(tile_spread(L.kind, lows, rows + r, R), shift0);
         if (chunk > 1)
-          return group_chunked<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,
-                                                                                    chunk, acc + (r - r0) * GROUP);
+          return group_blocks<R, decltype(form)::value, decltype(kind_id)::value, true>(L, packed, rows, r, g, shift0,
+                                                                                         top, acc + (r - r0) * GROUP, chunk);
       }
 #endif
       group_vector<R, decltype(form)::value, decltype(kind_id)::value>(L, packed, rows, r, g, shift0, top,

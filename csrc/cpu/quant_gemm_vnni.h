@@ -218,7 +218,7 @@ inline void row_chunk_products(__m512i a, const BlockScales& c, const RowQ& row,
   }
 }
 
-// A chunk's float64 sums (integers, exact) into the int64 sums lo and hi, and zeroed.
+// A chunk's float64 sums (integers, exact) into the int64 sums lo and hi, and zeroed (group_blocks, CHUNKED).
 inline void flush_sums(__m512d* sum, __m512i* lo, __m512i* hi) {
   *lo = _mm512_add_epi64(*lo, round_pd(sum[0]));
   *hi = _mm512_add_epi64(*hi, round_pd(sum[1]));
@@ -406,10 +406,14 @@ void group_super(const Layout& L, const uint8_t* packed, const RowQ* rows, int64
 }
 
 // R rows at once against group g: the codes are unpacked once per block and serve every row
-// (block_dots).
-template <int R, int FORM, int KIND>
+// (block_dots). CHUNKED (the 32-column kinds, where group_rows found that the tile's terms may be
+// summed before they are rounded: float_chunk): each row's terms go to float64 sums converted to
+// int64 once every `chunk` blocks, two multiplies and two fused multiply-adds a block (three with
+// a minimum) instead of a rounding of each term.
+template <int R, int FORM, int KIND, bool CHUNKED = false>
 void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
-                  const int32_t* top, int64_t* acc) {
+                  const int32_t* top, int64_t* acc, int chunk = 0) {
+  static_assert(!CHUNKED || KINDS[KIND].act == BLOCK, "the 32-column kinds");
   constexpr int PER = BLOCK / KINDS[KIND].sub;
   __m512i lo[R], hi[R];  // columns 0-7 and 8-15
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
@@ -418,7 +422,9 @@ void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
   group_units(topv, shift0, units);
   const int64_t ahead = prefetch_distance(L, r0);
   constexpr bool SUPER_TERMS = KINDS[KIND].act != BLOCK;  // the K-quants: terms per super-block
-  __m512d dsum[R][2], msum[R][2];  // SUPER_TERMS: the super-block's sums so far (row_super_products)
+  __m512d dsum[R][2], msum[R][2];  // SUPER_TERMS: the super-block's sums so far (row_super_products); CHUNKED: the chunk's
+  if constexpr (CHUNKED)
+    for (int r = 0; r < R; ++r) dsum[r][0] = dsum[r][1] = _mm512_setzero_pd();
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
     __m512i u[8];
@@ -434,47 +440,17 @@ void group_blocks(const Layout& L, const uint8_t* packed, const RowQ* rows, int6
       const __m512i first = PER == 1 ? _mm512_add_epi32(a0, a1) : a0;
       if constexpr (SUPER_TERMS)
         row_super_products<KIND>(first, a1, c, rows[r0 + r], b, dsum[r], msum[r]);
+      else if constexpr (CHUNKED)
+        row_chunk_products<KIND>(first, c, rows[r0 + r], b, dsum[r]);
       else
         row_terms<KIND>(first, a1, c, rows[r0 + r], b, &lo[r], &hi[r]);
     }
+    if constexpr (CHUNKED)
+      if (((b + 1) & (chunk - 1)) == 0 || b + 1 == L.blocks)  // (chunk: a power of two)
+        for (int r = 0; r < R; ++r) flush_sums(dsum[r], &lo[r], &hi[r]);
     if constexpr (SUPER_TERMS)
       if (b % SUPER_BLOCKS == SUPER_BLOCKS - 1)
         for (int r = 0; r < R; ++r) row_super_terms<KIND>(dsum[r], msum[r], rows[r0 + r], b / SUPER_BLOCKS, &lo[r], &hi[r]);
-  }
-  store_sums<R>(lo, hi, acc);
-}
-
-// group_blocks for the 32-column kinds where group_rows found that the tile's terms may be summed
-// in float64 over `chunk` blocks before their one conversion to int64 (float_chunk): per row and
-// block two multiplies and two fused multiply-adds (three with a minimum) instead of a rounding
-// of each term.
-template <int R, int FORM, int KIND>
-void group_chunked(const Layout& L, const uint8_t* packed, const RowQ* rows, int64_t r0, int64_t g, int shift0,
-                   const int32_t* top, int chunk, int64_t* acc) {
-  static_assert(KINDS[KIND].act == BLOCK && KINDS[KIND].sub == BLOCK, "the 32-column kinds");
-  __m512i lo[R], hi[R];  // columns 0-7 and 8-15
-  __m512d sum[R][2];     // the chunk's sums so far
-  for (int r = 0; r < R; ++r) {
-    lo[r] = hi[r] = _mm512_setzero_si512();
-    sum[r][0] = sum[r][1] = _mm512_setzero_pd();
-  }
-  const __m512i topv = _mm512_loadu_si512(top);
-  __m512d units[2];
-  group_units(topv, shift0, units);
-  const int64_t ahead = prefetch_distance(L, r0);
-  for (int64_t b = 0; b < L.blocks; ++b) {
-    const uint8_t* rec = streamed_record(packed, L, g, b, ahead);
-    __m512i u[8];
-    block_codes<FORM, KIND>(rec, L, u);
-    const BlockScales c = block_scales<FORM, KIND>(rec, L, topv, shift0, units);
-    for (int r = 0; r < R; ++r) {
-      __m512i a0, a1, start0, start1;
-      offset_starts<KIND>(rows[r0 + r], b, &start0, &start1);
-      block_dots<R == 1>(u, rows[r0 + r].xq + b * BLOCK, start0, start1, &a0, &a1);
-      row_chunk_products<KIND>(_mm512_add_epi32(a0, a1), c, rows[r0 + r], b, sum[r]);
-    }
-    if (((b + 1) & (chunk - 1)) == 0 || b + 1 == L.blocks)  // (chunk: a power of two)
-      for (int r = 0; r < R; ++r) flush_sums(sum[r], &lo[r], &hi[r]);
   }
   store_sums<R>(lo, hi, acc);
 }
